@@ -1,0 +1,60 @@
+"""Test sessions: one per package (installs that package and its own needs only, so it proves it stands
+alone), `integration` (tests/ at the root: the packages together) and `lint`.
+
+    uv run --only-group dev nox            # everything (what CI runs)
+    uv run --only-group dev nox -s engine  # one package
+"""
+
+import nox
+
+nox.options.default_venv_backend = "uv"
+nox.options.sessions = ["lint", "format", "kernels", "engine", "cli", "integration"]
+nox.options.error_on_missing_interpreters = True
+
+FORMAT = "packages/nanoqwen-format"
+KERNELS = "packages/nanoqwen-kernels"
+ENGINE = "packages/nanoqwen-engine"
+CLI = "packages/nanoqwen-cli"
+TEST_NEEDS = ["pytest>=8", "hypothesis>=6.100"]
+
+
+def _pytest(session: nox.Session, *paths: str) -> None:
+    session.run("python", "-m", "pytest", "-q", *paths, *session.posargs)
+
+
+@nox.session
+def format(session: nox.Session) -> None:
+    session.install("-e", FORMAT, *TEST_NEEDS)
+    _pytest(session, f"{FORMAT}/tests")
+
+
+@nox.session
+def kernels(session: nox.Session) -> None:
+    # cuda12 extra: CuPy + the NVRTC wheel, enough to compile every kernel for sm_90a without a GPU;
+    # cuobjdump (a CPU tool) disassembles the cubins so tests can check the SASS a design relies on.
+    session.install("-e", f"{KERNELS}[cuda12]", "nvidia-cuda-cuobjdump", *TEST_NEEDS)
+    _pytest(session, f"{KERNELS}/tests")
+
+
+@nox.session
+def engine(session: nox.Session) -> None:
+    session.install("-e", FORMAT, "-e", KERNELS, "-e", ENGINE, *TEST_NEEDS)
+    _pytest(session, f"{ENGINE}/tests")
+
+
+@nox.session
+def cli(session: nox.Session) -> None:
+    session.install("-e", FORMAT, "-e", KERNELS, "-e", ENGINE, "-e", CLI, *TEST_NEEDS)
+    _pytest(session, f"{CLI}/tests")
+
+
+@nox.session
+def integration(session: nox.Session) -> None:
+    session.install("-e", FORMAT, "-e", f"{KERNELS}[cuda12]", "-e", ENGINE, "-e", CLI, *TEST_NEEDS)
+    _pytest(session, "tests")
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    session.install("ruff>=0.6")
+    session.run("ruff", "check", ".")

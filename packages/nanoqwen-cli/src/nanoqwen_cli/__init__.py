@@ -1,0 +1,2 @@
+"""nanoqwen_cli."""
+__version__ = "0.1.0"

@@ -1,0 +1,2 @@
+"""nanoqwen_engine."""
+__version__ = "0.1.0"

@@ -1,0 +1,2 @@
+"""nanoqwen_format."""
+__version__ = "0.1.0"

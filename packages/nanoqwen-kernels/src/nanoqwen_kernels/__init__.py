@@ -1,0 +1,2 @@
+"""nanoqwen_kernels."""
+__version__ = "0.1.0"
