@@ -1,0 +1,143 @@
+// common.cuh: what every nanoqwen kernel shares: the model dims (compile-time), the INT4 ValueShuffle
+// unpack, streaming loads and warp/block reductions.
+//
+// Model dims come in as -D constants from nanoqwen_kernels.dims.ModelDims.defines(); a missing one is a
+// compile error here rather than a silently wrong build.
+#pragma once
+// No <cuda_fp16.h>: the NVRTC wheels ship no CUDA headers (NVRTC 12.9 here cannot open it), so the few
+// fp16 operations the kernels need are spelled in PTX below. fp16 values travel as their bit patterns:
+// uint16_t (one half) and uint32_t (a half2, low half = lower address / lower index). The integer
+// typedefs live in namespace nq so they cannot clash with whatever a given NVRTC predefines.
+
+#ifndef NQ_HIDDEN
+#error "NQ_HIDDEN not defined: compile through nanoqwen_kernels.loader with ModelDims.defines()"
+#endif
+#if !defined(NQ_INTER) || !defined(NQ_NHEADS) || !defined(NQ_NKV) || !defined(NQ_HEAD_DIM) || \
+    !defined(NQ_VOCAB) || !defined(NQ_ROPE_THETA)
+#error "model dims incomplete: NQ_INTER, NQ_NHEADS, NQ_NKV, NQ_HEAD_DIM, NQ_VOCAB, NQ_ROPE_THETA needed"
+#endif
+#if NQ_HEAD_DIM != 128
+#error "nanoqwen kernels are built for head_dim 128"
+#endif
+
+namespace nq {
+
+typedef unsigned short uint16_t;
+typedef unsigned int uint32_t;
+typedef unsigned long long uint64_t;
+typedef int int32_t;
+
+constexpr int kHidden = NQ_HIDDEN;         // H
+constexpr int kInter = NQ_INTER;           // I
+constexpr int kHeads = NQ_NHEADS;          // query heads
+constexpr int kKvHeads = NQ_NKV;           // KV heads
+constexpr int kHeadDim = NQ_HEAD_DIM;      // 128
+constexpr int kQDim = kHeads * kHeadDim;   // q rows of the fused qkv
+constexpr int kKvDim = kKvHeads * kHeadDim;
+constexpr int kQkvRows = kQDim + 2 * kKvDim;
+constexpr int kVocab = NQ_VOCAB;
+constexpr int kGroup = 128;                // INT4 group along K: one fp16 scale per 128 weights
+constexpr int kPageTokens = 16;            // KV page = 16 tokens x 128 x fp16 = 4 KiB per KV head
+
+// ---- fp16 <-> fp32 and half2 arithmetic (PTX; round-to-nearest-even like the CUDA intrinsics) -------
+__device__ __forceinline__ float h2f(uint16_t h) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+}
+__device__ __forceinline__ uint16_t f2h(float f) {
+  uint16_t h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+  return h;
+}
+// half2 -> (low, high) as floats
+__device__ __forceinline__ float2 h22f2(uint32_t v) {
+  return make_float2(h2f(static_cast<uint16_t>(v & 0xffffu)), h2f(static_cast<uint16_t>(v >> 16)));
+}
+__device__ __forceinline__ uint32_t hsub2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+__device__ __forceinline__ uint32_t hfma2(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t d;
+  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+__device__ __forceinline__ uint32_t hmul2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+constexpr uint16_t kHalfNaN = 0x7e00u;
+
+// ---- loads -------------------------------------------------------------------------------------------
+// Weights are read exactly once per token: the non-coherent path with L1::no_allocate keeps them from
+// evicting what *is* reused (the activation vector and the scales), and L2::256B prefetches the next
+// sector group of a streamed row.
+__device__ __forceinline__ uint4 ld_stream_v4(const void* p) {
+  uint4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "l"(p));
+  return r;
+}
+
+// ---- ValueShuffle-v1 unpack (docs/INTERFACES.md section 2) ------------------------------------------
+//
+//   word w (8 values, k = 8w .. 8w+7), u = q + 8 in 0..15:
+//    bit: 31..28 27..24 23..20 19..16 15..12 11..8  7..4   3..0
+//         u[k+7] u[k+3] u[k+6] u[k+2] u[k+5] u[k+1] u[k+4] u[k+0]
+//   lo = w & 0x0F0F0F0F -> bytes u[k+0], u[k+1], u[k+2], u[k+3]
+//   hi = (w>>4) & 0x0F0F0F0F -> bytes u[k+4] .. u[k+7]
+//   prmt(lo, 0x64646464, sel): each output half = {0x64, byte}, i.e. fp16 1024 + u exactly
+//   (fp16 1024 has ulp 1, so the byte lands in the low mantissa bits). Subtract 1032 = 1024 + 8 -> q.
+//
+// prmt.b32 d, a, b, c: bytes of {b,a} numbered 0..7 (a = 0..3, b = 4..7); selector nibble i picks byte i
+// of d. 0x4140 -> d = {a.byte0, 0x64, a.byte1, 0x64} = half2(1024+u0, 1024+u1).
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}
+
+// out[0..3] = half2 (q[k], q[k+1]), (q[k+2], q[k+3]), (q[k+4], q[k+5]), (q[k+6], q[k+7]); exact.
+__device__ __forceinline__ void unpack8(uint32_t w, uint32_t out[4]) {
+  const uint32_t lo = w & 0x0F0F0F0Fu;
+  const uint32_t hi = (w >> 4) & 0x0F0F0F0Fu;
+  constexpr uint32_t kBias = 0x64086408u;  // half2(1032, 1032) = 1024 (magic) + 8 (the u = q + 8 offset)
+  out[0] = hsub2(prmt(lo, 0x64646464u, 0x4140u), kBias);
+  out[1] = hsub2(prmt(lo, 0x64646464u, 0x4342u), kBias);
+  out[2] = hsub2(prmt(hi, 0x64646464u, 0x4140u), kBias);
+  out[3] = hsub2(prmt(hi, 0x64646464u, 0x4342u), kBias);
+}
+
+// ---- reductions ---------------------------------------------------------------------------------------
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Block-wide sum, result in every thread. `red` is >= 32 floats of shared memory. Every thread of the
+// block must call it (two __syncthreads inside, none in a divergent branch).
+template <int kThreads>
+__device__ __forceinline__ float block_sum(float v, float* red) {
+  constexpr int kWarps = kThreads / 32;
+  v = warp_sum(v);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) red[warp] = v;
+  __syncthreads();  // partials visible
+  float r = lane < kWarps ? red[lane] : 0.f;
+  r = warp_sum(r);
+  __syncthreads();  // red may be reused by the caller right after
+  return r;
+}
+
+}  // namespace nq

@@ -1,0 +1,102 @@
+"""ModelDims: the model shape a kernel build is specialised for (docs/INTERFACES.md section 4).
+
+Every dim becomes a compile-time constant (`-DNQ_*`) so the compiler unrolls the K loops and folds the
+row/head arithmetic; each Qwen2.5 size gets its own cubin from the same sources. The whitelist below is
+what the kernels actually assume; anything else is refused here, before NVRTC sees it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import KernelError
+
+GROUP = 128  # INT4 quantization group along K (docs/FORMAT.md); the GEMV tiles K by whole groups
+HEAD_DIM = 128  # RoPE pairs d and d+64 and the attention tiles assume 128-wide heads
+PAGE_TOKENS = 16  # tokens per KV page (docs/INTERFACES.md section 3)
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    hidden: int  # H: residual stream width
+    intermediate: int  # I: MLP width (gate/up rows, down K)
+    n_heads: int  # query heads
+    n_kv_heads: int  # KV heads (GQA group = n_heads / n_kv_heads)
+    head_dim: int  # must be 128
+    vocab: int  # V: embedding / lm_head rows
+    n_layers: int
+    rope_theta: float = 1_000_000.0  # Qwen2.5's rope base
+
+    def __post_init__(self) -> None:
+        for name in ("hidden", "intermediate", "n_heads", "n_kv_heads", "head_dim", "vocab", "n_layers"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise KernelError(f"ModelDims.{name} must be a positive int, got {v!r}")
+        if not (self.rope_theta > 0):
+            raise KernelError(f"ModelDims.rope_theta must be > 0, got {self.rope_theta!r}")
+        if self.head_dim != HEAD_DIM:
+            raise KernelError(f"unsupported head_dim {self.head_dim}: the kernels are built for {HEAD_DIM}")
+        if self.hidden % GROUP:
+            raise KernelError(f"unsupported hidden {self.hidden}: must be a multiple of {GROUP} (INT4 group)")
+        if self.intermediate % GROUP:
+            raise KernelError(
+                f"unsupported intermediate {self.intermediate}: must be a multiple of {GROUP} (INT4 group)"
+            )
+        if self.n_heads % self.n_kv_heads:
+            raise KernelError(
+                f"unsupported heads: n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}"
+            )
+
+    @classmethod
+    def from_config(cls, cfg: dict) -> ModelDims:
+        """From a Hugging Face Qwen2 config dict (the keys of config.json)."""
+        try:
+            hidden = int(cfg["hidden_size"])
+            n_heads = int(cfg["num_attention_heads"])
+            head_dim = int(cfg.get("head_dim") or hidden // n_heads)
+            return cls(
+                hidden=hidden,
+                intermediate=int(cfg["intermediate_size"]),
+                n_heads=n_heads,
+                n_kv_heads=int(cfg.get("num_key_value_heads", n_heads)),
+                head_dim=head_dim,
+                vocab=int(cfg["vocab_size"]),
+                n_layers=int(cfg["num_hidden_layers"]),
+                rope_theta=float(cfg.get("rope_theta", 1_000_000.0)),
+            )
+        except KeyError as e:
+            raise KernelError(f"model config lacks {e.args[0]!r}") from None
+        except (TypeError, ValueError) as e:
+            raise KernelError(f"model config has a malformed dim: {e}") from None
+
+    @property
+    def q_dim(self) -> int:
+        return self.n_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+    @property
+    def qkv_rows(self) -> int:
+        """Rows of the fused q/k/v projection: q, then k, then v."""
+        return self.q_dim + 2 * self.kv_dim
+
+    def defines(self) -> dict[str, int | float]:
+        """The -D constants every kernel source sees (names mirrored in cuda/common.cuh)."""
+        return {
+            "NQ_HIDDEN": self.hidden,
+            "NQ_INTER": self.intermediate,
+            "NQ_NHEADS": self.n_heads,
+            "NQ_NKV": self.n_kv_heads,
+            "NQ_HEAD_DIM": self.head_dim,
+            "NQ_VOCAB": self.vocab,
+            "NQ_NLAYERS": self.n_layers,
+            "NQ_ROPE_THETA": float(self.rope_theta),
+        }
+
+
+# Named presets (the tiny one is the test shape every CPU/GPU test compiles).
+QWEN25_7B = ModelDims(hidden=3584, intermediate=18944, n_heads=28, n_kv_heads=4, head_dim=128,
+                      vocab=152064, n_layers=28)
+TINY = ModelDims(hidden=256, intermediate=512, n_heads=2, n_kv_heads=1, head_dim=128, vocab=1000, n_layers=2)

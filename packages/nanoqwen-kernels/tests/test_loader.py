@@ -1,0 +1,91 @@
+"""The NVRTC loader without a GPU: compile for sm_90a, the full cubin, the disk cache, errors."""
+
+import os
+
+import pytest
+from nanoqwen_kernels import KernelError, loader
+from nanoqwen_kernels.dims import TINY
+
+
+@pytest.fixture
+def probe(tmp_path, monkeypatch):
+    """A throwaway source file under cuda/ (the loader only reads sources from there)."""
+    name = f"_probe_{os.getpid()}_{tmp_path.name}.cu"
+    path = loader.CUDA_DIR / name
+    path.write_text(
+        '#include "common.cuh"\n'
+        'extern "C" __global__ void probe(float* o) { o[threadIdx.x] = NQ_HIDDEN * NQ_ROPE_THETA; }\n'
+    )
+    monkeypatch.setenv("NANOQWEN_KERNEL_CACHE", str(tmp_path / "cache"))
+    yield name
+    path.unlink(missing_ok=True)
+
+
+def test_cubin_is_a_whole_elf(probe):
+    cubin = loader.compile_cubin([probe], TINY.defines())
+    assert cubin[:4] == b"\x7fELF"
+    # the image ends where its header tables end: no byte dropped (cupy's getCUBIN drops one)
+    assert loader._elf_size(cubin) == len(cubin)
+
+
+def test_elf_size_restores_a_dropped_byte(probe):
+    cubin = loader.compile_cubin([probe], TINY.defines())
+    assert loader._elf_size(cubin[:-1]) == len(cubin)
+
+
+def test_cache_hit_and_miss(probe, tmp_path, monkeypatch):
+    calls = []
+    real = loader._get_cubin
+    monkeypatch.setattr(loader, "_get_cubin", lambda p: calls.append(p) or real(p))
+    a = loader.compile_cubin([probe], TINY.defines())
+    assert len(calls) == 1
+    files = list((tmp_path / "cache").glob("*.cubin"))
+    assert len(files) == 1 and files[0].read_bytes() == a
+    b = loader.compile_cubin([probe], TINY.defines())
+    assert a == b and len(calls) == 1, "second compile of the same sources must hit the cache"
+    d = dict(TINY.defines(), NQ_HIDDEN=512)
+    loader.compile_cubin([probe], d)
+    assert len(calls) == 2, "a changed define must miss the cache"
+    assert len(list((tmp_path / "cache").glob("*.cubin"))) == 2
+    assert not list((tmp_path / "cache").glob(".tmp-*")), "no temporary file left behind"
+
+
+def test_header_change_misses(probe, monkeypatch):
+    k1 = loader._cache_key(loader._read_sources([probe]), ["-x"], "sm_90a")
+    k2 = loader._cache_key(loader._read_sources([probe]), ["-y"], "sm_90a")
+    k3 = loader._cache_key(loader._read_sources([probe]), ["-x"], "sm_100a")
+    assert len({k1, k2, k3}) == 3
+
+
+def test_compile_error_carries_the_log(probe):
+    (loader.CUDA_DIR / probe).write_text('extern "C" __global__ void probe() { this_is_not_cuda; }\n')
+    with pytest.raises(KernelError, match="this_is_not_cuda"):
+        loader.compile_cubin([probe], TINY.defines())
+
+
+def test_missing_dims_is_a_compile_error(probe):
+    with pytest.raises(KernelError, match="NQ_HIDDEN not defined"):
+        loader.compile_cubin([probe], {})
+
+
+def test_bad_inputs():
+    with pytest.raises(KernelError, match="no kernel source"):
+        loader.compile_cubin(["nope.cu"], TINY.defines())
+    with pytest.raises(KernelError, match="at least one"):
+        loader.compile_cubin([], TINY.defines())
+    with pytest.raises(KernelError, match="define"):
+        loader.compile_cubin(["common.cuh"], {"X": "1"})
+
+
+def test_debug_adds_lineinfo(monkeypatch):
+    monkeypatch.setenv("NANOQWEN_JIT_DEBUG", "1")
+    assert "-lineinfo" in loader.build_options({}, "sm_90a")
+    monkeypatch.delenv("NANOQWEN_JIT_DEBUG")
+    assert "-lineinfo" not in loader.build_options({}, "sm_90a")
+
+
+def test_gpu_status_never_raises():
+    from nanoqwen_kernels import gpu_status
+
+    ok, reason = gpu_status()
+    assert isinstance(ok, bool) and reason
