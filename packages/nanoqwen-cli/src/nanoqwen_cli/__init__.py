@@ -1,2 +1,3 @@
 """nanoqwen_cli."""
+
 __version__ = "0.1.0"

@@ -1,0 +1,73 @@
+"""How a failure reaches the user: one line `error: ...` on stderr and a non-zero exit code.
+
+The engine and format packages raise their own exception types with one-line messages; this module
+turns those, and the few foreign exceptions a user can provoke (a missing file, an offline hub, memory),
+into that line. A traceback is shown only with `nanoqwen-cli --debug` (or NANOQWEN_DEBUG=1), because a
+user who typed a wrong path needs the path, not the stack.
+"""
+
+from __future__ import annotations
+
+import errno
+
+EXIT_ERROR = 1  # any failure the message explains
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
+
+
+class CliError(Exception):
+    """A failure detected by the CLI itself (bad combination of flags, empty prompt, ...)."""
+
+
+def _is_instance_by_name(exc: BaseException, names: set[str]) -> bool:
+    # Foreign libraries (huggingface_hub, cupy) are imported lazily or may be absent, so match by class
+    # name along the MRO instead of importing them here.
+    return any(cls.__name__ in names for cls in type(exc).__mro__)
+
+
+_HUB_OFFLINE = {"OfflineModeIsEnabled", "LocalEntryNotFoundError"}
+_HUB_MISSING = {"RepositoryNotFoundError", "RevisionNotFoundError", "EntryNotFoundError", "GatedRepoError"}
+_NETWORK = {"ConnectionError", "ConnectTimeout", "ReadTimeout", "Timeout", "HfHubHTTPError", "HTTPError"}
+_GPU_OOM = {"OutOfMemoryError"}  # cupy.cuda.memory.OutOfMemoryError
+_CUDA_ERRORS = {"CUDARuntimeError", "CUDADriverError", "CompileException"}
+
+
+def describe(exc: BaseException) -> str:
+    """The one line (without the `error: ` prefix) that explains `exc` to a user."""
+    text = _first_line(exc)
+    if isinstance(exc, CliError):
+        return text
+    if _is_instance_by_name(exc, {"NanoqwenError", "NanoqwenFormatError", "KernelError"}):
+        return text
+    if _is_instance_by_name(exc, _HUB_OFFLINE):
+        return (
+            "the model is not in the local Hugging Face cache and the hub cannot be reached "
+            f"(offline mode or no network): {text}"
+        )
+    if _is_instance_by_name(exc, _HUB_MISSING):
+        return f"no such model on the Hugging Face hub: {text}"
+    if _is_instance_by_name(exc, _GPU_OOM):
+        return f"out of GPU memory: {text} (try a smaller --max-context)"
+    if _is_instance_by_name(exc, _CUDA_ERRORS):
+        return f"CUDA error: {text}"
+    if _is_instance_by_name(exc, _NETWORK):
+        return f"network error while fetching the model: {text}"
+    if isinstance(exc, MemoryError):
+        return "out of memory (host RAM); try a smaller model or --max-context"
+    if isinstance(exc, FileNotFoundError):
+        return f"file not found: {exc.filename or text}"
+    if isinstance(exc, IsADirectoryError):
+        return f"is a directory, expected a file: {exc.filename or text}"
+    if isinstance(exc, PermissionError):
+        return f"permission denied: {exc.filename or text}"
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        return f"no space left on device: {exc.filename or text}"
+    if isinstance(exc, OSError):
+        return f"{exc.strerror or text}: {exc.filename}" if exc.filename else text
+    return (
+        f"unexpected {type(exc).__name__}: {text} (rerun with `nanoqwen-cli --debug ...` for the traceback)"
+    )
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0]

@@ -1,0 +1,162 @@
+"""The CLI's one door into the engine: resolve and load a model, build SamplingParams, stream a request.
+
+Kept in one file so that the commands stay free of engine details, and so that the one place to adapt
+when the engine's API moves is here.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import click
+
+
+@dataclass
+class Loaded:
+    engine: object  # nanoqwen_engine.Engine
+    path: Path  # the .nanoqwen file actually loaded (after download/convert)
+    model: str  # what the user asked for (--model)
+    device: str
+    load_s: float  # Engine.load only: download/convert time is not load time
+
+
+def load(
+    model: str, device: str, max_context: int | None, *, progress: bool = True, **engine_kwargs
+) -> Loaded:
+    """Resolve `model` (file, HF folder, hub id) to a cached .nanoqwen file, then load it on `device`."""
+    from nanoqwen_engine import Engine
+    from nanoqwen_engine.model_source import resolve_model
+
+    path = Path(resolve_model(model, progress=progress))
+    t0 = time.perf_counter()
+    engine = Engine.load(path, device=device, max_context=max_context, progress=progress, **engine_kwargs)
+    return Loaded(engine, path, model, device, time.perf_counter() - t0)
+
+
+def make_params(engine, overrides: dict):
+    """SamplingParams with the flags the user gave; the engine fills the rest from generation_config."""
+    from nanoqwen_engine import SamplingParams
+
+    return SamplingParams(**{k: v for k, v in overrides.items() if v is not None})
+
+
+def messages_for(prompt: str, system: str | None) -> list[dict]:
+    """One user turn, with an optional system turn (the chat template supplies its default otherwise)."""
+    messages = [{"role": "system", "content": system}] if system is not None else []
+    messages.append({"role": "user", "content": prompt})
+    return messages
+
+
+@dataclass
+class Stats:
+    """What a request cost; filled from the engine's own stats, else measured around the stream."""
+
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    finish_reason: str | None = None
+    token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else float("nan")
+
+    @property
+    def decode_tok_s(self) -> float:
+        # The first generated token comes out of the prefill; decode steps produce the rest.
+        steps = max(self.generated_tokens - 1, 0)
+        return steps / self.decode_s if self.decode_s > 0 and steps else float("nan")
+
+
+def stream(engine, request, params, stats: Stats):
+    """Yield text deltas of `request` (str: raw completion; list of messages: chat), filling `stats`.
+
+    Closing this generator (Ctrl-C in chat) closes the engine's generator, which frees the sequence.
+    """
+    t0 = time.perf_counter()
+    t_first = None
+    events = engine.generate(request, params)
+    try:
+        for event in events:
+            if t_first is None:
+                t_first = time.perf_counter()
+            if event.token_id is not None:
+                stats.token_ids.append(int(event.token_id))
+            if event.finish_reason is not None:
+                stats.finish_reason = event.finish_reason
+            if event.text:
+                yield event.text
+    finally:
+        events.close()
+    t_end = time.perf_counter()
+    stats.generated_tokens = len(stats.token_ids)
+    engine_stats = getattr(engine, "last_stats", None)
+    if engine_stats is not None:
+        _copy_stats(engine_stats, stats)
+    else:
+        stats.prefill_s = (t_first or t_end) - t0
+        stats.decode_s = t_end - (t_first or t_end)
+
+
+def _copy_stats(src, dst: Stats) -> None:
+    for name in ("prompt_tokens", "generated_tokens", "prefill_s", "decode_s"):
+        value = src.get(name) if isinstance(src, dict) else getattr(src, name, None)
+        if value is not None:
+            setattr(dst, name, value)
+
+
+def format_stats(loaded: Loaded, stats: Stats) -> str:
+    return (
+        f"load {loaded.load_s:.2f} s | prompt {stats.prompt_tokens} tokens, "
+        f"{stats.prefill_tok_s:.1f} tok/s prefill | generated {stats.generated_tokens} tokens, "
+        f"{stats.decode_tok_s:.1f} tok/s decode | finish: {stats.finish_reason}"
+    )
+
+
+def echo_stats(loaded: Loaded, stats: Stats) -> None:
+    click.echo(format_stats(loaded, stats), err=True)
+
+
+def messages_for_history(history: list[dict], system: str | None) -> list[dict]:
+    """The whole conversation so far, with an optional system turn first."""
+    return ([{"role": "system", "content": system}] if system is not None else []) + list(history)
+
+
+def complete(engine, request, params) -> tuple[str, Stats]:
+    """One whole request through `engine.complete`; the text and its Stats."""
+    completion = engine.complete(request, params)
+    stats = Stats(finish_reason=completion.finish_reason, token_ids=[int(t) for t in completion.token_ids])
+    stats.prompt_tokens = int(getattr(completion, "prompt_tokens", 0) or 0)
+    stats.generated_tokens = len(stats.token_ids)
+    if getattr(completion, "stats", None) is not None:
+        _copy_stats(completion.stats, stats)
+    return completion.text, stats
+
+
+def without_eos(params):
+    """params that run to max_tokens regardless of end-of-sequence tokens, where the engine allows it.
+
+    A benchmark must generate the number of tokens it promises; where SamplingParams has no such switch,
+    the bench reports runs that stopped early.
+    """
+    import dataclasses
+
+    if dataclasses.is_dataclass(params) and "ignore_eos" in {f.name for f in dataclasses.fields(params)}:
+        return dataclasses.replace(params, ignore_eos=True)
+    return params
+
+
+def cache_dir() -> Path:
+    """$NANOQWEN_CACHE, else ~/.cache/nanoqwen: where converted and synthetic models live."""
+    try:
+        from nanoqwen_engine.model_source import cache_dir as engine_cache_dir
+    except ImportError:
+        engine_cache_dir = None
+    if engine_cache_dir is not None:
+        return Path(engine_cache_dir())
+    import os
+
+    return Path(os.environ.get("NANOQWEN_CACHE") or Path.home() / ".cache" / "nanoqwen")
