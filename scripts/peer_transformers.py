@@ -1,0 +1,105 @@
+"""The peer for issue 7: Hugging Face transformers on the same GPU, the same model shape, the same protocol.
+
+Builds Qwen2ForCausalLM from the shipped Qwen2.5-Coder-7B-Instruct config with random bf16 weights (no
+download), then runs the seed's protocol: a 512-token prompt, 128 new tokens, greedy, eager PyTorch (no
+torch.compile), several timed runs after a warm-up. Prints one JSON record (and writes it to --out).
+
+    python3 scripts/peer_transformers.py --out docs/perf/peer-transformers.json
+
+Needs torch + transformers (on the GPU machine here; never a dependency of nanoqwen).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+CONFIG = Path(__file__).resolve().parents[1] / (
+    "packages/nanoqwen-format/src/nanoqwen_format/data/qwen2.5-coder-7b-instruct/config.json"
+)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prompt-tokens", type=int, default=512)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    if not torch.cuda.is_available():
+        print("error: no CUDA GPU visible to torch", file=sys.stderr)
+        return 2
+    cfg = Qwen2Config(**json.loads(CONFIG.read_text()))
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        model = Qwen2ForCausalLM(cfg)
+    model.eval()
+    torch.cuda.synchronize()
+    load_s = time.perf_counter() - t0
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    ids = torch.randint(0, 150000, (1, args.prompt_tokens), device="cuda", generator=gen)
+
+    def timed(fn):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        out = fn()
+        torch.cuda.synchronize()
+        return time.perf_counter() - t, out
+
+    prefill_ms, decode_ms = [], []
+    with torch.inference_mode():
+        for run in range(args.runs + 1):  # run 0 is the warm-up
+            p_s, _ = timed(lambda: model(ids, use_cache=True))
+            g_s, out = timed(
+                lambda: model.generate(
+                    ids,
+                    max_new_tokens=args.new_tokens,
+                    min_new_tokens=args.new_tokens,
+                    do_sample=False,
+                    pad_token_id=cfg.eos_token_id,
+                )
+            )
+            assert out.shape[1] == args.prompt_tokens + args.new_tokens
+            if run:
+                prefill_ms.append(p_s * 1e3)
+                # generate() = one prefill (-> first token) + (new_tokens - 1) decode steps.
+                decode_ms.append((g_s - p_s) * 1e3 / (args.new_tokens - 1))
+
+    rec = {
+        "engine": "transformers",
+        "transformers_version": __import__("transformers").__version__,
+        "torch_version": torch.__version__,
+        "gpu_name": torch.cuda.get_device_name(),
+        "dtype": "bfloat16",
+        "mode": "eager",
+        "prompt_tokens": args.prompt_tokens,
+        "new_tokens": args.new_tokens,
+        "runs": args.runs,
+        "prefill_ms": statistics.median(prefill_ms),
+        "decode_ms_per_token": statistics.median(decode_ms),
+        "decode_tok_s": 1e3 / statistics.median(decode_ms),
+        "load_s": load_s,
+        "peak_gpu_bytes": torch.cuda.max_memory_allocated(),
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    text = json.dumps(rec, indent=2)
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
