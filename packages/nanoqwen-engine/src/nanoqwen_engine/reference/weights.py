@@ -1,0 +1,112 @@
+"""Float32 weights for the reference backend, dequantized from the file's INT4 projections.
+
+A small model is dequantized once at load. A model whose float32 projections exceed the budget (a 7B file
+is ~27 GiB of float32 projections, more than a 24 GiB machine holds) is dequantized one layer at a time
+on first use, and at most `budget` bytes of layers are kept (least recently used evicted), so it stays
+loadable and scoreable, at seconds per token.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..config import ModelConfig
+
+PROJS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+         "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+DEFAULT_BUDGET = 4 << 30  # bytes of float32 projection weights kept in memory
+
+
+@dataclass
+class LayerWeights:
+    # float32, HF [out, in] orientation (y = x @ w.T)
+    q: np.ndarray  # [n_heads*hd, H]
+    k: np.ndarray  # [n_kv*hd, H]
+    v: np.ndarray  # [n_kv*hd, H]
+    o: np.ndarray  # [H, n_heads*hd]
+    gate: np.ndarray  # [I, H]
+    up: np.ndarray  # [I, H]
+    down: np.ndarray  # [H, I]
+    q_bias: np.ndarray  # [n_heads*hd]
+    k_bias: np.ndarray  # [n_kv*hd]
+    v_bias: np.ndarray  # [n_kv*hd]
+    in_norm: np.ndarray  # [H]
+    post_norm: np.ndarray  # [H]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.__dict__.values())
+
+
+def projection_bytes(cfg: ModelConfig) -> int:
+    """float32 bytes of all layers' projections."""
+    per = cfg.hidden * (cfg.q_dim + 2 * cfg.kv_dim) + cfg.q_dim * cfg.hidden + 3 * cfg.hidden * cfg.intermediate
+    return 4 * per * cfg.n_layers
+
+
+class ReferenceWeights:
+    def __init__(self, nqfile, cfg: ModelConfig, budget: int = DEFAULT_BUDGET):
+        self._f = nqfile
+        self.cfg = cfg
+        self.budget = budget
+        self._layers: OrderedDict[int, LayerWeights] = OrderedDict()
+        # Embedding and lm_head stay float16 views of the file (2 x 1 GiB for 7B); rows or chunks are
+        # converted to float32 where used.
+        self.embed = nqfile.tensor("model.embed_tokens.weight")  # f16 [V, H]
+        self.lm_head = self.embed if cfg.tie_word_embeddings else nqfile.tensor("lm_head.weight")  # f16 [V, H]
+        self.final_norm = self._f32("model.norm.weight")  # f32 [H]
+        # lm_head as float32 when small enough; a [V,H] f32 copy of a 7B head is 2 GiB, converted per chunk.
+        self._lm_head_f32 = self.lm_head.astype(np.float32) if self.lm_head.nbytes * 2 <= budget // 4 else None
+        self.lazy = projection_bytes(cfg) > budget
+        if not self.lazy:
+            for i in range(cfg.n_layers):
+                self._layers[i] = self._load(i)
+
+    def _f32(self, name: str) -> np.ndarray:
+        return np.asarray(self._f.tensor(name), dtype=np.float32)
+
+    def _load(self, i: int) -> LayerWeights:
+        p = f"model.layers.{i}."
+        dq = {s: np.ascontiguousarray(self._f.dequantize(p + s + ".weight"), dtype=np.float32) for s in PROJS}
+        return LayerWeights(
+            q=dq[PROJS[0]], k=dq[PROJS[1]], v=dq[PROJS[2]], o=dq[PROJS[3]],
+            gate=dq[PROJS[4]], up=dq[PROJS[5]], down=dq[PROJS[6]],
+            q_bias=self._f32(p + "self_attn.q_proj.bias"),
+            k_bias=self._f32(p + "self_attn.k_proj.bias"),
+            v_bias=self._f32(p + "self_attn.v_proj.bias"),
+            in_norm=self._f32(p + "input_layernorm.weight"),
+            post_norm=self._f32(p + "post_attention_layernorm.weight"),
+        )
+
+    def layer(self, i: int) -> LayerWeights:
+        w = self._layers.get(i)
+        if w is not None:
+            self._layers.move_to_end(i)
+            return w
+        w = self._load(i)
+        self._layers[i] = w
+        while len(self._layers) > 1 and sum(x.nbytes for x in self._layers.values()) > self.budget:
+            self._layers.popitem(last=False)
+        return w
+
+    def embed_rows(self, ids: np.ndarray) -> np.ndarray:
+        """ids int [T] -> float32 [T, H]."""
+        return self.embed[ids].astype(np.float32)
+
+    def logits(self, h: np.ndarray) -> np.ndarray:
+        """h float32 [T, H] (final-normed) -> float32 [T, V]."""
+        if self._lm_head_f32 is not None:
+            return h @ self._lm_head_f32.T
+        out = np.empty((h.shape[0], self.lm_head.shape[0]), dtype=np.float32)
+        step = 16384
+        for a in range(0, self.lm_head.shape[0], step):
+            out[:, a : a + step] = h @ self.lm_head[a : a + step].astype(np.float32).T
+        return out
+
+    @property
+    def resident_bytes(self) -> int:
+        b = sum(x.nbytes for x in self._layers.values()) + self.final_norm.nbytes
+        return b + (self._lm_head_f32.nbytes if self._lm_head_f32 is not None else 0)
