@@ -1,2 +1,25 @@
-"""nanoqwen_format."""
+"""nanoqwen-format: the .nanoqwen file (one self-contained, mmap-able file per model), its symmetric INT4
+group-128 quantizer, the ValueShuffle-v1 nibble packing, and the Hugging Face -> .nanoqwen converter.
+
+docs/FORMAT.md is the normative description of the bytes; docs/INTERFACES.md sections 1-2 fix these names.
+"""
+
 __version__ = "0.1.0"
+
+from .errors import NanoqwenFormatError  # noqa: E402
+from .layout import expected_tensors  # noqa: E402
+from .quantize import dequantize_int4, quantize_int4  # noqa: E402
+from .reader import NanoqwenFile, open_model  # noqa: E402
+from .synthetic import tiny_config, write_synthetic  # noqa: E402
+from .valueshuffle import pack_valueshuffle, unpack_valueshuffle  # noqa: E402
+
+__all__ = [
+    "NanoqwenFile", "NanoqwenFormatError", "convert", "dequantize_int4", "expected_tensors", "open_model",
+    "pack_valueshuffle", "quantize_int4", "tiny_config", "unpack_valueshuffle", "write_synthetic",
+]
+
+
+def convert(src, dst, progress: bool = True):
+    """Convert a Hugging Face Qwen2ForCausalLM (local folder or hub id) to a .nanoqwen file (see convert.py)."""
+    from .convert import convert as _convert  # lazy: keeps huggingface_hub/tqdm imports off the read path
+    return _convert(src, dst, progress=progress)

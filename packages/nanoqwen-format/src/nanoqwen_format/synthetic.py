@@ -1,0 +1,180 @@
+"""Synthetic Qwen2 models for tests and benchmarks: tiny configs, random HF checkpoints, random .nanoqwen.
+
+Weight scales (chosen so a random model behaves like a trained one where the tests look: greedy top-2 logit
+margins well above fp16 noise, residual stream in the tens through 28 layers in fp16):
+
+    projections  W [N, K]: rms 1/sqrt(K)  -> each projection keeps rms(out) ~ rms(in) ~ 1 after a norm
+    norm weights         : 1 + N(0, 0.1^2)
+    q/k/v biases         : N(0, 0.1^2)
+    embed_tokens, lm_head: rms LOGIT_STD/sqrt(H) -> logits of rms ~LOGIT_STD, since the final norm
+                           hands lm_head a vector of rms ~1
+
+Every block adds ~1 rms to the residual stream (attention ~1, MLP ~0.6), a random walk: after 28 layers it
+has rms ~6-8 and a max of a few tens. test_synthetic.py checks this numerically with a float64 forward.
+"""
+
+import json
+import math
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+
+from .errors import NanoqwenFormatError
+from .layout import GROUP, expected_tensors, source_tensors, validate_config
+from .safetensors_io import SafetensorsWriter
+from .writer import NanoqwenWriter
+
+DATA = Path(__file__).parent / "data" / "qwen2.5-coder-7b-instruct"
+LOGIT_STD = 4.0
+NORM_STD = 0.1
+BIAS_STD = 0.1
+CHUNK = 16 << 20  # values generated per step: bounded memory for 7B shapes
+Q_RMS = math.sqrt(21.5)  # rms of q uniform in -8..7 (random nibbles): var 21.25 + mean^2 0.25
+
+
+def _load_json(name: str):
+    return json.loads((DATA / name).read_text())
+
+
+def qwen7b_config() -> dict:
+    """The shipped Qwen2.5-Coder-7B-Instruct config.json."""
+    return _load_json("config.json")
+
+
+def shipped_tokenizer() -> tuple[str, dict, dict]:
+    """(tokenizer.json text, tokenizer_config, generation_config) of Qwen2.5-Coder-7B-Instruct."""
+    return ((DATA / "tokenizer.json").read_text(encoding="utf-8"), _load_json("tokenizer_config.json"),
+            _load_json("generation_config.json"))
+
+
+def tiny_config(**overrides) -> dict:
+    """A real-looking Qwen2 config from the 7B one, tiny: hidden 256, intermediate 512, 2 layers, 2 heads,
+    1 KV head (head_dim 128), the real vocab 152064. Overrides (e.g. tie_word_embeddings=True,
+    num_hidden_layers=28, vocab_size=1024) win."""
+    config = qwen7b_config()
+    config.update(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=1, vocab_size=152064, tie_word_embeddings=False)
+    config.update(overrides)
+    if "max_window_layers" not in overrides:
+        config["max_window_layers"] = config["num_hidden_layers"]
+    return validate_config(config)
+
+
+@cache
+def _normal_table() -> np.ndarray:
+    """65536 standard-normal values (float32, fixed): a random uint16 indexes it, ~5x faster than
+    Generator.standard_normal on the 2-core CI machine, so a 7B-shaped model is written in seconds."""
+    return np.sort(np.random.default_rng(0x9E3779B9).standard_normal(65536)).astype(np.float32)
+
+
+def _rng(seed: int) -> np.random.Generator:
+    return np.random.Generator(np.random.SFC64(seed))  # SFC64: ~5x the raw throughput of PCG64 here
+
+
+def _normal_chunks(rng, shape, std: float, mean: float = 0.0):
+    """float32 chunks of whole rows, N(mean, std^2), CHUNK values at most each (1-D: one chunk)."""
+    rows = shape[0]
+    cols = math.prod(shape[1:])
+    step = max(1, CHUNK // max(cols, 1)) if len(shape) > 1 else rows
+    table = _normal_table() * np.float32(std) + np.float32(mean)
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        n = (r1 - r0) * cols
+        idx = rng.bit_generator.random_raw((n + 3) // 4).view(np.uint16)[:n]
+        yield table[idx].reshape((r1 - r0, *shape[1:]))
+
+
+def _std(kind: str, shape, config) -> tuple[float, float]:
+    """(mean, std) of a float tensor of this kind (module docstring)."""
+    if kind == "norm":
+        return 1.0, NORM_STD
+    if kind == "bias":
+        return 0.0, BIAS_STD
+    if kind in ("embed", "lm_head"):
+        return 0.0, LOGIT_STD / math.sqrt(config["hidden_size"])
+    return 0.0, 1.0 / math.sqrt(shape[1])
+
+
+def write_hf_checkpoint(dst, config: dict, seed: int = 0, dtype: str = "bfloat16", shards: int = 1) -> Path:
+    """A synthetic Hugging Face Qwen2ForCausalLM folder with random weights, written tensor by tensor.
+
+    config.json, generation_config.json, tokenizer.json, tokenizer_config.json and either model.safetensors
+    or model-0000i-of-0000n.safetensors + model.safetensors.index.json (a tied model has no lm_head.weight).
+    """
+    config = validate_config(dict(config))
+    dst = Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    tensors = source_tensors(config)
+    if not 1 <= shards <= len(tensors):
+        raise NanoqwenFormatError(f"shards must be in 1..{len(tensors)}, got {shards}")
+    config["torch_dtype"] = dtype
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    tok_json, tok_config, gen_config = shipped_tokenizer()
+    (dst / "tokenizer.json").write_text(tok_json, encoding="utf-8")
+    (dst / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2))
+    (dst / "generation_config.json").write_text(json.dumps(gen_config, indent=2))
+    # Split into `shards` runs of tensors of roughly equal bytes, in file order, as HF does.
+    sizes = np.cumsum([math.prod(t.shape) for t in tensors])
+    cuts = [int(np.searchsorted(sizes, sizes[-1] * j / shards, side="left")) + 1 for j in range(1, shards)]
+    groups = np.split(np.arange(len(tensors)), sorted(set(min(c, len(tensors) - 1) for c in cuts)))
+    shards = len(groups)
+    rng = _rng(seed)
+    weight_map, total = {}, 0
+    for j, group in enumerate(groups):
+        fname = "model.safetensors" if shards == 1 else f"model-{j + 1:05d}-of-{shards:05d}.safetensors"
+        specs = [(tensors[i].hf_name, tensors[i].shape) for i in group]
+        w = SafetensorsWriter(dst / fname, specs, dtype)
+        try:
+            for i in group:
+                t = tensors[i]
+                mean, std = _std(t.kind, t.shape, config)
+                for chunk in _normal_chunks(rng, t.shape, std, mean):
+                    w.write(chunk)
+                weight_map[t.hf_name] = fname
+        finally:
+            w.close()
+        total += w.total
+    if shards > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (dst / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    return dst
+
+
+def _qweight_chunks(rng, n: int, k: int):
+    """Random ValueShuffle words uint32 [n, k/8]: every nibble uniform in 0..15 (q in -8..7, including
+    the -8 the quantizer never emits, so kernels see every code)."""
+    step = max(1, CHUNK // (k // 8))
+    for r0 in range(0, n, step):
+        r1 = min(n, r0 + step)
+        words = (r1 - r0) * (k // 8)
+        yield rng.bit_generator.random_raw((words + 1) // 2).view(np.uint32)[:words].reshape(r1 - r0, k // 8)
+
+
+def write_synthetic(dst, config: dict, seed: int = 0, provenance: dict | None = None) -> Path:
+    """A random .nanoqwen of any Qwen2 shape, straight to disk (no HF checkpoint), streaming.
+
+    INT4 projections get random nibbles and scales s = 1/(sqrt(21.5) sqrt(K)) x U(0.75, 1.25), so the
+    dequantized weights have rms ~1/sqrt(K) like write_hf_checkpoint's; float tensors follow _std.
+    The shipped Qwen2.5-Coder tokenizer, tokenizer_config and generation_config make it self-contained.
+    """
+    config = validate_config(dict(config))
+    tok_json, tok_config, gen_config = shipped_tokenizer()
+    from . import __version__
+    prov = {"converter": f"nanoqwen-format {__version__}", "source": "synthetic", "seed": seed}
+    prov.update(provenance or {})
+    rng = _rng(seed)
+    with NanoqwenWriter(dst, config, expected_tensors(config), tokenizer_json=tok_json,
+                        tokenizer_config=tok_config, generation_config=gen_config, provenance=prov) as w:
+        for t in source_tensors(config):
+            if t.quantized:
+                n, k = t.shape
+                pre = t.hf_name.removesuffix(".weight")
+                w.write_tensor(f"{pre}.qweight", _qweight_chunks(rng, n, k))
+                base = 1.0 / (Q_RMS * math.sqrt(k))
+                scales = (base * (0.75 + 0.5 * rng.random((n, k // GROUP), dtype=np.float32))).astype(np.float16)
+                w.write_tensor(f"{pre}.scales", [scales])
+            else:
+                mean, std = _std(t.kind, t.shape, config)
+                w.write_tensor(t.hf_name, (c.astype(np.float16) for c in _normal_chunks(rng, t.shape, std, mean)))
+    return Path(dst)
