@@ -1,0 +1,158 @@
+"""Paged decode attention: launcher for cuda/attention_decode.cu (split kernel + combine).
+
+`AttentionKernels(dims, load_module).attention_decode(q, k_cache, v_cache, page_table, seq_len_dev,
+layer, out, workspace)` launches two kernels on the current CuPy stream and never synchronises; the
+sequence length is read on the device, so a captured CUDA graph serves every token. The shared argument
+checks (`check_array`, `check_kv_cache`, ...) live here too and are reused by prefill.py: every bad
+argument is one KernelError naming it, before anything reaches the GPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .dims import HEAD_DIM, PAGE_TOKENS, ModelDims
+from .errors import KernelError
+
+SM_COUNT = 132  # H100/H200 SXM; the split count is baked into the build to fill them
+DECODE_SOURCES = ["attention_decode.cu"]
+DECODE_STAGES = 8  # ring slots of 8 KiB (K+V page): 64 KiB in flight per SM (Little's law needs ~32 KB)
+DECODE_THREADS = 160  # 1 producer warp + 4 consumer warps
+_CONSUMERS = 4
+
+
+def decode_splits(dims: ModelDims, sm_count: int = SM_COUNT) -> int:
+    """Splits over pages per KV head so that n_kv_heads x splits blocks fill the GPU (one block per SM)."""
+    return max(1, sm_count // dims.n_kv_heads)
+
+
+def decode_defines(dims: ModelDims) -> dict[str, int | float]:
+    return {**dims.defines(), "NQ_DECODE_SPLITS": decode_splits(dims), "NQ_DECODE_STAGES": DECODE_STAGES}
+
+
+def decode_smem_bytes(dims: ModelDims) -> int:
+    """Dynamic shared memory of attention_decode_split; mirrors kSmemBytes in attention_decode.cu."""
+    g = dims.n_heads // dims.n_kv_heads
+    ring = DECODE_STAGES * 2 * PAGE_TOKENS * HEAD_DIM * 2  # [stages][K|V][16][128] fp16
+    merge = _CONSUMERS * g * HEAD_DIM * 4 + 2 * _CONSUMERS * 8 * 4  # acc + (m, l)
+    pbuf = _CONSUMERS * 16 * 8 * 4
+    return ring + merge + pbuf + 2 * DECODE_STAGES * 8  # + full/empty mbarriers
+
+
+def decode_workspace_floats(dims: ModelDims) -> int:
+    """float32 elements the decode workspace needs: partial acc [splits, heads, 128] + (m, l) [splits, heads, 2]."""
+    return decode_splits(dims) * dims.n_heads * (HEAD_DIM + 2)
+
+
+# ---- argument checks shared by the launchers -------------------------------------------------------
+
+
+def _cupy():
+    try:
+        import cupy
+    except Exception as e:  # pragma: no cover - exercised only without CuPy
+        raise KernelError(f"CuPy is needed to launch kernels: {e}") from None
+    return cupy
+
+
+def check_array(name: str, a: Any, dtype, shape: tuple | None = None, min_size: int | None = None):
+    """a must be a C-contiguous CuPy array of dtype (and shape, or at least min_size elements)."""
+    cupy = _cupy()
+    if not isinstance(a, cupy.ndarray):
+        raise KernelError(f"{name} must be a CuPy array, got {type(a).__name__}")
+    if a.dtype != np.dtype(dtype):
+        raise KernelError(f"{name} must be {np.dtype(dtype).name}, got {a.dtype.name}")
+    if not a.flags.c_contiguous:
+        raise KernelError(f"{name} must be C-contiguous")
+    if shape is not None and tuple(a.shape) != tuple(shape):
+        raise KernelError(f"{name} must have shape {tuple(shape)}, got {tuple(a.shape)}")
+    if min_size is not None and a.size < min_size:
+        raise KernelError(f"{name} needs at least {min_size} elements, got {a.size}")
+    return a
+
+
+def check_int(name: str, v: Any, lo: int, hi: int | None = None) -> int:
+    """v must be an int in [lo, hi) (hi None: unbounded)."""
+    if isinstance(v, bool) or not isinstance(v, int | np.integer):
+        raise KernelError(f"{name} must be an int, got {type(v).__name__}")
+    v = int(v)
+    if v < lo or (hi is not None and v >= hi):
+        raise KernelError(f"{name} = {v} out of range [{lo}, {'inf' if hi is None else hi})")
+    return v
+
+
+def check_kv_cache(dims: ModelDims, k_cache: Any, v_cache: Any, layer: Any) -> tuple[int, int]:
+    """k/v_cache fp16 [n_layers, n_pages, n_kv_heads, 16, 128], same shape; returns (layer, n_pages)."""
+    check_array("k_cache", k_cache, np.float16)
+    check_array("v_cache", v_cache, np.float16)
+    if k_cache.ndim != 5 or tuple(k_cache.shape[2:]) != (dims.n_kv_heads, PAGE_TOKENS, HEAD_DIM):
+        raise KernelError(
+            f"k_cache must be [n_layers, n_pages, {dims.n_kv_heads}, {PAGE_TOKENS}, {HEAD_DIM}], "
+            f"got {tuple(k_cache.shape)}"
+        )
+    if v_cache.shape != k_cache.shape:
+        raise KernelError(f"v_cache shape {tuple(v_cache.shape)} differs from k_cache {tuple(k_cache.shape)}")
+    layer = check_int("layer", layer, 0, k_cache.shape[0])
+    return layer, int(k_cache.shape[1])
+
+
+def check_page_table(page_table: Any):
+    check_array("page_table", page_table, np.int32)
+    if page_table.ndim != 1 or page_table.size < 1:
+        raise KernelError(f"page_table must be a non-empty 1-D int32 array, got shape {tuple(page_table.shape)}")
+    return page_table
+
+
+def launch(fn, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0) -> None:
+    """Launch on the current CuPy stream (explicitly, so a graph capture on it records the kernel)."""
+    cupy = _cupy()
+    fn(grid, block, args, shared_mem=shared_mem, stream=cupy.cuda.get_current_stream())
+
+
+class AttentionKernels:
+    """The decode attention build for one ModelDims. `load_module(sources, defines)` is the loader's."""
+
+    def __init__(self, dims: ModelDims, load_module):
+        if dims.n_heads // dims.n_kv_heads > 8:
+            raise KernelError(
+                f"unsupported GQA group {dims.n_heads // dims.n_kv_heads}: attention_decode handles <= 8"
+            )
+        self.dims = dims
+        self.splits = decode_splits(dims)
+        self.smem_bytes = decode_smem_bytes(dims)
+        self.workspace_floats = decode_workspace_floats(dims)
+        mod = load_module(DECODE_SOURCES, decode_defines(dims))
+        self._split = mod.get_function("attention_decode_split", max_dynamic_smem=self.smem_bytes)
+        self._combine = mod.get_function("attention_decode_combine")
+
+    def new_workspace(self):
+        """A float32 workspace of the size attention_decode needs (allocate once, reuse every token)."""
+        return _cupy().empty(self.workspace_floats, dtype=np.float32)
+
+    def attention_decode(self, q, k_cache, v_cache, page_table, seq_len_dev, layer, out, workspace) -> None:
+        """out[h] = softmax(q[h] K^T / sqrt(128)) V over positions < seq_len_dev[0] of one layer's pages.
+
+        q, out: fp16 [n_heads*128]; k/v_cache: fp16 [n_layers, n_pages, n_kv, 16, 128];
+        page_table: int32 [max_pages]; seq_len_dev: int32 [>=1] (device); workspace: float32
+        [>= workspace_floats] (see new_workspace). seq_len is clamped to max_pages*16 on the device.
+        """
+        d = self.dims
+        check_array("q", q, np.float16, shape=(d.n_heads * HEAD_DIM,))
+        check_array("out", out, np.float16, shape=(d.n_heads * HEAD_DIM,))
+        layer, n_pages = check_kv_cache(d, k_cache, v_cache, layer)
+        check_page_table(page_table)
+        check_array("seq_len_dev", seq_len_dev, np.int32, min_size=1)
+        check_array("workspace", workspace, np.float32, min_size=self.workspace_floats)
+        ws_acc = workspace  # [splits, heads, 128] at the front, then (m, l) [splits, heads, 2]
+        ws_ml = workspace[self.splits * d.n_heads * HEAD_DIM :]
+        launch(
+            self._split,
+            (d.n_kv_heads, self.splits, 1),
+            (DECODE_THREADS, 1, 1),
+            (q, k_cache, v_cache, page_table, seq_len_dev, np.int32(layer), np.int32(n_pages),
+             np.int32(page_table.size), ws_acc, ws_ml),
+            shared_mem=self.smem_bytes,
+        )
+        launch(self._combine, (d.n_heads, 1, 1), (HEAD_DIM, 1, 1), (ws_acc, ws_ml, out))

@@ -1,0 +1,357 @@
+// attention_decode.cu: paged decode attention (batch 1), warp-specialised, split over pages + combine.
+//
+// What: out[h, :] = softmax_t(q[h] . K[t] / sqrt(128)) . V[t] over the sequence's positions t < seq_len,
+//   for every query head h; query head h reads KV head h / G (GQA, G = NQ_NHEADS / NQ_NKV: 7 for 7B).
+// Shapes (docs/INTERFACES.md section 3, byte for byte):
+//   q, out       fp16 [NQ_NHEADS * 128]
+//   k/v_cache    fp16 [n_layers, n_pages, NQ_NKV, 16, 128]; one (page, KV head) slice = 4 KiB contiguous
+//   page_table   int32 [max_pages]: logical block b (tokens 16b..16b+15) -> page id
+//   seq_len_dev  int32 [1], read on the device (the decode step is one CUDA graph replayed every token)
+//   ws_acc       fp32 [NQ_DECODE_SPLITS, NQ_NHEADS, 128]   unnormalised partial outputs
+//   ws_ml        fp32 [NQ_DECODE_SPLITS, NQ_NHEADS, 2]     partial (max, sum) in the log2 domain
+// Launch: attention_decode_split  grid (NQ_NKV, NQ_DECODE_SPLITS), 160 threads, kSmemBytes dynamic smem;
+//         attention_decode_combine grid (NQ_NHEADS), 128 threads.
+//   NQ_DECODE_SPLITS is chosen at build (attention.py) so NQ_NKV * splits fills the 132 SMs: at 7B a
+//   single KV head's 32k context is 512 KiB x 2 and one SM cannot stream it fast enough alone.
+//   Each split takes a contiguous run of pages; the device-side seq_len decides the runs, so one
+//   graph serves every length. A split with no pages writes a neutral partial (m = -inf, l = 0, acc = 0).
+//
+// Why this design: decode attention is a stream of K/V bytes (56 KiB per token of context at 7B) with
+// little arithmetic, so what matters is keeping bytes in flight. One producer warp (one lane of it)
+// issues cp.async.bulk copies of whole 4 KiB K and V slices into a ring; the copy engine, not
+// registers, carries them, and completion lands on an mbarrier as transaction bytes. Four consumer
+// warps take ring slots round-robin (page i -> warp i % 4), each keeping its own online-softmax state
+// (fp32) for the G query heads of this KV head, and hand a slot back through its "empty" mbarrier.
+// Consumers never wait for each other inside the loop; their states merge once at the end.
+//
+// Shared-memory ring (dynamic smem, kStages = NQ_DECODE_STAGES slots of 8 KiB):
+//
+//   slot:   0                 1                       kStages-1
+//         +--------+--------+--------+--------+     +--------+--------+
+//   ring  | K page | V page | K page | V page | ... | K page | V page |   8 KiB per slot
+//         | 16x128 | 16x128 |  fp16  |  fp16  |     |        |        |
+//         +--------+--------+--------+--------+     +--------+--------+
+//   full[s]  (count 1): producer arrive.expect_tx(8192) + 2 bulk copies complete_tx -> phase flips
+//   empty[s] (count 1): the consumer warp that read slot s arrives once (lane 0, after __syncwarp)
+//   then: merge area fp32 [4 warps][G][128] + m,l [4][8] each; p buffer fp32 [4 warps][16][8]
+//
+//   page i of the split -> slot i % kStages, use u = i / kStages:
+//     producer waits empty[slot] parity (u-1)&1 (u > 0), consumer waits full[slot] parity u&1.
+//
+// Tested: tests/test_attention_decode.py (numpy float64 reference; contexts 1..32768, pages scattered;
+// SASS holds UBLKCP and SYNCS); measured: bench/bench_attention.py.
+#include "common.cuh"
+
+#ifndef NQ_DECODE_SPLITS
+#error "NQ_DECODE_SPLITS not defined: build through nanoqwen_kernels.attention"
+#endif
+#ifndef NQ_DECODE_STAGES
+#define NQ_DECODE_STAGES 8
+#endif
+
+namespace nq_dec {
+
+using nq::uint16_t;
+using nq::uint32_t;
+using nq::uint64_t;
+// -inf without <math.h> (NVRTC wheels ship no headers)
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000u); }
+
+constexpr int kG = nq::kHeads / nq::kKvHeads;  // query heads per KV head
+constexpr int kGPad = 8;                        // p-buffer row width (two float4 reads per token)
+static_assert(kG >= 1 && kG <= kGPad, "GQA group above 8 is not supported by the p buffer layout");
+constexpr int kConsumers = 4;                   // consumer warps; + 1 producer warp
+constexpr int kThreads = 32 * (1 + kConsumers);
+constexpr int kStages = NQ_DECODE_STAGES;
+constexpr int kSplits = NQ_DECODE_SPLITS;
+constexpr int kPageElems = nq::kPageTokens * nq::kHeadDim;  // 2048 halves
+constexpr int kPageBytes = kPageElems * 2;                     // 4096
+constexpr int kSlotBytes = 2 * kPageBytes;                     // K + V
+constexpr int kRingBytes = kStages * kSlotBytes;
+constexpr int kMergeAccBytes = kConsumers * kG * 128 * 4;
+constexpr int kMergeMlBytes = 2 * kConsumers * kGPad * 4;
+constexpr int kPBufBytes = kConsumers * 16 * kGPad * 4;
+constexpr int kBarOffset = kRingBytes + kMergeAccBytes + kMergeMlBytes + kPBufBytes;
+constexpr int kSmemBytes = kBarOffset + 2 * kStages * 8;
+static_assert(kBarOffset % 8 == 0, "mbarriers need 8-byte alignment");
+
+// log2(e) / sqrt(128): scores live in the log2 domain so exp2f (one MUFU) replaces expf
+constexpr float kScaleLog2 = 1.4426950408889634f * 0.08838834764831845f;
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count) : "memory");
+}
+
+// one arrival that also tells the barrier how many bytes the copy engine will complete on it
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes)
+               : "memory");
+}
+
+// release semantics (the default .release.cta): this warp's reads of the slot happen before the
+// producer's next bulk copy into it
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
+}
+
+// acquire semantics: once the phase of parity `parity` has completed, its bytes are visible
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  uint32_t done;
+  do {
+    asm volatile(
+        "{\n\t.reg .pred p;\n\t"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
+        "selp.u32 %0, 1, 0, p;\n\t}"
+        : "=r"(done)
+        : "r"(smem_u32(bar)), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+
+// 4 KiB global -> shared through the bulk copy engine (SASS: UBLKCP), completion counted in bytes on bar
+__device__ __forceinline__ void bulk_copy_g2s(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+          smem_u32(dst)),
+      "l"(src), "r"(bytes), "r"(smem_u32(bar))
+      : "memory");
+}
+
+// One halving step of the warp reduce-scatter of s[16 tokens][kG]: lanes with bit kO set keep tokens
+// kN..2kN-1, the others tokens 0..kN-1, each adding its partner's (lane ^ kO) partials of the kept
+// tokens. Templated so every index is a compile-time constant and s stays in registers.
+template <int kO, int kN>
+__device__ __forceinline__ void reduce_scatter_step(float (&s)[16][kG], int lane) {
+  const bool upper = (lane & kO) != 0;
+#pragma unroll
+  for (int t = 0; t < kN; ++t) {
+#pragma unroll
+    for (int g = 0; g < kG; ++g) {
+      const float send = upper ? s[t][g] : s[t + kN][g];
+      const float keep = upper ? s[t + kN][g] : s[t][g];
+      s[t][g] = keep + __shfl_xor_sync(0xffffffffu, send, kO);
+    }
+  }
+}
+
+}  // namespace nq_dec
+
+extern "C" __global__ void __launch_bounds__(nq_dec::kThreads, 1)
+    attention_decode_split(const nq::uint16_t* __restrict__ q,            // [NQ_NHEADS*128]
+                           const nq::uint16_t* __restrict__ k_cache,      // [L, n_pages, NQ_NKV, 16, 128]
+                           const nq::uint16_t* __restrict__ v_cache,      // same
+                           const int* __restrict__ page_table,    // [max_pages]
+                           const int* __restrict__ seq_len_dev,   // [1]
+                           int layer, int n_pages, int max_pages,
+                           float* __restrict__ ws_acc,            // [splits, NQ_NHEADS, 128]
+                           float* __restrict__ ws_ml) {           // [splits, NQ_NHEADS, 2]
+  using namespace nq_dec;
+  extern __shared__ __align__(128) unsigned char smem[];
+  unsigned char* ring = smem;                                              // [kStages][2][4096 B]
+  float* merge_acc = reinterpret_cast<float*>(smem + kRingBytes);          // [kConsumers][kG][128]
+  float* merge_m = merge_acc + kConsumers * kG * 128;                      // [kConsumers][kGPad]
+  float* merge_l = merge_m + kConsumers * kGPad;                           // [kConsumers][kGPad]
+  float* pbuf_all = merge_l + kConsumers * kGPad;                          // [kConsumers][16][kGPad]
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + kBarOffset);         // [kStages]
+  uint64_t* empty = full + kStages;                                        // [kStages]
+
+  const int kvh = blockIdx.x;
+  const int split = blockIdx.y;
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+
+  // clamp to what the page table can address: a corrupt length must not walk off the table
+  const int seq_len = min(max(*seq_len_dev, 0), max_pages * nq::kPageTokens);
+  const int n_seq_pages = (seq_len + nq::kPageTokens - 1) / nq::kPageTokens;
+  const int per_split = (n_seq_pages + kSplits - 1) / kSplits;
+  const int p0 = split * per_split;
+  const int count = max(0, min(p0 + per_split, n_seq_pages) - p0);  // pages of this split
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(&full[s], 1);
+      mbar_init(&empty[s], 1);
+    }
+    // make the initialised barriers visible to the async proxy (the copy engine) before any copy
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();  // every role sees initialised barriers; outside any role branch
+
+  // ---- role branches ----------------------------------------------------------------------------
+  // NO __syncthreads() (or any block-wide barrier) may appear inside either branch. The seed runtime
+  // had one inside the producer-only branch: only that warp reached it, the consumer warps did not,
+  // behaviour was undefined and consumers read stale ring slots on tail pages (SEED.md, war story 1).
+  // Here every hand-off is an mbarrier (full/empty per slot) and the only block barriers are the one
+  // above and the one after both branches.
+  if (warp == 0) {
+    // producer: one lane issues everything; the other 31 lanes go straight to the final barrier
+    if (lane == 0) {
+      for (int i = 0; i < count; ++i) {
+        const int slot = i % kStages;
+        const int use = i / kStages;
+        if (use > 0) mbar_wait(&empty[slot], (use - 1) & 1);  // the consumer of use-1 is done
+        const int page = page_table[p0 + i];
+        const size_t off = ((static_cast<size_t>(layer) * n_pages + page) * nq::kKvHeads + kvh) *
+                           static_cast<size_t>(kPageElems);
+        unsigned char* dst = ring + slot * kSlotBytes;
+        mbar_arrive_expect_tx(&full[slot], kSlotBytes);
+        bulk_copy_g2s(dst, k_cache + off, kPageBytes, &full[slot]);
+        bulk_copy_g2s(dst + kPageBytes, v_cache + off, kPageBytes, &full[slot]);
+      }
+    }
+  } else {
+    // consumer warp c: pages c, c+4, c+8, ... of this split; lane owns dims 4*lane .. 4*lane+3
+    const int c = warp - 1;
+    float* pbuf = pbuf_all + c * 16 * kGPad;  // [16 tokens][kGPad] probabilities of the current page
+    float qr[kG][4];                          // q of the G heads, pre-scaled into the log2 domain
+#pragma unroll
+    for (int g = 0; g < kG; ++g) {
+      const uint2 raw = *reinterpret_cast<const uint2*>(q + (kvh * kG + g) * 128 + lane * 4);
+      const float2 a = nq::h22f2(raw.x);
+      const float2 b = nq::h22f2(raw.y);
+      qr[g][0] = a.x * kScaleLog2; qr[g][1] = a.y * kScaleLog2;
+      qr[g][2] = b.x * kScaleLog2; qr[g][3] = b.y * kScaleLog2;
+    }
+    float m[kG], l[kG], acc[kG][4];
+#pragma unroll
+    for (int g = 0; g < kG; ++g) {
+      m[g] = neg_inf(); l[g] = 0.f;
+      acc[g][0] = acc[g][1] = acc[g][2] = acc[g][3] = 0.f;
+    }
+
+    for (int i = c; i < count; i += kConsumers) {
+      const int slot = i % kStages;
+      mbar_wait(&full[slot], (i / kStages) & 1);
+      const uint16_t* ks = reinterpret_cast<const uint16_t*>(ring + slot * kSlotBytes);  // [16][128]
+      const uint16_t* vs = ks + kPageElems;                                           // [16][128]
+      // tail page: positions >= seq_len are masked by position (the slot still holds 4 KiB of
+      // whatever the page had: stale or never-written data, possibly NaN)
+      const int valid = min(nq::kPageTokens, seq_len - (p0 + i) * nq::kPageTokens);
+
+      // partial dots: s[t][g] = sum over this lane's 4 dims of q[g] * K[t]
+      float s[16][kG];
+#pragma unroll
+      for (int t = 0; t < 16; ++t) {
+        const uint2 raw = *reinterpret_cast<const uint2*>(ks + t * 128 + lane * 4);  // conflict-free row
+        const float2 a = nq::h22f2(raw.x);
+        const float2 b = nq::h22f2(raw.y);
+#pragma unroll
+        for (int g = 0; g < kG; ++g)
+          s[t][g] = qr[g][0] * a.x + qr[g][1] * a.y + qr[g][2] * b.x + qr[g][3] * b.y;
+      }
+      // reduce-scatter across the warp: 16G shuffles instead of 5 x 16G for 16G separate
+      // butterflies; afterwards lane holds the full score of token lane >> 1 in s[0][g]
+      reduce_scatter_step<16, 8>(s, lane);
+      reduce_scatter_step<8, 4>(s, lane);
+      reduce_scatter_step<4, 2>(s, lane);
+      reduce_scatter_step<2, 1>(s, lane);
+      const int tok = lane >> 1;
+      float p[kG];
+#pragma unroll
+      for (int g = 0; g < kG; ++g) {
+        float sc = s[0][g] + __shfl_xor_sync(0xffffffffu, s[0][g], 1);
+        sc = tok < valid ? sc : neg_inf();
+        float mx = sc;  // lanes 2j, 2j+1 hold token j: reduce over bits 1..4
+#pragma unroll
+        for (int o = 2; o < 32; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        const float m_new = fmaxf(m[g], mx);  // finite: a page in range has >= 1 valid token
+        const float alpha = exp2f(m[g] - m_new);  // exp2(-inf) = 0 on the first page
+        p[g] = exp2f(sc - m_new);
+        float ps = p[g];
+#pragma unroll
+        for (int o = 2; o < 32; o <<= 1) ps += __shfl_xor_sync(0xffffffffu, ps, o);
+        l[g] = l[g] * alpha + ps;
+        m[g] = m_new;
+        acc[g][0] *= alpha; acc[g][1] *= alpha; acc[g][2] *= alpha; acc[g][3] *= alpha;
+      }
+      if ((lane & 1) == 0) {
+#pragma unroll
+        for (int g = 0; g < kG; ++g) pbuf[tok * kGPad + g] = p[g];
+      }
+      __syncwarp();  // p of all 16 tokens visible to the whole warp
+#pragma unroll
+      for (int t = 0; t < 16; ++t) {
+        if (t < valid) {  // warp-uniform; skipping masked rows keeps 0 * NaN out of acc
+          const uint2 raw = *reinterpret_cast<const uint2*>(vs + t * 128 + lane * 4);
+          const float2 a = nq::h22f2(raw.x);
+          const float2 b = nq::h22f2(raw.y);
+          const float4 pa = *reinterpret_cast<const float4*>(pbuf + t * kGPad);
+          const float4 pb = *reinterpret_cast<const float4*>(pbuf + t * kGPad + 4);
+          const float pt[8] = {pa.x, pa.y, pa.z, pa.w, pb.x, pb.y, pb.z, pb.w};
+#pragma unroll
+          for (int g = 0; g < kG; ++g) {
+            acc[g][0] += pt[g] * a.x; acc[g][1] += pt[g] * a.y;
+            acc[g][2] += pt[g] * b.x; acc[g][3] += pt[g] * b.y;
+          }
+        }
+      }
+      __syncwarp();  // every lane done with the slot and with pbuf before the slot is handed back
+      if (lane == 0) mbar_arrive(&empty[slot]);
+    }
+
+    // publish this warp's state for the merge
+#pragma unroll
+    for (int g = 0; g < kG; ++g) {
+      *reinterpret_cast<float4*>(merge_acc + (c * kG + g) * 128 + lane * 4) =
+          make_float4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]);
+    }
+    if (lane == 0) {
+#pragma unroll
+      for (int g = 0; g < kG; ++g) {
+        merge_m[c * kGPad + g] = m[g];
+        merge_l[c * kGPad + g] = l[g];
+      }
+    }
+  }
+  __syncthreads();  // both roles done; the one block-wide barrier after the role branches
+
+  // merge the 4 consumer states into this split's partial (all 160 threads)
+  for (int idx = threadIdx.x; idx < kG * 128; idx += kThreads) {
+    const int g = idx >> 7, d = idx & 127;
+    float mx = neg_inf();
+#pragma unroll
+    for (int w = 0; w < kConsumers; ++w) mx = fmaxf(mx, merge_m[w * kGPad + g]);
+    float a = 0.f, sum = 0.f;
+#pragma unroll
+    for (int w = 0; w < kConsumers; ++w) {
+      const float mw = merge_m[w * kGPad + g];
+      if (mw != neg_inf()) {  // a warp that saw no page contributes nothing (and no inf - inf)
+        const float f = exp2f(mw - mx);
+        a += f * merge_acc[(w * kG + g) * 128 + d];
+        sum += f * merge_l[w * kGPad + g];
+      }
+    }
+    const int h = kvh * kG + g;
+    ws_acc[(static_cast<size_t>(split) * nq::kHeads + h) * 128 + d] = a;
+    if (d == 0) {
+      ws_ml[(split * nq::kHeads + h) * 2 + 0] = mx;  // -inf for an empty split: neutral in combine
+      ws_ml[(split * nq::kHeads + h) * 2 + 1] = sum;
+    }
+  }
+}
+
+// out[h, d] = sum_s 2^(m_s - M) acc_s[h, d] / sum_s 2^(m_s - M) l_s   (M = max_s m_s)
+extern "C" __global__ void __launch_bounds__(128)
+    attention_decode_combine(const float* __restrict__ ws_acc,  // [splits, NQ_NHEADS, 128]
+                             const float* __restrict__ ws_ml,   // [splits, NQ_NHEADS, 2]
+                             nq::uint16_t* __restrict__ out) {          // [NQ_NHEADS*128]
+  using namespace nq_dec;
+  const int h = blockIdx.x, d = threadIdx.x;
+  float mx = neg_inf();
+  for (int s = 0; s < kSplits; ++s) mx = fmaxf(mx, ws_ml[(s * nq::kHeads + h) * 2]);
+  float a = 0.f, sum = 0.f;
+  for (int s = 0; s < kSplits; ++s) {
+    const float ms = ws_ml[(s * nq::kHeads + h) * 2];
+    if (ms != neg_inf()) {
+      const float f = exp2f(ms - mx);
+      a += f * ws_acc[(static_cast<size_t>(s) * nq::kHeads + h) * 128 + d];
+      sum += f * ws_ml[(s * nq::kHeads + h) * 2 + 1];
+    }
+  }
+  // seq_len 0 leaves every split empty: defined output 0 rather than 0/0
+  out[h * 128 + d] = nq::f2h(sum > 0.f ? a / sum : 0.f);
+}

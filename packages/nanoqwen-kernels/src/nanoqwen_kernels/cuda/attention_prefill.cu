@@ -1,0 +1,167 @@
+// attention_prefill.cu: causal attention of T new queries over the paged KV cache (flash-style).
+//
+// What: for query token i (position p = start_pos + i) and head h (KV head h / G):
+//   out[i, h] = softmax_{t <= p}(q[i, h] . K[t] / sqrt(128)) . V[t],   K/V read from the pages
+//   (positions < start_pos were cached earlier; start_pos .. start_pos+T-1 by rope_kv_prefill).
+// Shapes: q, out fp16 [T, NQ_NHEADS*128] (q already roped), k/v_cache fp16 [L, n_pages, NQ_NKV, 16, 128],
+//   page_table int32 [max_pages].
+// Launch: attention_prefill grid (ceil(T/32), NQ_NHEADS), 256 threads, 46.5 KB static smem.
+//   Block = 32 query rows of one head; key tiles of 32 positions (2 pages) up to the block's last
+//   query position; memory is O(T) (no T x T score matrix), so T = 32768 runs as 1024 x heads blocks.
+// Why: correct first. fp32 online softmax and fp32 FMAs on CUDA cores from fp32 shared-memory tiles.
+//   Thread (r = tid/8, c = tid%8) computes scores of row r against keys c, c+8, c+16, c+24 (rows padded
+//   to 132 floats so 8 keys x 16 B hit 32 distinct banks), the 8 threads of a row reduce max/sum with
+//   shuffles (same warp), then accumulate 16 output dims c*4 + 32j. Tensor cores (mma.sync or wgmma)
+//   are the known next step; bench/bench_prefill.py measures where this one stands.
+// Tested: tests/test_attention_prefill.py (numpy float64 reference, T 1..513, start_pos 0 and > 0).
+#include "common.cuh"
+
+namespace nq_pre {
+using nq::uint16_t;
+using nq::uint32_t;
+constexpr int kBQ = 32;      // query rows per block
+constexpr int kBK = 32;      // keys per tile (2 pages)
+constexpr int kThreads = 256;
+constexpr int kG = nq::kHeads / nq::kKvHeads;
+constexpr int kRowF = 132;   // padded fp32 row of Q/K tiles
+constexpr int kPRow = 36;    // padded fp32 row of P
+constexpr float kScaleLog2 = 1.4426950408889634f * 0.08838834764831845f;  // log2(e) / sqrt(128)
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000u); }
+}  // namespace nq_pre
+
+extern "C" __global__ void __launch_bounds__(nq_pre::kThreads)
+    attention_prefill(const nq::uint16_t* __restrict__ q,        // [T, kQDim]
+                      const nq::uint16_t* __restrict__ k_cache,  // [L, n_pages, NQ_NKV, 16, 128]
+                      const nq::uint16_t* __restrict__ v_cache,  // same
+                      const int* __restrict__ page_table,        // [max_pages]
+                      int start_pos, int T, int layer, int n_pages,
+                      nq::uint16_t* __restrict__ out) {          // [T, kQDim]
+  using namespace nq_pre;
+  __shared__ __align__(16) float qs[kBQ * kRowF];   // [32][132] fp32, pre-scaled to the log2 domain
+  __shared__ __align__(16) float ks[kBK * kRowF];   // [32][132] fp32
+  __shared__ __align__(16) uint16_t vs[kBK * 128];  // [32][128] fp16
+  __shared__ __align__(16) float ps[kBQ * kPRow];   // [32][36] fp32 probabilities of the tile
+
+  const int q0 = blockIdx.x * kBQ;
+  const int h = blockIdx.y;
+  const int kvh = h / kG;
+  const int tid = threadIdx.x;
+  const int r = tid >> 3;   // query row of this thread
+  const int c = tid & 7;    // key column group / output dim group
+  const int kv_len = start_pos + T;
+  const int kv_end = min(start_pos + q0 + kBQ, kv_len);  // keys this block can see: [0, kv_end)
+  const int qpos = start_pos + q0 + r;
+  const bool row_ok = q0 + r < T;
+
+  // Q tile: 32 rows x 16 chunks of 8 halves; rows past T are zero (their output is not written)
+  for (int ch = tid; ch < kBQ * 16; ch += kThreads) {
+    const int rr = ch >> 4, dd = (ch & 15) * 8;
+    uint4 raw = make_uint4(0, 0, 0, 0);
+    if (q0 + rr < T)
+      raw = *reinterpret_cast<const uint4*>(q + static_cast<size_t>(q0 + rr) * nq::kQDim + h * 128 + dd);
+    const float2 a = nq::h22f2(raw.x), b = nq::h22f2(raw.y), e = nq::h22f2(raw.z), f = nq::h22f2(raw.w);
+    float* dst = qs + rr * kRowF + dd;
+    *reinterpret_cast<float4*>(dst) =
+        make_float4(a.x * kScaleLog2, a.y * kScaleLog2, b.x * kScaleLog2, b.y * kScaleLog2);
+    *reinterpret_cast<float4*>(dst + 4) =
+        make_float4(e.x * kScaleLog2, e.y * kScaleLog2, f.x * kScaleLog2, f.y * kScaleLog2);
+  }
+
+  float m = neg_inf(), l = 0.f;
+  float acc[4][4];  // dims c*4 + 32j + 0..3
+#pragma unroll
+  for (int j = 0; j < 4; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+
+  for (int kb = 0; kb < kv_end; kb += kBK) {
+    __syncthreads();  // previous tile's K/V reads done (and, first time round, Q tile written)
+    for (int ch = tid; ch < kBK * 16; ch += kThreads) {
+      const int kk = ch >> 4, dd = (ch & 15) * 8;
+      const int kp = kb + kk;
+      uint4 kr = make_uint4(0, 0, 0, 0), vr = make_uint4(0, 0, 0, 0);
+      if (kp < kv_len) {  // beyond the sequence: zeros, never the page's stale (maybe NaN) bytes
+        const size_t off = ((static_cast<size_t>(layer) * n_pages + page_table[kp / nq::kPageTokens]) *
+                                nq::kKvHeads + kvh) * (nq::kPageTokens * 128) +
+                           (kp % nq::kPageTokens) * 128 + dd;
+        kr = *reinterpret_cast<const uint4*>(k_cache + off);
+        vr = *reinterpret_cast<const uint4*>(v_cache + off);
+      }
+      const float2 a = nq::h22f2(kr.x), b = nq::h22f2(kr.y), e = nq::h22f2(kr.z), f = nq::h22f2(kr.w);
+      float* dst = ks + kk * kRowF + dd;
+      *reinterpret_cast<float4*>(dst) = make_float4(a.x, a.y, b.x, b.y);
+      *reinterpret_cast<float4*>(dst + 4) = make_float4(e.x, e.y, f.x, f.y);
+      *reinterpret_cast<uint4*>(vs + kk * 128 + dd) = vr;
+    }
+    __syncthreads();  // tile visible to all
+
+    float s[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 8
+    for (int d4 = 0; d4 < 32; ++d4) {
+      const float4 qv = *reinterpret_cast<const float4*>(qs + r * kRowF + d4 * 4);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float4 kv = *reinterpret_cast<const float4*>(ks + (c + 8 * j) * kRowF + d4 * 4);
+        s[j] += qv.x * kv.x + qv.y * kv.y + qv.z * kv.z + qv.w * kv.w;
+      }
+    }
+    float mx = neg_inf();
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int kp = kb + c + 8 * j;
+      if (!(row_ok && kp <= qpos)) s[j] = neg_inf();  // causal (kp <= qpos also bounds kp < kv_len)
+      mx = fmaxf(mx, s[j]);
+    }
+    // the 8 threads of row r are lanes 8k..8k+7 of one warp
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
+    const float m_new = fmaxf(m, mx);
+    // a row with nothing visible yet (only rows past T: key 0 is visible to every real row in the
+    // first tile) keeps m = -inf; guard against -inf - -inf
+    const float alpha = m_new == neg_inf() ? 1.f : exp2f(m - m_new);
+    float rs = 0.f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float p = s[j] == neg_inf() ? 0.f : exp2f(s[j] - m_new);
+      ps[r * kPRow + c + 8 * j] = p;
+      rs += p;
+    }
+    rs += __shfl_xor_sync(0xffffffffu, rs, 1);
+    rs += __shfl_xor_sync(0xffffffffu, rs, 2);
+    rs += __shfl_xor_sync(0xffffffffu, rs, 4);
+    l = l * alpha + rs;
+    m = m_new;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      acc[j][0] *= alpha; acc[j][1] *= alpha; acc[j][2] *= alpha; acc[j][3] *= alpha;
+    }
+    __syncwarp();  // row r's probabilities (written by its 8 lanes) visible to those lanes
+
+#pragma unroll 2
+    for (int k4 = 0; k4 < kBK; k4 += 4) {
+      const float4 p4 = *reinterpret_cast<const float4*>(ps + r * kPRow + k4);
+      const float pk[4] = {p4.x, p4.y, p4.z, p4.w};
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const uint2 raw = *reinterpret_cast<const uint2*>(vs + (k4 + kk) * 128 + c * 4 + 32 * j);
+          const float2 a = nq::h22f2(raw.x), b = nq::h22f2(raw.y);
+          acc[j][0] += pk[kk] * a.x; acc[j][1] += pk[kk] * a.y;
+          acc[j][2] += pk[kk] * b.x; acc[j][3] += pk[kk] * b.y;
+        }
+      }
+    }
+  }
+
+  if (row_ok) {
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    nq::uint16_t* o = out + static_cast<size_t>(q0 + r) * nq::kQDim + h * 128;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      uint2 w;
+      w.x = static_cast<uint32_t>(nq::f2h(acc[j][0] * inv)) | (static_cast<uint32_t>(nq::f2h(acc[j][1] * inv)) << 16);
+      w.y = static_cast<uint32_t>(nq::f2h(acc[j][2] * inv)) | (static_cast<uint32_t>(nq::f2h(acc[j][3] * inv)) << 16);
+      *reinterpret_cast<uint2*>(o + c * 4 + 32 * j) = w;
+    }
+  }
+}

@@ -1,0 +1,37 @@
+// dequant_int4.cu: INT4 ValueShuffle weights -> dense fp16, the first half of the prefill GEMM.
+//
+// What: out[n, k] = fp16(scales[n, k / 128] * q[n, k]),  q = u - 8 in -8..7 (docs/INTERFACES.md 1-2)
+// Shapes: qweight uint32 [N, K/8] (ValueShuffle-v1 words), scales fp16 [N, K/128], out fp16 [N, K];
+//   N, K are run-time (one build serves q/k/v/o, gate/up and down); K % 128 == 0 (checked in prefill.py).
+// Launch: dequantize_int4 grid ceil(N*K/8 / 256) (capped, grid-stride), 256 threads; one thread per word.
+// Why: prefill at T >= ~64 tokens is matrix-bound, where cuBLAS on tensor cores at fp16 is the fastest
+//   thing we have today; expanding W once per projection (N*K*2 B written, N*K/2 B read) costs about
+//   the time of reading it, small next to the GEMM at T = 512 (measured in bench/bench_prefill.py).
+//   A fused INT4 tensor-core GEMM that skips the fp16 copy is the stated next step.
+//   The product is exact before its one rounding: q has 4 bits, the scale 11, so mul.rn.f16x2 gives
+//   the correctly rounded fp16 of the exact product, the same value as numpy's fp16(float64 product).
+// Tested: tests/test_prefill_gemm.py (bit-exact against the numpy unpack of the same words).
+#include "common.cuh"
+
+extern "C" __global__ void __launch_bounds__(256)
+    dequantize_int4(const nq::uint32_t* __restrict__ qweight,  // [N, K/8]
+                    const nq::uint16_t* __restrict__ scales,   // [N, K/128] fp16
+                    nq::uint16_t* __restrict__ out,            // [N, K] fp16
+                    int n_rows, int k) {
+  const int words_per_row = k >> 3;
+  const long long n_words = static_cast<long long>(n_rows) * words_per_row;
+  for (long long i = blockIdx.x * 256ll + threadIdx.x; i < n_words; i += 256ll * gridDim.x) {
+    const long long row = i / words_per_row;
+    const int w = static_cast<int>(i - row * words_per_row);
+    const nq::uint32_t s = scales[row * (k >> 7) + (w >> 4)];  // 16 words per group of 128
+    const nq::uint32_t s2 = s | (s << 16);
+    nq::uint32_t h[4];
+    nq::unpack8(qweight[i], h);
+    uint4 v;
+    v.x = nq::hmul2(h[0], s2);
+    v.y = nq::hmul2(h[1], s2);
+    v.z = nq::hmul2(h[2], s2);
+    v.w = nq::hmul2(h[3], s2);
+    *reinterpret_cast<uint4*>(out + i * 8) = v;  // 16-byte store: 8 values k = 8w .. 8w+7
+  }
+}

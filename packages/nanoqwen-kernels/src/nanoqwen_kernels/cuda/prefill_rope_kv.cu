@@ -1,0 +1,56 @@
+// prefill_rope_kv.cu: RoPE on q and k of a whole prompt, K and V written into the KV pages.
+//
+// What, for token i at position p = start_pos + i (qkv has the bias added already):
+//   q_out[i, h]        = rope(qkv[i, q head h], p)            h < NQ_NHEADS
+//   k_cache[layer, page_table[p/16], j, p%16, :] = rope(qkv[i, k head j], p)
+//   v_cache[layer, page_table[p/16], j, p%16, :] = qkv[i, v head j]
+//   rope (HF rotate-half): for d < 64, with f = p * theta^(-2d/128) in fp32,
+//     y[d] = x[d] cos f - x[d+64] sin f,   y[d+64] = x[d+64] cos f + x[d] sin f
+// Shapes: qkv fp16 [T, (NQ_NHEADS + 2 NQ_NKV) * 128] (rows q heads, then k, then v: the fused
+//   projection's order), q_out fp16 [T, NQ_NHEADS*128], k/v_cache fp16 [L, n_pages, NQ_NKV, 16, 128],
+//   page_table int32 [max_pages] (pages for positions < start_pos + T must be assigned).
+// Launch: rope_kv_prefill grid (T, NQ_NHEADS + 2*NQ_NKV), 64 threads: thread d owns the pair (d, d+64).
+// Why: one small elementwise pass; T and start_pos are host ints because prefill is launched eagerly
+//   (the decode path, captured in a graph, reads its position from the device instead).
+//   inv_freq and the angle are computed in fp32 exactly as HF's Qwen2RotaryEmbedding does
+//   (inv_freq = 1 / theta^(2d/128) in fp32, angle = fp32(p) * inv_freq), then accurate sincosf.
+// Tested: tests/test_prefill_rope_kv.py (numpy float64 reference, pages scattered).
+#include "common.cuh"
+
+extern "C" __global__ void __launch_bounds__(64)
+    rope_kv_prefill(const nq::uint16_t* __restrict__ qkv,     // [T, kQkvRows] fp16
+                    int start_pos,
+                    const int* __restrict__ page_table,       // [max_pages]
+                    nq::uint16_t* __restrict__ k_cache,       // [L, n_pages, NQ_NKV, 16, 128]
+                    nq::uint16_t* __restrict__ v_cache,       // same
+                    int layer, int n_pages,
+                    nq::uint16_t* __restrict__ q_out) {       // [T, kQDim] fp16
+  const int i = blockIdx.x;
+  const int head = blockIdx.y;  // 0..kHeads-1 q, then kKvHeads k heads, then kKvHeads v heads
+  const int d = threadIdx.x;    // 0..63
+  const int pos = start_pos + i;
+  const nq::uint16_t* x = qkv + static_cast<size_t>(i) * nq::kQkvRows + head * 128;
+  const float x0 = nq::h2f(x[d]), x1 = nq::h2f(x[d + 64]);
+  float y0 = x0, y1 = x1;
+  if (head < nq::kHeads + nq::kKvHeads) {
+    const float inv_freq = 1.0f / powf(NQ_ROPE_THETA, static_cast<float>(2 * d) / 128.0f);
+    float sn, cs;
+    sincosf(static_cast<float>(pos) * inv_freq, &sn, &cs);
+    y0 = x0 * cs - x1 * sn;
+    y1 = x1 * cs + x0 * sn;
+  }
+  nq::uint16_t* dst;
+  if (head < nq::kHeads) {
+    dst = q_out + static_cast<size_t>(i) * nq::kQDim + head * 128;
+  } else {
+    const bool is_k = head < nq::kHeads + nq::kKvHeads;
+    const int kvh = head - nq::kHeads - (is_k ? 0 : nq::kKvHeads);
+    const int page = page_table[pos / nq::kPageTokens];
+    const size_t off =
+        ((static_cast<size_t>(layer) * n_pages + page) * nq::kKvHeads + kvh) * (nq::kPageTokens * 128) +
+        (pos % nq::kPageTokens) * 128;
+    dst = (is_k ? k_cache : v_cache) + off;
+  }
+  dst[d] = nq::f2h(y0);
+  dst[d + 64] = nq::f2h(y1);
+}

@@ -1,0 +1,122 @@
+"""Prefill launchers: INT4 GEMM (dequantize + cuBLAS), RoPE + KV page write, causal paged attention.
+
+`PrefillKernels(dims, load_module)` exposes `dequantize_int4`, `gemm_int4`, `rope_kv_prefill` and
+`attention_prefill` (docs/INTERFACES.md section 4). All launch on the current CuPy stream and never
+synchronise. T and start_pos are host ints: prefill runs eagerly, once per prompt, and its grid size
+depends on T anyway (decode, captured in a graph, reads its position from the device instead).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .attention import _cupy, check_array, check_int, check_kv_cache, check_page_table, launch
+from .dims import GROUP, HEAD_DIM, PAGE_TOKENS, ModelDims
+from .errors import KernelError
+
+PREFILL_SOURCES = ["dequant_int4.cu", "prefill_rope_kv.cu", "attention_prefill.cu"]
+_DEQUANT_THREADS = 256
+_DEQUANT_MAX_BLOCKS = 132 * 16  # grid-stride beyond this: enough blocks to fill every SM many times
+_ATTN_BQ = 32  # query rows per block of attention_prefill (kBQ in attention_prefill.cu)
+
+
+class PrefillKernels:
+    """The prefill build for one ModelDims. `load_module(sources, defines)` is the loader's."""
+
+    def __init__(self, dims: ModelDims, load_module):
+        self.dims = dims
+        mod = load_module(PREFILL_SOURCES, dims.defines())
+        self._dequant = mod.get_function("dequantize_int4")
+        self._rope = mod.get_function("rope_kv_prefill")
+        self._attn = mod.get_function("attention_prefill")
+
+    # ---- INT4 GEMM ------------------------------------------------------------------------------
+
+    @staticmethod
+    def _check_int4(qweight, scales) -> tuple[int, int]:
+        check_array("qweight", qweight, np.uint32)
+        if qweight.ndim != 2 or qweight.shape[0] < 1 or qweight.shape[1] < 1:
+            raise KernelError(f"qweight must be uint32 [N, K/8], got shape {tuple(qweight.shape)}")
+        n, k = int(qweight.shape[0]), int(qweight.shape[1]) * 8
+        if k % GROUP:
+            raise KernelError(f"qweight K = {k} is not a multiple of the INT4 group {GROUP}")
+        check_array("scales", scales, np.float16, shape=(n, k // GROUP))
+        return n, k
+
+    def dequantize_int4(self, qweight, scales, out) -> None:
+        """out[N, K] fp16 = scales[n, k/128] * (u - 8): qweight uint32 [N, K/8] (ValueShuffle-v1)."""
+        n, k = self._check_int4(qweight, scales)
+        check_array("out", out, np.float16, shape=(n, k))
+        words = n * k // 8
+        blocks = min(_DEQUANT_MAX_BLOCKS, (words + _DEQUANT_THREADS - 1) // _DEQUANT_THREADS)
+        launch(self._dequant, (blocks, 1, 1), (_DEQUANT_THREADS, 1, 1),
+               (qweight, scales, out, np.int32(n), np.int32(k)))
+
+    def gemm_int4(self, qweight, scales, X, out, workspace=None) -> None:
+        """out[T, N] fp16 = X[T, K] . W^T, W the INT4 weight dequantized to fp16 (fp32 accumulate).
+
+        First step of the prefill GEMM: dequantize into `workspace` (fp16, >= N*K elements; allocated
+        from CuPy's pool when None) and multiply with cuBLAS on tensor cores (cupy.matmul).
+        """
+        cupy = _cupy()
+        n, k = self._check_int4(qweight, scales)
+        check_array("X", X, np.float16)
+        if X.ndim != 2 or X.shape[1] != k or X.shape[0] < 1:
+            raise KernelError(f"X must be fp16 [T, {k}], got shape {tuple(X.shape)}")
+        t = int(X.shape[0])
+        check_array("out", out, np.float16, shape=(t, n))
+        if workspace is None:
+            workspace = cupy.empty(n * k, dtype=np.float16)
+        check_array("workspace", workspace, np.float16, min_size=n * k)
+        w = workspace[: n * k].reshape(n, k)
+        self.dequantize_int4(qweight, scales, w)
+        # cuBLAS fp16 GEMM with fp32 compute (CuPy's default compute type for float16), on the current
+        # stream; the transpose is a flag, not a copy
+        cupy.matmul(X, w.T, out=out)
+
+    # ---- RoPE + KV page write ---------------------------------------------------------------------
+
+    def rope_kv_prefill(self, qkv, start_pos, page_table, k_cache, v_cache, layer, q_out) -> None:
+        """RoPE on q and k of T tokens at positions start_pos.., K/V into the pages, q into q_out.
+
+        qkv: fp16 [T, (n_heads + 2*n_kv)*128] (bias added); q_out: fp16 [T, n_heads*128];
+        page_table int32 [max_pages] must cover positions < start_pos + T.
+        """
+        d = self.dims
+        check_array("qkv", qkv, np.float16)
+        if qkv.ndim != 2 or qkv.shape[1] != d.qkv_rows or qkv.shape[0] < 1:
+            raise KernelError(f"qkv must be fp16 [T, {d.qkv_rows}], got shape {tuple(qkv.shape)}")
+        t = int(qkv.shape[0])
+        check_array("q_out", q_out, np.float16, shape=(t, d.q_dim))
+        layer, n_pages = check_kv_cache(d, k_cache, v_cache, layer)
+        check_page_table(page_table)
+        start_pos = check_int("start_pos", start_pos, 0)
+        if start_pos + t > page_table.size * PAGE_TOKENS:
+            raise KernelError(
+                f"start_pos + T = {start_pos + t} exceeds the page table's {page_table.size * PAGE_TOKENS} positions"
+            )
+        launch(self._rope, (t, d.n_heads + 2 * d.n_kv_heads, 1), (HEAD_DIM // 2, 1, 1),
+               (qkv, np.int32(start_pos), page_table, k_cache, v_cache, np.int32(layer), np.int32(n_pages),
+                q_out))
+
+    # ---- causal attention over the pages ----------------------------------------------------------
+
+    def attention_prefill(self, q, k_cache, v_cache, page_table, start_pos, T, layer, out) -> None:
+        """out[i, h] = causal attention of query i (position start_pos + i) over positions <= it.
+
+        q, out: fp16 [T, n_heads*128] (q roped); K/V for positions < start_pos + T in the pages.
+        """
+        d = self.dims
+        T = check_int("T", T, 1)
+        check_array("q", q, np.float16, shape=(T, d.q_dim))
+        check_array("out", out, np.float16, shape=(T, d.q_dim))
+        layer, n_pages = check_kv_cache(d, k_cache, v_cache, layer)
+        check_page_table(page_table)
+        start_pos = check_int("start_pos", start_pos, 0)
+        if start_pos + T > page_table.size * PAGE_TOKENS:
+            raise KernelError(
+                f"start_pos + T = {start_pos + T} exceeds the page table's {page_table.size * PAGE_TOKENS} positions"
+            )
+        launch(self._attn, ((T + _ATTN_BQ - 1) // _ATTN_BQ, d.n_heads, 1), (256, 1, 1),
+               (q, k_cache, v_cache, page_table, np.int32(start_pos), np.int32(T), np.int32(layer),
+                np.int32(n_pages), out))
