@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import click
 
 from nanoqwen_cli import session
@@ -34,8 +36,8 @@ def chat(model, device, max_context, system, quiet, **sampling):
     overrides = sampling_overrides(sampling)
     loaded = session.load(model, device, max_context, progress=not quiet)
     params = session.make_params(loaded.engine, overrides)
-    stdin = click.get_text_stream("stdin")
-    out = click.get_text_stream("stdout")
+    stdin = sys.stdin
+    out = sys.stdout
     interactive = stdin.isatty()
 
     def note(text: str) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import click
 
@@ -57,7 +58,7 @@ def run(prompt, model, device, max_context, system, raw, quiet, as_json, **sampl
         return
 
     stats = session.Stats()
-    out = click.get_text_stream("stdout")
+    out = sys.stdout
     for delta in session.stream(loaded.engine, request, params, stats):
         # Flush per delta: a pipe would otherwise hold the answer back until the end.
         out.write(delta)
@@ -70,7 +71,7 @@ def run(prompt, model, device, max_context, system, raw, quiet, as_json, **sampl
 
 def _read_prompt(prompt: str | None) -> str:
     if prompt is None or prompt == "-":
-        stdin = click.get_text_stream("stdin")
+        stdin = sys.stdin
         if prompt is None and stdin.isatty():
             raise click.UsageError("no prompt: give PROMPT as an argument or pipe it on stdin")
         prompt = stdin.read()

@@ -6,11 +6,14 @@ when the engine's API moves is here.
 
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import click
+
+from nanoqwen_cli.errors import CliError
 
 
 @dataclass
@@ -29,6 +32,10 @@ def load(
     from nanoqwen_engine import Engine
     from nanoqwen_engine.model_source import resolve_model
 
+    accepted = inspect.signature(Engine.load).parameters
+    for name, value in engine_kwargs.items():
+        if name not in accepted and not any(p.kind is p.VAR_KEYWORD for p in accepted.values()):
+            raise CliError(f"this nanoqwen-engine does not support {name}={value!r} yet")
     path = Path(resolve_model(model, progress=progress))
     t0 = time.perf_counter()
     engine = Engine.load(path, device=device, max_context=max_context, progress=progress, **engine_kwargs)
@@ -51,7 +58,7 @@ def messages_for(prompt: str, system: str | None) -> list[dict]:
 
 @dataclass
 class Stats:
-    """What a request cost; filled from the engine's own stats, else measured around the stream."""
+    """What a request cost, as the engine reports it on its last event (Completion.stats)."""
 
     prompt_tokens: int = 0
     generated_tokens: int = 0
@@ -74,31 +81,22 @@ class Stats:
 def stream(engine, request, params, stats: Stats):
     """Yield text deltas of `request` (str: raw completion; list of messages: chat), filling `stats`.
 
-    Closing this generator (Ctrl-C in chat) closes the engine's generator, which frees the sequence.
+    The engine's last event carries the request's own timings; closing this generator (Ctrl-C in chat)
+    closes the engine's, which frees the sequence's KV pages.
     """
-    t0 = time.perf_counter()
-    t_first = None
     events = engine.generate(request, params)
     try:
         for event in events:
-            if t_first is None:
-                t_first = time.perf_counter()
-            if event.token_id is not None:
-                stats.token_ids.append(int(event.token_id))
+            stats.token_ids.append(int(event.token_id))
             if event.finish_reason is not None:
                 stats.finish_reason = event.finish_reason
+            if event.stats is not None:
+                _copy_stats(event.stats, stats)
             if event.text:
                 yield event.text
     finally:
         events.close()
-    t_end = time.perf_counter()
     stats.generated_tokens = len(stats.token_ids)
-    engine_stats = getattr(engine, "last_stats", None)
-    if engine_stats is not None:
-        _copy_stats(engine_stats, stats)
-    else:
-        stats.prefill_s = (t_first or t_end) - t0
-        stats.decode_s = t_end - (t_first or t_end)
 
 
 def _copy_stats(src, dst: Stats) -> None:

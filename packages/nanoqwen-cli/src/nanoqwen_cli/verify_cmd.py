@@ -126,9 +126,8 @@ def _check(engine, reference, kind: str, text: str, max_tokens: int, eps: float)
 
 
 def _prompt_ids(engine, request) -> list[int]:
-    tok = engine.tokenizer
-    text = tok.apply_chat_template(request) if isinstance(request, list) else request
-    return list(tok.encode(text))
+    """The token ids the engine itself prefills for `request` (chat template applied for messages)."""
+    return [int(t) for t in engine.encode_prompt(request)]
 
 
 def _table(r: dict) -> str:

@@ -1,0 +1,77 @@
+"""Fixtures for the CLI's CliRunner tests: a tiny synthetic model on the CPU reference backend.
+
+Every test gets its own empty model cache and an offline, empty Hugging Face home, so nothing here can
+reach the network or reuse a file another test converted.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+from click.testing import CliRunner
+from nanoqwen_cli.main import cli
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    from nanoqwen_format.synthetic import tiny_config, write_synthetic
+
+    path = tmp_path_factory.mktemp("models") / "tiny.nanoqwen"
+    write_synthetic(path, tiny_config(), seed=0)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tiny_model):
+    """The same model loaded directly through the engine: what the CLI's output is checked against."""
+    from nanoqwen_engine import Engine
+
+    return Engine.load(tiny_model, device="cpu", progress=False)  # a separate instance from the CLI's
+
+
+_LOADED: dict = {}
+
+
+@pytest.fixture(autouse=True)
+def reuse_loaded_engines(monkeypatch):
+    """Load each (file, device, max_context) once per test session.
+
+    Parsing the 7 MB tokenizer.json makes every Engine.load cost ~1 s, which a few dozen CliRunner
+    invocations cannot afford in CI; each request frees its pages, so an engine can serve many tests.
+    The subprocess tests (tests/test_cli_*.py at the root) load for real every time.
+    """
+    from nanoqwen_engine import Engine
+
+    original = Engine.load
+
+    @functools.wraps(original)
+    def load(path_or_hf_id, device="cuda", max_context=None, progress=True, **kwargs):
+        key = (str(path_or_hf_id), device, max_context, tuple(sorted(kwargs.items())))
+        if key not in _LOADED:
+            _LOADED[key] = original(
+                path_or_hf_id, device=device, max_context=max_context, progress=progress, **kwargs
+            )
+        return _LOADED[key]
+
+    monkeypatch.setattr(Engine, "load", load)
+
+
+@pytest.fixture(autouse=True)
+def isolated_caches(tmp_path, monkeypatch):
+    monkeypatch.setenv("NANOQWEN_CACHE", str(tmp_path / "nanoqwen-cache"))
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv("NANOQWEN_MODEL", raising=False)
+    monkeypatch.delenv("NANOQWEN_DEBUG", raising=False)
+
+
+@pytest.fixture
+def invoke():
+    """invoke(args, input=None) -> click Result, with stdout and stderr kept apart."""
+    runner = CliRunner()
+
+    def _invoke(args, input=None):
+        return runner.invoke(cli, [str(a) for a in args], input=input)
+
+    return _invoke
