@@ -101,7 +101,9 @@ def check_kv_cache(dims: ModelDims, k_cache: Any, v_cache: Any, layer: Any) -> t
 def check_page_table(page_table: Any):
     check_array("page_table", page_table, np.int32)
     if page_table.ndim != 1 or page_table.size < 1:
-        raise KernelError(f"page_table must be a non-empty 1-D int32 array, got shape {tuple(page_table.shape)}")
+        raise KernelError(
+            f"page_table must be a non-empty 1-D int32 array, got shape {tuple(page_table.shape)}"
+        )
     return page_table
 
 
@@ -151,8 +153,18 @@ class AttentionKernels:
             self._split,
             (d.n_kv_heads, self.splits, 1),
             (DECODE_THREADS, 1, 1),
-            (q, k_cache, v_cache, page_table, seq_len_dev, np.int32(layer), np.int32(n_pages),
-             np.int32(page_table.size), ws_acc, ws_ml),
+            (
+                q,
+                k_cache,
+                v_cache,
+                page_table,
+                seq_len_dev,
+                np.int32(layer),
+                np.int32(n_pages),
+                np.int32(page_table.size),
+                ws_acc,
+                ws_ml,
+            ),
             shared_mem=self.smem_bytes,
         )
         launch(self._combine, (d.n_heads, 1, 1), (HEAD_DIM, 1, 1), (ws_acc, ws_ml, out))

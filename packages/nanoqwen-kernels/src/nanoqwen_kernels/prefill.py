@@ -49,8 +49,12 @@ class PrefillKernels:
         check_array("out", out, np.float16, shape=(n, k))
         words = n * k // 8
         blocks = min(_DEQUANT_MAX_BLOCKS, (words + _DEQUANT_THREADS - 1) // _DEQUANT_THREADS)
-        launch(self._dequant, (blocks, 1, 1), (_DEQUANT_THREADS, 1, 1),
-               (qweight, scales, out, np.int32(n), np.int32(k)))
+        launch(
+            self._dequant,
+            (blocks, 1, 1),
+            (_DEQUANT_THREADS, 1, 1),
+            (qweight, scales, out, np.int32(n), np.int32(k)),
+        )
 
     def gemm_int4(self, qweight, scales, X, out, workspace=None) -> None:
         """out[T, N] fp16 = X[T, K] . W^T, W the INT4 weight dequantized to fp16 (fp32 accumulate).
@@ -95,9 +99,21 @@ class PrefillKernels:
             raise KernelError(
                 f"start_pos + T = {start_pos + t} exceeds the page table's {page_table.size * PAGE_TOKENS} positions"
             )
-        launch(self._rope, (t, d.n_heads + 2 * d.n_kv_heads, 1), (HEAD_DIM // 2, 1, 1),
-               (qkv, np.int32(start_pos), page_table, k_cache, v_cache, np.int32(layer), np.int32(n_pages),
-                q_out))
+        launch(
+            self._rope,
+            (t, d.n_heads + 2 * d.n_kv_heads, 1),
+            (HEAD_DIM // 2, 1, 1),
+            (
+                qkv,
+                np.int32(start_pos),
+                page_table,
+                k_cache,
+                v_cache,
+                np.int32(layer),
+                np.int32(n_pages),
+                q_out,
+            ),
+        )
 
     # ---- causal attention over the pages ----------------------------------------------------------
 
@@ -108,6 +124,9 @@ class PrefillKernels:
         """
         d = self.dims
         T = check_int("T", T, 1)
+        check_array("q", q, np.float16)
+        if q.ndim == 2 and q.shape[0] != T:
+            raise KernelError(f"q has {q.shape[0]} rows but T = {T}")
         check_array("q", q, np.float16, shape=(T, d.q_dim))
         check_array("out", out, np.float16, shape=(T, d.q_dim))
         layer, n_pages = check_kv_cache(d, k_cache, v_cache, layer)
@@ -117,6 +136,19 @@ class PrefillKernels:
             raise KernelError(
                 f"start_pos + T = {start_pos + T} exceeds the page table's {page_table.size * PAGE_TOKENS} positions"
             )
-        launch(self._attn, ((T + _ATTN_BQ - 1) // _ATTN_BQ, d.n_heads, 1), (256, 1, 1),
-               (q, k_cache, v_cache, page_table, np.int32(start_pos), np.int32(T), np.int32(layer),
-                np.int32(n_pages), out))
+        launch(
+            self._attn,
+            ((T + _ATTN_BQ - 1) // _ATTN_BQ, d.n_heads, 1),
+            (256, 1, 1),
+            (
+                q,
+                k_cache,
+                v_cache,
+                page_table,
+                np.int32(start_pos),
+                np.int32(T),
+                np.int32(layer),
+                np.int32(n_pages),
+                out,
+            ),
+        )

@@ -1,0 +1,100 @@
+"""Prefill benchmarks (7B dims): INT4 GEMM at M = 512 (dequantize + cuBLAS), RoPE/KV write, causal attention.
+
+    PYTHONPATH=packages/nanoqwen-kernels/src python packages/nanoqwen-kernels/bench/bench_prefill.py
+
+CUDA events around N back-to-back calls on one stream, median of several such batches, divided by N.
+GEMM: TFLOP/s "effective" = 2 M N K / (dequantize + GEMM time); beside it cuBLAS alone on the already
+dequantized fp16 weight (the peer, and the ceiling of this two-step design) and the dequantizer alone.
+Attention: FLOPs counted as 4 x heads x 128 x (causal pairs), i.e. QK^T and PV, no masked work.
+A timing is a measurement, never an assertion.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import cupy as cp
+import numpy as np
+from nanoqwen_kernels.dims import QWEN25_7B
+from nanoqwen_kernels.loader import load_module
+from nanoqwen_kernels.prefill import PrefillKernels
+
+D = QWEN25_7B
+M = 512
+# (name, N, K) of the 7B projections as the prefill runs them (q/k/v fused, gate/up fused)
+PROJ = [
+    ("qkv", D.qkv_rows, D.hidden),
+    ("o", D.hidden, D.hidden),
+    ("gate_up", 2 * D.intermediate, D.hidden),
+    ("down", D.hidden, D.intermediate),
+]
+
+
+def time_calls(fn, n: int = 10, batches: int = 7) -> float:
+    stream = cp.cuda.get_current_stream()
+    fn()
+    stream.synchronize()
+    times = []
+    for _ in range(batches):
+        a, b = cp.cuda.Event(), cp.cuda.Event()
+        a.record(stream)
+        for _ in range(n):
+            fn()
+        b.record(stream)
+        b.synchronize()
+        times.append(cp.cuda.get_elapsed_time(a, b) * 1e-3 / n)
+    return float(np.median(times))
+
+
+def bench_gemm(pk: PrefillKernels, name: str, n: int, k: int, rng) -> float:
+    qw = cp.asarray(rng.integers(0, 2**32, size=(n, k // 8), dtype=np.uint32))
+    sc = cp.asarray(rng.uniform(1e-3, 5e-2, size=(n, k // 128)).astype(np.float16))
+    x = cp.random.standard_normal((M, k), dtype=cp.float32).astype(cp.float16)
+    out = cp.empty((M, n), cp.float16)
+    ws = cp.empty(n * k, cp.float16)
+    w = ws.reshape(n, k)
+    t = time_calls(lambda: pk.gemm_int4(qw, sc, x, out, workspace=ws))
+    t_mm = time_calls(lambda: cp.matmul(x, w.T, out=out))
+    t_dq = time_calls(lambda: pk.dequantize_int4(qw, sc, w))
+    fl = 2.0 * M * n * k
+    print(
+        f"| gemm_int4 {name} {n}x{k} | {t * 1e6:.1f} | {fl / t / 1e12:.0f} | {t_mm * 1e6:.1f}, "
+        f"{fl / t_mm / 1e12:.0f} | {t_dq * 1e6:.1f} |"
+    )
+    return t
+
+
+def bench_attention(pk: PrefillKernels, kc, vc, table, T: int, n: int, batches: int) -> None:
+    qt = cp.random.standard_normal((T, D.q_dim), dtype=cp.float32).astype(cp.float16)
+    out = cp.empty((T, D.q_dim), cp.float16)
+    t = time_calls(lambda: pk.attention_prefill(qt, kc, vc, table, 0, T, 0, out), n=n, batches=batches)
+    fl = 4.0 * D.n_heads * 128 * T * (T + 1) / 2
+    print(f"| attention_prefill T = {T} | {t * 1e6:.1f} | {fl / t / 1e12:.1f} | | |")
+
+
+def main() -> int:
+    pk = PrefillKernels(D, load_module)
+    rng = np.random.default_rng(0)
+    print(
+        "| prefill kernel (7B, M = 512) | time (us) | TFLOP/s | cuBLAS fp16 alone (us, TFLOP/s) | dequant (us) |"
+    )
+    print("| --- | --- | --- | --- | --- |")
+    total = sum(bench_gemm(pk, name, n, k, rng) for name, n, k in PROJ) * D.n_layers
+
+    n_pages = 32768 // 16 + 1
+    cache_shape = (1, n_pages, D.n_kv_heads, 16, 128)
+    kc = cp.random.standard_normal(cache_shape, dtype=cp.float32).astype(cp.float16)
+    vc = cp.random.standard_normal(cache_shape, dtype=cp.float32).astype(cp.float16)
+    table = cp.asarray(rng.permutation(n_pages).astype(np.int32))
+    qkv = cp.random.standard_normal((M, D.qkv_rows), dtype=cp.float32).astype(cp.float16)
+    q = cp.empty((M, D.q_dim), cp.float16)
+    t = time_calls(lambda: pk.rope_kv_prefill(qkv, 0, table, kc, vc, 0, q))
+    print(f"| rope_kv_prefill T = {M} | {t * 1e6:.1f} | | | |")
+    for T, n, b in ((512, 10, 7), (4096, 3, 3), (32768, 1, 1)):
+        bench_attention(pk, kc, vc, table, T, n, b)
+    print(f"\n28 layers of the four GEMMs at M = {M}: {total * 1e3:.2f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

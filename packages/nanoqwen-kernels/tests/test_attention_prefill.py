@@ -1,0 +1,136 @@
+"""Causal prefill attention over the pages on the GPU against a numpy float64 reference.
+
+Positions 0 .. start_pos+T-1 hold random K/V in pages scattered through the pool; every other slot
+(other pages, the other layer, the last page's slots past the sequence) is NaN; out starts NaN.
+Tolerance (fp16 output, fp32 softmax/accumulation): |out - ref| <= 2e-4 + 4e-3 |ref|.
+"""
+
+import numpy as np
+import pytest
+from nanoqwen_kernels import KernelError, gpu_status
+from nanoqwen_kernels.dims import QWEN25_7B, TINY
+
+OK, REASON = gpu_status()
+gpu = pytest.mark.skipif(not OK, reason=REASON)
+DIMS = {"7b": QWEN25_7B, "tiny": TINY}
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    from nanoqwen_kernels.loader import load_module
+    from nanoqwen_kernels.prefill import PrefillKernels
+
+    return {name: PrefillKernels(d, load_module) for name, d in DIMS.items()}
+
+
+def causal_ref(q, k, v, start_pos, g):
+    """q [T, nh, 128], k/v [L, nkv, 128] float64 -> [T, nh, 128]; query i sees positions <= start_pos+i."""
+    T, nh, _ = q.shape
+    out = np.empty_like(q)
+    for h in range(nh):
+        s = q[:, h, :] @ k[:, h // g, :].T / np.sqrt(128.0)  # [T, L]
+        mask = np.arange(k.shape[0])[None, :] > (start_pos + np.arange(T))[:, None]
+        s[mask] = -np.inf
+        p = np.exp(s - s.max(axis=1, keepdims=True))
+        out[:, h, :] = (p / p.sum(axis=1, keepdims=True)) @ v[:, h // g, :]
+    return out
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["7b", "tiny"])
+@pytest.mark.parametrize("start_pos", [0, 37])
+@pytest.mark.parametrize("T", [1, 15, 16, 17, 100, 513])
+def test_attention_prefill(kernels, name, start_pos, T):
+    import cupy as cp
+
+    d = DIMS[name]
+    rng = np.random.default_rng()
+    L = start_pos + T
+    n_logical = (L + 15) // 16
+    n_pages = n_logical + 5
+    table = rng.permutation(n_pages)[:n_logical].astype(np.int32)
+    shape = (2, n_pages, d.n_kv_heads, 16, 128)
+    kc = np.full(shape, np.nan, dtype=np.float16)
+    vc = np.full(shape, np.nan, dtype=np.float16)
+    k = rng.standard_normal((L, d.n_kv_heads, 128)).astype(np.float16)
+    v = rng.standard_normal((L, d.n_kv_heads, 128)).astype(np.float16)
+    layer = 1
+    pos = np.arange(L)
+    kc[layer, table[pos // 16], :, pos % 16] = k
+    vc[layer, table[pos // 16], :, pos % 16] = v
+    q = (2.0 * rng.standard_normal((T, d.q_dim))).astype(np.float16)
+    out = cp.full((T, d.q_dim), np.nan, dtype=cp.float16)
+    kernels[name].attention_prefill(
+        cp.asarray(q), cp.asarray(kc), cp.asarray(vc), cp.asarray(table), start_pos, T, layer, out
+    )
+    g = d.n_heads // d.n_kv_heads
+    ref = causal_ref(
+        q.astype(np.float64).reshape(T, d.n_heads, 128),
+        k.astype(np.float64),
+        v.astype(np.float64),
+        start_pos,
+        g,
+    ).reshape(T, -1)
+    got = cp.asnumpy(out).astype(np.float64)
+    assert np.isfinite(got).all(), "NaN in the output: a slot outside the sequence was read"
+    err = np.abs(got - ref)
+    assert (err <= 2e-4 + 4e-3 * np.abs(ref)).all(), f"max err {err.max():.3g}"
+
+
+@gpu
+@pytest.mark.gpu
+def test_attention_prefill_rejects_bad_arguments(kernels):
+    import cupy as cp
+
+    d = TINY
+    cache = cp.zeros((2, 4, d.n_kv_heads, 16, 128), cp.float16)
+    table = cp.arange(4, dtype=cp.int32)
+    q = cp.zeros((3, d.q_dim), cp.float16)
+    base = dict(
+        q=q, k_cache=cache, v_cache=cache.copy(), page_table=table, start_pos=0, T=3, layer=0, out=q.copy()
+    )
+    cases = {
+        "q": dict(q=cp.zeros((3, d.q_dim), cp.float32)),
+        "out": dict(out=cp.zeros((4, d.q_dim), cp.float16)),
+        "k_cache": dict(k_cache=cp.zeros((2, 4, d.n_kv_heads + 1, 16, 128), cp.float16)),
+        "start_pos": dict(start_pos=62),
+        "T": dict(T=4),  # q has 3 rows
+    }
+    for name, change in cases.items():
+        with pytest.raises(KernelError, match=name):
+            kernels["tiny"].attention_prefill(**{**base, **change})
+
+
+@gpu
+@pytest.mark.gpu
+def test_attention_prefill_32k_rows(kernels):
+    """T = 32768 in one launch (O(T) memory): 24 random rows, the first and the last, against the reference."""
+    import cupy as cp
+
+    d, T = TINY, 32768
+    rng = np.random.default_rng()
+    n_pages = T // 16
+    table = rng.permutation(n_pages).astype(np.int32)
+    pos = np.arange(T)
+    k = rng.standard_normal((T, d.n_kv_heads, 128)).astype(np.float16)
+    v = rng.standard_normal((T, d.n_kv_heads, 128)).astype(np.float16)
+    kc = np.empty((1, n_pages, d.n_kv_heads, 16, 128), np.float16)
+    vc = np.empty_like(kc)
+    kc[0, table[pos // 16], :, pos % 16] = k
+    vc[0, table[pos // 16], :, pos % 16] = v
+    q = rng.standard_normal((T, d.q_dim)).astype(np.float16)
+    out = cp.full((T, d.q_dim), np.nan, dtype=cp.float16)
+    kernels["tiny"].attention_prefill(
+        cp.asarray(q), cp.asarray(kc), cp.asarray(vc), cp.asarray(table), 0, T, 0, out
+    )
+    got = cp.asnumpy(out).astype(np.float64)
+    assert np.isfinite(got).all()
+    rows = np.concatenate([[0, T - 1], rng.integers(0, T, 22)])
+    g = d.n_heads // d.n_kv_heads
+    kf, vf = k.astype(np.float64), v.astype(np.float64)
+    for i in rows:
+        qi = q[i].astype(np.float64).reshape(1, d.n_heads, 128)
+        # row i alone: start_pos = i makes it see positions 0..i, exactly its causal window
+        ref = causal_ref(qi, kf[: i + 1], vf[: i + 1], int(i), g).reshape(-1)
+        assert (np.abs(got[i] - ref) <= 2e-4 + 4e-3 * np.abs(ref)).all(), f"row {i}"

@@ -1,0 +1,101 @@
+"""rope_kv_prefill on the GPU against a numpy float64 RoPE; K/V land in the right page slots only.
+
+The caches start all-NaN: after the launch exactly the (page, slot) pairs of positions
+start_pos .. start_pos+T-1 of the chosen layer hold numbers, everything else is still NaN.
+Tolerance: q/k |out - ref| <= 2e-3 + 2e-3 |ref| (fp16 output; fp32 angle error ~pos * 2^-24 rad);
+v is a copy, checked bit-exact.
+"""
+
+import numpy as np
+import pytest
+from nanoqwen_kernels import KernelError, gpu_status
+from nanoqwen_kernels.dims import QWEN25_7B, TINY
+
+OK, REASON = gpu_status()
+gpu = pytest.mark.skipif(not OK, reason=REASON)
+DIMS = {"7b": QWEN25_7B, "tiny": TINY}
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    from nanoqwen_kernels.loader import load_module
+    from nanoqwen_kernels.prefill import PrefillKernels
+
+    return {name: PrefillKernels(d, load_module) for name, d in DIMS.items()}
+
+
+def rope_ref(x, pos, theta):
+    """x [T, heads, 128] float64, pos [T] -> HF rotate-half RoPE."""
+    inv = theta ** (-np.arange(64) * 2.0 / 128.0)
+    ang = pos[:, None].astype(np.float64) * inv[None, :]  # [T, 64]
+    c, s = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+    lo, hi = x[..., :64], x[..., 64:]
+    return np.concatenate([lo * c - hi * s, hi * c + lo * s], axis=-1)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["7b", "tiny"])
+@pytest.mark.parametrize("start_pos", [0, 37])
+@pytest.mark.parametrize("T", [1, 15, 16, 17, 100, 513])
+def test_rope_kv_prefill(kernels, name, start_pos, T):
+    import cupy as cp
+
+    d = DIMS[name]
+    rng = np.random.default_rng()
+    n_logical = (start_pos + T + 15) // 16
+    n_pages = n_logical + 5
+    table = rng.permutation(n_pages)[:n_logical].astype(np.int32)
+    shape = (2, n_pages, d.n_kv_heads, 16, 128)
+    k_cache = cp.full(shape, np.nan, dtype=cp.float16)
+    v_cache = cp.full(shape, np.nan, dtype=cp.float16)
+    qkv = rng.standard_normal((T, d.qkv_rows)).astype(np.float16)
+    q_out = cp.full((T, d.q_dim), np.nan, dtype=cp.float16)
+    layer = 1
+    kernels[name].rope_kv_prefill(
+        cp.asarray(qkv), start_pos, cp.asarray(table), k_cache, v_cache, layer, q_out
+    )
+
+    pos = np.arange(start_pos, start_pos + T)
+    x = qkv.astype(np.float64)
+    nh, nkv = d.n_heads, d.n_kv_heads
+    q_ref = rope_ref(x[:, : nh * 128].reshape(T, nh, 128), pos, d.rope_theta).reshape(T, -1)
+    k_ref = rope_ref(x[:, nh * 128 : (nh + nkv) * 128].reshape(T, nkv, 128), pos, d.rope_theta)
+    v_ref = qkv[:, (nh + nkv) * 128 :].reshape(T, nkv, 128)
+
+    got_q = cp.asnumpy(q_out).astype(np.float64)
+    assert (np.abs(got_q - q_ref) <= 2e-3 + 2e-3 * np.abs(q_ref)).all()
+    kc, vc = cp.asnumpy(k_cache), cp.asnumpy(v_cache)
+    pages, slots = table[pos // 16], pos % 16
+    got_k = kc[layer, pages, :, slots].astype(np.float64)  # [T, nkv, 128]
+    got_v = vc[layer, pages, :, slots]
+    assert (np.abs(got_k - k_ref) <= 2e-3 + 2e-3 * np.abs(k_ref)).all()
+    assert np.array_equal(got_v.view(np.uint16), v_ref.view(np.uint16))
+    written = T * nkv * 128
+    assert np.count_nonzero(~np.isnan(kc)) == written, "K written outside its slots"
+    assert np.count_nonzero(~np.isnan(vc)) == written, "V written outside its slots"
+
+
+@gpu
+@pytest.mark.gpu
+def test_rope_kv_prefill_rejects_bad_arguments(kernels):
+    import cupy as cp
+
+    d = TINY
+    cache = cp.zeros((2, 4, d.n_kv_heads, 16, 128), cp.float16)
+    table = cp.arange(4, dtype=cp.int32)
+    qkv = cp.zeros((3, d.qkv_rows), cp.float16)
+    q_out = cp.zeros((3, d.q_dim), cp.float16)
+    base = dict(
+        qkv=qkv, start_pos=0, page_table=table, k_cache=cache, v_cache=cache.copy(), layer=0, q_out=q_out
+    )
+    cases = {
+        "qkv": dict(qkv=cp.zeros((3, d.qkv_rows - 128), cp.float16)),
+        "q_out": dict(q_out=cp.zeros((2, d.q_dim), cp.float16)),
+        "start_pos": dict(start_pos=63),  # 63 + 3 > 4 pages x 16
+        "layer": dict(layer=-1),
+        "page_table": dict(page_table=table.astype(cp.float32)),
+    }
+    for name, change in cases.items():
+        with pytest.raises(KernelError, match=name):
+            kernels["tiny"].rope_kv_prefill(**{**base, **change})
