@@ -1,0 +1,380 @@
+"""The validation ladder's reusable parts: a diverse prompt set and the greedy comparison of two engines.
+
+Used by the ladder tests (tests/test_ladder_*.py) and `nanoqwen-cli verify`:
+
+    prompts = build_prompts(engine.tokenizer, n=100)
+    report = compare_greedy(gpu_engine, cpu_engine, prompts, max_tokens=64, eps=DEFAULT_EPS)
+    print(format_report(report)); assert report.ok
+
+Greedy decoding is a chain of argmaxes, so two correct engines that round differently (the GPU keeps
+activations and the KV cache in fp16 and sums in a different order; the reference is float32 numpy) pick
+the same token unless the reference's best two logits are closer than the rounding error. So a
+divergence is acceptable only where the reference itself barely prefers its token over the one the other
+engine picked: gap = ref_logit[ref_token] - ref_logit[other_token] <= eps (for a token that is the
+reference's runner-up this gap is the reference's top-2 margin; a token further down is further away, so
+this is stricter than asking for a small top-2 margin alone). Any other divergence is a bug.
+
+DEFAULT_EPS = 0.1 logit: the synthetic models have logits of rms ~4 (nanoqwen_format.synthetic); the
+fp16 rounding of activations and KV shifts them by ~1e-3 relative per layer, measured end to end as the
+score() logit error (the ladder reports it next to each divergence; docs/VALIDATION.md records the
+figures). eps is a few times the largest such shift, far below a typical top-2 margin.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+DEFAULT_EPS = 0.1
+PAGE_BOUNDARY_LENGTHS = (15, 16, 17, 31, 32, 33)
+
+# --- built-in material: short, varied, and ASCII-plus-a-little-Unicode like real prompts -------------
+_CODE = {
+    "python": '''def merge_sorted(a, b):
+    """Merge two sorted lists into one sorted list."""
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        if a[i] <= b[j]:
+            out.append(a[i]); i += 1
+        else:
+            out.append(b[j]); j += 1
+    return out + a[i:] + b[j:]
+
+class LRUCache:
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.data = {}
+
+    def get(self, key):
+        if key not in self.data:
+            return None
+        value = self.data.pop(key)
+        self.data[key] = value
+        return value
+''',
+    "c": '''#include <stdio.h>
+#include <stdlib.h>
+
+/* Count the lines of a file given on the command line. */
+int main(int argc, char **argv) {
+    if (argc < 2) { fprintf(stderr, "usage: %s FILE\\n", argv[0]); return 1; }
+    FILE *f = fopen(argv[1], "r");
+    if (!f) { perror("fopen"); return 1; }
+    long lines = 0; int c;
+    while ((c = fgetc(f)) != EOF) if (c == '\\n') lines++;
+    fclose(f);
+    printf("%ld\\n", lines);
+    return 0;
+}
+''',
+    "rust": '''use std::collections::HashMap;
+
+/// Word frequencies of a text, most frequent first.
+fn word_counts(text: &str) -> Vec<(String, usize)> {
+    let mut counts: HashMap<String, usize> = HashMap::new();
+    for w in text.split_whitespace() {
+        *counts.entry(w.to_lowercase()).or_insert(0) += 1;
+    }
+    let mut v: Vec<_> = counts.into_iter().collect();
+    v.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+    v
+}
+''',
+    "javascript": '''export async function fetchJson(url, { retries = 3, timeoutMs = 5000 } = {}) {
+  for (let attempt = 0; attempt <= retries; attempt++) {
+    const ctrl = new AbortController();
+    const timer = setTimeout(() => ctrl.abort(), timeoutMs);
+    try {
+      const res = await fetch(url, { signal: ctrl.signal });
+      if (!res.ok) throw new Error(`HTTP ${res.status}`);
+      return await res.json();
+    } catch (err) {
+      if (attempt === retries) throw err;
+    } finally {
+      clearTimeout(timer);
+    }
+  }
+}
+''',
+    "go": '''package main
+
+import (
+\t"fmt"
+\t"sync"
+)
+
+func main() {
+\tvar wg sync.WaitGroup
+\tresults := make([]int, 10)
+\tfor i := 0; i < 10; i++ {
+\t\twg.Add(1)
+\t\tgo func(i int) { defer wg.Done(); results[i] = i * i }(i)
+\t}
+\twg.Wait()
+\tfmt.Println(results)
+}
+''',
+    "sql": '''SELECT c.name, COUNT(o.id) AS orders, SUM(o.total) AS revenue
+FROM customers AS c
+LEFT JOIN orders AS o ON o.customer_id = c.id AND o.created_at >= DATE '2024-01-01'
+GROUP BY c.name
+HAVING COUNT(o.id) > 3
+ORDER BY revenue DESC
+LIMIT 20;
+''',
+    "bash": '''#!/usr/bin/env bash
+set -euo pipefail
+for f in "$@"; do
+  if [[ -f "$f" ]]; then
+    printf '%s: %d lines\\n' "$f" "$(wc -l < "$f")"
+  else
+    echo "skipping $f" >&2
+  fi
+done
+''',
+    "cuda": '''__global__ void saxpy(int n, float a, const float* __restrict__ x, float* __restrict__ y) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = a * x[i] + y[i];
+}
+''',
+}
+_PROSE = [
+    "The lighthouse keeper had not spoken to anyone in eleven days when the supply boat finally rounded "
+    "the northern rocks. He watched it from the gallery, counting the waves between each rise of its bow, "
+    "and wondered whether the captain would bring letters or only flour, lamp oil and news of the weather.",
+    "Memory bandwidth, not arithmetic, limits how fast a language model can produce one token at a time: "
+    "every weight must be read once per token, so a seven-billion-parameter model stored in four bits "
+    "moves about four gigabytes for each word it writes.",
+    "Pour la première fois depuis des années, la rivière avait gelé d'une rive à l'autre, et les enfants "
+    "du village s'aventuraient sur la glace en riant, malgré les avertissements de leurs parents.",
+    "春天来了，山上的花都开了。孩子们在田野里奔跑，老人们坐在门口晒太阳，聊着今年的收成。",
+    "A good error message names what went wrong, where, and what to do next; a bad one prints a stack "
+    "trace from deep inside a library and leaves the user to guess. 🚀 Ship the good ones.",
+]
+_CHAT = [
+    [{"role": "user", "content": "Write a Python function that checks whether a string is a palindrome."}],
+    [{"role": "system", "content": "You are a terse assistant."},
+     {"role": "user", "content": "Explain what a CUDA graph is in two sentences."}],
+    [{"role": "user", "content": "What does `git rebase -i HEAD~3` do?"},
+     {"role": "assistant", "content": "It opens an editor to rewrite the last three commits."},
+     {"role": "user", "content": "And how do I squash two of them?"}],
+    [{"role": "user", "content": "Translate to Rust: for i in range(10): print(i * i)"}],
+    [{"role": "user", "content": "Fix this SQL: SELEC name FROM users WHERE id = 1"}],
+]
+
+
+@dataclass(frozen=True)
+class Prompt:
+    name: str  # e.g. "code-rust-07"
+    kind: str  # "code" | "prose" | "chat" | "raw" | "boundary"
+    text: str | None = None  # raw completion text (special-token markup parsed)
+    messages: tuple | None = None  # chat messages (rendered with the model's chat template)
+    n_tokens: int | None = None  # prompt length in tokens, once known
+
+    @property
+    def payload(self):
+        return list(self.messages) if self.messages is not None else self.text
+
+
+def _corpus() -> str:
+    return "\n\n".join([*_CODE.values(), *_PROSE])
+
+
+def text_of_length(tokenizer, source: str, n: int) -> str:
+    """A prefix-cut of `source` (repeated as needed) that encodes to exactly n tokens.
+
+    Cutting the token ids and decoding may re-encode to a different count (a merge across the cut), so
+    nearby cuts are tried; ValueError if none fits (never seen with ASCII-heavy sources).
+    """
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    ids = tokenizer.encode(source, parse_special=False)
+    while len(ids) < n + 8:
+        source = source + "\n" + source
+        ids = tokenizer.encode(source, parse_special=False)
+    for cut in [n, n + 1, n - 1, n + 2, n - 2, n + 3, n - 3]:
+        if cut < 1:
+            continue
+        text = tokenizer.decode(ids[:cut])
+        if len(tokenizer.encode(text, parse_special=False)) == n:
+            return text
+    raise ValueError(f"no prefix of the source encodes to exactly {n} tokens")
+
+
+def prompt_lengths(n: int, max_tokens: int = 2000, seed: int = 0) -> list[int]:
+    """n raw-prompt lengths: 1 and 2, the page-boundary lengths, max_tokens, and the rest log-uniform
+    over [3, max_tokens] (most prompts are short; a few are long)."""
+    fixed = [1, 2, *PAGE_BOUNDARY_LENGTHS, max_tokens]
+    fixed = [x for x in fixed if x <= max_tokens][:n]
+    rng = np.random.default_rng(seed)
+    rest = np.exp(rng.uniform(np.log(3), np.log(max_tokens), size=max(0, n - len(fixed))))
+    return fixed + [int(x) for x in rest]
+
+
+def build_prompts(tokenizer, n: int = 100, max_tokens: int = 2000, seed: int = 0) -> list[Prompt]:
+    """n diverse prompts: ~60% raw code/prose cut to exact token lengths (1..max_tokens, page boundaries
+    included), ~20% whole code/prose snippets as raw completions, ~20% chat through the template."""
+    n_chat = max(1, n // 5) if n >= 5 else 0
+    n_whole = max(1, n // 5) if n >= 5 else 0
+    n_cut = n - n_chat - n_whole
+    out: list[Prompt] = []
+    corpus = _corpus()
+    sources = [*_CODE.items(), *(("prose", p) for p in _PROSE)]
+    for i, length in enumerate(prompt_lengths(n_cut, max_tokens, seed)):
+        name, src = sources[i % len(sources)]
+        # Long lengths take the whole corpus (rotated so long prompts start differently).
+        if length > 200:
+            k = (i * 997) % len(corpus)
+            src = corpus[k:] + "\n\n" + corpus[:k]
+        text = text_of_length(tokenizer, src, length)
+        kind = "boundary" if length in PAGE_BOUNDARY_LENGTHS else "raw"
+        out.append(Prompt(f"{kind}-{name}-{length}", kind, text=text, n_tokens=length))
+    for i in range(n_whole):
+        name, src = sources[i % len(sources)]
+        kind = "prose" if name == "prose" else "code"
+        # Distinct prompts: each takes a different starting line of its snippet.
+        lines = src.splitlines(keepends=True)
+        text = "".join(lines[(i // len(sources)) % max(1, len(lines) - 1):])
+        out.append(Prompt(f"{kind}-{name}-{i:02d}", kind, text=text,
+                          n_tokens=len(tokenizer.encode(text))))
+    for i in range(n_chat):
+        msgs = _CHAT[i % len(_CHAT)]
+        if i >= len(_CHAT):  # vary the repeats so no two prompts are the same
+            msgs = [*msgs[:-1], {"role": "user", "content": f"{msgs[-1]['content']} (variant {i})"}]
+        out.append(Prompt(f"chat-{i:02d}", "chat", messages=tuple(msgs)))
+    return out
+
+
+# --- comparison ---------------------------------------------------------------------------------------
+@dataclass
+class PromptResult:
+    name: str
+    kind: str
+    prompt_tokens: int
+    tokens_a: list[int]
+    tokens_b: list[int]
+    matched: int  # length of the common prefix of the two generations
+    divergence: int | None  # index of the first differing token; None when one is a prefix of the other
+    ref_top2_margin: float | None = None  # engine_b's top-1 minus top-2 logit at the divergence
+    ref_gap: float | None = None  # engine_b's logit of its token minus that of engine_a's token there
+    ok: bool = True
+
+
+@dataclass
+class LadderReport:
+    eps: float
+    max_tokens: int
+    results: list[PromptResult] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(r.ok for r in self.results)
+
+    @property
+    def n_exact(self) -> int:
+        return sum(r.divergence is None for r in self.results)
+
+    @property
+    def n_near_tie(self) -> int:
+        return sum(r.divergence is not None and r.ok for r in self.results)
+
+    @property
+    def n_bad(self) -> int:
+        return sum(not r.ok for r in self.results)
+
+    @property
+    def match_fraction(self) -> float:
+        tot = sum(max(len(r.tokens_a), len(r.tokens_b)) for r in self.results)
+        return sum(r.matched for r in self.results) / max(1, tot)
+
+    def as_dict(self) -> dict:
+        return {"eps": self.eps, "max_tokens": self.max_tokens, "ok": self.ok, "n_prompts": len(self.results),
+                "n_exact": self.n_exact, "n_near_tie": self.n_near_tie, "n_bad": self.n_bad,
+                "match_fraction": self.match_fraction, "results": [asdict(r) for r in self.results]}
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """Index of the first position where a and b differ, None if one is a prefix of the other."""
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None
+
+
+def margins_at(ref_logits: np.ndarray, ref_token: int, other_token: int) -> tuple[float, float]:
+    """(top-1 minus top-2 logit, logit[ref_token] - logit[other_token]) of one float [V] row."""
+    x = np.asarray(ref_logits, dtype=np.float64)
+    top2 = np.partition(x, -2)[-2:]
+    return float(top2[1] - top2[0]), float(x[ref_token] - x[other_token])
+
+
+def judge(tokens_a: list[int], tokens_b: list[int], ref_logits_at, eps: float) -> tuple[int, int | None, float | None, float | None, bool]:
+    """(matched, divergence, top2 margin, gap, ok) for two generations; ref_logits_at(i) -> engine_b's
+    float [V] logits for generated position i (called only at a divergence)."""
+    div = first_divergence(tokens_a, tokens_b)
+    if div is None:
+        return min(len(tokens_a), len(tokens_b)), None, None, None, True
+    top2, gap = margins_at(ref_logits_at(div), tokens_b[div], tokens_a[div])
+    return div, div, top2, gap, bool(gap <= eps)
+
+
+def greedy_tokens(engine, payload, max_tokens: int) -> list[int]:
+    from .params import SamplingParams
+
+    return engine.complete(payload, SamplingParams(temperature=0, max_tokens=max_tokens)).token_ids
+
+
+def compare_greedy(engine_a, engine_b, prompts, max_tokens: int = 64, eps: float = DEFAULT_EPS,
+                   progress=None) -> LadderReport:
+    """Greedy generations of engine_a (under test) against engine_b (the reference) on every prompt.
+
+    prompts: Prompt objects, strings (raw) or message lists (chat). progress(i, result), if given, is
+    called after each prompt. At a divergence, engine_b.score(prompt + its own tokens so far) gives the
+    reference logits whose margins decide whether the divergence is a near-tie (see the module doc).
+    """
+    rep = LadderReport(eps=eps, max_tokens=max_tokens)
+    for i, p in enumerate(prompts):
+        if not isinstance(p, Prompt):
+            p = Prompt(f"prompt-{i:03d}", "chat" if isinstance(p, list | tuple) else "raw",
+                       text=p if isinstance(p, str) else None,
+                       messages=tuple(p) if isinstance(p, list | tuple) else None)
+        ids = engine_b.encode_prompt(p.payload)
+        ta = greedy_tokens(engine_a, p.payload, max_tokens)
+        tb = greedy_tokens(engine_b, p.payload, max_tokens)
+
+        def ref_logits_at(j, ids=ids, tb=tb):
+            return engine_b.score(np.asarray(ids + tb[:j], dtype=np.int64))[-1]
+
+        matched, div, top2, gap, ok = judge(ta, tb, ref_logits_at, eps)
+        r = PromptResult(p.name, p.kind, len(ids), ta, tb, matched, div, top2, gap, ok)
+        rep.results.append(r)
+        if progress is not None:
+            progress(i, r)
+    return rep
+
+
+def logit_error(a: np.ndarray, b: np.ndarray) -> dict:
+    """score() comparison: relative Frobenius error, max abs error, argmax agreement of [T, V] logits."""
+    a = np.asarray(a, dtype=np.float64)
+    b = np.asarray(b, dtype=np.float64)
+    return {
+        "rel": float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)),
+        "max_abs": float(np.max(np.abs(a - b))),
+        "argmax_agree": float(np.mean(np.argmax(a, -1) == np.argmax(b, -1))),
+        "finite": bool(np.isfinite(a).all()),
+    }
+
+
+def format_report(rep: LadderReport, limit: int = 20) -> str:
+    """A short table: one line per diverging prompt (up to limit), then the totals."""
+    lines = [f"{'prompt':34s} {'len':>5s} {'match':>9s} {'div':>4s} {'top2':>7s} {'gap':>7s}  verdict"]
+    shown = [r for r in rep.results if r.divergence is not None][:limit]
+    for r in shown:
+        n = max(len(r.tokens_a), len(r.tokens_b))
+        lines.append(f"{r.name[:34]:34s} {r.prompt_tokens:5d} {r.matched:4d}/{n:<4d} {r.divergence:4d} "
+                     f"{r.ref_top2_margin:7.3f} {r.ref_gap:7.3f}  {'near-tie' if r.ok else 'BUG'}")
+    lines.append(f"{len(rep.results)} prompts x {rep.max_tokens} tokens: {rep.n_exact} identical, "
+                 f"{rep.n_near_tie} near-tie divergences (gap <= {rep.eps}), {rep.n_bad} bad; "
+                 f"{100 * rep.match_fraction:.1f}% of tokens match")
+    return "\n".join(lines)
