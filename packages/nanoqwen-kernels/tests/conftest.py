@@ -1,6 +1,11 @@
-"""Shared fixtures: every test compiles into its own kernel cache so no run sees another's cubins."""
+"""Shared fixtures: a private kernel cache per test session, and the GPU gate."""
+
+import sys
+from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # refs.py beside the tests
 
 
 @pytest.fixture(autouse=True)
@@ -8,3 +13,16 @@ def _private_kernel_cache(tmp_path_factory, monkeypatch):
     # one cache per session (compiles are the slow part of the CPU tests); tests that need an empty
     # cache point NANOQWEN_KERNEL_CACHE elsewhere themselves
     monkeypatch.setenv("NANOQWEN_KERNEL_CACHE", str(tmp_path_factory.getbasetemp() / "kcache"))
+
+
+@pytest.fixture(scope="session")
+def gpu():
+    """CuPy, once a usable Hopper GPU is known to be present; else the test skips with the reason."""
+    from nanoqwen_kernels import gpu_status
+
+    ok, reason = gpu_status()
+    if not ok:
+        pytest.skip(f"no usable GPU: {reason}")
+    import cupy
+
+    return cupy

@@ -22,6 +22,7 @@
 
 namespace nq {
 
+typedef unsigned char uint8_t;
 typedef unsigned short uint16_t;
 typedef unsigned int uint32_t;
 typedef unsigned long long uint64_t;
@@ -70,6 +71,7 @@ __device__ __forceinline__ uint32_t hmul2(uint32_t a, uint32_t b) {
   return d;
 }
 constexpr uint16_t kHalfNaN = 0x7e00u;
+#define NQ_INF __int_as_float(0x7f800000)  // no <math.h> under NVRTC: +inf spelled by its bits
 
 // ---- loads -------------------------------------------------------------------------------------------
 // Weights are read exactly once per token: the non-coherent path with L1::no_allocate keeps them from

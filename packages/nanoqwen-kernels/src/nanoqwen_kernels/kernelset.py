@@ -1,0 +1,64 @@
+"""KernelSet: every kernel of one model shape, compiled (or loaded from the disk cache) and exposed as
+the typed launchers of docs/INTERFACES.md section 4.
+
+    ks = KernelSet(ModelDims.from_config(cfg))         # arch defaults to the current device's
+    ks.qkv_rope_kv(...); ks.attention_decode(...); ks.gemv_int4(...); ks.argmax(...)
+
+Part A's launchers (GEMVs, norms, embed, sampling) live in gemv.py / norm.py / sampling.py; the
+attention and prefill ones in attention.py / prefill.py. KernelSet only builds them and forwards, so
+each launcher's contract is written once, beside its kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from .dims import ModelDims
+from .errors import KernelError
+from .gemv import GemvKernels
+from .loader import device_arch, load_module
+from .norm import NormKernels
+from .sampling import SamplingKernels
+
+
+class KernelSet:
+    def __init__(self, dims: ModelDims, arch: str | None = None):
+        if not isinstance(dims, ModelDims):
+            raise KernelError(f"KernelSet needs a ModelDims, got {type(dims).__name__}")
+        self.dims = dims
+        self.arch = arch or device_arch()
+        load = functools.partial(_load, arch=self.arch)
+        self._gemv = GemvKernels(dims, load)
+        self._norm = NormKernels(dims, load)
+        self._sampling = SamplingKernels(dims, load)
+        from .attention import AttentionKernels
+        from .prefill import PrefillKernels
+
+        self._attention = AttentionKernels(dims, load)
+        self._prefill = PrefillKernels(dims, load)
+
+        # the launchers, as bound methods (docs/INTERFACES.md section 4)
+        g, n, s, a, p = self._gemv, self._norm, self._sampling, self._attention, self._prefill
+        self.gemv_int4 = g.gemv_int4
+        self.qkv_rope_kv = g.qkv_rope_kv
+        self.gate_up_silu = g.gate_up_silu
+        self.gemv_fp16 = g.gemv_fp16
+        self.rmsnorm = n.rmsnorm
+        self.rmsnorm_rows = n.rmsnorm_rows
+        self.embed = n.embed
+        self.argmax = s.argmax
+        self.sample = s.sample
+        self.advance = s.advance
+        self.make_sampler_state = s.make_sampler_state
+        self.set_sampler_params = s.set_sampler_params
+        self.attention_decode = a.attention_decode
+        self.attention_workspace = a.new_workspace
+        self.gemm_int4 = p.gemm_int4
+        self.rope_kv_prefill = p.rope_kv_prefill
+        self.attention_prefill = p.attention_prefill
+        if hasattr(p, "dequantize_int4"):
+            self.dequantize_int4 = p.dequantize_int4
+
+
+def _load(sources, defines, arch):
+    return load_module(list(sources), dict(defines), arch)

@@ -1,0 +1,198 @@
+"""Launcher argument checks on the CPU: every bad argument is one KernelError naming it, and a good call
+reaches the launch with the expected grid and argument list. Device arrays are stood in for by numpy
+arrays that expose a device-style pointer (the checks are duck-typed on exactly that)."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from nanoqwen_kernels import KernelError, checks
+from nanoqwen_kernels.dims import QWEN25_7B, TINY
+from nanoqwen_kernels.gemv import GemvKernels
+from nanoqwen_kernels.norm import NormKernels
+from nanoqwen_kernels.sampling import SamplingKernels
+
+
+class Dev:
+    """A host array posing as a device array: dtype/shape/flags/nbytes and data.ptr."""
+
+    def __init__(self, a):
+        self.a = a
+        self.dtype, self.shape, self.ndim, self.size, self.nbytes = a.dtype, a.shape, a.ndim, a.size, a.nbytes
+        self.flags = a.flags
+        self.data = SimpleNamespace(ptr=a.ctypes.data)
+
+
+def dev(shape, dtype):
+    # over-allocate and align to 256 bytes like a CUDA allocation
+    n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    raw = np.zeros(n + 256, dtype=np.uint8)
+    off = (-raw.ctypes.data) % 256
+    return Dev(raw[off : off + n].view(dtype).reshape(shape))
+
+
+class Loaded:
+    def get_function(self, name, max_dynamic_smem=0):
+        return name
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    calls = []
+    monkeypatch.setattr(checks, "launch", lambda fn, grid, block, args, shared_mem=0: calls.append((fn, grid, args)))
+    monkeypatch.setattr(checks, "even_grid", lambda units, per_sm: min(units, 132 * per_sm))
+    monkeypatch.setattr(checks, "cupy_module", lambda: SimpleNamespace(zeros=np.zeros, empty=np.empty))
+    return calls
+
+
+def load(sources, defines):
+    return Loaded()
+
+
+def test_gemv_int4_good_call_and_residual_alias(launches):
+    d = TINY
+    g = GemvKernels(d, load)
+    qw, sc = dev((300, d.hidden // 8), np.uint32), dev((300, d.hidden // 128), np.float16)
+    x, out = dev((d.hidden,), np.float16), dev((300,), np.float16)
+    g.gemv_int4(qw, sc, x, out, residual=out)  # in-place residual is allowed
+    fn, grid, args = launches[-1]
+    assert fn == "nq_gemv_int4_h" and grid == -(-150 // 8) and int(args[-1]) == 300
+    qi, si = dev((7, d.intermediate // 8), np.uint32), dev((7, d.intermediate // 128), np.float16)
+    g.gemv_int4(qi, si, dev((d.intermediate,), np.float16), dev((7,), np.float16))
+    assert launches[-1][0] == "nq_gemv_int4_i"
+
+
+@pytest.mark.parametrize(
+    "mutate, word",
+    [
+        (dict(qweight=lambda d: dev((64, d.hidden // 8), np.int32)), "qweight must be uint32"),
+        (dict(qweight=lambda d: dev((64, 40), np.uint32)), "neither hidden"),
+        (dict(scales=lambda d: dev((64, 3), np.float16)), "scales must be"),
+        (dict(scales=lambda d: dev((64, d.hidden // 128), np.float32)), "scales must be float16"),
+        (dict(x=lambda d: dev((d.hidden + 8,), np.float16)), "x must have shape"),
+        (dict(out=lambda d: dev((63,), np.float16)), "out must have shape"),
+        (dict(residual=lambda d: dev((64,), np.float32)), "residual must be float16"),
+        (dict(norm_w=lambda d: dev((5,), np.float16)), "norm_w must have shape"),
+        (dict(eps=lambda d: -1.0), "eps"),
+        (dict(x=lambda d: np.zeros(d.hidden, np.float16)), "x must be a CuPy array"),
+    ],
+)
+def test_gemv_int4_rejects(launches, mutate, word):
+    d = TINY
+    args = dict(qweight=dev((64, d.hidden // 8), np.uint32), scales=dev((64, d.hidden // 128), np.float16),
+                x=dev((d.hidden,), np.float16), out=dev((64,), np.float16), residual=None, norm_w=None, eps=1e-6)
+    for k, f in mutate.items():
+        args[k] = f(d)
+    with pytest.raises(KernelError, match=word):
+        GemvKernels(d, load).gemv_int4(**args)
+    assert not launches
+
+
+def test_gemv_rejects_non_contiguous_misaligned_and_overlap(launches):
+    d = TINY
+    g = GemvKernels(d, load)
+    qw, sc = dev((64, d.hidden // 8), np.uint32), dev((64, d.hidden // 128), np.float16)
+    big = dev((2 * d.hidden,), np.float16)
+    strided = Dev(big.a[::2])
+    with pytest.raises(KernelError, match="x must be C-contiguous"):
+        g.gemv_int4(qw, sc, strided, dev((64,), np.float16))
+    shifted = Dev(dev((d.hidden + 8,), np.float16).a[1 : d.hidden + 1])
+    with pytest.raises(KernelError, match="x must be 16-byte aligned"):
+        g.gemv_int4(qw, sc, shifted, dev((64,), np.float16))
+    both = dev((d.hidden,), np.float16)
+    q2, s2 = dev((d.hidden, d.hidden // 8), np.uint32), dev((d.hidden, d.hidden // 128), np.float16)
+    with pytest.raises(KernelError, match="overlap"):
+        g.gemv_int4(q2, s2, both, both)
+    assert not launches
+
+
+def test_qkv_rope_kv_checks(launches):
+    d = QWEN25_7B
+    g = GemvKernels(d, load)
+    rows = d.qkv_rows
+    good = dict(
+        qweight=dev((rows, d.hidden // 8), np.uint32), scales=dev((rows, d.hidden // 128), np.float16),
+        bias=dev((rows,), np.float16), x=dev((d.hidden,), np.float16), norm_w=dev((d.hidden,), np.float16),
+        eps=1e-6, pos_dev=dev((1,), np.int32), page_table=dev((64,), np.int32),
+        k_cache=dev((2, 4, d.n_kv_heads, 16, 128), np.float16), v_cache=dev((2, 4, d.n_kv_heads, 16, 128), np.float16),
+        layer=1, q_out=dev((d.q_dim,), np.float16),
+    )
+    g.qkv_rope_kv(**good)
+    fn, grid, args = launches[-1]
+    assert fn == "nq_qkv_rope_kv" and int(args[-3]) == 1 and int(args[-2]) == 4
+    bad = [
+        (dict(qweight=dev((rows - 2, d.hidden // 8), np.uint32), scales=dev((rows - 2, 28), np.float16)), "rows"),
+        (dict(bias=dev((rows - 1,), np.float16)), "bias"),
+        (dict(layer=2), "layer"),
+        (dict(layer=True), "layer"),
+        (dict(k_cache=dev((2, 4, d.n_kv_heads, 8, 128), np.float16)), "k_cache"),
+        (dict(v_cache=dev((2, 5, d.n_kv_heads, 16, 128), np.float16)), "v_cache"),
+        (dict(pos_dev=dev((2,), np.int32)), "pos_dev"),
+        (dict(page_table=dev((4,), np.int64)), "page_table"),
+        (dict(q_out=dev((d.q_dim,), np.float32)), "q_out"),
+    ]
+    for change, word in bad:
+        with pytest.raises(KernelError, match=word):
+            g.qkv_rope_kv(**{**good, **change})
+
+
+def test_gate_up_and_fp16_checks(launches):
+    d = TINY
+    g = GemvKernels(d, load)
+    qw, sc = dev((2 * d.intermediate, d.hidden // 8), np.uint32), dev((2 * d.intermediate, 2), np.float16)
+    g.gate_up_silu(qw, sc, dev((d.hidden,), np.float16), dev((d.hidden,), np.float16), 1e-6,
+                   dev((d.intermediate,), np.float16))
+    assert launches[-1][0] == "nq_gate_up_silu"
+    with pytest.raises(KernelError, match="2 x intermediate"):
+        g.gate_up_silu(dev((d.intermediate, d.hidden // 8), np.uint32), dev((d.intermediate, 2), np.float16),
+                       dev((d.hidden,), np.float16), None, 1e-6, dev((d.intermediate,), np.float16))
+    g.gemv_fp16(dev((1001, d.hidden), np.float16), dev((d.hidden,), np.float16), dev((1001,), np.float32))
+    assert launches[-1][0] == "nq_gemv_fp16" and int(launches[-1][2][-1]) == 1001
+    with pytest.raises(KernelError, match="out must be float32"):
+        g.gemv_fp16(dev((10, d.hidden), np.float16), dev((d.hidden,), np.float16), dev((10,), np.float16))
+    with pytest.raises(KernelError, match="w must be"):
+        g.gemv_fp16(dev((10, d.hidden + 128), np.float16), dev((d.hidden,), np.float16), dev((10,), np.float32))
+
+
+def test_norm_embed_checks(launches):
+    d = TINY
+    n = NormKernels(d, load)
+    x = dev((3, d.hidden), np.float16)
+    n.rmsnorm_rows(x, dev((d.hidden,), np.float16), x, 1e-6)  # in place is fine
+    assert launches[-1][1] == 3
+    with pytest.raises(KernelError, match="x must be"):
+        n.rmsnorm_rows(dev((d.hidden,), np.float16), dev((d.hidden,), np.float16), dev((d.hidden,), np.float16), 1e-6)
+    with pytest.raises(KernelError, match="w must have shape"):
+        n.rmsnorm(dev((d.hidden,), np.float16), dev((7,), np.float16), dev((d.hidden,), np.float16), 1e-6)
+    with pytest.raises(KernelError, match="table must have shape"):
+        n.embed(dev((d.vocab - 1, d.hidden), np.float16), dev((1,), np.int32), dev((d.hidden,), np.float16))
+    with pytest.raises(KernelError, match="token_dev must be int32"):
+        n.embed(dev((d.vocab, d.hidden), np.float16), dev((1,), np.int64), dev((d.hidden,), np.float16))
+
+
+def test_sampling_checks(launches):
+    s = SamplingKernels(TINY, load)
+    logits, tok = dev((1000,), np.float32), dev((1,), np.int32)
+    s.argmax(logits, tok)
+    assert launches[-1][0] == "nq_argmax"
+    params, rng = dev((5,), np.float32), dev((2,), np.uint64)
+    s.sample(logits, params, rng, dev((1000,), np.uint8), tok)
+    assert launches[-1][0] == "nq_sample"
+    with pytest.raises(KernelError, match="history must have shape"):
+        s.sample(logits, params, rng, dev((999,), np.uint8), tok)
+    with pytest.raises(KernelError, match="logits must be float32"):
+        s.argmax(dev((1000,), np.float16), tok)
+    with pytest.raises(KernelError, match="rng_state"):
+        s.sample(logits, params, dev((2,), np.int64), dev((1000,), np.uint8), tok)
+    for kw, word in [(dict(top_p=0.0), "top_p"), (dict(temperature=-1.0), "temperature"),
+                     (dict(top_k=-3), "top_k"), (dict(min_p=2.0), "min_p"),
+                     (dict(repetition_penalty=0.0), "repetition_penalty"), (dict(seed=-1), "seed"),
+                     (dict(temperature=float("nan")), "temperature")]:
+        p = dict(temperature=0.7, top_k=0, top_p=0.9, min_p=0.0, repetition_penalty=1.0, seed=1)
+        p.update(kw)
+        with pytest.raises(KernelError, match=word):
+            s.set_sampler_params(params, rng, **p)
+    s.advance(dev((1,), np.int32), dev((1,), np.int32))
+    assert launches[-1][0] == "nq_advance"
+    with pytest.raises(KernelError, match="seq_len_dev"):
+        s.advance(dev((1,), np.int32), dev((2,), np.int32))
