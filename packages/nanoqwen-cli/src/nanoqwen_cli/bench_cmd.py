@@ -26,7 +26,7 @@ MEASURED_COPY_BW_GBS = 4190.0  # DESIGN.md: device-to-device copy on the H200 he
 _FILLER = (" the", " of", " and", " to", " in", " is", " that", " for", " it", " with", " as", " on")
 
 
-@click.command()
+@click.command(short_help="Prefill/decode speed, GB/s, peak memory.")
 @model_options
 @click.option(
     "--synthetic",
@@ -97,6 +97,8 @@ def bench(
 
     engine_kwargs = {"decode_mode": "eager"} if eager else {}
     loaded = session.load(model, device, max_context, progress=not as_json, **engine_kwargs)
+    if synthetic is not None:
+        loaded.model = f"synthetic {synthetic} (random weights, seed 0)"
     engine = loaded.engine
     prompt = bench_prompt(engine, prompt_tokens)
     params = session.make_params(engine, {"temperature": 0.0, "max_tokens": gen_tokens, "stop": None})

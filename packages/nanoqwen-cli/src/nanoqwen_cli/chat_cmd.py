@@ -12,7 +12,7 @@ from nanoqwen_cli.options import model_options, sampling_options, sampling_overr
 HELP_TEXT = "commands: /reset (forget the conversation), /exit (quit), /help; Ctrl-C stops the current answer"
 
 
-@click.command()
+@click.command(short_help="Interactive multi-turn chat.")
 @model_options
 @sampling_options
 @click.option(

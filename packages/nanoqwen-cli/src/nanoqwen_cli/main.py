@@ -20,8 +20,8 @@ from nanoqwen_cli.errors import EXIT_ERROR, EXIT_INTERRUPTED, describe
 COMMANDS = {
     "run": "nanoqwen_cli.run_cmd:run",
     "chat": "nanoqwen_cli.chat_cmd:chat",
-    "convert": "nanoqwen_format.cli:convert",
-    "inspect": "nanoqwen_format.cli:inspect",
+    "convert": "nanoqwen_cli.format_cmds:convert",
+    "inspect": "nanoqwen_cli.format_cmds:inspect",
     "bench": "nanoqwen_cli.bench_cmd:bench",
     "verify": "nanoqwen_cli.verify_cmd:verify",
 }

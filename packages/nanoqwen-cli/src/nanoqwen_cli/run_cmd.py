@@ -12,7 +12,7 @@ from nanoqwen_cli.errors import CliError
 from nanoqwen_cli.options import model_options, sampling_options, sampling_overrides
 
 
-@click.command()
+@click.command(short_help="Generate an answer to a prompt, streamed.")
 @click.argument("prompt", required=False)
 @model_options
 @sampling_options

@@ -20,7 +20,7 @@ from nanoqwen_cli.verify_prompts import CHAT, prompt_set
 DEFAULT_EPS = 0.1  # logit units; see the --eps help
 
 
-@click.command()
+@click.command(short_help="Greedy tokens vs the CPU reference.")
 @model_options
 @click.option(
     "--prompts",
