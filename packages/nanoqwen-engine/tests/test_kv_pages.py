@@ -7,7 +7,6 @@ import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-
 from nanoqwen_engine import KVPagesExhaustedError, PromptTooLongError
 from nanoqwen_engine.kv_pages import PAGE_TOKENS, PagePool, kv_cache_bytes, kv_cache_shape, pages_for
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from nanoqwen_engine import InvalidRequestError, SamplingParams
 from nanoqwen_engine.sampler import (
     SamplerState,

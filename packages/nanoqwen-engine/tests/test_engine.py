@@ -1,0 +1,187 @@
+"""Engine on the CPU reference backend: completion, streaming, every finish reason, errors, cleanup."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from nanoqwen_engine import (
+    Engine,
+    InvalidRequestError,
+    KVPagesExhaustedError,
+    ModelFormatError,
+    ModelNotFoundError,
+    NoGPUError,
+    PromptTooLongError,
+    SamplingParams,
+)
+
+GREEDY = SamplingParams(temperature=0, max_tokens=32)
+
+
+def pool_idle(engine) -> bool:
+    pool = engine.backend.pool
+    return pool.n_free == pool.n_pages and not pool.sequences
+
+
+def random_prompt_ids(engine, n):
+    """n ids of ordinary (non-special) tokens."""
+    return np.random.default_rng().integers(0, 151643, size=n).tolist()
+
+
+def test_issue_example_greedy_completion(tiny_path):
+    engine = Engine.load(tiny_path, device="cpu", progress=False)
+    c = engine.complete("def fib(n):", SamplingParams(temperature=0, max_tokens=32))
+    assert c.finish_reason in ("length", "stop")
+    assert 1 <= len(c.token_ids) <= 32 and c.prompt_tokens == 4
+    assert c.stats["generated_tokens"] == len(c.token_ids) and c.stats["decode_s"] >= 0
+    assert engine.info["device"].startswith("cpu") and engine.info["weights_bytes"] > 0
+    assert pool_idle(engine)
+
+
+def test_greedy_tokens_are_the_argmax_of_teacher_forced_logits(tiny_engine):
+    prompt = tiny_engine.tokenizer.encode("def fib(n):")
+    c = tiny_engine.complete("def fib(n):", GREEDY)
+    assert c.finish_reason == "length" and len(c.token_ids) == 32
+    logits = tiny_engine.score(prompt + c.token_ids)
+    assert c.token_ids == np.argmax(logits[len(prompt) - 1 : -1], axis=-1).tolist()
+    assert c.text == tiny_engine.tokenizer.decode(c.token_ids)
+
+
+def test_stream_events_match_complete(tiny_engine):
+    events = list(tiny_engine.generate("import numpy as np\n", GREEDY))
+    c = tiny_engine.complete("import numpy as np\n", GREEDY)
+    assert [e.token_id for e in events] == c.token_ids
+    assert "".join(e.text for e in events) == c.text
+    assert all(e.finish_reason is None and e.stats is None for e in events[:-1])
+    assert events[-1].finish_reason == "length" and events[-1].stats["prompt_tokens"] == c.prompt_tokens
+
+
+def test_seeded_sampling_is_reproducible(tiny_engine):
+    p = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=12, seed=1234)
+    a = tiny_engine.complete("hello", p).token_ids
+    assert tiny_engine.complete("hello", p).token_ids == a
+    assert tiny_engine.complete("hello", dataclasses.replace(p, seed=4321)).token_ids != a
+
+
+def test_chat_messages_go_through_the_template(tiny_engine):
+    msgs = [{"role": "user", "content": "write fib"}]
+    c = tiny_engine.complete(msgs, SamplingParams(temperature=0, max_tokens=3))
+    assert c.prompt_tokens == len(tiny_engine.tokenizer.encode(tiny_engine.tokenizer.apply_chat_template(msgs)))
+    assert len(c.token_ids) == 3
+
+
+def test_stop_string_cuts_the_text(tiny_engine):
+    full = tiny_engine.complete("def fib(n):", GREEDY)
+    # A stop string taken from the middle of the greedy text: generation must end exactly before it.
+    text = full.text
+    start = len(text) // 2
+    stop = text[start : start + 3]
+    assert len(stop) == 3
+    c = tiny_engine.complete("def fib(n):", dataclasses.replace(GREEDY, stop=("\x00never", stop)))
+    assert c.finish_reason == "stop"
+    assert c.text == text[: text.find(stop)]
+    assert c.token_ids == full.token_ids[: len(c.token_ids)] and len(c.token_ids) < 32
+    assert pool_idle(tiny_engine)
+
+
+def test_eos_ends_with_stop_and_no_eos_text(tiny_engine, monkeypatch):
+    full = tiny_engine.complete("def fib(n):", GREEDY)
+    eos = full.token_ids[4]
+    k = full.token_ids.index(eos)  # first occurrence
+    monkeypatch.setattr(tiny_engine, "config", dataclasses.replace(tiny_engine.config, eos_ids=(eos,)))
+    c = tiny_engine.complete("def fib(n):", GREEDY)
+    assert c.finish_reason == "stop" and c.token_ids == full.token_ids[: k + 1]
+    assert c.text == tiny_engine.tokenizer.decode(full.token_ids[:k])
+
+
+def test_context_limit_finishes_with_context(tiny_engine):
+    n = tiny_engine.max_context - 6
+    c = tiny_engine.complete(_ids_text(tiny_engine, n), SamplingParams(temperature=0, max_tokens=50))
+    assert c.prompt_tokens == n
+    # every generated token but the last is fed back; the cache ends exactly full
+    assert c.finish_reason == "context" and len(c.token_ids) == tiny_engine.max_context - n + 1
+    assert pool_idle(tiny_engine)
+
+
+def _ids_text(engine, n):
+    """A text that encodes to exactly n tokens (found by trimming a random token run)."""
+    ids = random_prompt_ids(engine, n + 10)
+    while True:
+        text = engine.tokenizer.decode(ids)
+        got = len(engine.tokenizer.encode(text))
+        if got == n:
+            return text
+        ids = ids[: len(ids) - max(1, (got - n) // 2)] if got > n else ids + random_prompt_ids(engine, n - got)
+
+
+def test_prompt_too_long_allocates_nothing(tiny_engine):
+    text = _ids_text(tiny_engine, tiny_engine.max_context + 1)
+    with pytest.raises(PromptTooLongError, match=f"context holds {tiny_engine.max_context}"):
+        tiny_engine.generate(text, GREEDY)
+    assert pool_idle(tiny_engine)
+    exact = tiny_engine.complete(_ids_text(tiny_engine, tiny_engine.max_context), GREEDY)
+    assert exact.finish_reason == "context" and len(exact.token_ids) == 1
+
+
+def test_pool_exhausted_mid_request_then_engine_still_works(tiny_path):
+    engine = Engine.load(tiny_path, device="cpu", max_context=96, kv_pages=3, progress=False)
+    text = _ids_text(engine, 40)  # 3 pages; token 49 needs a 4th
+    with pytest.raises(KVPagesExhaustedError, match="KV cache full"):
+        engine.complete(text, SamplingParams(temperature=0, max_tokens=30))
+    assert pool_idle(engine)
+    with pytest.raises(KVPagesExhaustedError):  # at prefill: the prompt alone needs 4 pages
+        engine.complete(_ids_text(engine, 60), GREEDY)
+    assert pool_idle(engine)
+    assert engine.complete("def fib(n):", SamplingParams(temperature=0, max_tokens=5)).finish_reason == "length"
+
+
+def test_closing_the_stream_frees_the_sequence(tiny_engine):
+    gen = tiny_engine.generate("def fib(n):", GREEDY)
+    next(gen)
+    next(gen)
+    assert not pool_idle(tiny_engine)
+    gen.close()
+    assert pool_idle(tiny_engine)
+
+
+def test_bad_requests_are_clear_errors(tiny_engine):
+    with pytest.raises(InvalidRequestError, match="empty"):
+        tiny_engine.complete("", GREEDY)
+    with pytest.raises(InvalidRequestError, match="str or a list"):
+        tiny_engine.complete(42, GREEDY)
+    with pytest.raises(InvalidRequestError, match="token ids"):
+        tiny_engine.score([0, tiny_engine.config.vocab])
+    assert pool_idle(tiny_engine)
+
+
+def test_score_is_the_backend_forward(tiny_engine):
+    ids = random_prompt_ids(tiny_engine, 18)
+    s = tiny_engine.score(ids)
+    assert s.shape == (18, tiny_engine.config.vocab) and s.dtype == np.float32
+    # causal: a prefix's logits do not depend on what follows (BLAS blocking differs with T: ~1e-6)
+    np.testing.assert_allclose(s[:5], tiny_engine.score(ids[:5]), rtol=0, atol=1e-5 * np.abs(s).max())
+
+
+def test_load_errors(tmp_path, tiny_path):
+    with pytest.raises(ModelNotFoundError, match="no such"):
+        Engine.load(tmp_path / "missing.nanoqwen", device="cpu")
+    with pytest.raises(ModelNotFoundError, match="config.json"):
+        Engine.load(tmp_path, device="cpu")
+    bad = tmp_path / "bad.nanoqwen"
+    bad.write_bytes(b"not a model" * 100)
+    with pytest.raises(ModelFormatError):
+        Engine.load(bad, device="cpu")
+    with pytest.raises(InvalidRequestError, match="device"):
+        Engine.load(tiny_path, device="tpu")
+
+
+def test_cuda_without_a_gpu_is_no_gpu_error(tiny_path):
+    from nanoqwen_kernels import gpu_status
+
+    ok, _ = gpu_status()
+    if ok:
+        pytest.skip("a GPU is present here, so the no-GPU error cannot be provoked")
+    with pytest.raises(NoGPUError):
+        Engine.load(tiny_path, device="cuda")
