@@ -92,19 +92,23 @@ class DecodeStep:
     # ------------------------------------------------------------------ launches
     def launch_body(self, ks, mode: str) -> None:
         """Every launch of one token from embedding to sampled id (captured as one graph)."""
-        c, w, eps = self.cfg, self.w, self.cfg.rms_eps
-        ks.embed(w["embed"], self.token, self.x)
-        for i in range(c.n_layers):
-            ks.qkv_rope_kv(w[f"{i}.qkv.w"], w[f"{i}.qkv.s"], w[f"{i}.qkv.b"], self.x, w[f"{i}.ln1"], eps,
-                           self.pos, self.page_table, self.k_cache, self.v_cache, i, self.q)
-            ks.attention_decode(self.q, self.k_cache, self.v_cache, self.page_table, self.seq_len, i,
-                                self.attn, self.attn_ws)
-            ks.gemv_int4(w[f"{i}.o.w"], w[f"{i}.o.s"], self.attn, self.y, residual=self.x)
-            ks.gate_up_silu(w[f"{i}.gu.w"], w[f"{i}.gu.s"], self.y, w[f"{i}.ln2"], eps, self.act)
-            ks.gemv_int4(w[f"{i}.down.w"], w[f"{i}.down.s"], self.act, self.x, residual=self.y)
+        ks.embed(self.w["embed"], self.token, self.x)
+        for i in range(self.cfg.n_layers):
+            self.launch_layer(ks, i)
         self.launch_head(ks, self.x)
         self.sampler.launch(ks, mode, self.logits, self.token)
         ks.advance(self.pos, self.seq_len)
+
+    def launch_layer(self, ks, i: int) -> None:
+        """Decoder layer i on self.x (in place, through y) for the token at POS."""
+        w, eps = self.w, self.cfg.rms_eps
+        ks.qkv_rope_kv(w[f"{i}.qkv.w"], w[f"{i}.qkv.s"], w[f"{i}.qkv.b"], self.x, w[f"{i}.ln1"], eps,
+                       self.pos, self.page_table, self.k_cache, self.v_cache, i, self.q)
+        ks.attention_decode(self.q, self.k_cache, self.v_cache, self.page_table, self.seq_len, i,
+                            self.attn, self.attn_ws)
+        ks.gemv_int4(w[f"{i}.o.w"], w[f"{i}.o.s"], self.attn, self.y, residual=self.x)
+        ks.gate_up_silu(w[f"{i}.gu.w"], w[f"{i}.gu.s"], self.y, w[f"{i}.ln2"], eps, self.act)
+        ks.gemv_int4(w[f"{i}.down.w"], w[f"{i}.down.s"], self.act, self.x, residual=self.y)
 
     def launch_head(self, ks, x_row) -> None:
         """Final RMSNorm + lm_head of one hidden row into self.logits (decode and prefill's last row)."""

@@ -50,6 +50,7 @@ class PrefillPass:
     def __init__(self, dev, ks, weights: dict, cfg, k_cache, v_cache):
         self.dev, self.ks, self.w, self.cfg = dev, ks, weights, cfg
         self.k_cache, self.v_cache = k_cache, v_cache
+        self._ws = None
 
     def hidden(self, token_ids: np.ndarray, start: int, page_table):
         """Final-layer hidden rows (before the final norm) of token_ids at positions start.., f16 [T,H];
@@ -62,34 +63,52 @@ class PrefillPass:
         return out
 
     def _chunk(self, ids_host: np.ndarray, start: int, page_table):
-        dev, ks, w, c = self.dev, self.ks, self.w, self.cfg
-        xp, T, eps = dev.xp, int(ids_host.shape[0]), c.rms_eps
+        dev = self.dev
+        ids = dev.xp.empty(int(ids_host.shape[0]), dtype=np.int32)
+        dev.h2d(ids, ids_host.astype(np.int32))
+        x = self.w["embed"][ids]  # f16 [T,H] (row gather)
+        bufs = self.buffers(int(ids_host.shape[0]))
+        for i in range(self.cfg.n_layers):
+            self.layer(i, x, start, page_table, bufs)
+        return x
+
+    def buffers(self, T: int) -> dict:
+        """The per-chunk temporaries (f16, row-major): h [T,H], qkv [T,R], q/a [T,Q], o [T,H],
+        gu [T,2I], act [T,I]."""
+        xp, c = self.dev.xp, self.cfg
         H, Q, Im = c.hidden, c.q_dim, c.intermediate
         R = Q + 2 * c.kv_dim
-        ids = xp.empty(T, dtype=np.int32)
-        dev.h2d(ids, ids_host.astype(np.int32))
-        x = w["embed"][ids]  # f16 [T,H] (row gather)
-        h = xp.empty((T, H), dtype=np.float16)
-        qkv = xp.empty((T, R), dtype=np.float16)
-        q = xp.empty((T, Q), dtype=np.float16)
-        a = xp.empty((T, Q), dtype=np.float16)
-        o = xp.empty((T, H), dtype=np.float16)
-        gu = xp.empty((T, 2 * Im), dtype=np.float16)
-        act = xp.empty((T, Im), dtype=np.float16)
-        for i in range(c.n_layers):
-            ks.rmsnorm_rows(x, w[f"{i}.ln1"], h, eps)
-            ks.gemm_int4(w[f"{i}.qkv.w"], w[f"{i}.qkv.s"], h, qkv)
-            qkv += w[f"{i}.qkv.b"]
-            ks.rope_kv_prefill(qkv, start, page_table, self.k_cache, self.v_cache, i, q)
-            ks.attention_prefill(q, self.k_cache, self.v_cache, page_table, start, T, i, a)
-            ks.gemm_int4(w[f"{i}.o.w"], w[f"{i}.o.s"], a, o)
-            x += o
-            ks.rmsnorm_rows(x, w[f"{i}.ln2"], h, eps)
-            ks.gemm_int4(w[f"{i}.gu.w"], w[f"{i}.gu.s"], h, gu)
-            silu_mul(xp, gu, Im, act)
-            ks.gemm_int4(w[f"{i}.down.w"], w[f"{i}.down.s"], act, o)
-            x += o
-        return x
+        shapes = {"h": (T, H), "qkv": (T, R), "q": (T, Q), "a": (T, Q), "o": (T, H), "gu": (T, 2 * Im),
+                  "act": (T, Im)}
+        return {k: xp.empty(s, dtype=np.float16) for k, s in shapes.items()}
+
+    def _gemm_workspace(self):
+        """fp16 scratch for gemm_int4's dequantized weight: the largest projection (gate|up, 2I x H;
+        7B: 271 MB), allocated once instead of once per GEMM."""
+        if self.dev.xp is np:
+            return None
+        if self._ws is None:
+            c = self.cfg
+            n = max(2 * c.intermediate * c.hidden, (c.q_dim + 2 * c.kv_dim) * c.hidden, c.hidden * c.q_dim)
+            self._ws = self.dev.xp.empty(n, dtype=np.float16)
+        return self._ws
+
+    def layer(self, i: int, x, start: int, page_table, b: dict) -> None:
+        """Decoder layer i over the rows of x [T,H] (updated in place) at positions start..start+T-1."""
+        ks, w, eps, T = self.ks, self.w, self.cfg.rms_eps, int(x.shape[0])
+        ws = self._gemm_workspace()
+        ks.rmsnorm_rows(x, w[f"{i}.ln1"], b["h"], eps)
+        ks.gemm_int4(w[f"{i}.qkv.w"], w[f"{i}.qkv.s"], b["h"], b["qkv"], ws)
+        b["qkv"] += w[f"{i}.qkv.b"]
+        ks.rope_kv_prefill(b["qkv"], start, page_table, self.k_cache, self.v_cache, i, b["q"])
+        ks.attention_prefill(b["q"], self.k_cache, self.v_cache, page_table, start, T, i, b["a"])
+        ks.gemm_int4(w[f"{i}.o.w"], w[f"{i}.o.s"], b["a"], b["o"], ws)
+        x += b["o"]
+        ks.rmsnorm_rows(x, w[f"{i}.ln2"], b["h"], eps)
+        ks.gemm_int4(w[f"{i}.gu.w"], w[f"{i}.gu.s"], b["h"], b["gu"], ws)
+        silu_mul(self.dev.xp, b["gu"], self.cfg.intermediate, b["act"])
+        ks.gemm_int4(w[f"{i}.down.w"], w[f"{i}.down.s"], b["act"], b["o"], ws)
+        x += b["o"]
 
     def all_logits(self, x):
         """f32 [T,V] logits of every row of x (final norm + lm_head in fp32), on the host."""
