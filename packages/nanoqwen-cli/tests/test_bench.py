@@ -5,10 +5,9 @@ from __future__ import annotations
 import json
 import os
 
+from nanoqwen_cli import bandwidth
 from nanoqwen_format import open_model
 from nanoqwen_format.synthetic import tiny_config
-
-from nanoqwen_cli import bandwidth
 
 SMALL = ["--device", "cpu", "--prompt-tokens", 20, "--gen-tokens", 4, "--runs", 2, "--warmup", 1]
 

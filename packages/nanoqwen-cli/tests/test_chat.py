@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import re
 
-from nanoqwen_engine import SamplingParams
-
 from nanoqwen_cli import session
+from nanoqwen_engine import SamplingParams
 
 GREEDY = ["-t", "0", "-n", "6"]
 

@@ -6,8 +6,7 @@ import json
 
 import numpy as np
 import pytest
-
-from nanoqwen_cli import session, verify_cmd
+from nanoqwen_cli import session
 from nanoqwen_cli.verify_prompts import PROMPTS, prompt_set
 
 
