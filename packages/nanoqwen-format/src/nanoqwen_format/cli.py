@@ -1,0 +1,97 @@
+"""`nanoqwen-convert SRC -o OUT.nanoqwen` and `nanoqwen-convert inspect FILE [--json] [--verify]`.
+
+The click commands `convert_command` and `inspect_command` are importable so nanoqwen-cli can mount them
+as its own `convert` and `inspect`. A NanoqwenFormatError becomes one line on stderr and exit status 1.
+"""
+
+import json
+from pathlib import Path
+
+import click
+
+from .errors import NanoqwenFormatError
+
+
+def _fail(e: NanoqwenFormatError):
+    return click.ClickException(" ".join(str(e).split("\n")))
+
+
+@click.command("convert")
+@click.argument("src")
+@click.option("-o", "--output", "out", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="the .nanoqwen file to write")
+@click.option("--force", is_flag=True, help="overwrite OUT if it exists")
+@click.option("--quiet", is_flag=True, help="no progress bar or error table")
+def convert_command(src: str, out: Path, force: bool, quiet: bool):
+    """Convert SRC (a Hugging Face Qwen2ForCausalLM folder or hub id) to one .nanoqwen file."""
+    from .convert import convert
+    if out.exists() and not force:
+        raise click.ClickException(f"{out} exists (use --force to overwrite)")
+    try:
+        summary = convert(src, out, progress=not quiet)
+    except NanoqwenFormatError as e:
+        raise _fail(e) from None
+    click.echo(f"wrote {summary['path']} ({summary['bytes'] / 1e9:.3f} GB)")
+
+
+def describe(model) -> dict:
+    """The header as inspect shows it: the tokenizer's text replaced by its size."""
+    head = {k: v for k, v in model.header.items() if k != "tokenizer_json"}
+    head["tokenizer_json_chars"] = len(model.tokenizer_json)
+    head["file_bytes"] = model.path.stat().st_size
+    return head
+
+
+@click.command("inspect")
+@click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="print the header as JSON (tokenizer text left out)")
+@click.option("--verify", is_flag=True, help="also check every tensor's CRC32")
+def inspect_command(file: Path, as_json: bool, verify: bool):
+    """Validate a .nanoqwen FILE and print what it holds."""
+    from .reader import open_model
+    try:
+        with open_model(file, verify=verify) as m:
+            head = describe(m)
+    except NanoqwenFormatError as e:
+        raise _fail(e) from None
+    if as_json:
+        click.echo(json.dumps(head, indent=2))
+        return
+    c, tensors = head["config"], head["tensors"]
+    by_dtype: dict[str, int] = {}
+    for t in tensors:
+        by_dtype[t["dtype"]] = by_dtype.get(t["dtype"], 0) + t["nbytes"]
+    click.echo(f"{file}: .nanoqwen v1, {head['file_bytes'] / 1e9:.3f} GB, valid" + (", CRCs verified" if verify else ""))
+    click.echo(f"  model      {', '.join(c.get('architectures') or ['?'])}: {c['num_hidden_layers']} layers, "
+               f"hidden {c['hidden_size']}, intermediate {c['intermediate_size']}, heads "
+               f"{c['num_attention_heads']}/{c['num_key_value_heads']} kv, vocab {c['vocab_size']}, "
+               f"tied {str(c['tie_word_embeddings']).lower()}, rope_theta {c['rope_theta']}, eps {c['rms_norm_eps']}")
+    q = head["quantization"]
+    click.echo(f"  quant      int{q['bits']} symmetric, group {q['group_size']}, {q['scale_dtype']} scales, {q['packing']}")
+    click.echo(f"  tensors    {len(tensors)}: " + ", ".join(f"{k} {v / 1e9:.3f} GB" for k, v in sorted(by_dtype.items())))
+    click.echo(f"  tokenizer  {head['tokenizer_json_chars']} chars; chat template "
+               f"{'yes' if head['tokenizer_config'].get('chat_template') else 'no'}; "
+               f"eos {head['generation_config'].get('eos_token_id', c.get('eos_token_id'))}")
+    prov = head["provenance"]
+    click.echo(f"  provenance {prov.get('source', '?')} by {prov.get('converter', '?')}"
+               + (f" at {prov['created']}" if "created" in prov else ""))
+    for kind, e in (prov.get("quantization_error") or {}).items():
+        click.echo(f"    {kind:<10} |w - w'| max {e['max_abs']:.3e} mean {e['mean_abs']:.3e}")
+
+
+class _ConvertGroup(click.Group):
+    """`nanoqwen-convert SRC -o OUT` converts; `nanoqwen-convert inspect FILE` inspects."""
+
+    def parse_args(self, ctx, args):
+        if args and args[0] not in self.commands and args[0] not in ("--help", "-h"):
+            args = ["convert", *args]
+        return super().parse_args(ctx, args)
+
+
+@click.group(cls=_ConvertGroup, context_settings={"help_option_names": ["-h", "--help"]})
+def main():
+    """Convert a Hugging Face Qwen2 model to .nanoqwen (SRC -o OUT), or inspect a .nanoqwen file."""
+
+
+main.add_command(convert_command)
+main.add_command(inspect_command)
