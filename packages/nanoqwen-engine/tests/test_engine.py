@@ -185,3 +185,10 @@ def test_cuda_without_a_gpu_is_no_gpu_error(tiny_path):
         pytest.skip("a GPU is present here, so the no-GPU error cannot be provoked")
     with pytest.raises(NoGPUError):
         Engine.load(tiny_path, device="cuda")
+
+
+def test_ignore_eos_runs_to_max_tokens(tiny_engine, monkeypatch):
+    full = tiny_engine.complete("def fib(n):", GREEDY)
+    monkeypatch.setattr(tiny_engine, "config", dataclasses.replace(tiny_engine.config, eos_ids=(full.token_ids[2],)))
+    c = tiny_engine.complete("def fib(n):", dataclasses.replace(GREEDY, ignore_eos=True))
+    assert c.finish_reason == "length" and c.token_ids == full.token_ids

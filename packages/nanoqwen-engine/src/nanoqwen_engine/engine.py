@@ -154,7 +154,7 @@ class Engine:
     def _run(self, ids: list[int], p: SamplingParams) -> Iterator[GenerationEvent]:
         pool = self.backend.pool
         sampler = SamplerState(p, self.config.vocab)
-        eos = set(self.config.eos_ids)
+        eos = set() if p.ignore_eos else set(self.config.eos_ids)
         stream = self.tokenizer.stream()
         seq = pool.new_sequence()
         pending = ""  # text held back: a possible start of a stop string

@@ -10,7 +10,6 @@ never leaves a file that looks complete.
 from __future__ import annotations
 
 import hashlib
-import inspect
 import os
 import re
 from pathlib import Path
@@ -34,15 +33,15 @@ def _folder_key(folder: Path) -> str:
 
 
 def _convert(folder: Path, dst: Path, progress: bool) -> None:
-    try:
-        from nanoqwen_format import NanoqwenFormatError, convert
-    except ImportError as e:  # pragma: no cover - the format package is a dependency
-        raise ModelFormatError(f"nanoqwen_format is not importable: {e}") from e
+    # The function from the submodule: once nanoqwen_format.convert (the module) is imported, the package
+    # attribute `nanoqwen_format.convert` names the module, not the function.
+    from nanoqwen_format import NanoqwenFormatError
+    from nanoqwen_format.convert import convert
+
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.with_name(dst.name + f".tmp{os.getpid()}")
-    kwargs = {"progress": progress} if "progress" in inspect.signature(convert).parameters else {}
+    tmp = dst.with_name(f".{dst.stem}.tmp{os.getpid()}.nanoqwen")
     try:
-        convert(folder, tmp, **kwargs)
+        convert(folder, tmp, progress=progress)
         os.replace(tmp, dst)
     except NanoqwenFormatError as e:
         raise ModelFormatError(f"cannot convert {folder}: {e}") from e

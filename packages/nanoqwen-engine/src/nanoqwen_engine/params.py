@@ -26,9 +26,12 @@ class SamplingParams:
     repetition_penalty: float | None = None  # 1.0 = off
     seed: int | None = None  # None: a fresh random seed per request
     stop: tuple[str, ...] = field(default_factory=tuple)  # stop strings; the text ends before the match
+    ignore_eos: bool = False  # keep going past eos ids (benchmarks that must produce max_tokens tokens)
 
     def __post_init__(self):
-        if isinstance(self.stop, str):
+        if self.stop is None:
+            object.__setattr__(self, "stop", ())
+        elif isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         else:
             object.__setattr__(self, "stop", tuple(self.stop))

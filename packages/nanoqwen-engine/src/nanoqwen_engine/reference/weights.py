@@ -99,7 +99,7 @@ class ReferenceWeights:
     def logits(self, h: np.ndarray) -> np.ndarray:
         """h float32 [T, H] (final-normed) -> float32 [T, V]."""
         if self._lm_head_f32 is not None:
-            return h @ self._lm_head_f32.T
+            return h @ self._lm_head_f32.T if h.shape[0] > 1 else (self._lm_head_f32 @ h[0])[None, :]
         out = np.empty((h.shape[0], self.lm_head.shape[0]), dtype=np.float32)
         step = 16384
         for a in range(0, self.lm_head.shape[0], step):
