@@ -223,13 +223,15 @@ def build_prompts(tokenizer, n: int = 100, max_tokens: int = 2000, seed: int = 0
     sources = [*_CODE.items(), *(("prose", p) for p in _PROSE)]
     for i, length in enumerate(prompt_lengths(n_cut, max_tokens, seed)):
         name, src = sources[i % len(sources)]
-        # Long lengths take the whole corpus (rotated so long prompts start differently).
+        # Long lengths take the whole corpus; every prompt starts at its own line of its source, so
+        # two prompts of one source and length still differ.
         if length > 200:
-            k = (i * 997) % len(corpus)
-            src = corpus[k:] + "\n\n" + corpus[:k]
-        text = text_of_length(tokenizer, src, length)
+            src = corpus
+        lines = src.splitlines(keepends=True)
+        k = (i * 7) % len(lines)
+        text = text_of_length(tokenizer, "".join(lines[k:] + lines[:k]), length)
         kind = "boundary" if length in PAGE_BOUNDARY_LENGTHS else "raw"
-        out.append(Prompt(f"{kind}-{name}-{length}", kind, text=text, n_tokens=length))
+        out.append(Prompt(f"{kind}-{name}-{length}-{i:02d}", kind, text=text, n_tokens=length))
     for i in range(n_whole):
         name, src = sources[i % len(sources)]
         kind = "prose" if name == "prose" else "code"

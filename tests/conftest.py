@@ -1,0 +1,57 @@
+"""Cross-package fixtures: synthetic models written once per session, and the GPU gate.
+
+The ladder's models (written with nanoqwen_format.synthetic, so the repo needs no checkpoint):
+    tiny    hidden 256, 4 layers, 2 heads / 1 KV head, the real 152064 vocab (real prompts tokenize)
+    7b      the Qwen2.5-Coder-7B config (28 layers, hidden 3584): ~5.5 GB, written only by GPU tests
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/ladder/ helpers
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs an NVIDIA Hopper GPU (sm_90) and CuPy")
+
+
+@pytest.fixture(scope="session")
+def gpu():
+    """Skip unless a usable sm_90 GPU and CuPy are present (the reason is gpu_status()'s)."""
+    from nanoqwen_kernels import gpu_status
+
+    ok, reason = gpu_status()
+    if not ok:
+        pytest.skip(f"no usable GPU: {reason}")
+    import cupy
+
+    return cupy
+
+
+@pytest.fixture(scope="session")
+def models_dir(tmp_path_factory):
+    # NANOQWEN_LADDER_MODELS lets scripts/gpu_all.sh write the 7B file once and share it across runs
+    d = os.environ.get("NANOQWEN_LADDER_MODELS")
+    if d:
+        Path(d).mkdir(parents=True, exist_ok=True)
+        return Path(d)
+    return tmp_path_factory.mktemp("ladder_models")
+
+
+@pytest.fixture(scope="session")
+def ladder_tiny_path(models_dir):
+    from ladder.models import tiny_model
+
+    return tiny_model(models_dir)
+
+
+@pytest.fixture(scope="session")
+def ladder_7b_path(models_dir, gpu):
+    from ladder.models import qwen7b_model
+
+    return qwen7b_model(models_dir)
