@@ -110,16 +110,10 @@ class Engine:
     def _cuda_backend(nq, config, max_context, progress, extra):
         try:
             from .cuda import CudaBackend
-        except ImportError as e:
-            raise NoGPUError(f"the CUDA backend is not available: {e}") from e
-        try:
-            from nanoqwen_kernels import gpu_status
-
-            ok, reason = gpu_status()
-        except ImportError as e:
-            ok, reason = False, f"nanoqwen_kernels is not importable: {e}"
-        if not ok:
-            raise NoGPUError(f"no usable GPU: {reason} (use device='cpu' for the reference backend)")
+        except ImportError as e:  # CuPy (or the kernels package) missing: no GPU path on this install
+            raise NoGPUError(f"the CUDA backend is not available: {e} (use device='cpu' for the reference "
+                             "backend)") from e
+        # create() checks the GPU first and raises NoGPUError / WrongGPUError with the reason.
         return CudaBackend.create(nq, config, max_context=max_context, progress=progress, **extra)
 
     # -- requests --
