@@ -36,6 +36,8 @@ def describe(exc: BaseException) -> str:
     text = _first_line(exc)
     if isinstance(exc, CliError):
         return text
+    if _is_instance_by_name(exc, {"NoGPUError"}) and "--device cpu" not in text:
+        return f"{text} (--device cpu runs the CPU reference backend instead)"
     if _is_instance_by_name(exc, {"NanoqwenError", "NanoqwenFormatError", "KernelError"}):
         return text
     if _is_instance_by_name(exc, _HUB_OFFLINE):
