@@ -14,9 +14,9 @@ GROUP = 128
 def pack_valueshuffle(u: np.ndarray) -> np.ndarray:
     """u uint8 [N, K] in 0..15 -> uint32 [N, K/8]: byte i of word w = u[8w+i] | u[8w+4+i] << 4."""
     n, k = u.shape
-    v = u.reshape(n, k // 8, 8).astype(np.uint32)
-    b = v[..., :4] | (v[..., 4:] << 4)  # [N, K/8, 4] bytes
-    return (b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)).astype(np.uint32)
+    v = u.reshape(n, k // 8, 8)
+    b = np.ascontiguousarray(v[..., :4] | (v[..., 4:] << 4), dtype=np.uint8)  # [N, K/8, 4] bytes
+    return b.view("<u4").reshape(n, k // 8).astype(np.uint32)  # byte i is bits 8i..8i+7
 
 
 def random_int4(rng: np.random.Generator, n: int, k: int, scale: float = 0.02):
@@ -44,13 +44,21 @@ def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
 def gemv_tolerance(wd: np.ndarray, xin: np.ndarray, ref: np.ndarray) -> np.ndarray:
     """Per-row bound for the INT4 GEMV: products and 4-term partial sums are fp16 (rel. 2^-11 each), so
     the error scales with sqrt(sum (w x)^2); the fp16 output adds 2^-11 |ref|. 8x headroom over that."""
-    spread = np.sqrt(((wd * xin.astype(np.float32)[None, :]) ** 2).sum(axis=1))
+    xf = xin.astype(np.float32)
+    spread = np.sqrt((wd * wd) @ (xf * xf)).astype(np.float64)
     return 8 * 2.0**-11 * (np.abs(ref) + 3 * spread) + 1e-6
 
 
+def matvec(w: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """float64 [N] = w @ x through a float32 BLAS matmul (its error, ~1e-7 of sqrt(sum (w x)^2), is far
+    below every kernel tolerance; a float64 product of a 37888 x 3584 matrix would be needlessly slow)."""
+    return (w.astype(np.float32, copy=False) @ x.astype(np.float32)).astype(np.float64)
+
+
 def rope_angles(pos: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
-    """cos, sin [64] for frequency d at position pos (HF: inv_freq in fp32, angle = pos * inv in fp32)."""
-    inv = (1.0 / (np.float32(theta) ** (np.arange(0, 128, 2, dtype=np.float32) / np.float32(128)))).astype(
+    """cos, sin [64] for frequency d at position pos: inv_freq correctly rounded to fp32, angle = pos * inv
+    in fp32 (HF's math; the engine's reference computes inv_freq the same way)."""
+    inv = (1.0 / (np.float64(np.float32(theta)) ** (np.arange(0, 128, 2, dtype=np.float64) / 128))).astype(
         np.float32
     )
     ang = (np.float32(pos) * inv).astype(np.float32).astype(np.float64)

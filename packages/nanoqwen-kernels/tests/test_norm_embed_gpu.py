@@ -1,0 +1,72 @@
+"""GPU: rmsnorm / rmsnorm_rows and embed against numpy. RMSNorm is compared at 1 fp16 ulp of the result
+(the kernel and numpy sum squares in different orders, so r may differ in its last fp32 bit, which can
+flip one rounding); embed is an exact copy."""
+
+import numpy as np
+import pytest
+from nanoqwen_kernels import loader
+from nanoqwen_kernels.dims import QWEN25_7B, TINY
+from nanoqwen_kernels.norm import NormKernels
+from refs import rmsnorm
+
+pytestmark = pytest.mark.gpu
+DIMS = {"tiny": TINY, "7b": QWEN25_7B}
+
+
+@pytest.fixture(scope="module", params=sorted(DIMS))
+def kern(request, gpu):
+    d = DIMS[request.param]
+    return d, NormKernels(d, lambda s, defs: loader.load_module(s, defs))
+
+
+def _ulp_close(got, ref):
+    got, ref = np.asarray(got, np.float32), ref.astype(np.float32)
+    assert np.isfinite(got).all(), "unwritten (NaN) output"
+    tol = np.abs(ref) * 2.0**-10 + 2.0**-24
+    bad = np.abs(got - ref) > tol
+    assert not bad.any(), f"{bad.sum()} elements beyond 1 ulp; worst {np.abs(got - ref).max()}"
+
+
+@pytest.mark.parametrize("T", [1, 3, 17])
+def test_rmsnorm_rows(kern, T):
+    import cupy as cp
+
+    d, n = kern
+    rng = np.random.default_rng()
+    x = (rng.standard_normal((T, d.hidden)) * rng.uniform(0.1, 30, size=(T, 1))).astype(np.float16)
+    w = (1 + 0.2 * rng.standard_normal(d.hidden)).astype(np.float16)
+    out = cp.full((T, d.hidden), np.nan, dtype=np.float16)
+    n.rmsnorm_rows(cp.asarray(x), cp.asarray(w), out, 1e-6)
+    _ulp_close(out.get(), rmsnorm(x, w, 1e-6))
+    xd = cp.asarray(x)
+    n.rmsnorm_rows(xd, cp.asarray(w), xd, 1e-6)  # in place
+    _ulp_close(xd.get(), rmsnorm(x, w, 1e-6))
+
+
+def test_rmsnorm_single(kern):
+    import cupy as cp
+
+    d, n = kern
+    rng = np.random.default_rng()
+    x = rng.standard_normal(d.hidden).astype(np.float16)
+    w = rng.standard_normal(d.hidden).astype(np.float16)
+    out = cp.full(d.hidden, np.nan, dtype=np.float16)
+    n.rmsnorm(cp.asarray(x), cp.asarray(w), out, 1e-5)
+    _ulp_close(out.get(), rmsnorm(x[None], w, 1e-5)[0])
+
+
+def test_embed(kern):
+    import cupy as cp
+
+    d, n = kern
+    rng = np.random.default_rng()
+    table = rng.standard_normal((d.vocab, d.hidden), dtype=np.float32).astype(np.float16)
+    td = cp.asarray(table)
+    for tok in [0, d.vocab - 1, int(rng.integers(0, d.vocab))]:
+        out = cp.full(d.hidden, np.nan, dtype=np.float16)
+        n.embed(td, cp.asarray([tok], dtype=np.int32), out)
+        np.testing.assert_array_equal(out.get(), table[tok])
+    for tok in [-1, d.vocab]:
+        out = cp.zeros(d.hidden, dtype=np.float16)
+        n.embed(td, cp.asarray([tok], dtype=np.int32), out)
+        assert np.isnan(out.get()).all(), f"id {tok} out of range must give NaN"
