@@ -114,10 +114,9 @@ class SamplerState:
         else:
             probs = _softmax(x)
             cdf = np.cumsum(probs)
+            # u in [0, cdf[-1]); the first i with cdf[i] > u has cdf[i-1] <= u < cdf[i], so probs[i] > 0:
+            # a masked (zero-probability) id is never drawn.
             u = self.rng.random() * cdf[-1]
-            tok = int(min(np.searchsorted(cdf, u, side="right"), len(cdf) - 1))
-            # A zero-probability id can't be reached by searchsorted unless rounding lands on it.
-            while probs[tok] == 0.0:
-                tok -= 1
+            tok = int(np.searchsorted(cdf, u, side="right"))
         self.seen[tok] = True
         return tok

@@ -54,7 +54,12 @@ class Tokenizer:
         self.chat = ChatTemplate.from_tokenizer_config(tokenizer_config or {})
 
     def encode(self, text: str, parse_special: bool = True) -> list[int]:
-        """Token ids of text; no BOS is added (Qwen2 uses none). parse_special=False keeps markup literal."""
+        """Token ids of text; no BOS is added (Qwen2 uses none).
+
+        parse_special=False encodes special tokens' markup (`<|im_start|>`, `<|endoftext|>`) as plain text;
+        added tokens that are not special (`<|fim_prefix|>`, `<tool_call>`) are matched either way, as the
+        tokenizers library does.
+        """
         prev = self._tok.encode_special_tokens
         self._tok.encode_special_tokens = not parse_special
         try:
