@@ -26,11 +26,21 @@ def _open(path):
 
 
 def gpu_engine(path, max_context: int, decode_mode: str = "graph") -> Engine:
+    """The engine under test. NANOQWEN_LADDER_HOST=1 swaps the GPU for the numpy stand-ins of
+    nanoqwen_engine.cuda (device.HostDevice, host_kernels.HostKernels): a dry run of the ladder's own
+    code on a machine without a GPU (the tests still need the gpu fixture; call them directly)."""
     from nanoqwen_engine.cuda import CudaBackend
 
     t0 = time.perf_counter()
     nq, cfg, tok = _open(path)
-    be = CudaBackend.create(nq, cfg, max_context=max_context, progress=False, decode_mode=decode_mode)
+    kw = {}
+    if os.environ.get("NANOQWEN_LADDER_HOST") == "1":
+        from nanoqwen_engine.cuda.device import HostDevice
+        from nanoqwen_engine.cuda.host_kernels import HostKernels
+
+        dev = HostDevice()
+        kw = dict(device=dev, kernels=HostKernels(cfg, dev))
+    be = CudaBackend.create(nq, cfg, max_context=max_context, progress=False, decode_mode=decode_mode, **kw)
     return Engine(be, tok, nq, path, time.perf_counter() - t0)
 
 

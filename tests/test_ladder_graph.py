@@ -1,0 +1,104 @@
+"""Ladder tier 3: whole generations through the GPU engine (CUDA-graph decode) against the CPU reference.
+
+tiny model: NANOQWEN_LADDER_PROMPTS (default 100) prompts of build_prompts (code in 8 languages, prose,
+chat and raw, 1..2000 tokens, page-boundary lengths 15/16/17/31/32/33), greedy, NANOQWEN_LADDER_TOKENS
+(default 64) tokens each; plus score() logits GPU vs CPU.
+7B-shaped model: the CPU reference needs seconds per token there, so NANOQWEN_LADDER_7B_PROMPTS (default 3)
+short prompts x NANOQWEN_LADDER_7B_TOKENS (default 8) tokens, and score() on 33 tokens.
+
+A divergence passes only at a near-tie: the reference's logit gap between its token and the GPU's token
+there <= eps (nanoqwen_engine.validation.DEFAULT_EPS, why in its module doc). Reports are written as JSON
+under $NANOQWEN_LADDER_OUT when set (scripts/gpu_all.sh sets it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from ladder.engines import cpu_engine, gpu_engine
+from nanoqwen_engine import Engine, SamplingParams
+from nanoqwen_engine.validation import DEFAULT_EPS, build_prompts, compare_greedy, format_report, logit_error
+
+pytestmark = pytest.mark.gpu
+
+SCORE_BOUND = 2e-2  # relative Frobenius error of score() logits; ~1e-3 per layer of fp16 rounding
+
+
+def _env(name: str, default: int) -> int:
+    return int(os.environ.get(name, default))
+
+
+def _record(name: str, data: dict) -> None:
+    out = os.environ.get("NANOQWEN_LADDER_OUT")
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / f"{name}.json").write_text(json.dumps(data, indent=1, default=float))
+
+
+def _progress(i, r):
+    tag = "ok" if r.divergence is None else ("near-tie" if r.ok else "BUG")
+    print(f"  [{i:3d}] {r.name:36s} len {r.prompt_tokens:5d} match {r.matched:3d}/{len(r.tokens_b):3d} {tag}",
+          flush=True)
+
+
+def _score_check(g, c, ids) -> dict:
+    e = logit_error(g.score(ids), c.score(ids))
+    e["tokens"] = len(ids)
+    return e
+
+
+def test_graph_tier_tiny(gpu, ladder_tiny_path):
+    n, m = _env("NANOQWEN_LADDER_PROMPTS", 100), _env("NANOQWEN_LADDER_TOKENS", 64)
+    g = gpu_engine(ladder_tiny_path, max_context=2048 + m + 64)
+    c = cpu_engine(ladder_tiny_path, max_context=2048 + m + 64)
+    prompts = build_prompts(g.tokenizer, n=n)
+    rep = compare_greedy(g, c, prompts, max_tokens=m, eps=DEFAULT_EPS, progress=_progress)
+    ids = np.asarray(g.encode_prompt(prompts[min(8, n - 1)].payload) + rep.results[0].tokens_b)[:300]
+    score = _score_check(g, c, ids)
+    _record("graph_tiny", {**rep.as_dict(), "score": score, "info": g.info})
+    print("\n" + format_report(rep) + f"\nscore(): {score}")
+    assert rep.ok, format_report(rep)
+    assert score["finite"] and score["rel"] < SCORE_BOUND
+
+
+def test_graph_and_eager_agree_tiny(gpu, ladder_tiny_path):
+    """The seed's eager-vs-graph comparison: the same launches, with and without the graph."""
+    gr = gpu_engine(ladder_tiny_path, max_context=512)
+    ea = gpu_engine(ladder_tiny_path, max_context=512, decode_mode="eager")
+    p = SamplingParams(temperature=0, max_tokens=40)
+    for prompt in ("def quicksort(xs):", "The capital of France is", "x" * 31):
+        assert gr.complete(prompt, p).token_ids == ea.complete(prompt, p).token_ids
+    assert gr.backend.step.graphs and not ea.backend.step.graphs
+
+
+def test_graph_tier_7b(gpu, ladder_7b_path):
+    n, m = _env("NANOQWEN_LADDER_7B_PROMPTS", 3), _env("NANOQWEN_LADDER_7B_TOKENS", 8)
+    g = gpu_engine(ladder_7b_path, max_context=1024)
+    c = cpu_engine(ladder_7b_path, max_context=1024)
+    everything = build_prompts(g.tokenizer, n=40, max_tokens=64)
+    # short ones: page-boundary lengths first, then a chat prompt
+    short = [p for p in everything if p.kind == "boundary"] + [p for p in everything if p.kind == "chat"]
+    prompts = short[:n]
+    rep = compare_greedy(g, c, prompts, max_tokens=m, eps=DEFAULT_EPS, progress=_progress)
+    ids = np.asarray(g.encode_prompt(prompts[0].payload) + rep.results[0].tokens_b)[:33]
+    score = _score_check(g, c, ids)
+    _record("graph_7b", {**rep.as_dict(), "score": score, "info": g.info})
+    print("\n" + format_report(rep) + f"\nscore(): {score}")
+    assert rep.ok, format_report(rep)
+    assert score["finite"] and score["rel"] < SCORE_BOUND
+
+
+def test_engine_load_7b_streams(gpu, ladder_7b_path):
+    """The public path: Engine.load(..., device="cuda").generate(...) streams tokens."""
+    e = Engine.load(ladder_7b_path, device="cuda", max_context=4096, progress=False)
+    events = list(e.generate("def fibonacci(n):", SamplingParams(temperature=0, max_tokens=24)))
+    assert 1 <= len(events) <= 24 and events[-1].finish_reason in ("stop", "length")
+    assert all(ev.finish_reason is None for ev in events[:-1])
+    info = {k: v for k, v in e.info.items() if isinstance(v, int | float | str)}
+    _record("engine_7b", {"info": info, "tokens": [ev.token_id for ev in events]})
+    print(f"\n7B load: {info}")
+    assert info["weights_bytes"] > 4e9
