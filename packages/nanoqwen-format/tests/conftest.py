@@ -7,13 +7,15 @@ would make every checkpoint ~160 MB. test_synthetic.py uses the full tiny_config
 import numpy as np
 import pytest
 from nanoqwen_format import tiny_config, write_synthetic
+from nanoqwen_format.layout import expected_tensors
 from nanoqwen_format.synthetic import write_hf_checkpoint
+from nanoqwen_format.writer import NanoqwenWriter
 
 SMALL_VOCAB = 2048
 
 
 def small_config(**overrides) -> dict:
-    return tiny_config(vocab_size=SMALL_VOCAB, **overrides)
+    return tiny_config(**{"vocab_size": SMALL_VOCAB, **overrides})
 
 
 @pytest.fixture(scope="session")
@@ -33,3 +35,23 @@ def synthetic_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("syn") / "small.nanoqwen"
     write_synthetic(path, small_config(), seed=int(np.random.default_rng().integers(1 << 30)))
     return path
+
+
+def write_bare(path, config):
+    """A valid .nanoqwen with random tensors and a stand-in tokenizer: tiny header, quick to damage."""
+    rng = np.random.default_rng()
+    specs = expected_tensors(config)
+    with NanoqwenWriter(path, config, specs, tokenizer_json='{"model": {}}', tokenizer_config={},
+                        generation_config={"eos_token_id": 1}, provenance={"source": "test"}) as w:
+        for t in specs:
+            if t.dtype == "uint32":
+                w.write_tensor(t.name, [rng.integers(0, 1 << 32, size=t.shape, dtype=np.uint32)])
+            else:
+                w.write_tensor(t.name, [rng.standard_normal(t.shape).astype(np.float16)])
+    return path
+
+
+@pytest.fixture(scope="session")
+def bare_file(tmp_path_factory):
+    """2 layers, vocab 256, untied: the file malformation tests copy and damage."""
+    return write_bare(tmp_path_factory.mktemp("bare") / "bare.nanoqwen", small_config(vocab_size=256))

@@ -6,6 +6,7 @@ docs/FORMAT.md is the normative description of the bytes; docs/INTERFACES.md sec
 
 __version__ = "0.1.0"
 
+from .converter import convert  # noqa: E402
 from .errors import NanoqwenFormatError  # noqa: E402
 from .layout import expected_tensors  # noqa: E402
 from .quantize import dequantize_int4, quantize_int4  # noqa: E402
@@ -18,8 +19,3 @@ __all__ = [
     "pack_valueshuffle", "quantize_int4", "tiny_config", "unpack_valueshuffle", "write_synthetic",
 ]
 
-
-def convert(src, dst, progress: bool = True):
-    """Convert a Hugging Face Qwen2ForCausalLM (local folder or hub id) to a .nanoqwen file (see convert.py)."""
-    from .convert import convert as _convert  # lazy: keeps huggingface_hub/tqdm imports off the read path
-    return _convert(src, dst, progress=progress)

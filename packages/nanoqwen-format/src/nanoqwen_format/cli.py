@@ -24,7 +24,7 @@ def _fail(e: NanoqwenFormatError):
 @click.option("--quiet", is_flag=True, help="no progress bar or error table")
 def convert_command(src: str, out: Path, force: bool, quiet: bool):
     """Convert SRC (a Hugging Face Qwen2ForCausalLM folder or hub id) to one .nanoqwen file."""
-    from .convert import convert
+    from .converter import convert
     if out.exists() and not force:
         raise click.ClickException(f"{out} exists (use --force to overwrite)")
     try:

@@ -90,7 +90,7 @@ def check_tensor_table(header: dict, size: int, data_start: int) -> dict[str, di
         if not isinstance(name, str) or name in table:
             raise NanoqwenFormatError(f"tensor table: bad or duplicate name {name!r}")
         dtype, shape, off, nb = entry["dtype"], entry["shape"], entry["offset"], entry["nbytes"]
-        if dtype not in DTYPES:
+        if not isinstance(dtype, str) or dtype not in DTYPES:
             raise NanoqwenFormatError(f"tensor {name}: unknown dtype {dtype!r} (want one of {sorted(DTYPES)})")
         if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
             raise NanoqwenFormatError(f"tensor {name}: shape {shape!r} is not a list of non-negative integers")
