@@ -15,7 +15,7 @@ import sys
 
 import cupy as cp
 import numpy as np
-from nanoqwen_kernels.attention import AttentionKernels
+from nanoqwen_kernels.attention import VARIANTS, AttentionKernels
 from nanoqwen_kernels.dims import QWEN25_7B
 from nanoqwen_kernels.loader import load_module
 
@@ -45,9 +45,9 @@ def time_graph(fn_per_rep, reps_in_graph: int, launches: int = 30) -> float:
     return float(np.median(times))
 
 
-def bench_decode(ctx: int) -> dict:
+def bench_decode(ctx: int, variant: str) -> dict:
     d = QWEN25_7B
-    ak = AttentionKernels(d, load_module)
+    ak = AttentionKernels(d, load_module, variant)
     kv_bytes = ctx * d.n_kv_heads * 128 * 2 * 2  # K + V read per call
     n_layers = max(2, -(-2 * L2_BYTES // kv_bytes))
     n_pages = (ctx + 15) // 16
@@ -61,7 +61,12 @@ def bench_decode(ctx: int) -> dict:
     ws = ak.new_workspace()
     t = time_graph(lambda i: ak.attention_decode(q, k, v, table, seq, i % n_layers, out, ws), 4 * n_layers)
     gbs = kv_bytes / t / 1e9
-    return dict(name=f"attention_decode 7B ctx {ctx}", us=t * 1e6, gbs=gbs, pct=100 * gbs / (COPY_TBS * 1e3))
+    return dict(
+        name=f"attention_decode[{variant}] 7B ctx {ctx}",
+        us=t * 1e6,
+        gbs=gbs,
+        pct=100 * gbs / (COPY_TBS * 1e3),
+    )
 
 
 def smoke() -> int:
@@ -106,7 +111,7 @@ def smoke() -> int:
 def main() -> int:
     if "--smoke" in sys.argv:
         return smoke()
-    rows = [bench_decode(ctx) for ctx in (4096, 32768)]
+    rows = [bench_decode(ctx, v) for v in VARIANTS for ctx in (4096, 32768)]
     print("| kernel | time (us) | K+V GB/s | % of 4.19 TB/s |")
     print("| --- | --- | --- | --- |")
     for r in rows:

@@ -18,12 +18,15 @@ gpu = pytest.mark.skipif(not OK, reason=REASON)
 DIMS = {"7b": QWEN25_7B, "tiny": TINY}
 
 
+VARIANTS = ["fma", "mma", "mma8"]  # consumer bodies (nanoqwen_kernels.attention.VARIANTS)
+
+
 @pytest.fixture(scope="module")
 def kernels():
     from nanoqwen_kernels.attention import AttentionKernels
     from nanoqwen_kernels.loader import load_module
 
-    return {name: AttentionKernels(d, load_module) for name, d in DIMS.items()}
+    return {(name, v): AttentionKernels(d, load_module, v) for name, d in DIMS.items() for v in VARIANTS}
 
 
 def reference(q, k_seq, v_seq, n_kv):
@@ -73,12 +76,13 @@ def make_case(cp, dims, seq_len, rng, n_layers=2, layer=1, spare_pages=7):
 
 @gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("name", ["7b", "tiny"])
 @pytest.mark.parametrize("seq_len", [1, 15, 16, 17, 4095, 32768])
-def test_decode_matches_reference(kernels, name, seq_len):
+def test_decode_matches_reference(kernels, name, seq_len, variant):
     import cupy as cp
 
-    dims, ak = DIMS[name], kernels[name]
+    dims, ak = DIMS[name], kernels[name, variant]
     rng = np.random.default_rng()
     c = make_case(cp, dims, seq_len, rng)
     out = cp.full(dims.n_heads * 128, np.nan, dtype=cp.float16)
@@ -94,11 +98,12 @@ def test_decode_matches_reference(kernels, name, seq_len):
 
 @gpu
 @pytest.mark.gpu
-def test_decode_reads_seq_len_on_device(kernels):
-    """One set of arguments, two lengths written into seq_len_dev: the result follows the device value."""
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_decode_reads_seq_len_on_device(kernels, variant):
+    """The page table covers 40 positions, seq_len_dev says 33: the result follows the device value."""
     import cupy as cp
 
-    dims, ak = TINY, kernels["tiny"]
+    dims, ak = TINY, kernels["tiny", variant]
     rng = np.random.default_rng()
     c = make_case(cp, dims, 40, rng)
     out = cp.full(dims.n_heads * 128, np.nan, dtype=cp.float16)
@@ -121,7 +126,7 @@ def test_decode_reads_seq_len_on_device(kernels):
 def test_decode_rejects_bad_arguments(kernels):
     import cupy as cp
 
-    dims, ak = TINY, kernels["tiny"]
+    dims, ak = TINY, kernels["tiny", "fma"]
     c = make_case(cp, dims, 20, np.random.default_rng())
     out = cp.empty(dims.n_heads * 128, dtype=cp.float16)
     ws = ak.new_workspace()

@@ -9,7 +9,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 from nanoqwen_kernels import KernelError, ModelDims, loader
-from nanoqwen_kernels.attention import DECODE_SOURCES, AttentionKernels, decode_defines, decode_splits
+from nanoqwen_kernels.attention import (
+    DECODE_SOURCES,
+    VARIANTS,
+    AttentionKernels,
+    decode_defines,
+    decode_splits,
+)
 from nanoqwen_kernels.dims import QWEN25_7B, TINY
 from nanoqwen_kernels.prefill import PREFILL_SOURCES, PrefillKernels
 
@@ -33,9 +39,10 @@ def sass(cubin: bytes, tmp_path: Path) -> str:
     return subprocess.run([cuobjdump(), "-sass", str(f)], capture_output=True, text=True, check=True).stdout
 
 
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
 @pytest.mark.parametrize("dims", DIMS)
-def test_decode_compiles_with_bulk_copy_and_mbarriers(dims, tmp_path):
-    text = sass(loader.compile_cubin(DECODE_SOURCES, decode_defines(dims), "sm_90a"), tmp_path)
+def test_decode_compiles_with_bulk_copy_and_mbarriers(dims, variant, tmp_path):
+    text = sass(loader.compile_cubin(DECODE_SOURCES, decode_defines(dims, variant), "sm_90a"), tmp_path)
     for kernel in ("attention_decode_split", "attention_decode_combine"):
         assert f"Function : {kernel}" in text
     # cp.async.bulk global->shared assembles to UBLKCP; mbarrier init/arrive/try_wait to SYNCS.*
@@ -43,6 +50,8 @@ def test_decode_compiles_with_bulk_copy_and_mbarriers(dims, tmp_path):
     assert "SYNCS.ARRIVE" in text and "SYNCS.PHASECHK" in text, "no mbarrier arrive/wait in the SASS"
     # the score array s[16][G] must live in registers: local memory would mean a run-time index
     assert "LDL" not in text and "STL" not in text, "register spill / local array in the decode kernel"
+    if VARIANTS[variant][0]:
+        assert "HMMA.16816.F32" in text, "the tensor-core body does not use mma.sync"
 
 
 @pytest.mark.parametrize("dims", DIMS)
@@ -68,6 +77,11 @@ class _NoGpuModule:
 
 def _no_gpu_loader(sources, defines, arch=None):
     return _NoGpuModule()
+
+
+def test_unknown_variant_is_refused():
+    with pytest.raises(KernelError, match="variant"):
+        AttentionKernels(TINY, _no_gpu_loader, "wgmma")
 
 
 def test_gqa_above_8_is_refused():

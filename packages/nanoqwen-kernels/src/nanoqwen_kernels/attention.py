@@ -19,8 +19,10 @@ from .errors import KernelError
 SM_COUNT = 132  # H100/H200 SXM; the split count is baked into the build to fill them
 DECODE_SOURCES = ["attention_decode.cu"]
 DECODE_STAGES = 8  # ring slots of 8 KiB (K+V page): 64 KiB in flight per SM (Little's law needs ~32 KB)
-DECODE_THREADS = 160  # 1 producer warp + 4 consumer warps
-_CONSUMERS = 4
+# Consumer variants: "fma" = fp32 dot products on CUDA cores, 4 consumer warps (8 spill registers);
+# "mma" = mma.sync m16n8k16 on tensor cores (fp16 in, fp32 accumulate), 4 or 8 consumer warps.
+VARIANTS = {"fma": (0, 4), "mma": (1, 4), "mma8": (1, 8)}
+DEFAULT_VARIANT = "fma"
 
 
 def decode_splits(dims: ModelDims, sm_count: int = SM_COUNT) -> int:
@@ -28,16 +30,30 @@ def decode_splits(dims: ModelDims, sm_count: int = SM_COUNT) -> int:
     return max(1, sm_count // dims.n_kv_heads)
 
 
-def decode_defines(dims: ModelDims) -> dict[str, int | float]:
-    return {**dims.defines(), "NQ_DECODE_SPLITS": decode_splits(dims), "NQ_DECODE_STAGES": DECODE_STAGES}
+def _variant(variant: str) -> tuple[int, int]:
+    if variant not in VARIANTS:
+        raise KernelError(f"unknown attention_decode variant {variant!r}; one of {sorted(VARIANTS)}")
+    return VARIANTS[variant]
 
 
-def decode_smem_bytes(dims: ModelDims) -> int:
+def decode_defines(dims: ModelDims, variant: str = DEFAULT_VARIANT) -> dict[str, int | float]:
+    mma, consumers = _variant(variant)
+    return {
+        **dims.defines(),
+        "NQ_DECODE_SPLITS": decode_splits(dims),
+        "NQ_DECODE_STAGES": DECODE_STAGES,
+        "NQ_DECODE_MMA": mma,
+        "NQ_DECODE_CONSUMERS": consumers,
+    }
+
+
+def decode_smem_bytes(dims: ModelDims, variant: str = DEFAULT_VARIANT) -> int:
     """Dynamic shared memory of attention_decode_split; mirrors kSmemBytes in attention_decode.cu."""
+    consumers = _variant(variant)[1]
     g = dims.n_heads // dims.n_kv_heads
     ring = DECODE_STAGES * 2 * PAGE_TOKENS * HEAD_DIM * 2  # [stages][K|V][16][128] fp16
-    merge = _CONSUMERS * g * HEAD_DIM * 4 + 2 * _CONSUMERS * 8 * 4  # acc + (m, l)
-    pbuf = _CONSUMERS * 16 * 8 * 4
+    merge = consumers * g * HEAD_DIM * 4 + 2 * consumers * 8 * 4  # acc + (m, l)
+    pbuf = consumers * 16 * 8 * 4
     return ring + merge + pbuf + 2 * DECODE_STAGES * 8  # + full/empty mbarriers
 
 
@@ -116,16 +132,18 @@ def launch(fn, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0) -> N
 class AttentionKernels:
     """The decode attention build for one ModelDims. `load_module(sources, defines)` is the loader's."""
 
-    def __init__(self, dims: ModelDims, load_module):
+    def __init__(self, dims: ModelDims, load_module, variant: str = DEFAULT_VARIANT):
         if dims.n_heads // dims.n_kv_heads > 8:
             raise KernelError(
                 f"unsupported GQA group {dims.n_heads // dims.n_kv_heads}: attention_decode handles <= 8"
             )
         self.dims = dims
+        self.variant = variant
+        self.threads = 32 * (1 + _variant(variant)[1])  # 1 producer warp + the consumer warps
         self.splits = decode_splits(dims)
-        self.smem_bytes = decode_smem_bytes(dims)
+        self.smem_bytes = decode_smem_bytes(dims, variant)
         self.workspace_floats = decode_workspace_floats(dims)
-        mod = load_module(DECODE_SOURCES, decode_defines(dims))
+        mod = load_module(DECODE_SOURCES, decode_defines(dims, variant))
         self._split = mod.get_function("attention_decode_split", max_dynamic_smem=self.smem_bytes)
         self._combine = mod.get_function("attention_decode_combine")
 
@@ -152,7 +170,7 @@ class AttentionKernels:
         launch(
             self._split,
             (d.n_kv_heads, self.splits, 1),
-            (DECODE_THREADS, 1, 1),
+            (self.threads, 1, 1),
             (
                 q,
                 k_cache,

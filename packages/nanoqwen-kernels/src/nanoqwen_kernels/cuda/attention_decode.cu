@@ -9,7 +9,8 @@
 //   seq_len_dev  int32 [1], read on the device (the decode step is one CUDA graph replayed every token)
 //   ws_acc       fp32 [NQ_DECODE_SPLITS, NQ_NHEADS, 128]   unnormalised partial outputs
 //   ws_ml        fp32 [NQ_DECODE_SPLITS, NQ_NHEADS, 2]     partial (max, sum) in the log2 domain
-// Launch: attention_decode_split  grid (NQ_NKV, NQ_DECODE_SPLITS), 160 threads, kSmemBytes dynamic smem;
+// Launch: attention_decode_split  grid (NQ_NKV, NQ_DECODE_SPLITS), 32 * (1 + NQ_DECODE_CONSUMERS) threads,
+//         kSmemBytes dynamic smem;
 //         attention_decode_combine grid (NQ_NHEADS), 128 threads.
 //   NQ_DECODE_SPLITS is chosen at build (attention.py) so NQ_NKV * splits fills the 132 SMs: at 7B a
 //   single KV head's 32k context is 512 KiB x 2 and one SM cannot stream it fast enough alone.
@@ -19,10 +20,14 @@
 // Why this design: decode attention is a stream of K/V bytes (56 KiB per token of context at 7B) with
 // little arithmetic, so what matters is keeping bytes in flight. One producer warp (one lane of it)
 // issues cp.async.bulk copies of whole 4 KiB K and V slices into a ring; the copy engine, not
-// registers, carries them, and completion lands on an mbarrier as transaction bytes. Four consumer
-// warps take ring slots round-robin (page i -> warp i % 4), each keeping its own online-softmax state
-// (fp32) for the G query heads of this KV head, and hand a slot back through its "empty" mbarrier.
-// Consumers never wait for each other inside the loop; their states merge once at the end.
+// registers, carries them, and completion lands on an mbarrier as transaction bytes. The consumer
+// warps (NQ_DECODE_CONSUMERS, 4 or 8) take ring slots round-robin (page i -> warp i % consumers), each
+// keeping its own online-softmax state (fp32) for the G query heads of this KV head, and hand a slot
+// back through its "empty" mbarrier. Consumers never wait for each other inside the loop; their states
+// merge once at the end. Two consumer bodies (NQ_DECODE_MMA): fp32 FMAs on CUDA cores, or mma.sync on
+// tensor cores (fp16 operands as stored, fp32 accumulate, P rounded to fp16 as FlashAttention does).
+// Run 1 (docs/PERF.md) measured the CUDA-core body at 41% of the copy rate at 32k: instruction-bound
+// (~1700 instructions per page per warp), which is why the tensor-core body exists.
 //
 // Shared-memory ring (dynamic smem, kStages = NQ_DECODE_STAGES slots of 8 KiB):
 //
@@ -33,7 +38,7 @@
 //         +--------+--------+--------+--------+     +--------+--------+
 //   full[s]  (count 1): producer arrive.expect_tx(8192) + 2 bulk copies complete_tx -> phase flips
 //   empty[s] (count 1): the consumer warp that read slot s arrives once (lane 0, after __syncwarp)
-//   then: merge area fp32 [4 warps][G][128] + m,l [4][8] each; p buffer fp32 [4 warps][16][8]
+//   then: merge area fp32 [consumers][G][128] + m,l [consumers][8] each; p buffer fp32 [consumers][16][8]
 //
 //   page i of the split -> slot i % kStages, use u = i / kStages:
 //     producer waits empty[slot] parity (u-1)&1 (u > 0), consumer waits full[slot] parity u&1.
@@ -48,6 +53,12 @@
 #ifndef NQ_DECODE_STAGES
 #define NQ_DECODE_STAGES 8
 #endif
+#ifndef NQ_DECODE_CONSUMERS
+#define NQ_DECODE_CONSUMERS 4
+#endif
+#ifndef NQ_DECODE_MMA
+#define NQ_DECODE_MMA 0  // 1: consumers on tensor cores (mma.sync), 0: fp32 FMAs on CUDA cores
+#endif
 
 namespace nq_dec {
 
@@ -60,7 +71,7 @@ __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000u);
 constexpr int kG = nq::kHeads / nq::kKvHeads;  // query heads per KV head
 constexpr int kGPad = 8;                        // p-buffer row width (two float4 reads per token)
 static_assert(kG >= 1 && kG <= kGPad, "GQA group above 8 is not supported by the p buffer layout");
-constexpr int kConsumers = 4;                   // consumer warps; + 1 producer warp
+constexpr int kConsumers = NQ_DECODE_CONSUMERS;  // consumer warps; + 1 producer warp
 constexpr int kThreads = 32 * (1 + kConsumers);
 constexpr int kStages = NQ_DECODE_STAGES;
 constexpr int kSplits = NQ_DECODE_SPLITS;
@@ -138,74 +149,12 @@ __device__ __forceinline__ void reduce_scatter_step(float (&s)[16][kG], int lane
   }
 }
 
-}  // namespace nq_dec
-
-extern "C" __global__ void __launch_bounds__(nq_dec::kThreads, 1)
-    attention_decode_split(const nq::uint16_t* __restrict__ q,            // [NQ_NHEADS*128]
-                           const nq::uint16_t* __restrict__ k_cache,      // [L, n_pages, NQ_NKV, 16, 128]
-                           const nq::uint16_t* __restrict__ v_cache,      // same
-                           const int* __restrict__ page_table,    // [max_pages]
-                           const int* __restrict__ seq_len_dev,   // [1]
-                           int layer, int n_pages, int max_pages,
-                           float* __restrict__ ws_acc,            // [splits, NQ_NHEADS, 128]
-                           float* __restrict__ ws_ml) {           // [splits, NQ_NHEADS, 2]
-  using namespace nq_dec;
-  extern __shared__ __align__(128) unsigned char smem[];
-  unsigned char* ring = smem;                                              // [kStages][2][4096 B]
-  float* merge_acc = reinterpret_cast<float*>(smem + kRingBytes);          // [kConsumers][kG][128]
-  float* merge_m = merge_acc + kConsumers * kG * 128;                      // [kConsumers][kGPad]
-  float* merge_l = merge_m + kConsumers * kGPad;                           // [kConsumers][kGPad]
-  float* pbuf_all = merge_l + kConsumers * kGPad;                          // [kConsumers][16][kGPad]
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + kBarOffset);         // [kStages]
-  uint64_t* empty = full + kStages;                                        // [kStages]
-
-  const int kvh = blockIdx.x;
-  const int split = blockIdx.y;
-  const int warp = threadIdx.x >> 5;
-  const int lane = threadIdx.x & 31;
-
-  // clamp to what the page table can address: a corrupt length must not walk off the table
-  const int seq_len = min(max(*seq_len_dev, 0), max_pages * nq::kPageTokens);
-  const int n_seq_pages = (seq_len + nq::kPageTokens - 1) / nq::kPageTokens;
-  const int per_split = (n_seq_pages + kSplits - 1) / kSplits;
-  const int p0 = split * per_split;
-  const int count = max(0, min(p0 + per_split, n_seq_pages) - p0);  // pages of this split
-
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < kStages; ++s) {
-      mbar_init(&full[s], 1);
-      mbar_init(&empty[s], 1);
-    }
-    // make the initialised barriers visible to the async proxy (the copy engine) before any copy
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  __syncthreads();  // every role sees initialised barriers; outside any role branch
-
-  // ---- role branches ----------------------------------------------------------------------------
-  // NO __syncthreads() (or any block-wide barrier) may appear inside either branch. The seed runtime
-  // had one inside the producer-only branch: only that warp reached it, the consumer warps did not,
-  // behaviour was undefined and consumers read stale ring slots on tail pages (SEED.md, war story 1).
-  // Here every hand-off is an mbarrier (full/empty per slot) and the only block barriers are the one
-  // above and the one after both branches.
-  if (warp == 0) {
-    // producer: one lane issues everything; the other 31 lanes go straight to the final barrier
-    if (lane == 0) {
-      for (int i = 0; i < count; ++i) {
-        const int slot = i % kStages;
-        const int use = i / kStages;
-        if (use > 0) mbar_wait(&empty[slot], (use - 1) & 1);  // the consumer of use-1 is done
-        const int page = page_table[p0 + i];
-        const size_t off = ((static_cast<size_t>(layer) * n_pages + page) * nq::kKvHeads + kvh) *
-                           static_cast<size_t>(kPageElems);
-        unsigned char* dst = ring + slot * kSlotBytes;
-        mbar_arrive_expect_tx(&full[slot], kSlotBytes);
-        bulk_copy_g2s(dst, k_cache + off, kPageBytes, &full[slot]);
-        bulk_copy_g2s(dst + kPageBytes, v_cache + off, kPageBytes, &full[slot]);
-      }
-    }
-  } else {
+// ---- consumer, CUDA cores: lane owns dims 4*lane .. 4*lane+3 of every head ---------------------------
+__device__ __forceinline__ void consume_fma(int c, int lane, const unsigned char* ring, uint64_t* full,
+                                            uint64_t* empty, const uint16_t* q, int kvh, int p0, int count,
+                                            int seq_len, float* merge_acc, float* merge_m, float* merge_l,
+                                            float* pbuf_all) {
     // consumer warp c: pages c, c+4, c+8, ... of this split; lane owns dims 4*lane .. 4*lane+3
-    const int c = warp - 1;
     float* pbuf = pbuf_all + c * 16 * kGPad;  // [16 tokens][kGPad] probabilities of the current page
     float qr[kG][4];                          // q of the G heads, pre-scaled into the log2 domain
 #pragma unroll
@@ -306,6 +255,219 @@ extern "C" __global__ void __launch_bounds__(nq_dec::kThreads, 1)
         merge_l[c * kGPad + g] = l[g];
       }
     }
+}
+
+// ---- consumer, tensor cores (mma.sync m16n8k16, fp16 in, fp32 accumulate) ----------------------------
+//
+// Per page, with the G heads as the M rows (padded to 16; rows >= G are zero or ignored):
+//   S^T [16 heads x 16 tokens] = Q [heads x 128] . K^T        2 token tiles x 8 k-steps = 16 mma
+//   O   [16 heads x 128]      += P [heads x 16 tokens] . V   16 dim tiles x 1 k-step   = 16 mma
+// lane = 4 g + t (g = groupID: head row / token col / dim col, t = thread in group).
+// The dot product's dim order is free (same order for Q and K), so each lane loads 16 contiguous bytes:
+//   k-steps 2m, 2m+1 use dims 8(4m+t) .. 8(4m+t)+7 of its row ({0,1} -> k 2t,2t+1; {2,3} -> k 2t+8,2t+9;
+//   {4..7} the same for k-step 2m+1); row stride 256 B costs a 2-way bank conflict, not 8-way.
+// S's C fragment (head g, tokens 2t, 2t+1 of each tile) is P's A fragment as is (FlashAttention-2's
+// register reuse). For P.V, B = V[tokens][dims]: lane needs tokens 2t, 2t+1, 2t+8, 2t+9 at one dim
+// per tile; dim tile n2, column g <-> dim 16 g + n2, so a lane loads 32 contiguous bytes of each of its
+// 4 V rows and pairs rows with one PRMT per register. Output: lane holds O[g][32t + 16j + n2].
+__device__ __forceinline__ void mma16816(float (&d)[4], uint32_t a0, uint32_t a2, uint32_t b0, uint32_t b1) {
+  // a1 = a3 = 0: rows 8..15 of A (heads 8..15) do not exist for G <= 8
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1));
+}
+
+// (lo, hi) floats -> half2 with lo in the low half (the lower k index)
+__device__ __forceinline__ uint32_t pack_h2(float lo, float hi) {
+  uint32_t d;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+  return d;
+}
+
+__device__ __forceinline__ void consume_mma(int c, int lane, const unsigned char* ring, uint64_t* full,
+                                            uint64_t* empty, const uint16_t* q, int kvh, int p0, int count,
+                                            int seq_len, float* merge_acc, float* merge_m, float* merge_l) {
+  const int g = lane >> 2, t = lane & 3;
+  const bool head_ok = g < kG;
+  uint4 qa[4];  // A fragments of Q (unscaled fp16): k-steps 2m (.x, .y) and 2m+1 (.z, .w)
+#pragma unroll
+  for (int m = 0; m < 4; ++m) {
+    qa[m] = head_ok ? *reinterpret_cast<const uint4*>(q + (kvh * kG + g) * 128 + 8 * (4 * m + t))
+                    : make_uint4(0u, 0u, 0u, 0u);
+  }
+  float m_run = neg_inf(), l_run = 0.f;  // this lane's head g
+  float acc[16][4];                      // [dim tile n2] D fragment; [2], [3] are the absent rows g+8
+#pragma unroll
+  for (int n2 = 0; n2 < 16; ++n2) acc[n2][0] = acc[n2][1] = acc[n2][2] = acc[n2][3] = 0.f;
+
+  for (int i = c; i < count; i += kConsumers) {
+    const int slot = i % kStages;
+    mbar_wait(&full[slot], (i / kStages) & 1);
+    const uint16_t* ks = reinterpret_cast<const uint16_t*>(ring + slot * kSlotBytes);  // [16][128]
+    const uint16_t* vs = ks + kPageElems;                                               // [16][128]
+    const int valid = min(nq::kPageTokens, seq_len - (p0 + i) * nq::kPageTokens);
+
+    float s[2][4];  // [token tile][D fragment]: s[nt][j] = S^T[g][8 nt + 2t + j], j < 2
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+#pragma unroll
+      for (int m = 0; m < 4; ++m) {
+        const uint4 kb = *reinterpret_cast<const uint4*>(ks + (8 * nt + g) * 128 + 8 * (4 * m + t));
+        mma16816(s[nt], qa[m].x, qa[m].y, kb.x, kb.y);
+        mma16816(s[nt], qa[m].z, qa[m].w, kb.z, kb.w);
+      }
+    }
+    // V rows 2t, 2t+1, 2t+8, 2t+9, dims 16g .. 16g+15 (issued before the softmax math to hide latency)
+    uint4 v[4][2];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int tok = 2 * t + (r & 1) + 8 * (r >> 1);
+      v[r][0] = *reinterpret_cast<const uint4*>(vs + tok * 128 + 16 * g);
+      v[r][1] = *reinterpret_cast<const uint4*>(vs + tok * 128 + 16 * g + 8);
+      if (tok >= valid) {  // tail page: 0 * NaN would poison every head's output through the mma
+        v[r][0] = make_uint4(0u, 0u, 0u, 0u);
+        v[r][1] = make_uint4(0u, 0u, 0u, 0u);
+      }
+    }
+    // online softmax for head g over the page's 16 tokens (4 per lane, lanes 4g..4g+3)
+    float mx = neg_inf();
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int tok = 8 * nt + 2 * t + j;
+        s[nt][j] = tok < valid ? s[nt][j] * kScaleLog2 : neg_inf();  // select: a NaN K row is dropped
+        mx = fmaxf(mx, s[nt][j]);
+      }
+    }
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m_new = fmaxf(m_run, mx);  // finite for real heads: every page in range has a token
+    const float alpha = exp2f(m_run - m_new);
+    float p[2][2], ps = 0.f;
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        p[nt][j] = exp2f(s[nt][j] - m_new);
+        ps += p[nt][j];
+      }
+    }
+    ps += __shfl_xor_sync(0xffffffffu, ps, 1);
+    ps += __shfl_xor_sync(0xffffffffu, ps, 2);
+    l_run = l_run * alpha + ps;
+    m_run = m_new;
+    const uint32_t pa0 = pack_h2(p[0][0], p[0][1]);  // P[g][2t], P[g][2t+1]
+    const uint32_t pa2 = pack_h2(p[1][0], p[1][1]);  // P[g][2t+8], P[g][2t+9]
+    const uint32_t* v0 = reinterpret_cast<const uint32_t*>(&v[0][0]);  // 8 regs: row 2t, dims 16g..+15
+    const uint32_t* v1 = reinterpret_cast<const uint32_t*>(&v[1][0]);  // row 2t+1
+    const uint32_t* v2 = reinterpret_cast<const uint32_t*>(&v[2][0]);  // row 2t+8
+    const uint32_t* v3 = reinterpret_cast<const uint32_t*>(&v[3][0]);  // row 2t+9
+#pragma unroll
+    for (int n2 = 0; n2 < 16; ++n2) {
+      acc[n2][0] *= alpha;
+      acc[n2][1] *= alpha;
+      const uint32_t sel = (n2 & 1) ? 0x7632u : 0x5410u;  // high or low halves of the two rows
+      const uint32_t b0 = nq::prmt(v0[n2 >> 1], v1[n2 >> 1], sel);
+      const uint32_t b1 = nq::prmt(v2[n2 >> 1], v3[n2 >> 1], sel);
+      mma16816(acc[n2], pa0, pa2, b0, b1);
+    }
+    __syncwarp();  // every lane done with the slot before it is handed back
+    if (lane == 0) mbar_arrive(&empty[slot]);
+  }
+
+  if (head_ok) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      float* dst = merge_acc + (c * kG + g) * 128 + 32 * t + 16 * j;  // dims 32t + 16j + n2
+#pragma unroll
+      for (int n4 = 0; n4 < 4; ++n4) {
+        *reinterpret_cast<float4*>(dst + 4 * n4) = make_float4(acc[4 * n4][j], acc[4 * n4 + 1][j],
+                                                               acc[4 * n4 + 2][j], acc[4 * n4 + 3][j]);
+      }
+    }
+    if (t == 0) {
+      merge_m[c * kGPad + g] = m_run;
+      merge_l[c * kGPad + g] = l_run;
+    }
+  }
+}
+
+}  // namespace nq_dec
+
+extern "C" __global__ void __launch_bounds__(nq_dec::kThreads, 1)
+    attention_decode_split(const nq::uint16_t* __restrict__ q,            // [NQ_NHEADS*128]
+                           const nq::uint16_t* __restrict__ k_cache,      // [L, n_pages, NQ_NKV, 16, 128]
+                           const nq::uint16_t* __restrict__ v_cache,      // same
+                           const int* __restrict__ page_table,    // [max_pages]
+                           const int* __restrict__ seq_len_dev,   // [1]
+                           int layer, int n_pages, int max_pages,
+                           float* __restrict__ ws_acc,            // [splits, NQ_NHEADS, 128]
+                           float* __restrict__ ws_ml) {           // [splits, NQ_NHEADS, 2]
+  using namespace nq_dec;
+  extern __shared__ __align__(128) unsigned char smem[];
+  unsigned char* ring = smem;                                              // [kStages][2][4096 B]
+  float* merge_acc = reinterpret_cast<float*>(smem + kRingBytes);          // [kConsumers][kG][128]
+  float* merge_m = merge_acc + kConsumers * kG * 128;                      // [kConsumers][kGPad]
+  float* merge_l = merge_m + kConsumers * kGPad;                           // [kConsumers][kGPad]
+  float* pbuf_all = merge_l + kConsumers * kGPad;                          // [kConsumers][16][kGPad]
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + kBarOffset);         // [kStages]
+  uint64_t* empty = full + kStages;                                        // [kStages]
+
+  const int kvh = blockIdx.x;
+  const int split = blockIdx.y;
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+
+  // clamp to what the page table can address: a corrupt length must not walk off the table
+  const int seq_len = min(max(*seq_len_dev, 0), max_pages * nq::kPageTokens);
+  const int n_seq_pages = (seq_len + nq::kPageTokens - 1) / nq::kPageTokens;
+  const int per_split = (n_seq_pages + kSplits - 1) / kSplits;
+  const int p0 = split * per_split;
+  const int count = max(0, min(p0 + per_split, n_seq_pages) - p0);  // pages of this split
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(&full[s], 1);
+      mbar_init(&empty[s], 1);
+    }
+    // make the initialised barriers visible to the async proxy (the copy engine) before any copy
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();  // every role sees initialised barriers; outside any role branch
+
+  // ---- role branches ----------------------------------------------------------------------------
+  // NO __syncthreads() (or any block-wide barrier) may appear inside either branch. The seed runtime
+  // had one inside the producer-only branch: only that warp reached it, the consumer warps did not,
+  // behaviour was undefined and consumers read stale ring slots on tail pages (SEED.md, war story 1).
+  // Here every hand-off is an mbarrier (full/empty per slot) and the only block barriers are the one
+  // above and the one after both branches.
+  if (warp == 0) {
+    // producer: one lane issues everything; the other 31 lanes go straight to the final barrier
+    if (lane == 0) {
+      for (int i = 0; i < count; ++i) {
+        const int slot = i % kStages;
+        const int use = i / kStages;
+        if (use > 0) mbar_wait(&empty[slot], (use - 1) & 1);  // the consumer of use-1 is done
+        const int page = page_table[p0 + i];
+        const size_t off = ((static_cast<size_t>(layer) * n_pages + page) * nq::kKvHeads + kvh) *
+                           static_cast<size_t>(kPageElems);
+        unsigned char* dst = ring + slot * kSlotBytes;
+        mbar_arrive_expect_tx(&full[slot], kSlotBytes);
+        bulk_copy_g2s(dst, k_cache + off, kPageBytes, &full[slot]);
+        bulk_copy_g2s(dst + kPageBytes, v_cache + off, kPageBytes, &full[slot]);
+      }
+    }
+  } else {
+#if NQ_DECODE_MMA
+    consume_mma(warp - 1, lane, ring, full, empty, q, kvh, p0, count, seq_len, merge_acc, merge_m, merge_l);
+#else
+    consume_fma(warp - 1, lane, ring, full, empty, q, kvh, p0, count, seq_len, merge_acc, merge_m, merge_l,
+                pbuf_all);
+#endif
   }
   __syncthreads();  // both roles done; the one block-wide barrier after the role branches
 
