@@ -279,3 +279,16 @@ def test_bench_without_a_gpu_fails_before_writing_anything(env, tmp_path):
     line = one_error_line(cli(["bench", "--synthetic", "7b"], env))
     assert "GPU" in line and "--device cpu" in line
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
+
+
+def test_closed_stdout_ends_quietly(tiny_model, env):
+    # `nanoqwen-cli run ... | head -c 5`: the reader goes away; no traceback, the shell's SIGPIPE status.
+    proc = popen(
+        ["run", "--model", tiny_model, "--device", "cpu", "--raw", "-t", "0", "-n", 300, "def f(x):"], env
+    )
+    assert os.read(proc.stdout.fileno(), 5)
+    proc.stdout.close()
+    proc.wait(timeout=TIMEOUT)
+    stderr = proc.stderr.read().decode()
+    assert proc.returncode == 141, stderr
+    assert "Traceback" not in stderr and "error" not in stderr

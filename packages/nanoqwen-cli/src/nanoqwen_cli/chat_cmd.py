@@ -46,11 +46,10 @@ def chat(model, device, max_context, system, quiet, **sampling):
 
     note(f"nanoqwen chat: {loaded.model} on {device} (loaded in {loaded.load_s:.2f} s); {HELP_TEXT}")
     history: list[dict] = []
+    read_line = _terminal_reader() if interactive else stdin.readline
     while True:
-        if interactive and not quiet:
-            click.echo(">>> ", nl=False, err=True)
         try:
-            line = stdin.readline()
+            line = read_line()
         except KeyboardInterrupt:
             note("\n(Ctrl-C at the prompt: /exit or Ctrl-D quits)")
             continue
@@ -100,3 +99,19 @@ def chat(model, device, max_context, system, quiet, **sampling):
         out.flush()
         history.append({"role": "assistant", "content": "".join(reply)})
         note(session.format_stats(loaded, stats))
+
+
+def _terminal_reader():
+    """input() with line editing and history (readline) on a terminal; '' at EOF like readline()."""
+    try:
+        import readline  # noqa: F401  (importing it is what gives input() editing)
+    except ImportError:
+        pass
+
+    def read() -> str:
+        try:
+            return input(">>> ") + "\n"
+        except EOFError:
+            return ""
+
+    return read

@@ -12,6 +12,7 @@ import errno
 
 EXIT_ERROR = 1  # any failure the message explains
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: the reader of stdout closed it
 
 
 class CliError(Exception):

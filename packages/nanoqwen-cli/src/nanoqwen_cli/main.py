@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 
 import click
 
 from nanoqwen_cli import __version__
-from nanoqwen_cli.errors import EXIT_ERROR, EXIT_INTERRUPTED, describe
+from nanoqwen_cli.errors import EXIT_BROKEN_PIPE, EXIT_ERROR, EXIT_INTERRUPTED, describe
 
 # name -> "module:attribute"; imported on first use so that `--help` and typos answer at once, without
 # loading numpy, tokenizers or CuPy. convert/inspect are nanoqwen-format's own click commands.
@@ -44,6 +45,12 @@ class _NanoqwenGroup(click.Group):
             return super().invoke(ctx)
         except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
             raise
+        except BrokenPipeError:
+            # The reader went away (`nanoqwen-cli run ... | head`): not an error worth a message. Point
+            # stdout at /dev/null so that the interpreter's final flush does not raise again.
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            raise click.exceptions.Exit(EXIT_BROKEN_PIPE) from None
         except KeyboardInterrupt:
             if _debug(ctx):
                 raise
