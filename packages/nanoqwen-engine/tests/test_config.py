@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from nanoqwen_format.synthetic import qwen7b_config, shipped_tokenizer
-
 from nanoqwen_engine import ConfigError
 from nanoqwen_engine.config import ModelConfig
+from nanoqwen_format.synthetic import qwen7b_config, shipped_tokenizer
 
 
 def test_7b_config():
