@@ -52,6 +52,7 @@ def ladder_tiny_path(models_dir):
 
 @pytest.fixture(scope="session")
 def ladder_7b_path(models_dir, gpu):
+    """NANOQWEN_LADDER_7B names the file (scripts/gpu_all.sh shares the bench's); written if missing."""
     from ladder.models import qwen7b_model
 
-    return qwen7b_model(models_dir)
+    return qwen7b_model(models_dir, os.environ.get("NANOQWEN_LADDER_7B"))

@@ -28,6 +28,10 @@ def tiny_model(d: Path) -> Path:
     return _write_once(Path(d) / "ladder_tiny.nanoqwen", tiny_config(**TINY), SEED_TINY)
 
 
-def qwen7b_model(d: Path) -> Path:
-    """The Qwen2.5-Coder-7B shape with random weights (~5.5 GB)."""
+def qwen7b_model(d: Path, path: str | None = None) -> Path:
+    """The Qwen2.5-Coder-7B shape with random weights (~5.5 GB), at `path` if given."""
+    if path:
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        return _write_once(p, qwen7b_config(), 0)
     return _write_once(Path(d) / "ladder_qwen7b.nanoqwen", qwen7b_config(), SEED_7B)

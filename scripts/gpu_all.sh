@@ -1,0 +1,100 @@
+#!/usr/bin/env bash
+# Every GPU test and benchmark of nanoqwen in one call, on a bare GPU machine (no installs): run from the
+# repo root or anywhere; logs under $OUT (default ./gpu-out); a summary table printed last.
+#
+#   bash scripts/gpu_all.sh                       # everything (~10 min on an H200: the 100-prompt tiny
+#                                                 #   ladder and the 7B reference are the long parts)
+#   GPU_ALL_QUICK=1 bash scripts/gpu_all.sh       # a reduced ladder (30 prompts x 32 tokens, 7B 1 x 4)
+#   GPU_ALL_SECTIONS="kernels ladder" bash ...    # some sections only
+#
+# Sections: info, model7b (writes the 7B-shaped synthetic file once, shared by the ladder and the bench),
+# kernels / engine / ladder (pytest -m gpu of each suite), kbench (packages/nanoqwen-kernels/bench/*.py),
+# clibench (nanoqwen-cli bench --synthetic 7b --json, graph then eager). Each section runs under its own
+# timeout (SECTION_TIMEOUT_<name>, seconds), so one hang costs one section, not the call.
+# Files back from $OUT (the device tool returns at most 8): gpu_all.log (everything), summary.txt,
+# bench_7b_graph.json, bench_7b_eager.json, details.tar.gz (per-section logs, ladder JSON reports).
+set -u -o pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu-out}
+mkdir -p "$OUT"
+WORK=${GPU_ALL_WORK:-/tmp/nq-gpu-all}
+mkdir -p "$WORK/logs" "$WORK/ladder"
+PY=${PYTHON:-python3}
+export PYTHONPATH=packages/nanoqwen-format/src:packages/nanoqwen-kernels/src:packages/nanoqwen-engine/src:packages/nanoqwen-cli/src${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONUNBUFFERED=1
+export NANOQWEN_KERNEL_CACHE=${NANOQWEN_KERNEL_CACHE:-$WORK/kcache}
+export NANOQWEN_CACHE=${NANOQWEN_CACHE:-$WORK/cache}
+export NANOQWEN_LADDER_MODELS=${NANOQWEN_LADDER_MODELS:-$WORK/models}
+export NANOQWEN_LADDER_OUT=$WORK/ladder
+# the bench's synthetic 7B (seed 0) is the ladder's 7B too: written once
+export NANOQWEN_LADDER_7B=${NANOQWEN_LADDER_7B:-$NANOQWEN_CACHE/synthetic-7b-seed0.nanoqwen}
+if [ "${GPU_ALL_QUICK:-0}" = 1 ]; then
+  export NANOQWEN_LADDER_PROMPTS=${NANOQWEN_LADDER_PROMPTS:-30} NANOQWEN_LADDER_TOKENS=${NANOQWEN_LADDER_TOKENS:-32}
+  export NANOQWEN_LADDER_7B_PROMPTS=${NANOQWEN_LADDER_7B_PROMPTS:-1} NANOQWEN_LADDER_7B_TOKENS=${NANOQWEN_LADDER_7B_TOKENS:-4}
+fi
+SECTIONS=${GPU_ALL_SECTIONS:-info model7b kernels engine ladder kbench clibench}
+TABLE=$WORK/sections.tsv
+: >"$TABLE"
+LOG=$OUT/gpu_all.log
+: >"$LOG"
+
+want() { [[ " $SECTIONS " == *" $1 "* ]]; }
+
+# run NAME TIMEOUT CMD...: log to $WORK/logs/NAME.log and gpu_all.log; one row of the table
+run() {
+  local name=$1 limit=$2; shift 2
+  local var="SECTION_TIMEOUT_$name"
+  limit=${!var:-$limit}
+  echo "=== [$name] $* (timeout ${limit}s) $(date -u +%H:%M:%S)" | tee -a "$LOG"
+  local t0=$SECONDS
+  timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$WORK/logs/$name.log" >>"$LOG"
+  local rc=${PIPESTATUS[0]}
+  printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - t0))" "$WORK/logs/$name.log" >>"$TABLE"
+  echo "=== [$name] rc=$rc in $((SECONDS - t0))s" | tee -a "$LOG"
+}
+
+if want info; then
+  run info 30 bash -c "nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader; \
+    echo commit=${NQ_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}; \
+    $PY -c 'import cupy, sys; from cupy_backends.cuda.libs import nvrtc; \
+print(\"python\", sys.version.split()[0], \"cupy\", cupy.__version__, \"nvrtc\", nvrtc.getVersion())'"
+fi
+if want model7b; then
+  run model7b 240 $PY -c "
+import os, time
+from pathlib import Path
+from nanoqwen_format.synthetic import qwen7b_config, write_synthetic
+p = Path(os.environ['NANOQWEN_LADDER_7B'])
+if p.exists():
+    print('exists', p)
+else:
+    p.parent.mkdir(parents=True, exist_ok=True)
+    t = time.perf_counter(); tmp = p.with_suffix('.tmp')
+    write_synthetic(tmp, qwen7b_config(), seed=0); os.replace(tmp, p)
+    print(f'wrote {p} ({p.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - t:.1f} s')
+"
+fi
+PYTEST="$PY -m pytest -q -m gpu -p no:cacheprovider -rfEs"
+want kernels && run kernels 300 $PYTEST packages/nanoqwen-kernels/tests
+want engine && run engine 200 $PYTEST packages/nanoqwen-engine/tests
+want ladder && run ladder 900 $PYTEST -s tests/test_ladder_layer.py tests/test_ladder_graph.py
+if want kbench; then
+  for b in packages/nanoqwen-kernels/bench/*.py; do
+    [ -f "$b" ] || continue
+    run "kbench_$(basename "$b" .py)" 120 $PY "$b"
+  done
+fi
+if want clibench; then
+  if [ -d packages/nanoqwen-cli/src/nanoqwen_cli ]; then
+    # the bench finds the 7B file the model7b section wrote in $NANOQWEN_CACHE
+    run clibench_graph 300 bash -c "$PY -m nanoqwen_cli bench --synthetic 7b --json > '$OUT/bench_7b_graph.json'; \
+      rc=\$?; cat '$OUT/bench_7b_graph.json'; exit \$rc"
+    run clibench_eager 300 bash -c "$PY -m nanoqwen_cli bench --synthetic 7b --eager --json > '$OUT/bench_7b_eager.json'; \
+      rc=\$?; cat '$OUT/bench_7b_eager.json'; exit \$rc"
+  else
+    echo "no nanoqwen_cli package: clibench skipped" | tee -a "$LOG"
+  fi
+fi
+
+tar -czf "$OUT/details.tar.gz" -C "$WORK" logs ladder 2>/dev/null
+$PY scripts/gpu_summary.py "$TABLE" "$NANOQWEN_LADDER_OUT" "$OUT" | tee "$OUT/summary.txt"
