@@ -17,7 +17,7 @@ import cupy as cp
 import numpy as np
 from nanoqwen_kernels.dims import QWEN25_7B
 from nanoqwen_kernels.loader import load_module
-from nanoqwen_kernels.prefill import PrefillKernels
+from nanoqwen_kernels.prefill import ATTENTION_VARIANTS, PrefillKernels
 
 D = QWEN25_7B
 M = 512
@@ -65,11 +65,12 @@ def bench_gemm(pk: PrefillKernels, name: str, n: int, k: int, rng) -> float:
 
 
 def bench_attention(pk: PrefillKernels, kc, vc, table, T: int, n: int, batches: int) -> None:
+    """pk's attention variant at T queries from position 0."""
     qt = cp.random.standard_normal((T, D.q_dim), dtype=cp.float32).astype(cp.float16)
     out = cp.empty((T, D.q_dim), cp.float16)
     t = time_calls(lambda: pk.attention_prefill(qt, kc, vc, table, 0, T, 0, out), n=n, batches=batches)
     fl = 4.0 * D.n_heads * 128 * T * (T + 1) / 2
-    print(f"| attention_prefill T = {T} | {t * 1e6:.1f} | {fl / t / 1e12:.1f} | | |")
+    print(f"| attention_prefill[{pk.attention_variant}] T = {T} | {t * 1e6:.1f} | {fl / t / 1e12:.1f} | | |")
 
 
 def main() -> int:
@@ -90,8 +91,10 @@ def main() -> int:
     q = cp.empty((M, D.q_dim), cp.float16)
     t = time_calls(lambda: pk.rope_kv_prefill(qkv, 0, table, kc, vc, 0, q))
     print(f"| rope_kv_prefill T = {M} | {t * 1e6:.1f} | | | |")
-    for T, n, b in ((512, 10, 7), (4096, 3, 3), (32768, 1, 1)):
-        bench_attention(pk, kc, vc, table, T, n, b)
+    for variant in ATTENTION_VARIANTS:
+        pa = PrefillKernels(D, load_module, variant)
+        for T, n, b in ((512, 10, 7), (4096, 3, 3), (32768, 1, 1)):
+            bench_attention(pa, kc, vc, table, T, n, b)
     print(f"\n28 layers of the four GEMMs at M = {M}: {total * 1e3:.2f} ms")
     return 0
 

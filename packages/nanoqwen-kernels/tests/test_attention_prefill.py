@@ -15,12 +15,15 @@ gpu = pytest.mark.skipif(not OK, reason=REASON)
 DIMS = {"7b": QWEN25_7B, "tiny": TINY}
 
 
+VARIANTS = ["fma", "mma"]  # attention bodies (nanoqwen_kernels.prefill.ATTENTION_VARIANTS)
+
+
 @pytest.fixture(scope="module")
 def kernels():
     from nanoqwen_kernels.loader import load_module
     from nanoqwen_kernels.prefill import PrefillKernels
 
-    return {name: PrefillKernels(d, load_module) for name, d in DIMS.items()}
+    return {(name, v): PrefillKernels(d, load_module, v) for name, d in DIMS.items() for v in VARIANTS}
 
 
 def causal_ref(q, k, v, start_pos, g):
@@ -38,10 +41,11 @@ def causal_ref(q, k, v, start_pos, g):
 
 @gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("name", ["7b", "tiny"])
 @pytest.mark.parametrize("start_pos", [0, 37])
 @pytest.mark.parametrize("T", [1, 15, 16, 17, 100, 513])
-def test_attention_prefill(kernels, name, start_pos, T):
+def test_attention_prefill(kernels, name, start_pos, T, variant):
     import cupy as cp
 
     d = DIMS[name]
@@ -61,7 +65,7 @@ def test_attention_prefill(kernels, name, start_pos, T):
     vc[layer, table[pos // 16], :, pos % 16] = v
     q = (2.0 * rng.standard_normal((T, d.q_dim))).astype(np.float16)
     out = cp.full((T, d.q_dim), np.nan, dtype=cp.float16)
-    kernels[name].attention_prefill(
+    kernels[name, variant].attention_prefill(
         cp.asarray(q), cp.asarray(kc), cp.asarray(vc), cp.asarray(table), start_pos, T, layer, out
     )
     g = d.n_heads // d.n_kv_heads
@@ -99,12 +103,13 @@ def test_attention_prefill_rejects_bad_arguments(kernels):
     }
     for name, change in cases.items():
         with pytest.raises(KernelError, match=name):
-            kernels["tiny"].attention_prefill(**{**base, **change})
+            kernels["tiny", "fma"].attention_prefill(**{**base, **change})
 
 
 @gpu
 @pytest.mark.gpu
-def test_attention_prefill_32k_rows(kernels):
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_attention_prefill_32k_rows(kernels, variant):
     """T = 32768 in one launch (O(T) memory): 24 random rows, the first and the last, against the reference."""
     import cupy as cp
 
@@ -121,7 +126,7 @@ def test_attention_prefill_32k_rows(kernels):
     vc[0, table[pos // 16], :, pos % 16] = v
     q = rng.standard_normal((T, d.q_dim)).astype(np.float16)
     out = cp.full((T, d.q_dim), np.nan, dtype=cp.float16)
-    kernels["tiny"].attention_prefill(
+    kernels["tiny", variant].attention_prefill(
         cp.asarray(q), cp.asarray(kc), cp.asarray(vc), cp.asarray(table), 0, T, 0, out
     )
     got = cp.asnumpy(out).astype(np.float64)

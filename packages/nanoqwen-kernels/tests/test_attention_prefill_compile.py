@@ -57,8 +57,9 @@ def test_decode_compiles_with_bulk_copy_and_mbarriers(dims, variant, tmp_path):
 @pytest.mark.parametrize("dims", DIMS)
 def test_prefill_sources_compile(dims, tmp_path):
     text = sass(loader.compile_cubin(PREFILL_SOURCES, dims.defines(), "sm_90a"), tmp_path)
-    for kernel in ("dequantize_int4", "rope_kv_prefill", "attention_prefill"):
+    for kernel in ("dequantize_int4", "rope_kv_prefill", "attention_prefill", "attention_prefill_mma"):
         assert f"Function : {kernel}" in text
+    assert "HMMA.16816.F32" in text and "LDSM.16.MT88.4" in text, "attention_prefill_mma off tensor cores"
     # the dequantizer unpacks with byte permutes, as the ValueShuffle layout intends
     assert "PRMT" in text
 
@@ -82,6 +83,8 @@ def _no_gpu_loader(sources, defines, arch=None):
 def test_unknown_variant_is_refused():
     with pytest.raises(KernelError, match="variant"):
         AttentionKernels(TINY, _no_gpu_loader, "wgmma")
+    with pytest.raises(KernelError, match="variant"):
+        PrefillKernels(TINY, _no_gpu_loader, "wgmma")
 
 
 def test_gqa_above_8_is_refused():

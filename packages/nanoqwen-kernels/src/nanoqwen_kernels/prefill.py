@@ -17,18 +17,26 @@ from .errors import KernelError
 PREFILL_SOURCES = ["dequant_int4.cu", "prefill_rope_kv.cu", "attention_prefill.cu"]
 _DEQUANT_THREADS = 256
 _DEQUANT_MAX_BLOCKS = 132 * 16  # grid-stride beyond this: enough blocks to fill every SM many times
-_ATTN_BQ = 32  # query rows per block of attention_prefill (kBQ in attention_prefill.cu)
+# attention_prefill bodies: name -> (kernel, query rows per block (kBQ), threads) in attention_prefill.cu
+ATTENTION_VARIANTS = {"fma": ("attention_prefill", 32, 256), "mma": ("attention_prefill_mma", 64, 128)}
+DEFAULT_ATTENTION_VARIANT = "fma"
 
 
 class PrefillKernels:
     """The prefill build for one ModelDims. `load_module(sources, defines)` is the loader's."""
 
-    def __init__(self, dims: ModelDims, load_module):
+    def __init__(self, dims: ModelDims, load_module, attention_variant: str = DEFAULT_ATTENTION_VARIANT):
+        if attention_variant not in ATTENTION_VARIANTS:
+            raise KernelError(
+                f"unknown attention_prefill variant {attention_variant!r}; one of {sorted(ATTENTION_VARIANTS)}"
+            )
         self.dims = dims
+        self.attention_variant = attention_variant
+        kernel, self._attn_rows, self._attn_threads = ATTENTION_VARIANTS[attention_variant]
         mod = load_module(PREFILL_SOURCES, dims.defines())
         self._dequant = mod.get_function("dequantize_int4")
         self._rope = mod.get_function("rope_kv_prefill")
-        self._attn = mod.get_function("attention_prefill")
+        self._attn = mod.get_function(kernel)
 
     # ---- INT4 GEMM ------------------------------------------------------------------------------
 
@@ -138,8 +146,8 @@ class PrefillKernels:
             )
         launch(
             self._attn,
-            ((T + _ATTN_BQ - 1) // _ATTN_BQ, d.n_heads, 1),
-            (256, 1, 1),
+            ((T + self._attn_rows - 1) // self._attn_rows, d.n_heads, 1),
+            (self._attn_threads, 1, 1),
             (
                 q,
                 k_cache,

@@ -165,3 +165,208 @@ extern "C" __global__ void __launch_bounds__(nq_pre::kThreads)
     }
   }
 }
+
+// ======================================================================================================
+// attention_prefill_mma: the same computation on tensor cores (FlashAttention-2 structure).
+//
+// Launch: grid (ceil(T/64), NQ_NHEADS), 128 threads (4 warps), 34 KB static smem.
+//   Block = 64 query rows of one head; warp w owns rows 16w .. 16w+15 (the M of m16n8k16).
+//   Key tiles of 64 positions (4 pages) are copied into padded smem rows (136 halves = 272 B, so the
+//   8 row addresses of an ldmatrix land on 8 distinct 16-byte bank groups). Per tile and warp:
+//     S = Q [16 x 128] . K^T [128 x 64]: 8 key tiles x 8 dim steps = 64 mma (K via ldmatrix)
+//     O += P [16 x 64] . V [64 x 128]:   4 key steps x 16 dim tiles = 64 mma (V via ldmatrix.trans)
+//   S's C fragment is P's A fragment (rounded to fp16, as FlashAttention does); the softmax state is
+//   fp32, the row sum stays per lane until the end. Q fragments live in registers for the whole block.
+// ======================================================================================================
+namespace nq_pre_mma {
+using nq::uint16_t;
+using nq::uint32_t;
+constexpr int kBQ = 64;
+constexpr int kBK = 64;
+constexpr int kThreads = 128;
+constexpr int kG = nq::kHeads / nq::kKvHeads;
+constexpr int kRowH = 136;  // padded smem row (halves) of the K/V tiles
+constexpr float kScaleLog2 = 1.4426950408889634f * 0.08838834764831845f;
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000u); }
+
+__device__ __forceinline__ void mma16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// four 8x8 b16 matrices; lane l gives the row address of matrix l/8, row l%8; r[i] = matrix i's
+// (row lane/4, cols 2(lane%4), +1)
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+}
+// the same, transposed: r[i] = matrix i's (rows 2(lane%4), +1; col lane/4)
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* p) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+}
+
+__device__ __forceinline__ uint32_t pack_h2(float lo, float hi) {
+  uint32_t d;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+  return d;
+}
+}  // namespace nq_pre_mma
+
+extern "C" __global__ void __launch_bounds__(nq_pre_mma::kThreads)
+    attention_prefill_mma(const nq::uint16_t* __restrict__ q,        // [T, kQDim]
+                          const nq::uint16_t* __restrict__ k_cache,  // [L, n_pages, NQ_NKV, 16, 128]
+                          const nq::uint16_t* __restrict__ v_cache,  // same
+                          const int* __restrict__ page_table,        // [max_pages]
+                          int start_pos, int T, int layer, int n_pages,
+                          nq::uint16_t* __restrict__ out) {          // [T, kQDim]
+  using namespace nq_pre_mma;
+  __shared__ __align__(16) uint16_t ks[kBK * kRowH];  // [64 keys][136] fp16 (128 used)
+  __shared__ __align__(16) uint16_t vs[kBK * kRowH];  // [64 keys][136] fp16
+
+  const int q0 = blockIdx.x * kBQ;
+  const int h = blockIdx.y;
+  const int kvh = h / kG;
+  const int tid = threadIdx.x;
+  const int warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int kv_len = start_pos + T;
+  const int kv_end = min(start_pos + q0 + kBQ, kv_len);
+  const int r0 = q0 + 16 * warp + g;  // this lane's rows r0 and r0 + 8 (query index)
+  const int r1 = r0 + 8;
+  const int qpos0 = start_pos + r0, qpos1 = start_pos + r1;
+
+  // Q A fragments for the 8 dim steps: a0 (row g, dims 16ks+2t), a1 (row g+8), a2/a3 (dims +8)
+  uint32_t qa[8][4];
+#pragma unroll
+  for (int kk = 0; kk < 8; ++kk) {
+    const int d0 = 16 * kk + 2 * t;
+    const nq::uint16_t* p0 = q + static_cast<size_t>(r0) * nq::kQDim + h * 128;
+    const nq::uint16_t* p1 = q + static_cast<size_t>(r1) * nq::kQDim + h * 128;
+    qa[kk][0] = r0 < T ? *reinterpret_cast<const uint32_t*>(p0 + d0) : 0u;
+    qa[kk][1] = r1 < T ? *reinterpret_cast<const uint32_t*>(p1 + d0) : 0u;
+    qa[kk][2] = r0 < T ? *reinterpret_cast<const uint32_t*>(p0 + d0 + 8) : 0u;
+    qa[kk][3] = r1 < T ? *reinterpret_cast<const uint32_t*>(p1 + d0 + 8) : 0u;
+  }
+
+  float m[2] = {neg_inf(), neg_inf()}, l[2] = {0.f, 0.f};  // rows r0, r1 (l: this lane's part)
+  float o[16][4];  // [dim tile] C fragment: (row g, dims 8n+2t, +1), (row g+8, same dims)
+#pragma unroll
+  for (int n = 0; n < 16; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+
+  for (int kb = 0; kb < kv_end; kb += kBK) {
+    __syncthreads();  // the previous tile's ldmatrix reads are done
+    for (int ch = tid; ch < kBK * 16; ch += kThreads) {
+      const int kk = ch >> 4, dd = (ch & 15) * 8;
+      const int kp = kb + kk;
+      uint4 kr = make_uint4(0u, 0u, 0u, 0u), vr = make_uint4(0u, 0u, 0u, 0u);
+      if (kp < kv_len) {  // beyond the sequence: zeros, never a page's stale (maybe NaN) bytes
+        const size_t off = ((static_cast<size_t>(layer) * n_pages + page_table[kp / nq::kPageTokens]) *
+                                nq::kKvHeads + kvh) * (nq::kPageTokens * 128) +
+                           (kp % nq::kPageTokens) * 128 + dd;
+        kr = *reinterpret_cast<const uint4*>(k_cache + off);
+        vr = *reinterpret_cast<const uint4*>(v_cache + off);
+      }
+      *reinterpret_cast<uint4*>(ks + kk * kRowH + dd) = kr;
+      *reinterpret_cast<uint4*>(vs + kk * kRowH + dd) = vr;
+    }
+    __syncthreads();
+
+    // S = Q K^T for 64 keys: key tile nt (keys 8nt..8nt+7), C (row g / g+8, keys 8nt+2t, +1)
+    float s[8][4];
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+#pragma unroll
+      for (int kk = 0; kk < 8; kk += 2) {
+        // matrices: (keys 8nt.., dims 16kk..), (dims +8), (dims +16), (dims +24) -> b0,b1 of steps kk, kk+1
+        uint32_t b[4];
+        ldmatrix_x4(b, ks + (8 * nt + (lane & 7)) * kRowH + 16 * kk + 8 * (lane >> 3));
+        mma16816(s[nt], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], b[0], b[1]);
+        mma16816(s[nt], qa[kk + 1][0], qa[kk + 1][1], qa[kk + 1][2], qa[kk + 1][3], b[2], b[3]);
+      }
+    }
+    // causal mask + online softmax, rows r0 (s[][0..1]) and r1 (s[][2..3])
+    float mx[2] = {neg_inf(), neg_inf()};
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int kp = kb + 8 * nt + 2 * t + (j & 1);
+        const bool ok = (j < 2) ? (r0 < T && kp <= qpos0) : (r1 < T && kp <= qpos1);
+        s[nt][j] = ok ? s[nt][j] * kScaleLog2 : neg_inf();
+        mx[j >> 1] = fmaxf(mx[j >> 1], s[nt][j]);
+      }
+    }
+    float alpha[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+      mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+      const float m_new = fmaxf(m[i], mx[i]);
+      // rows past T, or with nothing visible yet, keep m = -inf: no -inf - -inf
+      alpha[i] = m_new == neg_inf() ? 1.f : exp2f(m[i] - m_new);
+      m[i] = m_new;
+      l[i] *= alpha[i];
+    }
+    uint32_t pa[4][4];  // P as A fragments of the 4 key steps (16 keys each)
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      float p[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        p[j] = s[nt][j] == neg_inf() ? 0.f : exp2f(s[nt][j] - m[j >> 1]);
+        l[j >> 1] += p[j];
+      }
+      // key step kk = nt/2: a0/a1 from the even key tile (keys 16kk+2t..), a2/a3 from the odd one
+      pa[nt >> 1][(nt & 1) * 2 + 0] = pack_h2(p[0], p[1]);  // row g
+      pa[nt >> 1][(nt & 1) * 2 + 1] = pack_h2(p[2], p[3]);  // row g+8
+    }
+#pragma unroll
+    for (int n = 0; n < 16; ++n) {
+      o[n][0] *= alpha[0]; o[n][1] *= alpha[0];
+      o[n][2] *= alpha[1]; o[n][3] *= alpha[1];
+    }
+    // O += P V: key step kk (keys 16kk..16kk+15), dim tiles n, n+1 per ldmatrix.x4.trans
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+#pragma unroll
+      for (int n = 0; n < 16; n += 2) {
+        // matrices: (keys 16kk.., dims 8n..), (keys 16kk+8.., dims 8n..), (keys 16kk.., dims 8n+8..),
+        // (keys 16kk+8.., dims 8n+8..) -> b0,b1 of dim tile n, then of n+1
+        uint32_t b[4];
+        const int key = 16 * kk + (lane & 7) + 8 * ((lane >> 3) & 1);
+        const int dim = 8 * n + 8 * (lane >> 4);
+        ldmatrix_x4_trans(b, vs + key * kRowH + dim);
+        mma16816(o[n], pa[kk][0], pa[kk][1], pa[kk][2], pa[kk][3], b[0], b[1]);
+        mma16816(o[n + 1], pa[kk][0], pa[kk][1], pa[kk][2], pa[kk][3], b[2], b[3]);
+      }
+    }
+  }
+
+  // full row sums: the 4 lanes of a row each hold part of it
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
+    l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
+  }
+  const float inv0 = l[0] > 0.f ? 1.f / l[0] : 0.f, inv1 = l[1] > 0.f ? 1.f / l[1] : 0.f;
+#pragma unroll
+  for (int n = 0; n < 16; ++n) {
+    const int d = 8 * n + 2 * t;
+    if (r0 < T)
+      *reinterpret_cast<uint32_t*>(out + static_cast<size_t>(r0) * nq::kQDim + h * 128 + d) =
+          pack_h2(o[n][0] * inv0, o[n][1] * inv0);
+    if (r1 < T)
+      *reinterpret_cast<uint32_t*>(out + static_cast<size_t>(r1) * nq::kQDim + h * 128 + d) =
+          pack_h2(o[n][2] * inv1, o[n][3] * inv1);
+  }
+}
