@@ -70,15 +70,14 @@ def bench_decode(ctx: int, variant: str) -> dict:
 
 
 def smoke() -> int:
-    """Every part-B kernel once on small shapes, pool allocator off so each array is its own cudaMalloc
-    (compute-sanitizer memcheck then sees any out-of-bounds access); prints a checksum per output."""
+    """Every part-B kernel (every variant) once on small shapes, pool allocator off so each array is its
+    own cudaMalloc (compute-sanitizer memcheck then sees any out-of-bounds access)."""
     from nanoqwen_kernels.dims import TINY
-    from nanoqwen_kernels.prefill import PrefillKernels
+    from nanoqwen_kernels.prefill import ATTENTION_VARIANTS, PrefillKernels
 
     cp.cuda.set_allocator(None)
     rng = np.random.default_rng(0)
     for d, ctx in ((TINY, 40), (QWEN25_7B, 100)):
-        ak, pk = AttentionKernels(d, load_module), PrefillKernels(d, load_module)
         n_pages = (ctx + 15) // 16 + 2
         shape = (2, n_pages, d.n_kv_heads, 16, 128)
         kc = cp.asarray(rng.standard_normal(shape).astype(np.float16))
@@ -87,24 +86,27 @@ def smoke() -> int:
         T, start = 23, ctx - 23
         qkv = cp.asarray(rng.standard_normal((T, d.qkv_rows)).astype(np.float16))
         q = cp.empty((T, d.q_dim), cp.float16)
+        pk = PrefillKernels(d, load_module)
         pk.rope_kv_prefill(qkv, start, table, kc, vc, 1, q)
-        out = cp.empty((T, d.q_dim), cp.float16)
-        pk.attention_prefill(q, kc, vc, table, start, T, 1, out)
-        o1 = cp.empty(d.q_dim, cp.float16)
-        ak.attention_decode(
-            q[-1].copy(), kc, vc, table, cp.asarray(np.array([ctx], np.int32)), 1, o1, ak.new_workspace()
-        )
         qw = cp.asarray(rng.integers(0, 2**32, size=(256, 32), dtype=np.uint32))
         sc = cp.asarray(rng.uniform(0.01, 0.02, size=(256, 2)).astype(np.float16))
         y = cp.empty((T, 256), cp.float16)
         pk.gemm_int4(qw, sc, cp.asarray(rng.standard_normal((T, 256)).astype(np.float16)), y)
-        cp.cuda.Device().synchronize()
-        # the last prefill row and the decode step at the same position see the same keys
-        diff = float(cp.abs(out[-1].astype(cp.float32) - o1.astype(cp.float32)).max())
-        print(
-            f"smoke n_heads={d.n_heads}: prefill/decode last-row max diff {diff:.2e}, "
-            f"sums {float(out.astype(cp.float32).sum()):.3f} {float(y.astype(cp.float32).sum()):.3f}"
-        )
+        seq = cp.asarray(np.array([ctx], np.int32))
+        for pv in ATTENTION_VARIANTS:
+            out = cp.empty((T, d.q_dim), cp.float16)
+            PrefillKernels(d, load_module, pv).attention_prefill(q, kc, vc, table, start, T, 1, out)
+            for dv in VARIANTS:
+                ak = AttentionKernels(d, load_module, dv)
+                o1 = cp.empty(d.q_dim, cp.float16)
+                ak.attention_decode(q[-1].copy(), kc, vc, table, seq, 1, o1, ak.new_workspace())
+                cp.cuda.Device().synchronize()
+                # the last prefill row and a decode step at the same position see the same keys
+                diff = float(cp.abs(out[-1].astype(cp.float32) - o1.astype(cp.float32)).max())
+                print(
+                    f"smoke n_heads={d.n_heads} prefill[{pv}] vs decode[{dv}] last row: max diff {diff:.2e}"
+                )
+        print(f"smoke n_heads={d.n_heads} gemm sum {float(y.astype(cp.float32).sum()):.3f}")
     return 0
 
 

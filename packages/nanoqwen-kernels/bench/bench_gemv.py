@@ -86,8 +86,13 @@ def main(argv=None) -> int:
     def int4_set(n, k):
         one = n * k // 2 + n * (k // 128) * 2
         c = _copies(one)
-        qw = [cp.random.randint(0, 2**31, size=(n, k // 8), dtype=np.int64).astype(np.uint32) for _ in range(c)]
-        sc = [cp.asarray((rng.uniform(0.5, 1.5, size=(n, k // 128)) * 0.003).astype(np.float16)) for _ in range(c)]
+        qw = [
+            cp.random.randint(0, 2**31, size=(n, k // 8), dtype=np.int64).astype(np.uint32) for _ in range(c)
+        ]
+        sc = [
+            cp.asarray((rng.uniform(0.5, 1.5, size=(n, k // 128)) * 0.003).astype(np.float16))
+            for _ in range(c)
+        ]
         return qw, sc, one
 
     x_h = cp.asarray(rng.standard_normal(H).astype(np.float16))
@@ -97,18 +102,32 @@ def main(argv=None) -> int:
 
     def bench(name, n, k, launches_of, nbytes, target):
         t = _time_graph(cp, [launches_of(i) for i in range(PER_GRAPH)], args.reps)
-        rows.append(dict(kernel=name, shape=f"{n}x{k}", us=t * 1e6, gbs=nbytes / t / 1e9,
-                         pct=100 * nbytes / t / COPY_BW, target=target))
+        rows.append(
+            dict(
+                kernel=name,
+                shape=f"{n}x{k}",
+                us=t * 1e6,
+                gbs=nbytes / t / 1e9,
+                pct=100 * nbytes / t / COPY_BW,
+                target=target,
+            )
+        )
 
     for n, k, what in [(H, H, "o_proj"), (D.kv_dim, H, "k/v_proj"), (H, inter, "down+residual")]:
         qw, sc, one = int4_set(n, k)
         x = x_h if k == H else x_i
         out = cp.zeros(n, dtype=np.float16)
         res = out if what.endswith("residual") else None
-        bench(f"gemv_int4 ({what})", n, k,
-              lambda i, qw=qw, sc=sc, x=x, out=out, res=res: (
-                  lambda: g.gemv_int4(qw[i % len(qw)], sc[i % len(sc)], x, out, residual=res)),
-              one + 2 * k + 2 * n * (2 if res is not None else 1), 85)
+        bench(
+            f"gemv_int4 ({what})",
+            n,
+            k,
+            lambda i, qw=qw, sc=sc, x=x, out=out, res=res: (
+                lambda: g.gemv_int4(qw[i % len(qw)], sc[i % len(sc)], x, out, residual=res)
+            ),
+            one + 2 * k + 2 * n * (2 if res is not None else 1),
+            85,
+        )
 
     qw, sc, one = int4_set(D.qkv_rows, H)
     bias = cp.zeros(D.qkv_rows, dtype=np.float16)
@@ -117,22 +136,39 @@ def main(argv=None) -> int:
     kc = cp.zeros((1, 64, D.n_kv_heads, 16, 128), dtype=np.float16)
     vc = cp.zeros_like(kc)
     q = cp.zeros(D.q_dim, dtype=np.float16)
-    bench("qkv_rope_kv (norm+qkv+rope+kv)", D.qkv_rows, H,
-          lambda i: (lambda: g.qkv_rope_kv(qw[i % len(qw)], sc[i % len(sc)], bias, x_h, nw, eps, pos, pt, kc, vc,
-                                           0, q)),
-          one + 6 * H + 2 * D.qkv_rows, 85)
+    bench(
+        "qkv_rope_kv (norm+qkv+rope+kv)",
+        D.qkv_rows,
+        H,
+        lambda i: (
+            lambda: g.qkv_rope_kv(qw[i % len(qw)], sc[i % len(sc)], bias, x_h, nw, eps, pos, pt, kc, vc, 0, q)
+        ),
+        one + 6 * H + 2 * D.qkv_rows,
+        85,
+    )
 
     qw, sc, one = int4_set(2 * inter, H)
     act = cp.zeros(inter, dtype=np.float16)
-    bench("gate_up_silu (norm+gate/up+silu)", 2 * inter, H,
-          lambda i: (lambda: g.gate_up_silu(qw[i % len(qw)], sc[i % len(sc)], x_h, nw, eps, act)),
-          one + 4 * H + 2 * inter, 85)
+    bench(
+        "gate_up_silu (norm+gate/up+silu)",
+        2 * inter,
+        H,
+        lambda i: lambda: g.gate_up_silu(qw[i % len(qw)], sc[i % len(sc)], x_h, nw, eps, act),
+        one + 4 * H + 2 * inter,
+        85,
+    )
 
     V = D.vocab
     lm = [(0.02 * cp.random.standard_normal((V, H), dtype=np.float32)).astype(np.float16) for _ in range(2)]
     logits = cp.zeros(V, dtype=np.float32)
-    bench("gemv_fp16 (lm_head)", V, H, lambda i: (lambda: g.gemv_fp16(lm[i % 2], x_h, logits)),
-          V * H * 2 + 2 * H + 4 * V, 90)
+    bench(
+        "gemv_fp16 (lm_head)",
+        V,
+        H,
+        lambda i: lambda: g.gemv_fp16(lm[i % 2], x_h, logits),
+        V * H * 2 + 2 * H + 4 * V,
+        90,
+    )
     lm.clear()  # free 2.2 GB before the peers
 
     peers = []
@@ -143,15 +179,28 @@ def main(argv=None) -> int:
             ws = [cp.random.standard_normal((n, k), dtype=np.float32).astype(np.float16) for _ in range(c)]
             x = x_h if k == H else x_i
             o = cp.zeros(n, dtype=np.float16)
-            t = _time_graph(cp, [(lambda w=ws[i % c], x=x, o=o: cp.matmul(w, x, out=o)) for i in range(PER_GRAPH)], args.reps)
-            peers.append(dict(kernel="cuBLAS fp16 (cupy.matmul)", shape=f"{n}x{k}", us=t * 1e6,
-                              gbs=(one + 2 * k + 2 * n) / t / 1e9, pct=100 * (one + 2 * k + 2 * n) / t / COPY_BW,
-                              target=None))
+            t = _time_graph(
+                cp,
+                [(lambda w=ws[i % c], x=x, o=o: cp.matmul(w, x, out=o)) for i in range(PER_GRAPH)],
+                args.reps,
+            )
+            peers.append(
+                dict(
+                    kernel="cuBLAS fp16 (cupy.matmul)",
+                    shape=f"{n}x{k}",
+                    us=t * 1e6,
+                    gbs=(one + 2 * k + 2 * n) / t / 1e9,
+                    pct=100 * (one + 2 * k + 2 * n) / t / COPY_BW,
+                    target=None,
+                )
+            )
             del ws
 
     dev = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"].decode()
-    print(f"\nbench_gemv on {dev}: median of {args.reps} graph replays x {PER_GRAPH} launches, rotating weights "
-          f"> L2; % of {COPY_BW / 1e12:.2f} TB/s")
+    print(
+        f"\nbench_gemv on {dev}: median of {args.reps} graph replays x {PER_GRAPH} launches, rotating weights "
+        f"> L2; % of {COPY_BW / 1e12:.2f} TB/s"
+    )
     print(f"{'kernel':36s} {'shape':>13s} {'us':>8s} {'GB/s':>7s} {'%copy':>6s} {'target':>6s}")
     for r in rows + peers:
         tgt = f">={r['target']}" if r["target"] else ""

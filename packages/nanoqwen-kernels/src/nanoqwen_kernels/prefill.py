@@ -56,7 +56,8 @@ class PrefillKernels:
         n, k = self._check_int4(qweight, scales)
         check_array("out", out, np.float16, shape=(n, k))
         words = n * k // 8
-        blocks = min(_DEQUANT_MAX_BLOCKS, (words + _DEQUANT_THREADS - 1) // _DEQUANT_THREADS)
+        per_block = _DEQUANT_THREADS * 4  # kWordsPerThread = 4 in dequant_int4.cu
+        blocks = min(_DEQUANT_MAX_BLOCKS, (words + per_block - 1) // per_block)
         launch(
             self._dequant,
             (blocks, 1, 1),
