@@ -51,11 +51,14 @@ def _ram_bytes() -> int:
         return 16 << 30
 
 
-def cpu_engine(path, max_context: int) -> Engine:
-    """The reference, keeping as many dequantized float32 layers as a third of RAM holds."""
+def cpu_engine(path, max_context: int, budget: int | None = None) -> Engine:
+    """The reference. budget: bytes of float32 weights it keeps; default a third of RAM, which holds a
+    whole 7B (26 GiB of layers, dequantized once at load) on the GPU machine. A small budget (4 GiB)
+    dequantizes layers lazily: right for a test that needs one layer."""
     t0 = time.perf_counter()
     nq, cfg, tok = _open(path)
-    be = ReferenceBackend.create(nq, cfg, max_context=max_context, weight_budget=max(4 << 30, _ram_bytes() // 3))
+    budget = budget if budget is not None else max(4 << 30, _ram_bytes() // 3)
+    be = ReferenceBackend.create(nq, cfg, max_context=max_context, weight_budget=budget)
     return Engine(be, tok, nq, path, time.perf_counter() - t0)
 
 
