@@ -6,16 +6,9 @@ would make every checkpoint ~160 MB. test_synthetic.py uses the full tiny_config
 
 import numpy as np
 import pytest
-from nanoqwen_format import tiny_config, write_synthetic
-from nanoqwen_format.layout import expected_tensors
+from format_testutil import small_config, write_bare
+from nanoqwen_format import write_synthetic
 from nanoqwen_format.synthetic import write_hf_checkpoint
-from nanoqwen_format.writer import NanoqwenWriter
-
-SMALL_VOCAB = 2048
-
-
-def small_config(**overrides) -> dict:
-    return tiny_config(**{"vocab_size": SMALL_VOCAB, **overrides})
 
 
 @pytest.fixture(scope="session")
@@ -31,23 +24,9 @@ def hf_tied_sharded(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def synthetic_file(tmp_path_factory):
-    """A valid small .nanoqwen (untied) that malformation tests copy and damage."""
+    """A valid small .nanoqwen (untied, the real tokenizer)."""
     path = tmp_path_factory.mktemp("syn") / "small.nanoqwen"
     write_synthetic(path, small_config(), seed=int(np.random.default_rng().integers(1 << 30)))
-    return path
-
-
-def write_bare(path, config):
-    """A valid .nanoqwen with random tensors and a stand-in tokenizer: tiny header, quick to damage."""
-    rng = np.random.default_rng()
-    specs = expected_tensors(config)
-    with NanoqwenWriter(path, config, specs, tokenizer_json='{"model": {}}', tokenizer_config={},
-                        generation_config={"eos_token_id": 1}, provenance={"source": "test"}) as w:
-        for t in specs:
-            if t.dtype == "uint32":
-                w.write_tensor(t.name, [rng.integers(0, 1 << 32, size=t.shape, dtype=np.uint32)])
-            else:
-                w.write_tensor(t.name, [rng.standard_normal(t.shape).astype(np.float16)])
     return path
 
 

@@ -7,7 +7,7 @@ import struct
 import nanoqwen_format.converter as convert_mod
 import numpy as np
 import pytest
-from conftest import small_config
+from format_testutil import small_config
 from nanoqwen_format import NanoqwenFormatError, convert, open_model
 from nanoqwen_format.synthetic import write_hf_checkpoint
 

@@ -5,7 +5,7 @@ import json
 import struct
 
 import pytest
-from conftest import small_config, write_bare
+from format_testutil import small_config, write_bare
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from nanoqwen_format import NanoqwenFormatError, open_model
