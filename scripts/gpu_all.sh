@@ -5,7 +5,7 @@
 #   bash scripts/gpu_all.sh                       # everything (~10 min on an H200: the 100-prompt tiny
 #                                                 #   ladder and the 7B reference are the long parts)
 #   GPU_ALL_QUICK=1 bash scripts/gpu_all.sh       # a reduced ladder (30 prompts x 32 tokens, 7B 1 x 4)
-#   GPU_ALL_SECTIONS="kernels ladder" bash ...    # some sections only
+#   GPU_ALL_SECTIONS="kernels ladder" bash ...    # some sections only (clibench_graph: graph mode only)
 #
 # Sections: info, model7b (writes the 7B-shaped synthetic file once, shared by the ladder and the bench),
 # kernels / engine / ladder (pytest -m gpu of each suite), kbench (packages/nanoqwen-kernels/bench/*.py),
@@ -26,6 +26,7 @@ export NANOQWEN_KERNEL_CACHE=${NANOQWEN_KERNEL_CACHE:-$WORK/kcache}
 export NANOQWEN_CACHE=${NANOQWEN_CACHE:-$WORK/cache}
 export NANOQWEN_LADDER_MODELS=${NANOQWEN_LADDER_MODELS:-$WORK/models}
 export NANOQWEN_LADDER_OUT=$WORK/ladder
+export NANOQWEN_GRAPH_DOT=$WORK/ladder/decode_graph.dot
 # the bench's synthetic 7B (seed 0) is the ladder's 7B too: written once
 export NANOQWEN_LADDER_7B=${NANOQWEN_LADDER_7B:-$NANOQWEN_CACHE/synthetic-7b-seed0.nanoqwen}
 if [ "${GPU_ALL_QUICK:-0}" = 1 ]; then
@@ -77,19 +78,21 @@ fi
 PYTEST="$PY -m pytest -q -m gpu -p no:cacheprovider -rfEs"
 want kernels && run kernels 300 $PYTEST packages/nanoqwen-kernels/tests
 want engine && run engine 200 $PYTEST packages/nanoqwen-engine/tests
-want ladder && run ladder 900 $PYTEST -s tests/test_ladder_layer.py tests/test_ladder_graph.py
+# GPU_ALL_LADDER_K: a pytest -k expression to run part of the ladder (e.g. "not 7b")
+want ladder && run ladder 900 $PYTEST -s ${GPU_ALL_LADDER_K:+-k "$GPU_ALL_LADDER_K"} tests/test_ladder_layer.py \
+  tests/test_ladder_graph.py
 if want kbench; then
   for b in packages/nanoqwen-kernels/bench/*.py; do
     [ -f "$b" ] || continue
     run "kbench_$(basename "$b" .py)" 120 $PY "$b"
   done
 fi
-if want clibench; then
+if want clibench || want clibench_graph; then
   if [ -d packages/nanoqwen-cli/src/nanoqwen_cli ]; then
     # the bench finds the 7B file the model7b section wrote in $NANOQWEN_CACHE
     run clibench_graph 300 bash -c "$PY -m nanoqwen_cli bench --synthetic 7b --json > '$OUT/bench_7b_graph.json'; \
       rc=\$?; cat '$OUT/bench_7b_graph.json'; exit \$rc"
-    run clibench_eager 300 bash -c "$PY -m nanoqwen_cli bench --synthetic 7b --eager --json > '$OUT/bench_7b_eager.json'; \
+    want clibench && run clibench_eager 300 bash -c "$PY -m nanoqwen_cli bench --synthetic 7b --eager --json > '$OUT/bench_7b_eager.json'; \
       rc=\$?; cat '$OUT/bench_7b_eager.json'; exit \$rc"
   else
     echo "no nanoqwen_cli package: clibench skipped" | tee -a "$LOG"

@@ -14,6 +14,7 @@ arrays are read at replay time, Python scalars are frozen at capture time.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 
 import numpy as np
@@ -89,12 +90,18 @@ class CupyDevice:
         graph.launch(self.stream)
 
     def graph_kernel_nodes(self, graph) -> int | None:
-        """Kernel nodes of a captured graph, read from its DOT dump (None when unreadable)."""
+        """Kernel nodes of a captured graph, read from its DOT dump (None when unreadable).
+        NANOQWEN_GRAPH_DOT=path also writes the dump there (scripts/gpu_all.sh keeps it)."""
         try:
             dot = graph.debug_dot_str()
         except Exception:
             return None
-        return count_kernel_nodes(dot)
+        path = os.environ.get("NANOQWEN_GRAPH_DOT")
+        if path:
+            with contextlib.suppress(OSError):
+                with open(path, "w") as f:
+                    f.write(dot)
+        return count_kernel_nodes(dot) or None
 
     # --- weight upload ---
     def upload(self, plan: UploadPlan, tensor_of, progress: bool) -> dict:
