@@ -192,3 +192,25 @@ def test_ignore_eos_runs_to_max_tokens(tiny_engine, monkeypatch):
     monkeypatch.setattr(tiny_engine, "config", dataclasses.replace(tiny_engine.config, eos_ids=(full.token_ids[2],)))
     c = tiny_engine.complete("def fib(n):", dataclasses.replace(GREEDY, ignore_eos=True))
     assert c.finish_reason == "length" and c.token_ids == full.token_ids
+
+
+def test_fim_prompt_is_raw_text_with_special_tokens(tiny_engine):
+    prompt = "<|fim_prefix|>def fib(n):\n    <|fim_suffix|>\n    return a<|fim_middle|>"
+    ids = tiny_engine.encode_prompt(prompt)
+    assert ids[0] == 151659 and ids[-1] == 151660 and 151661 in ids
+    c = tiny_engine.complete(prompt, SamplingParams(temperature=0, max_tokens=4))
+    assert c.prompt_tokens == len(ids) and len(c.token_ids) == 4
+
+
+def test_decode_time_excludes_the_callers_time(tiny_engine):
+    import time
+
+    t0 = time.perf_counter()
+    events = []
+    for ev in tiny_engine.generate("x", SamplingParams(temperature=0, max_tokens=3)):
+        events.append(ev)
+        time.sleep(0.2)
+    wall = time.perf_counter() - t0
+    stats = events[-1].stats
+    assert stats["generated_tokens"] == 3 and stats["decode_s"] > 0
+    assert stats["prefill_s"] + stats["decode_s"] <= wall - 3 * 0.2 + 1e-3

@@ -44,7 +44,9 @@ class Completion:
     token_ids: list[int]  # every generated id, the eos id included when one ended the request
     finish_reason: str
     prompt_tokens: int
-    stats: dict = field(default_factory=dict)  # prompt_tokens, generated_tokens, prefill_s, decode_s
+    # prompt_tokens, generated_tokens, prefill_s (prompt -> first token), decode_s (time inside the
+    # generated_tokens - 1 decode steps, not counting the caller's time between events), seed
+    stats: dict = field(default_factory=dict)
 
 
 def _stop_holdback(text: str, stops: Sequence[str]) -> int:
@@ -153,10 +155,11 @@ class Engine:
         seq = pool.new_sequence()
         pending = ""  # text held back: a possible start of a stop string
         n_gen = 0
+        decode_s = 0.0
         t0 = time.perf_counter()
         try:
             tok = self.backend.prefill(seq, np.asarray(ids, dtype=np.int32), sampler)
-            t1 = time.perf_counter()
+            prefill_s = time.perf_counter() - t0
             while True:
                 n_gen += 1
                 finish = None
@@ -177,13 +180,14 @@ class Engine:
                         if finish:
                             delta += pending + stream.flush()
                 if finish:
-                    t2 = time.perf_counter()
-                    stats = {"prompt_tokens": len(ids), "generated_tokens": n_gen, "prefill_s": t1 - t0,
-                             "decode_s": t2 - t1, "seed": sampler.seed}
+                    stats = {"prompt_tokens": len(ids), "generated_tokens": n_gen, "prefill_s": prefill_s,
+                             "decode_s": decode_s, "seed": sampler.seed}
                     yield GenerationEvent(tok, delta, finish, stats)
                     return
                 yield GenerationEvent(tok, delta)
+                t = time.perf_counter()
                 tok = self.backend.decode(seq, tok, sampler)
+                decode_s += time.perf_counter() - t
         finally:
             pool.free(seq)
 
