@@ -67,6 +67,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--json", help="also write the rows here")
     ap.add_argument("--no-peer", action="store_true", help="skip the cuBLAS peer")
+    ap.add_argument("--sweep", action="store_true", help="also time the INT4 GEMVs at other stage sizes")
     args = ap.parse_args(argv)
 
     import cupy as cp
@@ -113,50 +114,48 @@ def main(argv=None) -> int:
             )
         )
 
-    for n, k, what in [(H, H, "o_proj"), (D.kv_dim, H, "k/v_proj"), (H, inter, "down+residual")]:
-        qw, sc, one = int4_set(n, k)
-        x = x_h if k == H else x_i
-        out = cp.zeros(n, dtype=np.float16)
-        res = out if what.endswith("residual") else None
-        bench(
-            f"gemv_int4 ({what})",
-            n,
-            k,
-            lambda i, qw=qw, sc=sc, x=x, out=out, res=res: (
-                lambda: g.gemv_int4(qw[i % len(qw)], sc[i % len(sc)], x, out, residual=res)
-            ),
-            one + 2 * k + 2 * n * (2 if res is not None else 1),
-            85,
-        )
+    sets = {}
 
-    qw, sc, one = int4_set(D.qkv_rows, H)
-    bias = cp.zeros(D.qkv_rows, dtype=np.float16)
-    pos = cp.asarray([1000], dtype=np.int32)
-    pt = cp.arange(64, dtype=np.int32)
-    kc = cp.zeros((1, 64, D.n_kv_heads, 16, 128), dtype=np.float16)
-    vc = cp.zeros_like(kc)
-    q = cp.zeros(D.q_dim, dtype=np.float16)
-    bench(
-        "qkv_rope_kv (norm+qkv+rope+kv)",
-        D.qkv_rows,
-        H,
-        lambda i: (
-            lambda: g.qkv_rope_kv(qw[i % len(qw)], sc[i % len(sc)], bias, x_h, nw, eps, pos, pt, kc, vc, 0, q)
-        ),
-        one + 6 * H + 2 * D.qkv_rows,
-        85,
-    )
+    def cached_set(n, k):
+        if (n, k) not in sets:
+            sets[(n, k)] = int4_set(n, k)
+        return sets[(n, k)]
 
-    qw, sc, one = int4_set(2 * inter, H)
-    act = cp.zeros(inter, dtype=np.float16)
-    bench(
-        "gate_up_silu (norm+gate/up+silu)",
-        2 * inter,
-        H,
-        lambda i: lambda: g.gate_up_silu(qw[i % len(qw)], sc[i % len(sc)], x_h, nw, eps, act),
-        one + 4 * H + 2 * inter,
-        85,
-    )
+    def int4_rows(g, label=""):
+        for n, k, what in [(H, H, "o_proj"), (D.kv_dim, H, "k/v_proj"), (H, inter, "down+residual")]:
+            qw, sc, one = cached_set(n, k)
+            x = x_h if k == H else x_i
+            out = cp.zeros(n, dtype=np.float16)
+            res = out if what.endswith("residual") else None
+            bench(f"gemv_int4 ({what}){label}", n, k,
+                  lambda i, qw=qw, sc=sc, x=x, out=out, res=res: (
+                      lambda: g.gemv_int4(qw[i % len(qw)], sc[i % len(sc)], x, out, residual=res)),
+                  one + 2 * k + 2 * n * (2 if res is not None else 1), 85)
+
+        qw, sc, one = cached_set(D.qkv_rows, H)
+        bias = cp.zeros(D.qkv_rows, dtype=np.float16)
+        pos = cp.asarray([1000], dtype=np.int32)
+        pt = cp.arange(64, dtype=np.int32)
+        kc = cp.zeros((1, 64, D.n_kv_heads, 16, 128), dtype=np.float16)
+        vc = cp.zeros_like(kc)
+        q = cp.zeros(D.q_dim, dtype=np.float16)
+        bench(f"qkv_rope_kv (norm+qkv+rope+kv){label}", D.qkv_rows, H,
+              lambda i: (lambda: g.qkv_rope_kv(qw[i % len(qw)], sc[i % len(sc)], bias, x_h, nw, eps, pos, pt, kc,
+                                               vc, 0, q)),
+              one + 6 * H + 2 * D.qkv_rows, 85)
+
+        qg, sg, oneg = cached_set(2 * inter, H)
+        act = cp.zeros(inter, dtype=np.float16)
+        bench(f"gate_up_silu (norm+gate/up+silu){label}", 2 * inter, H,
+              lambda i: (lambda: g.gate_up_silu(qg[i % len(qg)], sg[i % len(sg)], x_h, nw, eps, act)),
+              oneg + 4 * H + 2 * inter, 85)
+
+    int4_rows(g)
+    if args.sweep:
+        for pieces in (2, 8):
+            gs = GemvKernels(D, lambda s, defs: loader.load_module(s, defs), {"NQ_GEMV_STAGE_PIECES": pieces})
+            int4_rows(gs, f" [stage {pieces}]")
+    sets.clear()
 
     V = D.vocab
     lm = [(0.02 * cp.random.standard_normal((V, H), dtype=np.float32)).astype(np.float16) for _ in range(2)]

@@ -40,7 +40,7 @@ class Loaded:
 def launches(monkeypatch):
     calls = []
     monkeypatch.setattr(checks, "launch", lambda fn, grid, block, args, shared_mem=0: calls.append((fn, grid, args)))
-    monkeypatch.setattr(checks, "even_grid", lambda units, per_sm: min(units, 132 * per_sm))
+    monkeypatch.setattr(checks, "even_grid", lambda fn, units, threads: min(units, 132 * 4))
     monkeypatch.setattr(checks, "cupy_module", lambda: SimpleNamespace(zeros=np.zeros, empty=np.empty))
     return calls
 

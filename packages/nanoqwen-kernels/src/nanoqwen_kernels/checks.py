@@ -69,11 +69,19 @@ def sm_count(device_id: int) -> int:
     return int(cupy.cuda.Device(device_id).attributes["MultiProcessorCount"])
 
 
-def even_grid(block_units: int, blocks_per_sm: int) -> int:
-    """Blocks for a grid-stride kernel: at most what is resident at once, and every block running the
-    same number of iterations (no ragged last wave)."""
+@functools.cache
+def _resident_blocks(fn_ptr: int, threads: int) -> int:
+    from cupy_backends.cuda.api import driver
+
+    return max(1, int(driver.occupancyMaxActiveBlocksPerMultiprocessor(fn_ptr, threads, 0)))
+
+
+def even_grid(fn, block_units: int, threads: int) -> int:
+    """Blocks for a grid-stride kernel: at most what is resident at once (the occupancy API's answer for
+    this kernel's registers and shared memory), and every block running the same number of iterations
+    (no ragged last wave)."""
     cupy = cupy_module()
-    cap = sm_count(cupy.cuda.Device().id) * blocks_per_sm
+    cap = sm_count(cupy.cuda.Device().id) * _resident_blocks(fn.ptr, threads)
     iters = -(-block_units // cap)
     return max(1, -(-block_units // iters))
 

@@ -13,14 +13,13 @@ INT4_SOURCES = ["gemv_int4.cu"]
 FP16_SOURCES = ["gemv_fp16.cu"]
 THREADS = 256
 WARPS = THREADS // 32
-# 4 resident blocks per SM: ~64 registers x 256 threads (cuobjdump -res-usage, 7B build)
-BLOCKS_PER_SM = 4
 
 
 class GemvKernels:
-    def __init__(self, dims: ModelDims, load_module):
+    def __init__(self, dims: ModelDims, load_module, tuning: dict[str, int] | None = None):
+        """tuning: extra -D knobs for the INT4 build (NQ_GEMV_STAGE_PIECES; bench_gemv.py --sweep)."""
         self.dims = dims
-        m = load_module(INT4_SOURCES, dims.defines())
+        m = load_module(INT4_SOURCES, {**dims.defines(), **(tuning or {})})
         self._h = m.get_function("nq_gemv_int4_h")
         self._i = m.get_function("nq_gemv_int4_i")
         self._qkv = m.get_function("nq_qkv_rope_kv")
@@ -64,7 +63,7 @@ class GemvKernels:
             ck.distinct(residual=residual, out=out)
         fn = self._h if k == self.dims.hidden else self._i
         units = (n + 1) // 2
-        grid = ck.even_grid(-(-units // WARPS), BLOCKS_PER_SM)
+        grid = ck.even_grid(fn, -(-units // WARPS), THREADS)
         ck.launch(fn, grid, THREADS, (qweight, scales, x, norm_w if norm_w is not None else ck.NULL, e,
                                       residual if residual is not None else ck.NULL, out, np.int32(n)))
 
@@ -95,7 +94,7 @@ class GemvKernels:
         layer = ck.integer("layer", layer, 0, k_cache.shape[0])
         ck.array("q_out", q_out, np.float16, (d.q_dim,))
         ck.distinct(x=x, q_out=q_out)
-        grid = ck.even_grid(-(-(rows // 2) // WARPS), BLOCKS_PER_SM)
+        grid = ck.even_grid(self._qkv, -(-(rows // 2) // WARPS), THREADS)
         ck.launch(self._qkv, grid, THREADS, (qweight, scales, bias, x, norm_w, e, pos_dev, page_table, k_cache,
                                              v_cache, np.int32(layer), np.int32(k_cache.shape[1]), q_out))
 
@@ -111,7 +110,7 @@ class GemvKernels:
         e = ck.eps_value(eps)
         ck.array("out", out, np.float16, (d.intermediate,))
         ck.distinct(x=x, out=out)
-        grid = ck.even_grid(-(-d.intermediate // WARPS), BLOCKS_PER_SM)
+        grid = ck.even_grid(self._gu, -(-d.intermediate // WARPS), THREADS)
         ck.launch(self._gu, grid, THREADS,
                   (qweight, scales, x, norm_w if norm_w is not None else ck.NULL, e, out))
 
@@ -124,5 +123,5 @@ class GemvKernels:
         ck.array("x", x, np.float16, (self.dims.hidden,), align=16)
         ck.array("out", out, np.float32, (n,))
         units = (n + 1) // 2
-        grid = ck.even_grid(-(-units // WARPS), BLOCKS_PER_SM)
+        grid = ck.even_grid(self._fp16, -(-units // WARPS), THREADS)
         ck.launch(self._fp16, grid, THREADS, (w, x, out, np.int32(n)))

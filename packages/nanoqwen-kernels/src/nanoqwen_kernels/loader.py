@@ -218,7 +218,7 @@ class LoadedModule:
                 raise KernelError(f"kernel {name!r} not found in {'+'.join(self.sources)}: {e}") from None
             self._functions[name] = fn
         if max_dynamic_smem > 48 * 1024:
-            from cupy.cuda import driver
+            from cupy_backends.cuda.api import driver
 
             # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
             driver.funcSetAttribute(fn.ptr, 8, max_dynamic_smem)

@@ -198,6 +198,7 @@ extern "C" __global__ void __launch_bounds__(kSampThreads) nq_sample(
     __syncthreads();  // histogram complete
     if (tid < 32) {
       // warp 0 finds the digit: bins scanned from the top (digit 255) down, 8 per lane
+      const unsigned int want = s_remaining;  // every lane reads before the one lane below writes
       unsigned int c[8], sum = 0;
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
@@ -211,7 +212,7 @@ extern "C" __global__ void __launch_bounds__(kSampThreads) nq_sample(
         if (tid >= o) incl += t;
       }
       const unsigned int excl = incl - sum;
-      const unsigned int want = s_remaining;
+      __syncwarp();  // all lanes' reads of s_remaining done
       if (excl < want && want <= incl) {  // exactly one lane
         unsigned int acc = excl;
         for (int j = 0; j < 8; ++j) {
