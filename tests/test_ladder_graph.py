@@ -59,7 +59,7 @@ def test_graph_tier_tiny(gpu, ladder_tiny_path):
     rep = compare_greedy(g, c, prompts, max_tokens=m, eps=DEFAULT_EPS, progress=_progress)
     ids = np.asarray(g.encode_prompt(prompts[min(8, n - 1)].payload) + rep.results[0].tokens_b)[:300]
     score = _score_check(g, c, ids)
-    _record("graph_tiny", {**rep.as_dict(), "score": score, "info": g.info})
+    _record("graph_tiny", {**rep.as_dict(), "score": score, "info": g.backend.info})
     print("\n" + format_report(rep) + f"\nscore(): {score}")
     assert rep.ok, format_report(rep)
     assert score["finite"] and score["rel"] < SCORE_BOUND
@@ -86,7 +86,7 @@ def test_graph_tier_7b(gpu, ladder_7b_path):
     rep = compare_greedy(g, c, prompts, max_tokens=m, eps=DEFAULT_EPS, progress=_progress)
     ids = np.asarray(g.encode_prompt(prompts[0].payload) + rep.results[0].tokens_b)[:33]
     score = _score_check(g, c, ids)
-    _record("graph_7b", {**rep.as_dict(), "score": score, "info": g.info})
+    _record("graph_7b", {**rep.as_dict(), "score": score, "info": g.backend.info})
     print("\n" + format_report(rep) + f"\nscore(): {score}")
     assert rep.ok, format_report(rep)
     assert score["finite"] and score["rel"] < SCORE_BOUND
