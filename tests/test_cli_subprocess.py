@@ -233,6 +233,40 @@ def test_bench_synthetic_tiny_json(env):
     assert r["mode"] == "reference"
 
 
+def test_verify_reference_against_itself(tiny_model, env):
+    p = cli(
+        [
+            "verify",
+            "--model",
+            tiny_model,
+            "--device",
+            "cpu",
+            "--prompts",
+            2,
+            "--max-tokens",
+            3,
+            "--max-prompt-tokens",
+            20,
+            "--score-prompts",
+            1,
+            "--json",
+        ],
+        env,
+    )
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout)
+    assert r["ok"] and r["n_exact"] == 2 and r["max_logit_rel_err"] == 0.0
+
+
+def test_help_everywhere(env):
+    top = cli(["--help"], env)
+    assert top.returncode == 0
+    for command in ("run", "chat", "convert", "inspect", "bench", "verify"):
+        assert command in top.stdout
+        sub = cli([command, "--help"], env)
+        assert sub.returncode == 0 and f"nanoqwen-cli {command}" in sub.stdout, command
+
+
 # -- errors a user will meet --
 
 

@@ -22,10 +22,21 @@ def _expected_weight_bytes(config: dict) -> int:
     return config["num_hidden_layers"] * per_layer + v * h * 2
 
 
-def test_synthetic_tiny_json_record(invoke, tmp_path):
+def test_synthetic_tiny_written_once_then_benched_as_table_and_json(invoke):
+    table = invoke(["bench", "--synthetic", "tiny", *SMALL])
+    assert table.exit_code == 0, table.output
+    assert "writing a synthetic tiny model" in table.stderr
+    for word in ("prefill", "decode", "ms/token", "GB/s", "copy bandwidth", "peak host RSS"):
+        assert word in table.stdout
+    cache = os.environ["NANOQWEN_CACHE"]
+    (path,) = (os.path.join(cache, n) for n in os.listdir(cache))
+    mtime = os.stat(path).st_mtime_ns
+
     result = invoke(["bench", "--synthetic", "tiny", *SMALL, "--json"])
     assert result.exit_code == 0, result.output
+    assert result.stderr == "", "the model is reused, and --json keeps stderr quiet"
     r = json.loads(result.stdout)
+    assert r["model_path"] == path and os.stat(path).st_mtime_ns == mtime
     assert r["device"] == "cpu" and r["mode"] == "reference" and r["gpu_name"] is None
     assert len(r["runs"]) == 2
     for run in r["runs"]:
@@ -35,37 +46,17 @@ def test_synthetic_tiny_json_record(invoke, tmp_path):
     assert r["decode_ms_per_token"] > 0 and r["prefill_ms"] > 0
     assert abs(r["decode_tok_s"] * r["decode_ms_per_token"] - 1e3) < 1e-6
 
-    config = open_model(r["model_path"]).config
+    config = open_model(path).config
     assert r["weight_bytes_per_token"] == _expected_weight_bytes(config)
     assert r["kv_bytes_per_context_token"] == bandwidth.kv_bytes_per_token(config)
     want_bytes = r["weight_bytes_per_token"] + r["kv_bytes_per_context_token"] * (20 + 4 / 2)
     assert r["bytes_per_token"] == want_bytes
     assert abs(r["achieved_gbs"] - want_bytes / (r["decode_ms_per_token"] * 1e-3) / 1e9) < 1e-9
     assert abs(r["pct_of_copy_bw"] - 100 * r["achieved_gbs"] / r["copy_bw_gbs"]) < 1e-9
-    assert r["model_path"].startswith(os.environ["NANOQWEN_CACHE"])
 
-
-def test_synthetic_model_is_written_once_and_reused(invoke):
-    first = invoke(["bench", "--synthetic", "tiny", *SMALL, "--runs", 1, "--warmup", 0])
-    assert first.exit_code == 0, first.output
-    assert "writing a synthetic tiny model" in first.stderr
-    (path,) = (
-        os.path.join(os.environ["NANOQWEN_CACHE"], n) for n in os.listdir(os.environ["NANOQWEN_CACHE"])
-    )
-    mtime = os.stat(path).st_mtime_ns
-    second = invoke(["bench", "--synthetic", "tiny", *SMALL, "--runs", 1, "--warmup", 0])
-    assert second.exit_code == 0, second.output
-    assert "writing a synthetic" not in second.stderr
-    assert os.stat(path).st_mtime_ns == mtime
-    for line in ("prefill", "decode", "GB/s", "copy bandwidth", "peak host RSS"):
-        assert line in second.stdout
-
-
-def test_copy_bw_flag_scales_the_percentage(invoke, tiny_model):
-    base = ["bench", "--model", tiny_model, *SMALL, "--runs", 1, "--warmup", 0, "--json"]
-    r = json.loads(invoke([*base, "--copy-bw", 1000]).stdout)
-    assert r["copy_bw_gbs"] == 1000
-    assert abs(r["pct_of_copy_bw"] - r["achieved_gbs"] / 10) < 1e-9
+    other = json.loads(invoke(["bench", "--synthetic", "tiny", *SMALL, "--copy-bw", 1000, "--json"]).stdout)
+    assert other["copy_bw_gbs"] == 1000
+    assert abs(other["pct_of_copy_bw"] - other["achieved_gbs"] / 10) < 1e-9
 
 
 def test_eager_is_refused_on_cpu(invoke, tiny_model):

@@ -84,7 +84,7 @@ def bench(
             "--eager selects the GPU's no-graph decode; the CPU reference has no CUDA graphs"
         )
     if device == "cuda":
-        _require_gpu()  # before writing a 5 GB synthetic model that could not be benched
+        session.require_gpu()  # before writing a 5 GB synthetic model that could not be benched
     if synthetic is not None:
         if ctx.get_parameter_source("model") not in (click.core.ParameterSource.DEFAULT, None):
             raise click.UsageError("give either --model or --synthetic, not both")
@@ -118,15 +118,6 @@ def bench(
         click.echo(json.dumps(result))
     else:
         click.echo(_table(result))
-
-
-def _require_gpu() -> None:
-    from nanoqwen_engine import NoGPUError
-    from nanoqwen_kernels import gpu_status
-
-    ok, reason = gpu_status()
-    if not ok:
-        raise NoGPUError(f"no usable GPU: {reason}")
 
 
 def synthetic_model(name: str, quiet: bool) -> Path:

@@ -158,3 +158,13 @@ def cache_dir() -> Path:
     import os
 
     return Path(os.environ.get("NANOQWEN_CACHE") or Path.home() / ".cache" / "nanoqwen")
+
+
+def require_gpu() -> None:
+    """NoGPUError now, for commands that would otherwise spend minutes before the engine finds out."""
+    from nanoqwen_engine import NoGPUError
+    from nanoqwen_kernels import gpu_status
+
+    ok, reason = gpu_status()
+    if not ok:
+        raise NoGPUError(f"no usable GPU: {reason}")
