@@ -167,3 +167,13 @@ def test_lazy_weights_give_the_same_logits(tied_path, open_file):
     assert lazy.weights.lazy and not full.weights.lazy
     np.testing.assert_array_equal(lazy.score(ids), full.score(ids))
     assert len(lazy.weights._layers) == 1
+
+
+def test_attention_in_query_chunks_equals_one_block(tied_backend, monkeypatch):
+    import nanoqwen_engine.reference.backend as rb
+
+    backend, cfg = tied_backend
+    ids = np.random.default_rng().integers(0, cfg.vocab, size=30)
+    whole = backend.score(ids)
+    monkeypatch.setattr(rb, "Q_CHUNK", 7)  # 30 rows: blocks of 7, 7, 7, 7, 2
+    np.testing.assert_allclose(backend.score(ids), whole, rtol=0, atol=1e-5 * np.abs(whole).max())

@@ -22,6 +22,10 @@ from ..kv_pages import PAGE_TOKENS, PagePool, SequenceState, kv_cache_shape, pag
 from ..sampler import SamplerState
 from .weights import DEFAULT_BUDGET, ReferenceWeights
 
+# Query rows per attention block: the score matrix of a block is n_heads x Q_CHUNK x context float32
+# (28 x 256 x 32768 x 4 B = 0.9 GiB at a full 7B context).
+Q_CHUNK = 256
+
 
 def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     """HF Qwen2RMSNorm: x * rsqrt(mean(x^2) + eps) * w, in float32."""
@@ -153,14 +157,17 @@ class ReferenceBackend:
             self.v_cache[li, new_pages, :, new_slots, :] = v
             keys = self.k_cache[li, pages_all, :, slots_all, :].astype(np.float32)  # [end, n_kv, hd]
             vals = self.v_cache[li, pages_all, :, slots_all, :].astype(np.float32)  # [end, n_kv, hd]
-            # GQA: query head j reads KV head j // group.
+            # GQA: query head j reads KV head j // group. Queries in chunks bound the score matrix.
             qg = q.reshape(T, cfg.n_kv_heads, group, cfg.head_dim)
-            s = np.einsum("tkgd,skd->kgts", qg, keys) * scale  # [n_kv, group, T, end]
-            s = np.where(causal, s, -np.inf)
-            s = s - s.max(axis=-1, keepdims=True)
-            p = np.exp(s)
-            p /= p.sum(axis=-1, keepdims=True)
-            attn = np.einsum("kgts,skd->tkgd", p, vals).reshape(T, cfg.q_dim)
+            attn = np.empty((T, cfg.q_dim), dtype=np.float32)
+            for a in range(0, T, Q_CHUNK):
+                b = min(T, a + Q_CHUNK)
+                s = np.einsum("tkgd,skd->kgts", qg[a:b], keys) * scale  # [n_kv, group, b-a, end]
+                s = np.where(causal[a:b], s, -np.inf)
+                s = s - s.max(axis=-1, keepdims=True)
+                p = np.exp(s)
+                p /= p.sum(axis=-1, keepdims=True)
+                attn[a:b] = np.einsum("kgts,skd->tkgd", p, vals).reshape(b - a, cfg.q_dim)
             x = x + linear(attn, w.o)
             h = rmsnorm(x, w.post_norm, cfg.rms_eps)
             g = linear(h, w.gate)
