@@ -163,10 +163,12 @@ def test_lazy_weights_give_the_same_logits(tied_path, open_file):
     nq, cfg = open_file(tied_path)
     ids = np.random.default_rng().integers(0, cfg.vocab, size=9)
     full = ReferenceBackend.create(nq, cfg, max_context=32)
-    lazy = ReferenceBackend.create(nq, cfg, max_context=32, weight_budget=1)
-    assert lazy.weights.lazy and not full.weights.lazy
-    np.testing.assert_array_equal(lazy.score(ids), full.score(ids))
-    assert len(lazy.weights._layers) == 1
+    one_layer = full.weights.layer(0).nbytes
+    for budget, kept in ((1, 0), (one_layer, 1), (2 * one_layer + 1, 2)):
+        lazy = ReferenceBackend.create(nq, cfg, max_context=32, weight_budget=budget)
+        assert lazy.weights.lazy and not full.weights.lazy
+        np.testing.assert_array_equal(lazy.score(ids), full.score(ids))
+        assert sorted(lazy.weights._layers) == list(range(kept))  # the first layers that fit stay
 
 
 def test_attention_in_query_chunks_equals_one_block(tied_backend, monkeypatch):

@@ -1,14 +1,13 @@
 """Float32 weights for the reference backend, dequantized from the file's INT4 projections.
 
 A small model is dequantized once at load. A model whose float32 projections exceed the budget (a 7B file
-is ~27 GiB of float32 projections, more than a 24 GiB machine holds) is dequantized one layer at a time
-on first use, and at most `budget` bytes of layers are kept (least recently used evicted), so it stays
-loadable and scoreable, at seconds per token.
+is ~26 GiB of float32 projections, more than a 24 GiB machine holds) is dequantized one layer at a time
+when used: the first layers that fit in `budget` bytes stay, the others are dequantized again on every
+forward pass, so it stays loadable and scoreable, at minutes per forward pass (docs/ARCHITECTURE.md).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,7 +51,7 @@ class ReferenceWeights:
         self._f = nqfile
         self.cfg = cfg
         self.budget = budget
-        self._layers: OrderedDict[int, LayerWeights] = OrderedDict()
+        self._layers: dict[int, LayerWeights] = {}
         # Embedding and lm_head stay float16 views of the file (2 x 1 GiB for 7B); rows or chunks are
         # converted to float32 where used.
         self.embed = nqfile.tensor("model.embed_tokens.weight")  # f16 [V, H]
@@ -84,12 +83,13 @@ class ReferenceWeights:
     def layer(self, i: int) -> LayerWeights:
         w = self._layers.get(i)
         if w is not None:
-            self._layers.move_to_end(i)
             return w
         w = self._load(i)
-        self._layers[i] = w
-        while len(self._layers) > 1 and sum(x.nbytes for x in self._layers.values()) > self.budget:
-            self._layers.popitem(last=False)
+        # Layers are used in a cycle 0..L-1, where least-recently-used eviction misses every time; keeping
+        # the first layers that fit and dequantizing the rest on each use saves budget/layer_bytes loads
+        # per forward pass.
+        if sum(x.nbytes for x in self._layers.values()) + w.nbytes <= self.budget:
+            self._layers[i] = w
         return w
 
     def embed_rows(self, ids: np.ndarray) -> np.ndarray:
