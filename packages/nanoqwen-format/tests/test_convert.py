@@ -225,3 +225,12 @@ def test_chunked_rows_match_whole_tensor(hf_untied, tmp_path, monkeypatch):
         for name in ma.tensor_names:
             assert np.array_equal(ma.tensor(name), mb.tensor(name)), name
         assert math.prod(ma.tensor("model.embed_tokens.weight").shape) > 3 * 256
+
+
+def test_convert_name_stays_the_function():
+    """`nanoqwen_format.convert` is the function however it was imported (engine uses the submodule path)."""
+    import nanoqwen_format
+    import nanoqwen_format.convert  # noqa: F401  (the old submodule path, now an alias)
+    from nanoqwen_format.convert import convert as via_module
+
+    assert via_module is nanoqwen_format.convert is convert and callable(convert)

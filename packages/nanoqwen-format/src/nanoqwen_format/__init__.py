@@ -4,6 +4,8 @@ group-128 quantizer, the ValueShuffle-v1 nibble packing, and the Hugging Face ->
 docs/FORMAT.md is the normative description of the bytes; docs/INTERFACES.md sections 1-2 fix these names.
 """
 
+import sys as _sys
+
 __version__ = "0.1.0"
 
 from .converter import convert  # noqa: E402
@@ -13,6 +15,12 @@ from .quantize import dequantize_int4, quantize_int4  # noqa: E402
 from .reader import NanoqwenFile, open_model  # noqa: E402
 from .synthetic import tiny_config, write_synthetic  # noqa: E402
 from .valueshuffle import pack_valueshuffle, unpack_valueshuffle  # noqa: E402
+
+# The converter lived in `convert.py` until 2026-11-30, and importing that submodule rebound the package
+# attribute `convert` from the function to the module. It is `converter.py` now; this alias keeps
+# `from nanoqwen_format.convert import convert` (nanoqwen-engine's model_source.py) working without the
+# rebinding: a module already in sys.modules is returned as is, and the package attribute stays the function.
+_sys.modules[f"{__name__}.convert"] = _sys.modules[f"{__name__}.converter"]
 
 __all__ = [
     "NanoqwenFile", "NanoqwenFormatError", "convert", "dequantize_int4", "expected_tensors", "open_model",
