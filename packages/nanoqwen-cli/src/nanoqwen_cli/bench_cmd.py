@@ -104,7 +104,6 @@ def bench(
     engine = loaded.engine
     prompt = bench_prompt(engine, prompt_tokens)
     params = session.make_params(engine, {"temperature": 0.0, "max_tokens": gen_tokens, "stop": None})
-    params = session.without_eos(params)
 
     for _ in range(warmup):
         session.complete(engine, prompt, params)

@@ -53,8 +53,8 @@ def run(prompt, model, device, max_context, system, raw, quiet, as_json, **sampl
     params = session.make_params(loaded.engine, overrides)
 
     if as_json:
-        completion = loaded.engine.complete(request, params)
-        click.echo(json.dumps(_record(loaded, completion)))
+        text, stats = session.complete(loaded.engine, request, params)
+        click.echo(json.dumps(_record(loaded, text, stats)))
         return
 
     stats = session.Stats()
@@ -80,15 +80,10 @@ def _read_prompt(prompt: str | None) -> str:
     return prompt
 
 
-def _record(loaded: session.Loaded, completion) -> dict:
-    stats = session.Stats(finish_reason=completion.finish_reason, token_ids=list(completion.token_ids))
-    stats.prompt_tokens = getattr(completion, "prompt_tokens", 0)
-    stats.generated_tokens = len(stats.token_ids)
-    if getattr(completion, "stats", None) is not None:
-        session._copy_stats(completion.stats, stats)
+def _record(loaded: session.Loaded, text: str, stats: session.Stats) -> dict:
     return {
-        "text": completion.text,
-        "finish_reason": completion.finish_reason,
+        "text": text,
+        "finish_reason": stats.finish_reason,
         "prompt_tokens": stats.prompt_tokens,
         "generated_tokens": stats.generated_tokens,
         "token_ids": stats.token_ids,

@@ -56,6 +56,11 @@ def messages_for(prompt: str, system: str | None) -> list[dict]:
     return messages
 
 
+def messages_for_history(history: list[dict], system: str | None) -> list[dict]:
+    """The whole conversation so far, with an optional system turn first."""
+    return ([{"role": "system", "content": system}] if system is not None else []) + list(history)
+
+
 @dataclass
 class Stats:
     """What a request cost, as the engine reports it on its last event (Completion.stats)."""
@@ -99,11 +104,11 @@ def stream(engine, request, params, stats: Stats):
     stats.generated_tokens = len(stats.token_ids)
 
 
-def _copy_stats(src, dst: Stats) -> None:
+def _copy_stats(src: dict, dst: Stats) -> None:
+    """The engine's stats dict (last GenerationEvent, Completion.stats) into a Stats."""
     for name in ("prompt_tokens", "generated_tokens", "prefill_s", "decode_s"):
-        value = src.get(name) if isinstance(src, dict) else getattr(src, name, None)
-        if value is not None:
-            setattr(dst, name, value)
+        if src.get(name) is not None:
+            setattr(dst, name, src[name])
 
 
 def format_stats(loaded: Loaded, stats: Stats) -> str:
@@ -118,46 +123,19 @@ def echo_stats(loaded: Loaded, stats: Stats) -> None:
     click.echo(format_stats(loaded, stats), err=True)
 
 
-def messages_for_history(history: list[dict], system: str | None) -> list[dict]:
-    """The whole conversation so far, with an optional system turn first."""
-    return ([{"role": "system", "content": system}] if system is not None else []) + list(history)
-
-
 def complete(engine, request, params) -> tuple[str, Stats]:
     """One whole request through `engine.complete`; the text and its Stats."""
     completion = engine.complete(request, params)
     stats = Stats(finish_reason=completion.finish_reason, token_ids=[int(t) for t in completion.token_ids])
-    stats.prompt_tokens = int(getattr(completion, "prompt_tokens", 0) or 0)
-    stats.generated_tokens = len(stats.token_ids)
-    if getattr(completion, "stats", None) is not None:
-        _copy_stats(completion.stats, stats)
+    _copy_stats(completion.stats, stats)
     return completion.text, stats
 
 
-def without_eos(params):
-    """params that run to max_tokens regardless of end-of-sequence tokens, where the engine allows it.
-
-    A benchmark must generate the number of tokens it promises; where SamplingParams has no such switch,
-    the bench reports runs that stopped early.
-    """
-    import dataclasses
-
-    if dataclasses.is_dataclass(params) and "ignore_eos" in {f.name for f in dataclasses.fields(params)}:
-        return dataclasses.replace(params, ignore_eos=True)
-    return params
-
-
 def cache_dir() -> Path:
-    """$NANOQWEN_CACHE, else ~/.cache/nanoqwen: where converted and synthetic models live."""
-    try:
-        from nanoqwen_engine.model_source import cache_dir as engine_cache_dir
-    except ImportError:
-        engine_cache_dir = None
-    if engine_cache_dir is not None:
-        return Path(engine_cache_dir())
-    import os
+    """$NANOQWEN_CACHE, else ~/.cache/nanoqwen: where converted and synthetic models live (the engine's)."""
+    from nanoqwen_engine.model_source import cache_dir as engine_cache_dir
 
-    return Path(os.environ.get("NANOQWEN_CACHE") or Path.home() / ".cache" / "nanoqwen")
+    return Path(engine_cache_dir())
 
 
 def require_gpu() -> None:
