@@ -83,8 +83,11 @@ def bench(
         raise click.UsageError(
             "--eager selects the GPU's no-graph decode; the CPU reference has no CUDA graphs"
         )
+    engine_kwargs = {"decode_mode": "eager"} if eager else {}
     if device == "cuda":
-        session.require_gpu()  # before writing a 5 GB synthetic model that could not be benched
+        # Before writing a 5 GB synthetic model that could not be benched.
+        session.require_gpu()
+        session.check_engine_kwargs(**engine_kwargs)
     if synthetic is not None:
         if ctx.get_parameter_source("model") not in (click.core.ParameterSource.DEFAULT, None):
             raise click.UsageError("give either --model or --synthetic, not both")
@@ -97,7 +100,6 @@ def bench(
             f"--max-context {max_context} is below prompt + generated = {context_needed} tokens"
         )
 
-    engine_kwargs = {"decode_mode": "eager"} if eager else {}
     loaded = session.load(model, device, max_context, progress=not as_json, **engine_kwargs)
     if synthetic is not None:
         loaded.model = f"synthetic {synthetic} (random weights, seed 0)"
@@ -177,7 +179,9 @@ def _summary(loaded, records, prompt_tokens, gen_tokens, copy_bw, eager) -> dict
         "model_path": str(loaded.path),
         "device": loaded.device,
         "gpu_name": _gpu_name(info) if loaded.device == "cuda" else None,
-        "mode": ("eager" if eager else "graph") if loaded.device == "cuda" else "reference",
+        "mode": info.get("decode_mode", "eager" if eager else "graph")
+        if loaded.device == "cuda"
+        else "reference",
         "prompt_tokens": prompt_tokens,
         "gen_tokens": gen_tokens,
         "load_s": loaded.load_s,

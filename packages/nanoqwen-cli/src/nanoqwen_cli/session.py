@@ -32,14 +32,23 @@ def load(
     from nanoqwen_engine import Engine
     from nanoqwen_engine.model_source import resolve_model
 
-    accepted = inspect.signature(Engine.load).parameters
-    for name, value in engine_kwargs.items():
-        if name not in accepted and not any(p.kind is p.VAR_KEYWORD for p in accepted.values()):
-            raise CliError(f"this nanoqwen-engine does not support {name}={value!r} yet")
+    check_engine_kwargs(**engine_kwargs)
     path = Path(resolve_model(model, progress=progress))
     t0 = time.perf_counter()
     engine = Engine.load(path, device=device, max_context=max_context, progress=progress, **engine_kwargs)
     return Loaded(engine, path, model, device, time.perf_counter() - t0)
+
+
+def check_engine_kwargs(**engine_kwargs) -> None:
+    """CliError if Engine.load does not take these keyword arguments (say decode_mode, which is newer)."""
+    from nanoqwen_engine import Engine
+
+    accepted = inspect.signature(Engine.load).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in accepted.values()):
+        return
+    for name, value in engine_kwargs.items():
+        if name not in accepted:
+            raise CliError(f"this nanoqwen-engine's Engine.load does not take {name}={value!r} yet")
 
 
 def make_params(engine, overrides: dict):
