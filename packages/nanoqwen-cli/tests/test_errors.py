@@ -1,0 +1,70 @@
+"""How failures reach the user: errors.describe() for foreign exceptions, and the group's exit codes."""
+
+from __future__ import annotations
+
+import errno
+
+import pytest
+from nanoqwen_cli import session
+from nanoqwen_cli.errors import describe
+
+
+def _named(name: str, base=Exception):
+    """An exception class named like a foreign library's (huggingface_hub, cupy) without importing it."""
+    return type(name, (base,), {})
+
+
+@pytest.mark.parametrize(
+    ("exc", "words"),
+    [
+        (_named("OfflineModeIsEnabled")("cannot reach the hub"), ["offline", "cannot reach the hub"]),
+        (_named("RepositoryNotFoundError")("404 acme/nope"), ["no such model", "acme/nope"]),
+        (
+            _named("OutOfMemoryError")("out of memory allocating 1,073,741,824 bytes"),
+            ["GPU memory", "--max-context"],
+        ),
+        (MemoryError(), ["out of memory"]),
+        (
+            FileNotFoundError(errno.ENOENT, "No such file", "/x/y.nanoqwen"),
+            ["file not found", "/x/y.nanoqwen"],
+        ),
+        (PermissionError(errno.EACCES, "Permission denied", "/root/m"), ["permission denied", "/root/m"]),
+        (OSError(errno.ENOSPC, "No space left on device", "/tmp/c"), ["no space left", "/tmp/c"]),
+        (_named("NoGPUError")("no usable GPU: none"), ["no usable GPU: none", "--device cpu"]),
+        (ValueError("first line\nsecond line"), ["unexpected ValueError: first line", "--debug"]),
+    ],
+)
+def test_describe_names_the_problem_on_one_line(exc, words):
+    line = describe(exc)
+    assert "\n" not in line
+    for word in words:
+        assert word in line, (word, line)
+
+
+def test_unexpected_exception_is_one_line_exit_1(invoke, monkeypatch):
+    def boom(*args, **kwargs):
+        raise RuntimeError("kaboom")
+
+    monkeypatch.setattr(session, "load", boom)
+    result = invoke(["run", "--device", "cpu", "hi"])
+    assert result.exit_code == 1
+    assert result.stderr.strip() == (
+        "error: unexpected RuntimeError: kaboom (rerun with `nanoqwen-cli --debug ...` for the traceback)"
+    )
+    debug = invoke(["--debug", "run", "--device", "cpu", "hi"])
+    assert isinstance(debug.exception, RuntimeError)
+
+
+def test_ctrl_c_in_run_exits_130_quietly(invoke, monkeypatch):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(session, "load", interrupted)
+    result = invoke(["run", "--device", "cpu", "hi"])
+    assert result.exit_code == 130
+    assert "Traceback" not in result.output and "interrupted" in result.stderr
+
+
+def test_unknown_command_is_a_usage_error(invoke):
+    result = invoke(["frobnicate"])
+    assert result.exit_code == 2 and "No such command" in result.stderr
