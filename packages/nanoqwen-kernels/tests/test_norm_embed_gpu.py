@@ -1,6 +1,7 @@
-"""GPU: rmsnorm / rmsnorm_rows and embed against numpy. RMSNorm is compared at 1 fp16 ulp of the result
-(the kernel and numpy sum squares in different orders, so r may differ in its last fp32 bit, which can
-flip one rounding); embed is an exact copy."""
+"""GPU: rmsnorm / rmsnorm_rows and embed against numpy. RMSNorm is compared at 2 fp16 ulps of the result
+(the kernel and numpy sum squares in different orders, so r may differ in its last fp32 bit; that can
+flip the rounding of fp16(x r) by one ulp, and the weight multiply, |w| up to ~1.6 here, carries it into
+up to two ulps of the output: seen once in 2026-11-30 run 2, 1 element of 4352); embed is an exact copy."""
 
 import numpy as np
 import pytest
@@ -22,9 +23,9 @@ def kern(request, gpu):
 def _ulp_close(got, ref):
     got, ref = np.asarray(got, np.float32), ref.astype(np.float32)
     assert np.isfinite(got).all(), "unwritten (NaN) output"
-    tol = np.abs(ref) * 2.0**-10 + 2.0**-24
+    tol = np.abs(ref) * 2.0**-9 + 2.0**-23
     bad = np.abs(got - ref) > tol
-    assert not bad.any(), f"{bad.sum()} elements beyond 1 ulp; worst {np.abs(got - ref).max()}"
+    assert not bad.any(), f"{bad.sum()} elements beyond 2 ulps; worst {np.abs(got - ref).max()}"
 
 
 @pytest.mark.parametrize("T", [1, 3, 17])
