@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 
 import click
-import numpy as np
 
 from nanoqwen_cli import session
 from nanoqwen_cli.options import model_options
@@ -115,7 +114,7 @@ def verify(model, device, max_context, n_prompts, max_tokens, max_prompt_tokens,
     report = compare_greedy(a, b, prompts, max_tokens=max_tokens, eps=eps, progress=tick)
     errors = []
     for r, p in list(zip(report.results, prompts, strict=True))[:score_prompts]:
-        seq = np.asarray(b.encode_prompt(p.payload) + r.tokens_b, dtype=np.int64)
+        seq = b.encode_prompt(p.payload) + r.tokens_b
         errors.append({"prompt": r.name, **logit_error(a.score(seq), b.score(seq))})
 
     record = {
