@@ -11,6 +11,7 @@ A timing is a measurement, never an assertion.
 
 from __future__ import annotations
 
+import subprocess
 import sys
 
 import cupy as cp
@@ -113,12 +114,28 @@ def smoke() -> int:
 def main() -> int:
     if "--smoke" in sys.argv:
         return smoke()
-    rows = [bench_decode(ctx, v) for v in VARIANTS for ctx in (4096, 32768)]
+    if "--variant" in sys.argv:  # one variant in this process (main() runs each in its own)
+        v = sys.argv[sys.argv.index("--variant") + 1]
+        for ctx in (4096, 32768):
+            r = bench_decode(ctx, v)
+            print(f"| {r['name']} | {r['us']:.2f} | {r['gbs']:.0f} | {r['pct']:.1f}% |", flush=True)
+        return 0
+    # Each variant in its own process: GPU run 2 died with an illegal address somewhere in this loop
+    # and a sticky CUDA error takes the whole context (and every later row) with it.
     print("| kernel | time (us) | K+V GB/s | % of 4.19 TB/s |")
-    print("| --- | --- | --- | --- |")
-    for r in rows:
-        print(f"| {r['name']} | {r['us']:.2f} | {r['gbs']:.0f} | {r['pct']:.1f}% |")
-    return 0
+    print("| --- | --- | --- | --- |", flush=True)
+    worst = 0
+    for v in VARIANTS:
+        p = subprocess.run([sys.executable, __file__, "--variant", v], capture_output=True, text=True)
+        rows = [ln for ln in p.stdout.splitlines() if ln.startswith("|")]
+        print("\n".join(rows), flush=True)
+        if p.returncode:
+            tail = (p.stderr.strip().splitlines() or ["?"])[-1]
+            print(
+                f"| attention_decode[{v}] | FAILED (rc {p.returncode}) after {len(rows)} rows: {tail} | | |"
+            )
+            worst = 1
+    return worst
 
 
 if __name__ == "__main__":

@@ -127,10 +127,16 @@ def main(argv=None) -> int:
             x = x_h if k == H else x_i
             out = cp.zeros(n, dtype=np.float16)
             res = out if what.endswith("residual") else None
-            bench(f"gemv_int4 ({what}){label}", n, k,
-                  lambda i, qw=qw, sc=sc, x=x, out=out, res=res: (
-                      lambda: g.gemv_int4(qw[i % len(qw)], sc[i % len(sc)], x, out, residual=res)),
-                  one + 2 * k + 2 * n * (2 if res is not None else 1), 85)
+            bench(
+                f"gemv_int4 ({what}){label}",
+                n,
+                k,
+                lambda i, qw=qw, sc=sc, x=x, out=out, res=res: (
+                    lambda: g.gemv_int4(qw[i % len(qw)], sc[i % len(sc)], x, out, residual=res)
+                ),
+                one + 2 * k + 2 * n * (2 if res is not None else 1),
+                85,
+            )
 
         qw, sc, one = cached_set(D.qkv_rows, H)
         bias = cp.zeros(D.qkv_rows, dtype=np.float16)
@@ -139,16 +145,29 @@ def main(argv=None) -> int:
         kc = cp.zeros((1, 64, D.n_kv_heads, 16, 128), dtype=np.float16)
         vc = cp.zeros_like(kc)
         q = cp.zeros(D.q_dim, dtype=np.float16)
-        bench(f"qkv_rope_kv (norm+qkv+rope+kv){label}", D.qkv_rows, H,
-              lambda i: (lambda: g.qkv_rope_kv(qw[i % len(qw)], sc[i % len(sc)], bias, x_h, nw, eps, pos, pt, kc,
-                                               vc, 0, q)),
-              one + 6 * H + 2 * D.qkv_rows, 85)
+        bench(
+            f"qkv_rope_kv (norm+qkv+rope+kv){label}",
+            D.qkv_rows,
+            H,
+            lambda i: (
+                lambda: g.qkv_rope_kv(
+                    qw[i % len(qw)], sc[i % len(sc)], bias, x_h, nw, eps, pos, pt, kc, vc, 0, q
+                )
+            ),
+            one + 6 * H + 2 * D.qkv_rows,
+            85,
+        )
 
         qg, sg, oneg = cached_set(2 * inter, H)
         act = cp.zeros(inter, dtype=np.float16)
-        bench(f"gate_up_silu (norm+gate/up+silu){label}", 2 * inter, H,
-              lambda i: (lambda: g.gate_up_silu(qg[i % len(qg)], sg[i % len(sg)], x_h, nw, eps, act)),
-              oneg + 4 * H + 2 * inter, 85)
+        bench(
+            f"gate_up_silu (norm+gate/up+silu){label}",
+            2 * inter,
+            H,
+            lambda i: lambda: g.gate_up_silu(qg[i % len(qg)], sg[i % len(sg)], x_h, nw, eps, act),
+            oneg + 4 * H + 2 * inter,
+            85,
+        )
 
     int4_rows(g)
     if args.sweep:

@@ -6,6 +6,9 @@ seq_len) holds NaN, so reading one shows up as NaN in the output; out and worksp
 
 Tolerance (fp16 output of an fp32 computation): |out - ref| <= 2e-4 + 4e-3 |ref|. fp16 rounding alone
 is 2^-11 |ref| ~ 4.9e-4 |ref|; the rest is fp32 accumulation over up to 32768 positions and exp2f.
+The tensor-core bodies ("mma", "mma8") round p to fp16 before P.V (as FlashAttention does): at most
+2^-11 sum_t p_t |v_t| (p normalised) more, added with a 25% margin for them. (GPU run 2 passed every
+variant at the first tolerance; the term keeps the test honest about what the design guarantees.)
 """
 
 import numpy as np
@@ -29,16 +32,27 @@ def kernels():
     return {(name, v): AttentionKernels(d, load_module, v) for name, d in DIMS.items() for v in VARIANTS}
 
 
+P_ROUNDING = 1.25 * 2.0**-11  # fp16 rounding of p in [0, 1] (relative), with a margin
+
+
 def reference(q, k_seq, v_seq, n_kv):
-    """q [nh,128], k_seq/v_seq [L, n_kv, 128] -> out [nh,128], all float64."""
+    """q [nh,128], k_seq/v_seq [L, n_kv, 128] -> (out [nh,128], P.|V| [nh,128]), all float64."""
     nh = q.shape[0]
     g = nh // n_kv
     out = np.empty((nh, 128))
+    pv_abs = np.empty((nh, 128))
     for h in range(nh):
         s = k_seq[:, h // g, :] @ q[h] / np.sqrt(128.0)
         p = np.exp(s - s.max())
-        out[h] = (p / p.sum()) @ v_seq[:, h // g, :]
-    return out
+        p /= p.sum()
+        out[h] = p @ v_seq[:, h // g, :]
+        pv_abs[h] = p @ np.abs(v_seq[:, h // g, :])
+    return out, pv_abs
+
+
+def tolerance(ref, pv_abs, variant):
+    tol = 2e-4 + 4e-3 * np.abs(ref)
+    return tol + P_ROUNDING * pv_abs if variant.startswith("mma") else tol
 
 
 def make_case(cp, dims, seq_len, rng, n_layers=2, layer=1, spare_pages=7):
@@ -62,7 +76,7 @@ def make_case(cp, dims, seq_len, rng, n_layers=2, layer=1, spare_pages=7):
     # a page table longer than the sequence: its unused tail points at pages the kernel must not read
     table_dev = np.concatenate([table, rng.integers(0, n_pages, 5).astype(np.int32)])
     q = (2.0 * rng.standard_normal(dims.n_heads * 128)).astype(np.float16)
-    ref = reference(q.astype(np.float64).reshape(dims.n_heads, 128), k_seq, v_seq, dims.n_kv_heads)
+    ref, pv_abs = reference(q.astype(np.float64).reshape(dims.n_heads, 128), k_seq, v_seq, dims.n_kv_heads)
     return dict(
         q=cp.asarray(q),
         k=cp.asarray(k),
@@ -71,6 +85,7 @@ def make_case(cp, dims, seq_len, rng, n_layers=2, layer=1, spare_pages=7):
         seq=cp.asarray(np.array([seq_len], np.int32)),
         layer=layer,
         ref=ref,
+        pv_abs=pv_abs,
     )
 
 
@@ -92,7 +107,7 @@ def test_decode_matches_reference(kernels, name, seq_len, variant):
     got = cp.asnumpy(out).astype(np.float64).reshape(dims.n_heads, 128)
     assert np.isfinite(got).all(), "NaN/inf in the output: a masked or foreign slot was read"
     err = np.abs(got - c["ref"])
-    tol = 2e-4 + 4e-3 * np.abs(c["ref"])
+    tol = tolerance(c["ref"], c["pv_abs"], variant)
     assert (err <= tol).all(), f"max err {err.max():.3g} (worst excess {(err - tol).max():.3g})"
 
 
@@ -116,9 +131,9 @@ def test_decode_reads_seq_len_on_device(kernels, variant):
     k_seq = np.stack([k_all[table[t // 16], :, t % 16] for t in range(33)]).astype(np.float64)
     v_seq = np.stack([v_all[table[t // 16], :, t % 16] for t in range(33)]).astype(np.float64)
     q = cp.asnumpy(c["q"]).astype(np.float64).reshape(dims.n_heads, 128)
-    ref = reference(q, k_seq, v_seq, dims.n_kv_heads)
+    ref, pv_abs = reference(q, k_seq, v_seq, dims.n_kv_heads)
     got = cp.asnumpy(out).astype(np.float64).reshape(dims.n_heads, 128)
-    assert (np.abs(got - ref) <= 2e-4 + 4e-3 * np.abs(ref)).all()
+    assert (np.abs(got - ref) <= tolerance(ref, pv_abs, variant)).all()
 
 
 @gpu

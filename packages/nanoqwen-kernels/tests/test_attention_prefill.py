@@ -2,7 +2,11 @@
 
 Positions 0 .. start_pos+T-1 hold random K/V in pages scattered through the pool; every other slot
 (other pages, the other layer, the last page's slots past the sequence) is NaN; out starts NaN.
-Tolerance (fp16 output, fp32 softmax/accumulation): |out - ref| <= 2e-4 + 4e-3 |ref|.
+Tolerance (fp16 output, fp32 softmax/accumulation): |out - ref| <= 2e-4 + 4e-3 |ref|; the tensor-core
+body ("mma") also rounds the probabilities to fp16 before P.V (as FlashAttention does), which moves an
+output by at most 2^-11 sum_j p_j |v_j| (p normalised): that term, with a 25% margin, is added for it.
+GPU run 2 (docs/VALIDATION.md) failed "mma" at the first tolerance with errors up to 1.4e-3, the size
+of that rounding; the P-rounding term was added after the run and has not yet run on a GPU.
 """
 
 import numpy as np
@@ -26,17 +30,30 @@ def kernels():
     return {(name, v): PrefillKernels(d, load_module, v) for name, d in DIMS.items() for v in VARIANTS}
 
 
-def causal_ref(q, k, v, start_pos, g):
-    """q [T, nh, 128], k/v [L, nkv, 128] float64 -> [T, nh, 128]; query i sees positions <= start_pos+i."""
+P_ROUNDING = 1.25 * 2.0**-11  # fp16 rounding of p in [0, 1] (relative), with a margin
+
+
+def causal_ref(q, k, v, start_pos, g, with_pv_abs=False):
+    """q [T, nh, 128], k/v [L, nkv, 128] float64 -> [T, nh, 128]; query i sees positions <= start_pos+i.
+
+    with_pv_abs: also return P.|V| (the scale of the fp16 P-rounding error of the tensor-core body)."""
     T, nh, _ = q.shape
     out = np.empty_like(q)
+    pv_abs = np.empty_like(q)
     for h in range(nh):
         s = q[:, h, :] @ k[:, h // g, :].T / np.sqrt(128.0)  # [T, L]
         mask = np.arange(k.shape[0])[None, :] > (start_pos + np.arange(T))[:, None]
         s[mask] = -np.inf
         p = np.exp(s - s.max(axis=1, keepdims=True))
-        out[:, h, :] = (p / p.sum(axis=1, keepdims=True)) @ v[:, h // g, :]
-    return out
+        p /= p.sum(axis=1, keepdims=True)
+        out[:, h, :] = p @ v[:, h // g, :]
+        pv_abs[:, h, :] = p @ np.abs(v[:, h // g, :])
+    return (out, pv_abs) if with_pv_abs else out
+
+
+def tolerance(ref, pv_abs, variant):
+    tol = 2e-4 + 4e-3 * np.abs(ref)
+    return tol + P_ROUNDING * pv_abs if variant == "mma" else tol
 
 
 @gpu
@@ -69,17 +86,20 @@ def test_attention_prefill(kernels, name, start_pos, T, variant):
         cp.asarray(q), cp.asarray(kc), cp.asarray(vc), cp.asarray(table), start_pos, T, layer, out
     )
     g = d.n_heads // d.n_kv_heads
-    ref = causal_ref(
+    ref, pv_abs = causal_ref(
         q.astype(np.float64).reshape(T, d.n_heads, 128),
         k.astype(np.float64),
         v.astype(np.float64),
         start_pos,
         g,
-    ).reshape(T, -1)
+        with_pv_abs=True,
+    )
+    ref, pv_abs = ref.reshape(T, -1), pv_abs.reshape(T, -1)
     got = cp.asnumpy(out).astype(np.float64)
     assert np.isfinite(got).all(), "NaN in the output: a slot outside the sequence was read"
     err = np.abs(got - ref)
-    assert (err <= 2e-4 + 4e-3 * np.abs(ref)).all(), f"max err {err.max():.3g}"
+    tol = tolerance(ref, pv_abs, variant)
+    assert (err <= tol).all(), f"max err {err.max():.3g}, worst excess {(err - tol).max():.3g}"
 
 
 @gpu
@@ -137,5 +157,6 @@ def test_attention_prefill_32k_rows(kernels, variant):
     for i in rows:
         qi = q[i].astype(np.float64).reshape(1, d.n_heads, 128)
         # row i alone: start_pos = i makes it see positions 0..i, exactly its causal window
-        ref = causal_ref(qi, kf[: i + 1], vf[: i + 1], int(i), g).reshape(-1)
-        assert (np.abs(got[i] - ref) <= 2e-4 + 4e-3 * np.abs(ref)).all(), f"row {i}"
+        ref, pv_abs = causal_ref(qi, kf[: i + 1], vf[: i + 1], int(i), g, with_pv_abs=True)
+        ref, pv_abs = ref.reshape(-1), pv_abs.reshape(-1)
+        assert (np.abs(got[i] - ref) <= tolerance(ref, pv_abs, variant)).all(), f"row {i}"

@@ -19,7 +19,11 @@ _DEQUANT_THREADS = 256
 _DEQUANT_MAX_BLOCKS = 132 * 16  # grid-stride beyond this: enough blocks to fill every SM many times
 # attention_prefill bodies: name -> (kernel, query rows per block (kBQ), threads) in attention_prefill.cu
 ATTENTION_VARIANTS = {"fma": ("attention_prefill", 32, 256), "mma": ("attention_prefill_mma", 64, 128)}
-DEFAULT_ATTENTION_VARIANT = "fma"
+# "mma" (tensor cores, P rounded to fp16 as in FlashAttention): 40 us vs 226 us for "fma" at T = 512 and
+# 56 ms vs 446 ms at T = 32768 on the H200 (GPU run 2, docs/PERF.md); its outputs differ from the fp32
+# reference by the fp16 rounding of P (<= 2^-11 sum p|v|, tests/test_attention_prefill.py). "fma" keeps
+# fp32 probabilities and is the fallback: PrefillKernels(dims, load_module, "fma").
+DEFAULT_ATTENTION_VARIANT = "mma"
 
 
 class PrefillKernels:
