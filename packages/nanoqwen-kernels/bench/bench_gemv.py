@@ -26,8 +26,10 @@ ROTATE_BYTES = 256 << 20  # weights cycled per graph: > 4x the 50-60 MB L2
 PER_GRAPH = 20
 
 
-def _time_graph(cp, launches, reps: int) -> float:
-    """Median seconds per launch of `launches` (a list of callables) replayed in one graph."""
+def _time_graph(cp, launches, reps: int) -> tuple[float, str]:
+    """Median seconds per launch of `launches` (a list of callables) replayed in one graph, and how it
+    was timed: "graph", or "eager" when the launches could not be captured (then Python's launch cost
+    is in the figure)."""
     stream = cp.cuda.Stream(non_blocking=True)
     with stream:
         for f in launches[:2]:  # warm up (module load, cuBLAS handle) outside the capture
@@ -39,12 +41,14 @@ def _time_graph(cp, launches, reps: int) -> float:
                 f()
             graph = stream.end_capture()
             run = lambda: graph.launch(stream)  # noqa: E731
+            mode = "graph"
         except Exception:  # a peer that cannot be captured is timed eagerly instead
             try:
                 stream.end_capture()
             except Exception:
                 pass
             run = lambda: [f() for f in launches]  # noqa: E731
+            mode = "eager"
         run()
         stream.synchronize()
         times = []
@@ -55,7 +59,7 @@ def _time_graph(cp, launches, reps: int) -> float:
             end.record(stream)
             end.synchronize()
             times.append(cp.cuda.get_elapsed_time(start, end) * 1e-3 / len(launches))
-    return statistics.median(times)
+    return statistics.median(times), mode
 
 
 def _copies(nbytes: int) -> int:
@@ -102,7 +106,7 @@ def main(argv=None) -> int:
     rows = []
 
     def bench(name, n, k, launches_of, nbytes, target):
-        t = _time_graph(cp, [launches_of(i) for i in range(PER_GRAPH)], args.reps)
+        t, mode = _time_graph(cp, [launches_of(i) for i in range(PER_GRAPH)], args.reps)
         rows.append(
             dict(
                 kernel=name,
@@ -111,6 +115,7 @@ def main(argv=None) -> int:
                 gbs=nbytes / t / 1e9,
                 pct=100 * nbytes / t / COPY_BW,
                 target=target,
+                mode=mode,
             )
         )
 
@@ -197,7 +202,7 @@ def main(argv=None) -> int:
             ws = [cp.random.standard_normal((n, k), dtype=np.float32).astype(np.float16) for _ in range(c)]
             x = x_h if k == H else x_i
             o = cp.zeros(n, dtype=np.float16)
-            t = _time_graph(
+            t, mode = _time_graph(
                 cp,
                 [(lambda w=ws[i % c], x=x, o=o: cp.matmul(w, x, out=o)) for i in range(PER_GRAPH)],
                 args.reps,
@@ -210,6 +215,7 @@ def main(argv=None) -> int:
                     gbs=(one + 2 * k + 2 * n) / t / 1e9,
                     pct=100 * (one + 2 * k + 2 * n) / t / COPY_BW,
                     target=None,
+                    mode=mode,
                 )
             )
             del ws
@@ -219,10 +225,13 @@ def main(argv=None) -> int:
         f"\nbench_gemv on {dev}: median of {args.reps} graph replays x {PER_GRAPH} launches, rotating weights "
         f"> L2; % of {COPY_BW / 1e12:.2f} TB/s"
     )
-    print(f"{'kernel':36s} {'shape':>13s} {'us':>8s} {'GB/s':>7s} {'%copy':>6s} {'target':>6s}")
+    print(f"{'kernel':36s} {'shape':>13s} {'us':>8s} {'GB/s':>7s} {'%copy':>6s} {'target':>6s} timed")
     for r in rows + peers:
         tgt = f">={r['target']}" if r["target"] else ""
-        print(f"{r['kernel']:36s} {r['shape']:>13s} {r['us']:8.2f} {r['gbs']:7.0f} {r['pct']:6.1f} {tgt:>6s}")
+        print(
+            f"{r['kernel']:36s} {r['shape']:>13s} {r['us']:8.2f} {r['gbs']:7.0f} {r['pct']:6.1f} {tgt:>6s} "
+            f"{r['mode']}"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=dev, rows=rows, peers=peers), f, indent=1)

@@ -39,8 +39,10 @@ def _tool(name: str) -> str:
             return str(cand)
     found = shutil.which(name)
     if not found:
-        pytest.fail(f"{name} not found: install nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm (the kernels "
-                    "nox session's SASS check needs both)")
+        pytest.fail(
+            f"{name} not found: install nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm (the kernels "
+            "nox session's SASS check needs both)"
+        )
     return found
 
 
@@ -51,7 +53,9 @@ def _sass(source: str, dims) -> str:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(cubin)
     env = dict(os.environ, PATH=f"{Path(nvdisasm).parent}{os.pathsep}{os.environ.get('PATH', '')}")
-    out = subprocess.run([cuobjdump, "-sass", str(path)], capture_output=True, text=True, env=env, check=False)
+    out = subprocess.run(
+        [cuobjdump, "-sass", str(path)], capture_output=True, text=True, env=env, check=False
+    )
     assert out.returncode == 0, out.stderr
     return out.stdout
 

@@ -16,7 +16,9 @@ from refs import dequant, gemv_tolerance, matvec, pack_valueshuffle, random_int4
 pytestmark = pytest.mark.gpu
 EPS = 1e-6
 # an awkward shape too: 1.5B-like dims with more KV heads and odd head counts
-ODD = ModelDims(hidden=1536, intermediate=8960, n_heads=12, n_kv_heads=2, head_dim=128, vocab=1000, n_layers=2)
+ODD = ModelDims(
+    hidden=1536, intermediate=8960, n_heads=12, n_kv_heads=2, head_dim=128, vocab=1000, n_layers=2
+)
 DIMS = {"tiny": TINY, "7b": QWEN25_7B, "odd": ODD}
 
 
@@ -68,8 +70,15 @@ def test_gemv_int4(kern, mode):
             g.gemv_int4(qw, sc, xd, out, residual=out, norm_w=cp.asarray(w), eps=EPS)
         else:
             out = cp.full(n, np.nan, dtype=np.float16)
-            g.gemv_int4(qw, sc, xd, out, residual=cp.asarray(res) if "residual" in mode else None,
-                        norm_w=cp.asarray(w) if "norm" in mode else None, eps=EPS)
+            g.gemv_int4(
+                qw,
+                sc,
+                xd,
+                out,
+                residual=cp.asarray(res) if "residual" in mode else None,
+                norm_w=cp.asarray(w) if "norm" in mode else None,
+                eps=EPS,
+            )
         _check(out.get(), ref, tol, f"{mode} N={n} K={k}")
 
 
@@ -92,8 +101,20 @@ def test_qkv_rope_kv(kern, pos):
     vc = cp.full_like(kc, np.nan)
     q_out = cp.full(d.q_dim, np.nan, dtype=np.float16)
     qw, sc = _upload(cp, u, s)
-    g.qkv_rope_kv(qw, sc, cp.asarray(bias), cp.asarray(x), cp.asarray(w), EPS, cp.asarray([pos], dtype=np.int32),
-                  cp.asarray(page_table), kc, vc, layer, q_out)
+    g.qkv_rope_kv(
+        qw,
+        sc,
+        cp.asarray(bias),
+        cp.asarray(x),
+        cp.asarray(w),
+        EPS,
+        cp.asarray([pos], dtype=np.int32),
+        cp.asarray(page_table),
+        kc,
+        vc,
+        layer,
+        q_out,
+    )
 
     xin = rmsnorm(x, w, EPS)
     wd = dequant(u, s)
@@ -112,7 +133,9 @@ def test_qkv_rope_kv(kern, pos):
     kh, vh = kc.get(), vc.get()
     tk2 = np.max(tk.reshape(d.n_kv_heads, 128), axis=1, keepdims=True) * 2 + 8 * 2.0**-11 * np.abs(kr)
     _check(kh[layer, page, :, slot], kr, tk2, f"k pos={pos}")
-    _check(vh[layer, page, :, slot], v.reshape(d.n_kv_heads, 128), tv.reshape(d.n_kv_heads, 128), f"v pos={pos}")
+    _check(
+        vh[layer, page, :, slot], v.reshape(d.n_kv_heads, 128), tv.reshape(d.n_kv_heads, 128), f"v pos={pos}"
+    )
     # nothing else in either cache was written
     mask = np.ones(kh.shape, dtype=bool)
     mask[layer, page, :, slot] = False

@@ -39,7 +39,9 @@ class Loaded:
 @pytest.fixture
 def launches(monkeypatch):
     calls = []
-    monkeypatch.setattr(checks, "launch", lambda fn, grid, block, args, shared_mem=0: calls.append((fn, grid, args)))
+    monkeypatch.setattr(
+        checks, "launch", lambda fn, grid, block, args, shared_mem=0: calls.append((fn, grid, args))
+    )
     monkeypatch.setattr(checks, "even_grid", lambda fn, units, threads: min(units, 132 * 4))
     monkeypatch.setattr(checks, "cupy_module", lambda: SimpleNamespace(zeros=np.zeros, empty=np.empty))
     return calls
@@ -79,8 +81,15 @@ def test_gemv_int4_good_call_and_residual_alias(launches):
 )
 def test_gemv_int4_rejects(launches, mutate, word):
     d = TINY
-    args = dict(qweight=dev((64, d.hidden // 8), np.uint32), scales=dev((64, d.hidden // 128), np.float16),
-                x=dev((d.hidden,), np.float16), out=dev((64,), np.float16), residual=None, norm_w=None, eps=1e-6)
+    args = dict(
+        qweight=dev((64, d.hidden // 8), np.uint32),
+        scales=dev((64, d.hidden // 128), np.float16),
+        x=dev((d.hidden,), np.float16),
+        out=dev((64,), np.float16),
+        residual=None,
+        norm_w=None,
+        eps=1e-6,
+    )
     for k, f in mutate.items():
         args[k] = f(d)
     with pytest.raises(KernelError, match=word):
@@ -111,17 +120,27 @@ def test_qkv_rope_kv_checks(launches):
     g = GemvKernels(d, load)
     rows = d.qkv_rows
     good = dict(
-        qweight=dev((rows, d.hidden // 8), np.uint32), scales=dev((rows, d.hidden // 128), np.float16),
-        bias=dev((rows,), np.float16), x=dev((d.hidden,), np.float16), norm_w=dev((d.hidden,), np.float16),
-        eps=1e-6, pos_dev=dev((1,), np.int32), page_table=dev((64,), np.int32),
-        k_cache=dev((2, 4, d.n_kv_heads, 16, 128), np.float16), v_cache=dev((2, 4, d.n_kv_heads, 16, 128), np.float16),
-        layer=1, q_out=dev((d.q_dim,), np.float16),
+        qweight=dev((rows, d.hidden // 8), np.uint32),
+        scales=dev((rows, d.hidden // 128), np.float16),
+        bias=dev((rows,), np.float16),
+        x=dev((d.hidden,), np.float16),
+        norm_w=dev((d.hidden,), np.float16),
+        eps=1e-6,
+        pos_dev=dev((1,), np.int32),
+        page_table=dev((64,), np.int32),
+        k_cache=dev((2, 4, d.n_kv_heads, 16, 128), np.float16),
+        v_cache=dev((2, 4, d.n_kv_heads, 16, 128), np.float16),
+        layer=1,
+        q_out=dev((d.q_dim,), np.float16),
     )
     g.qkv_rope_kv(**good)
     fn, grid, args = launches[-1]
     assert fn == "nq_qkv_rope_kv" and int(args[-3]) == 1 and int(args[-2]) == 4
     bad = [
-        (dict(qweight=dev((rows - 2, d.hidden // 8), np.uint32), scales=dev((rows - 2, 28), np.float16)), "rows"),
+        (
+            dict(qweight=dev((rows - 2, d.hidden // 8), np.uint32), scales=dev((rows - 2, 28), np.float16)),
+            "rows",
+        ),
         (dict(bias=dev((rows - 1,), np.float16)), "bias"),
         (dict(layer=2), "layer"),
         (dict(layer=True), "layer"),
@@ -140,18 +159,32 @@ def test_gate_up_and_fp16_checks(launches):
     d = TINY
     g = GemvKernels(d, load)
     qw, sc = dev((2 * d.intermediate, d.hidden // 8), np.uint32), dev((2 * d.intermediate, 2), np.float16)
-    g.gate_up_silu(qw, sc, dev((d.hidden,), np.float16), dev((d.hidden,), np.float16), 1e-6,
-                   dev((d.intermediate,), np.float16))
+    g.gate_up_silu(
+        qw,
+        sc,
+        dev((d.hidden,), np.float16),
+        dev((d.hidden,), np.float16),
+        1e-6,
+        dev((d.intermediate,), np.float16),
+    )
     assert launches[-1][0] == "nq_gate_up_silu"
     with pytest.raises(KernelError, match="2 x intermediate"):
-        g.gate_up_silu(dev((d.intermediate, d.hidden // 8), np.uint32), dev((d.intermediate, 2), np.float16),
-                       dev((d.hidden,), np.float16), None, 1e-6, dev((d.intermediate,), np.float16))
+        g.gate_up_silu(
+            dev((d.intermediate, d.hidden // 8), np.uint32),
+            dev((d.intermediate, 2), np.float16),
+            dev((d.hidden,), np.float16),
+            None,
+            1e-6,
+            dev((d.intermediate,), np.float16),
+        )
     g.gemv_fp16(dev((1001, d.hidden), np.float16), dev((d.hidden,), np.float16), dev((1001,), np.float32))
     assert launches[-1][0] == "nq_gemv_fp16" and int(launches[-1][2][-1]) == 1001
     with pytest.raises(KernelError, match="out must be float32"):
         g.gemv_fp16(dev((10, d.hidden), np.float16), dev((d.hidden,), np.float16), dev((10,), np.float16))
     with pytest.raises(KernelError, match="w must be"):
-        g.gemv_fp16(dev((10, d.hidden + 128), np.float16), dev((d.hidden,), np.float16), dev((10,), np.float32))
+        g.gemv_fp16(
+            dev((10, d.hidden + 128), np.float16), dev((d.hidden,), np.float16), dev((10,), np.float32)
+        )
 
 
 def test_norm_embed_checks(launches):
@@ -161,7 +194,9 @@ def test_norm_embed_checks(launches):
     n.rmsnorm_rows(x, dev((d.hidden,), np.float16), x, 1e-6)  # in place is fine
     assert launches[-1][1] == 3
     with pytest.raises(KernelError, match="x must be"):
-        n.rmsnorm_rows(dev((d.hidden,), np.float16), dev((d.hidden,), np.float16), dev((d.hidden,), np.float16), 1e-6)
+        n.rmsnorm_rows(
+            dev((d.hidden,), np.float16), dev((d.hidden,), np.float16), dev((d.hidden,), np.float16), 1e-6
+        )
     with pytest.raises(KernelError, match="w must have shape"):
         n.rmsnorm(dev((d.hidden,), np.float16), dev((7,), np.float16), dev((d.hidden,), np.float16), 1e-6)
     with pytest.raises(KernelError, match="table must have shape"):
@@ -184,10 +219,15 @@ def test_sampling_checks(launches):
         s.argmax(dev((1000,), np.float16), tok)
     with pytest.raises(KernelError, match="rng_state"):
         s.sample(logits, params, dev((2,), np.int64), dev((1000,), np.uint8), tok)
-    for kw, word in [(dict(top_p=0.0), "top_p"), (dict(temperature=-1.0), "temperature"),
-                     (dict(top_k=-3), "top_k"), (dict(min_p=2.0), "min_p"),
-                     (dict(repetition_penalty=0.0), "repetition_penalty"), (dict(seed=-1), "seed"),
-                     (dict(temperature=float("nan")), "temperature")]:
+    for kw, word in [
+        (dict(top_p=0.0), "top_p"),
+        (dict(temperature=-1.0), "temperature"),
+        (dict(top_k=-3), "top_k"),
+        (dict(min_p=2.0), "min_p"),
+        (dict(repetition_penalty=0.0), "repetition_penalty"),
+        (dict(seed=-1), "seed"),
+        (dict(temperature=float("nan")), "temperature"),
+    ]:
         p = dict(temperature=0.7, top_k=0, top_p=0.9, min_p=0.0, repetition_penalty=1.0, seed=1)
         p.update(kw)
         with pytest.raises(KernelError, match=word):

@@ -97,6 +97,7 @@ class ModelDims:
 
 
 # Named presets (the tiny one is the test shape every CPU/GPU test compiles).
-QWEN25_7B = ModelDims(hidden=3584, intermediate=18944, n_heads=28, n_kv_heads=4, head_dim=128,
-                      vocab=152064, n_layers=28)
+QWEN25_7B = ModelDims(
+    hidden=3584, intermediate=18944, n_heads=28, n_kv_heads=4, head_dim=128, vocab=152064, n_layers=28
+)
 TINY = ModelDims(hidden=256, intermediate=512, n_heads=2, n_kv_heads=1, head_dim=128, vocab=1000, n_layers=2)

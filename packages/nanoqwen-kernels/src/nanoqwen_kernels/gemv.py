@@ -42,8 +42,10 @@ class GemvKernels:
                 f"{self.dims.intermediate}: the GEMV is compiled for those two"
             )
         if tuple(scales.shape) != (n, kk // GROUP):
-            raise KernelError(f"scales must be {(n, kk // GROUP)} for qweight {tuple(qweight.shape)}, "
-                              f"got {tuple(scales.shape)}")
+            raise KernelError(
+                f"scales must be {(n, kk // GROUP)} for qweight {tuple(qweight.shape)}, "
+                f"got {tuple(scales.shape)}"
+            )
         if n < 1:
             raise KernelError("qweight has no rows")
         return n, kk
@@ -64,11 +66,25 @@ class GemvKernels:
         fn = self._h if k == self.dims.hidden else self._i
         units = (n + 1) // 2
         grid = ck.even_grid(fn, -(-units // WARPS), THREADS)
-        ck.launch(fn, grid, THREADS, (qweight, scales, x, norm_w if norm_w is not None else ck.NULL, e,
-                                      residual if residual is not None else ck.NULL, out, np.int32(n)))
+        ck.launch(
+            fn,
+            grid,
+            THREADS,
+            (
+                qweight,
+                scales,
+                x,
+                norm_w if norm_w is not None else ck.NULL,
+                e,
+                residual if residual is not None else ck.NULL,
+                out,
+                np.int32(n),
+            ),
+        )
 
-    def qkv_rope_kv(self, qweight, scales, bias, x, norm_w, eps, pos_dev, page_table, k_cache, v_cache,
-                    layer, q_out) -> None:
+    def qkv_rope_kv(
+        self, qweight, scales, bias, x, norm_w, eps, pos_dev, page_table, k_cache, v_cache, layer, q_out
+    ) -> None:
         """Fused RMSNorm + q/k/v GEMV + bias + RoPE at pos_dev[0] + K/V into the page; q to q_out."""
         d = self.dims
         rows = d.qkv_rows
@@ -87,16 +103,38 @@ class GemvKernels:
         ck.array("v_cache", v_cache, np.float16)
         want = (d.n_kv_heads, PAGE_TOKENS, HEAD_DIM)
         if k_cache.ndim != 5 or tuple(k_cache.shape[2:]) != want:
-            raise KernelError(f"k_cache must be [n_layers, n_pages, {', '.join(map(str, want))}], "
-                              f"got {tuple(k_cache.shape)}")
+            raise KernelError(
+                f"k_cache must be [n_layers, n_pages, {', '.join(map(str, want))}], "
+                f"got {tuple(k_cache.shape)}"
+            )
         if v_cache.shape != k_cache.shape:
-            raise KernelError(f"v_cache shape {tuple(v_cache.shape)} differs from k_cache {tuple(k_cache.shape)}")
+            raise KernelError(
+                f"v_cache shape {tuple(v_cache.shape)} differs from k_cache {tuple(k_cache.shape)}"
+            )
         layer = ck.integer("layer", layer, 0, k_cache.shape[0])
         ck.array("q_out", q_out, np.float16, (d.q_dim,))
         ck.distinct(x=x, q_out=q_out)
         grid = ck.even_grid(self._qkv, -(-(rows // 2) // WARPS), THREADS)
-        ck.launch(self._qkv, grid, THREADS, (qweight, scales, bias, x, norm_w, e, pos_dev, page_table, k_cache,
-                                             v_cache, np.int32(layer), np.int32(k_cache.shape[1]), q_out))
+        ck.launch(
+            self._qkv,
+            grid,
+            THREADS,
+            (
+                qweight,
+                scales,
+                bias,
+                x,
+                norm_w,
+                e,
+                pos_dev,
+                page_table,
+                k_cache,
+                v_cache,
+                np.int32(layer),
+                np.int32(k_cache.shape[1]),
+                q_out,
+            ),
+        )
 
     def gate_up_silu(self, qweight, scales, x, norm_w, eps, out) -> None:
         """Fused RMSNorm + gate/up GEMV (rows [0,I) gate, [I,2I) up) + silu(gate) * up into out[I]."""
@@ -111,8 +149,9 @@ class GemvKernels:
         ck.array("out", out, np.float16, (d.intermediate,))
         ck.distinct(x=x, out=out)
         grid = ck.even_grid(self._gu, -(-d.intermediate // WARPS), THREADS)
-        ck.launch(self._gu, grid, THREADS,
-                  (qweight, scales, x, norm_w if norm_w is not None else ck.NULL, e, out))
+        ck.launch(
+            self._gu, grid, THREADS, (qweight, scales, x, norm_w if norm_w is not None else ck.NULL, e, out)
+        )
 
     def gemv_fp16(self, w, x, out) -> None:
         """out_f32[N] = w[N, H] . x[H] (the lm_head; fp32 logits)."""

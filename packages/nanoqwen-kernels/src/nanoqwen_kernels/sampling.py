@@ -49,16 +49,21 @@ class SamplingKernels:
         """token_out[0] = argmax(logits) (lowest id on ties)."""
         n = self._logits(logits)
         ck.array("token_out", token_out, np.int32, (1,))
-        ck.launch(self._argmax, ARG_BLOCKS, ARG_THREADS,
-                  (logits, np.int32(n), self._part_v, self._part_i, self._ticket, token_out))
+        ck.launch(
+            self._argmax,
+            ARG_BLOCKS,
+            ARG_THREADS,
+            (logits, np.int32(n), self._part_v, self._part_i, self._ticket, token_out),
+        )
 
     def make_sampler_state(self):
         """(params float32 [5], rng uint64 [2]) device buffers, zeroed (temperature 0 = greedy)."""
         cupy = ck.cupy_module()
         return cupy.zeros(5, dtype=np.float32), cupy.zeros(2, dtype=np.uint64)
 
-    def set_sampler_params(self, params, rng, *, temperature, top_k, top_p, min_p, repetition_penalty,
-                           seed) -> None:
+    def set_sampler_params(
+        self, params, rng, *, temperature, top_k, top_p, min_p, repetition_penalty, seed
+    ) -> None:
         """Write one request's parameters and seed (a host->device copy; not for inside a graph)."""
         ck.array("params", params, np.float32, (5,))
         ck.array("rng", rng, np.uint64, (2,))
@@ -86,7 +91,9 @@ class SamplingKernels:
         ck.array("rng_state", rng_state, np.uint64, (2,))
         ck.array("history", history, np.uint8, (n,))
         ck.array("token_out", token_out, np.int32, (1,))
-        ck.launch(self._sample, 1, SAMPLE_THREADS, (logits, np.int32(n), params, rng_state, history, token_out))
+        ck.launch(
+            self._sample, 1, SAMPLE_THREADS, (logits, np.int32(n), params, rng_state, history, token_out)
+        )
 
     def advance(self, pos_dev, seq_len_dev) -> None:
         """pos_dev[0] += 1 and seq_len_dev[0] += 1 on the device."""
