@@ -75,6 +75,11 @@ def ladder(d: Path) -> list[str]:
         out.append(f"7B Engine.load: {i.get('load_s', 0):.2f} s total, upload {i.get('upload_s', 0):.2f} s "
                    f"({i.get('upload_GBps', 0):.1f} GB/s), weights {i.get('weights_bytes', 0) / 1e9:.2f} GB, "
                    f"KV {i.get('kv_bytes', 0) / 1e9:.2f} GB; {len(e['tokens'])} tokens streamed")
+    sp = _load(d / "speed_7b.json")
+    if sp:
+        for mode, r in sp.items():
+            out.append(f"7B {mode:5s} decode {r['decode_ms_per_token']:.2f} ms/token, prefill-512 {r['prefill_ms']:.1f} ms"
+                       f" ({r['launcher_calls_per_token']} launcher calls, {r['graph_kernel_nodes']} graph kernel nodes)")
     return out
 
 

@@ -102,3 +102,30 @@ def test_engine_load_7b_streams(gpu, ladder_7b_path):
     _record("engine_7b", {"info": info, "tokens": [ev.token_id for ev in events]})
     print(f"\n7B load: {info}")
     assert info["weights_bytes"] > 4e9
+
+
+def test_decode_speed_7b_graph_vs_eager(gpu, ladder_7b_path):
+    """The seed's protocol (512-token prompt, 128 greedy tokens), graph and eager decode: a measurement
+    recorded for docs/VALIDATION.md and issue 7, never a timing assertion; the two modes' tokens must be
+    identical (the same launches, with and without the graph)."""
+    from nanoqwen_engine.validation import corpus, text_of_length
+
+    rec = {}
+    tokens = {}
+    for mode in ("graph", "eager"):
+        e = gpu_engine(ladder_7b_path, max_context=1024, decode_mode=mode)
+        prompt = text_of_length(e.tokenizer, corpus(), 512)
+        p = SamplingParams(temperature=0, max_tokens=128)
+        e.complete(prompt, SamplingParams(temperature=0, max_tokens=8))  # warm-up: first graph capture
+        runs = [e.complete(prompt, p) for _ in range(3)]
+        st = [r.stats for r in runs]
+        per_tok = sorted(s["decode_s"] / max(1, s["generated_tokens"] - 1) for s in st)
+        rec[mode] = {"prefill_ms": 1e3 * sorted(s["prefill_s"] for s in st)[1],
+                     "decode_ms_per_token": 1e3 * per_tok[1], "generated_tokens": st[0]["generated_tokens"],
+                     "launcher_calls_per_token": e.backend.info.get("launcher_calls_per_token"),
+                     "graph_kernel_nodes": e.backend.info.get("graph_kernel_nodes_greedy")}
+        tokens[mode] = runs[0].token_ids
+        del e
+    _record("speed_7b", rec)
+    print(f"\n7B speed (512-token prompt, 128 tokens, median of 3): {rec}")
+    assert tokens["graph"] == tokens["eager"]

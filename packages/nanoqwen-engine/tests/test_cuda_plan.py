@@ -85,13 +85,15 @@ def test_pool_sizing():
 
 
 def test_count_kernel_nodes_reads_a_dot_dump():
+    # the shape of cudaGraphDebugDotPrint's output (a real dump from the H200, shortened; a memset added)
     dot = "\n".join([
-        'digraph dot {',
-        'subgraph cluster_1 {',
-        '"graph_1_node_0"[style="solid" shape="record" label="{KERNEL\\n| {ID | 0 | embed}}"];',
-        '"graph_1_node_1"[style="solid" shape="record" label="{KERNEL\\n| {ID | 1 | gemv}}"];',
-        '"graph_1_node_2"[style="solid" shape="rectangle" label="MEMSET"];',
-        '"graph_1_node_0" -> "graph_1_node_1";',
-        '}', '}',
+        "digraph dot {",
+        "subgraph cluster_7 {",
+        'label="graph_7" graph[style="dashed"];',
+        '"graph_7_node_0"[style="bold" shape="octagon" label="0', "nq_embed", '"];', "",
+        '"graph_7_node_1"[style="bold" shape="octagon" label="1', "nq_qkv_rope_kv", '"];', "",
+        '"graph_7_node_2"[style="solid" shape="rectangle" label="2', "MEMSET", '"];',
+        '"graph_7_node_0" -> "graph_7_node_1" [style="solid"];',
+        "}", "}",
     ])
     assert count_kernel_nodes(dot) == 2

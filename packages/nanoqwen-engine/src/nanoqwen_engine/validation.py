@@ -180,7 +180,8 @@ class Prompt:
         return list(self.messages) if self.messages is not None else self.text
 
 
-def _corpus() -> str:
+def corpus() -> str:
+    """All the built-in code and prose, one text (long prompts are cut from it)."""
     return "\n\n".join([*_CODE.values(), *_PROSE])
 
 
@@ -222,14 +223,14 @@ def build_prompts(tokenizer, n: int = 100, max_tokens: int = 2000, seed: int = 0
     n_whole = max(1, n // 5) if n >= 5 else 0
     n_cut = n - n_chat - n_whole
     out: list[Prompt] = []
-    corpus = _corpus()
+    text_all = corpus()
     sources = [*_CODE.items(), *(("prose", p) for p in _PROSE)]
     for i, length in enumerate(prompt_lengths(n_cut, max_tokens, seed)):
         name, src = sources[i % len(sources)]
         # Long lengths take the whole corpus; every prompt starts at its own line of its source, so
         # two prompts of one source and length still differ.
         if length > 200:
-            src = corpus
+            src = text_all
         lines = src.splitlines(keepends=True)
         k = (i * 7) % len(lines)
         text = text_of_length(tokenizer, "".join(lines[k:] + lines[:k]), length)
