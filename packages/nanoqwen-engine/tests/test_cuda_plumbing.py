@@ -188,3 +188,57 @@ def test_bad_requests_raise_clear_errors(tied_path, kind):
         be.prefill(seq, np.array([], dtype=np.int32), SamplerState(GREEDY, 4096))
     with pytest.raises(InvalidRequestError, match="decode_mode"):
         _backend(tied_path, kind, decode_mode="fast")
+
+
+def test_out_of_memory_during_a_request_is_clean(tied_path, kind, monkeypatch):
+    """OOM inside a request: GPUOutOfMemoryError, the pool and the backend usable afterwards. On the GPU a
+    real one (a hog allocation leaves too little for the prefill temporaries), on the host an injected
+    MemoryError."""
+    from nanoqwen_engine.cuda import GPUOutOfMemoryError
+
+    be = _backend(tied_path, kind, max_context=1024)
+    ids = np.random.default_rng().integers(0, 4096, size=900)
+    want, s = _generate(be, ids, 4)
+    be.pool.free(s)
+    hog = None
+    if kind == "gpu":
+        import cupy
+
+        cupy.get_default_memory_pool().free_all_blocks()
+        free, _ = cupy.cuda.runtime.memGetInfo()
+        room = 2 << 20  # a 900-row prefill of this model needs ~10 MB of temporaries
+        while hog is None:
+            try:
+                hog = cupy.empty(free - room, dtype=np.uint8)
+            except cupy.cuda.memory.OutOfMemoryError:
+                room += 64 << 20
+        assert room < 10 << 20, "could not leave less than a prefill needs"
+    else:
+        def oom(*a, **k):
+            raise MemoryError("injected")
+
+        monkeypatch.setattr(be.prefill_pass, "hidden", oom)
+    seq = be.pool.new_sequence()
+    with pytest.raises(GPUOutOfMemoryError, match="out of GPU memory"):
+        be.prefill(seq, ids, SamplerState(GREEDY, 4096))
+    be.pool.free(seq)
+    del hog
+    if kind == "gpu":
+        cupy.get_default_memory_pool().free_all_blocks()
+    monkeypatch.undo()
+    assert be.pool.n_used == 0
+    assert _generate(be, ids, 4)[0] == want
+
+
+def test_no_gpu_and_wrong_gpu_are_clear_errors(tied_path, monkeypatch):
+    import nanoqwen_kernels
+    from nanoqwen_engine.cuda import WrongGPUError
+    from nanoqwen_engine.errors import NoGPUError
+
+    nq, cfg = _open(tied_path)
+    monkeypatch.setattr(nanoqwen_kernels, "gpu_status", lambda: (False, "device compute capability 8.0 is not 9.x (Hopper)"))
+    with pytest.raises(WrongGPUError, match="sm_90"):
+        CudaBackend.create(nq, cfg, progress=False)
+    monkeypatch.setattr(nanoqwen_kernels, "gpu_status", lambda: (False, "CuPy not importable: no module"))
+    with pytest.raises(NoGPUError, match="no usable GPU: CuPy not importable"):
+        CudaBackend.create(nq, cfg, progress=False)
