@@ -204,15 +204,13 @@ def test_out_of_memory_during_a_request_is_clean(tied_path, kind, monkeypatch):
     if kind == "gpu":
         import cupy
 
-        cupy.get_default_memory_pool().free_all_blocks()
-        free, _ = cupy.cuda.runtime.memGetInfo()
-        room = 2 << 20  # a 900-row prefill of this model needs ~10 MB of temporaries
-        while hog is None:
-            try:
-                hog = cupy.empty(free - room, dtype=np.uint8)
-            except cupy.cuda.memory.OutOfMemoryError:
-                room += 64 << 20
-        assert room < 10 << 20, "could not leave less than a prefill needs"
+        hog = []  # fill the GPU: 1 GiB blocks, then 64 MiB, then 1 MiB; < 1 MiB stays free
+        for size in (1 << 30, 64 << 20, 1 << 20):
+            while True:
+                try:
+                    hog.append(cupy.empty(size, dtype=np.uint8))
+                except cupy.cuda.memory.OutOfMemoryError:
+                    break
     else:
         def oom(*a, **k):
             raise MemoryError("injected")
