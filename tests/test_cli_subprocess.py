@@ -300,7 +300,9 @@ def test_error_hub_id_offline_with_empty_cache(env):
 def test_error_cuda_without_a_gpu(tiny_model, env):
     env["CUDA_VISIBLE_DEVICES"] = ""  # no GPU visible, on any machine
     line = one_error_line(cli(["run", "--model", tiny_model, "--device", "cuda", "hi"], env))
-    assert "GPU" in line
+    assert "GPU" in line and "--device cpu" in line
+    # The defaults (hub model, cuda): the missing GPU is reported before any download is tried.
+    assert "GPU" in one_error_line(cli(["run", "hi"], env))
 
 
 def test_debug_shows_the_traceback(tmp_path, env):

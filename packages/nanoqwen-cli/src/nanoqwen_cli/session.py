@@ -33,6 +33,8 @@ def load(
     from nanoqwen_engine.model_source import resolve_model
 
     check_engine_kwargs(**engine_kwargs)
+    if device == "cuda":
+        require_gpu()  # before a 15 GB download and conversion that could not be used
     path = Path(resolve_model(model, progress=progress))
     t0 = time.perf_counter()
     engine = Engine.load(path, device=device, max_context=max_context, progress=progress, **engine_kwargs)
