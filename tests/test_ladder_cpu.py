@@ -15,10 +15,12 @@ from nanoqwen_engine.validation import (
     compare_greedy,
     first_divergence,
     format_report,
+    greedy_tokens,
     judge,
     logit_error,
     margins_at,
     prompt_lengths,
+    reference_tokens_parallel,
     text_of_length,
 )
 from nanoqwen_format import open_model
@@ -157,6 +159,13 @@ def test_compare_greedy_on_the_cpu_reference_against_itself(ladder_tiny_path):
     rep = compare_greedy(a, b, ps, max_tokens=4)
     assert rep.ok and rep.n_exact == 3, format_report(rep)
     assert all(len(r.tokens_a) >= 1 for r in rep.results)
+
+
+def test_reference_tokens_parallel_equals_sequential(ladder_tiny_path):
+    e = Engine.load(ladder_tiny_path, device="cpu", max_context=128, progress=False)
+    ps = build_prompts(e.tokenizer, n=3, max_tokens=30)
+    par = reference_tokens_parallel(ladder_tiny_path, ps, 4, 128, workers=2)
+    assert par == [greedy_tokens(e, p.payload, 4) for p in ps]
 
 
 def test_logit_error():

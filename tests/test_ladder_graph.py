@@ -21,7 +21,14 @@ import numpy as np
 import pytest
 from ladder.engines import cpu_engine, gpu_engine
 from nanoqwen_engine import Engine, SamplingParams
-from nanoqwen_engine.validation import DEFAULT_EPS, build_prompts, compare_greedy, format_report, logit_error
+from nanoqwen_engine.validation import (
+    DEFAULT_EPS,
+    build_prompts,
+    compare_greedy,
+    format_report,
+    logit_error,
+    reference_tokens_parallel,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -53,10 +60,14 @@ def _score_check(g, c, ids) -> dict:
 
 def test_graph_tier_tiny(gpu, ladder_tiny_path):
     n, m = _env("NANOQWEN_LADDER_PROMPTS", 100), _env("NANOQWEN_LADDER_TOKENS", 64)
-    g = gpu_engine(ladder_tiny_path, max_context=2048 + m + 64)
-    c = cpu_engine(ladder_tiny_path, max_context=2048 + m + 64)
+    ctx = 2048 + m + 64
+    g = gpu_engine(ladder_tiny_path, max_context=ctx)
+    c = cpu_engine(ladder_tiny_path, max_context=ctx)
     prompts = build_prompts(g.tokenizer, n=n)
-    rep = compare_greedy(g, c, prompts, max_tokens=m, eps=DEFAULT_EPS, progress=_progress)
+    # the reference's generations from one process per core (it is the slow side)
+    workers = _env("NANOQWEN_LADDER_WORKERS", min(16, os.cpu_count() or 1))
+    ref = reference_tokens_parallel(ladder_tiny_path, prompts, m, ctx, workers) if workers > 1 else None
+    rep = compare_greedy(g, c, prompts, max_tokens=m, eps=DEFAULT_EPS, progress=_progress, tokens_b=ref)
     ids = np.asarray(g.encode_prompt(prompts[min(8, n - 1)].payload) + rep.results[0].tokens_b)[:300]
     score = _score_check(g, c, ids)
     _record("graph_tiny", {**rep.as_dict(), "score": score, "info": g.backend.info})

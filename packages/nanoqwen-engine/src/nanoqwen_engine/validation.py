@@ -331,23 +331,67 @@ def greedy_tokens(engine, payload, max_tokens: int) -> list[int]:
     return engine.complete(payload, SamplingParams(temperature=0, max_tokens=max_tokens)).token_ids
 
 
+def _as_prompt(i: int, p) -> Prompt:
+    if isinstance(p, Prompt):
+        return p
+    return Prompt(f"prompt-{i:03d}", "chat" if isinstance(p, list | tuple) else "raw",
+                  text=p if isinstance(p, str) else None,
+                  messages=tuple(p) if isinstance(p, list | tuple) else None)
+
+
+_WORKER_ENGINE = None
+
+
+def _worker_init(path: str, max_context: int) -> None:
+    global _WORKER_ENGINE
+    from .engine import Engine
+
+    _WORKER_ENGINE = Engine.load(path, device="cpu", max_context=max_context, progress=False)
+
+
+def _worker_greedy(job):
+    payload, max_tokens = job
+    return greedy_tokens(_WORKER_ENGINE, payload, max_tokens)
+
+
+def reference_tokens_parallel(path, prompts, max_tokens: int, max_context: int, workers: int) -> list[list[int]]:
+    """The CPU reference's greedy tokens for every prompt, from `workers` processes (one reference engine
+    each, one BLAS thread each): the reference is the slow side of the ladder, and prompts are independent.
+    Processes are spawned (never forked: the parent may hold a CUDA context)."""
+    import multiprocessing as mp
+    import os
+    from concurrent.futures import ProcessPoolExecutor
+
+    jobs = [(_as_prompt(i, p).payload, max_tokens) for i, p in enumerate(prompts)]
+    saved = {k: os.environ.get(k) for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    os.environ.update({k: "1" for k in saved})  # read by numpy at import, in the children
+    try:
+        with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn"),
+                                 initializer=_worker_init, initargs=(str(path), max_context)) as ex:
+            return list(ex.map(_worker_greedy, jobs))
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def compare_greedy(engine_a, engine_b, prompts, max_tokens: int = 64, eps: float = DEFAULT_EPS,
-                   progress=None) -> LadderReport:
+                   progress=None, tokens_b: list[list[int]] | None = None) -> LadderReport:
     """Greedy generations of engine_a (under test) against engine_b (the reference) on every prompt.
 
     prompts: Prompt objects, strings (raw) or message lists (chat). progress(i, result), if given, is
-    called after each prompt. At a divergence, engine_b.score(prompt + its own tokens so far) gives the
+    called after each prompt. tokens_b: engine_b's generations when already computed (e.g. by
+    reference_tokens_parallel). At a divergence, engine_b.score(prompt + its own tokens so far) gives the
     reference logits whose margins decide whether the divergence is a near-tie (see the module doc).
     """
     rep = LadderReport(eps=eps, max_tokens=max_tokens)
     for i, p in enumerate(prompts):
-        if not isinstance(p, Prompt):
-            p = Prompt(f"prompt-{i:03d}", "chat" if isinstance(p, list | tuple) else "raw",
-                       text=p if isinstance(p, str) else None,
-                       messages=tuple(p) if isinstance(p, list | tuple) else None)
+        p = _as_prompt(i, p)
         ids = engine_b.encode_prompt(p.payload)
         ta = greedy_tokens(engine_a, p.payload, max_tokens)
-        tb = greedy_tokens(engine_b, p.payload, max_tokens)
+        tb = tokens_b[i] if tokens_b is not None else greedy_tokens(engine_b, p.payload, max_tokens)
 
         def ref_logits_at(j, ids=ids, tb=tb):
             return engine_b.score(np.asarray(ids + tb[:j], dtype=np.int64))[-1]
