@@ -197,6 +197,7 @@ def _summary(loaded, records, prompt_tokens, gen_tokens, copy_bw, eager) -> dict
         "copy_bw_gbs": copy_bw,
         "pct_of_copy_bw": 100.0 * gbs / copy_bw if gbs else None,
         "peak_gpu_mem_bytes": _peak_gpu_bytes(info) if loaded.device == "cuda" else None,
+        "gpu_pool_bytes": _gpu_pool_bytes() if loaded.device == "cuda" else None,
         "peak_host_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "engine_info": {k: v for k, v in info.items() if isinstance(v, (int, float, str, bool, type(None)))},
         "runs": records,
@@ -232,22 +233,39 @@ def _gpu_name(info: dict) -> str | None:
 
 
 def _peak_gpu_bytes(info: dict) -> int | None:
+    """The engine's own peak if it reports one, else device-wide use (total - free) after the runs.
+
+    The second is an upper bound on this process's peak (it includes the CUDA context and any other
+    process): the engine allocates weights, KV pages and workspaces at load and nothing per token.
+    """
     for key in ("peak_gpu_bytes", "peak_memory_bytes", "gpu_peak_bytes"):
         if isinstance(info.get(key), int):
             return info[key]
     try:
         import cupy
 
-        # Device-wide use (total - free) after the runs: an upper bound on this process's peak, as the
-        # engine preallocates weights, KV pages and workspaces at load and frees nothing per token.
         free, total = cupy.cuda.runtime.memGetInfo()
         return int(total - free)
     except Exception:
         return None
 
 
+def _gpu_pool_bytes() -> int | None:
+    """Bytes CuPy's default memory pool holds (the engine's device buffers come from it)."""
+    try:
+        import cupy
+
+        return int(cupy.get_default_memory_pool().total_bytes())
+    except Exception:
+        return None
+
+
 def _fmt(x, spec: str, unit: str = "") -> str:
     return "n/a" if x is None else f"{x:{spec}}{unit}"
+
+
+def _gib(n: int | None) -> str:
+    return "n/a" if n is None else f"{n / 2**30:.2f} GiB"
 
 
 def _table(r: dict) -> str:
@@ -263,8 +281,13 @@ def _table(r: dict) -> str:
         f"traffic   {r['bytes_per_token'] / 1e9:.3f} GB/token ({r['weight_bytes_per_token'] / 1e9:.3f} GB weights "
         f"+ KV at mean context {r['mean_context']:.0f}) -> {_fmt(r['achieved_gbs'], ',.0f', ' GB/s')} = "
         f"{_fmt(r['pct_of_copy_bw'], '.1f', '%')} of {r['copy_bw_gbs']:,.0f} GB/s copy bandwidth",
-        f"memory    peak GPU {_fmt(r['peak_gpu_mem_bytes'] and r['peak_gpu_mem_bytes'] / 2**30, '.2f', ' GiB')}, "
-        f"peak host RSS {r['peak_host_rss_bytes'] / 2**30:.2f} GiB",
+        "memory    "
+        + (
+            f"peak GPU {_gib(r['peak_gpu_mem_bytes'])} (device-wide), CuPy pool {_gib(r['gpu_pool_bytes'])}, "
+            if r["device"] == "cuda"
+            else ""
+        )
+        + f"peak host RSS {_gib(r['peak_host_rss_bytes'])}",
     ]
     if min(gen) < r["gen_tokens"]:
         lines.append(f"note      some runs stopped early (generated {min(gen)} of {r['gen_tokens']} tokens)")

@@ -70,6 +70,7 @@ def verify(model, device, max_context, n_prompts, max_tokens, max_prompt_tokens,
     reference's top-2 margin and its gap between the two engines' tokens there, and (on --score-prompts
     prompts) the relative error of score() logits. Exits 1 when a divergence is not a near-tie (--eps).
     With --device cpu the reference is checked against a second copy of itself (a plumbing smoke test).
+    The CPU reference of a 7B model costs seconds per token: start small (--prompts 2 --max-tokens 8).
 
     \b
     Examples:
