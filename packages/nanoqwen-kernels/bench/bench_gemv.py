@@ -71,7 +71,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--json", help="also write the rows here")
     ap.add_argument("--no-peer", action="store_true", help="skip the cuBLAS peer")
-    ap.add_argument("--sweep", action="store_true", help="also time the INT4 GEMVs at other stage sizes")
+    ap.add_argument("--sweep", action="store_true", help="also time the INT4 GEMVs' tensor-core variants")
     args = ap.parse_args(argv)
 
     import cupy as cp
@@ -175,10 +175,13 @@ def main(argv=None) -> int:
         )
 
     int4_rows(g)
-    if args.sweep:
-        for pieces in (2, 8):
-            gs = GemvKernels(D, lambda s, defs: loader.load_module(s, defs), {"NQ_GEMV_STAGE_PIECES": pieces})
-            int4_rows(gs, f" [stage {pieces}]")
+    if args.sweep:  # the opt-in tensor-core variants of gemv_int4_mma.cuh
+        for label, tuning in (
+            (" [mma]", {"NQ_GEMV_MMA": 1}),
+            (" [mma+off]", {"NQ_GEMV_MMA": 1, "NQ_GEMV_MMA_OFFSET": 1}),
+        ):
+            gs = GemvKernels(D, lambda s, defs: loader.load_module(s, defs), tuning)
+            int4_rows(gs, label)
     sets.clear()
 
     V = D.vocab

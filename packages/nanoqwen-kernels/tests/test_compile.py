@@ -84,3 +84,24 @@ def test_gemv_fp16_sass_streams_16_byte_pieces():
     body = _functions(_sass("gemv_fp16.cu", QWEN25_7B))["nq_gemv_fp16"]
     assert "LDG.E.NA" in body and ".128" in body
     assert "STL" not in body and "LDL" not in body
+
+
+@pytest.mark.parametrize("offset", [0, 1])
+@pytest.mark.parametrize("dims_name", sorted(DIMS))
+def test_gemv_int4_mma_variant(dims_name, offset):
+    """The opt-in tensor-core build (gemv_int4_mma.cuh) compiles; at 7B its SASS holds HMMA and PRMT."""
+    defines = {**DIMS[dims_name].defines(), "NQ_GEMV_MMA": 1, "NQ_GEMV_MMA_OFFSET": offset}
+    cubin = loader.compile_cubin(["gemv_int4.cu"], defines, "sm_90a")
+    assert loader._elf_size(cubin) == len(cubin)
+    if dims_name != "7b":
+        return
+    path = Path(os.environ["NANOQWEN_KERNEL_CACHE"]) / f"sass-mma-{offset}.cubin"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(cubin)
+    nvdisasm = _tool("nvdisasm")
+    env = dict(os.environ, PATH=f"{Path(nvdisasm).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    out = subprocess.run([_tool("cuobjdump"), "-sass", str(path)], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    for name, body in _functions(out.stdout).items():
+        assert "HMMA.16816.F32" in body, f"{name}: expected the tensor-core dot product"
+        assert body.count("PRMT") >= 16, f"{name}: expected the prmt unpack"

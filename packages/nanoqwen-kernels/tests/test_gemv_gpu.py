@@ -22,8 +22,20 @@ ODD = ModelDims(
 DIMS = {"tiny": TINY, "7b": QWEN25_7B, "odd": ODD}
 
 
-@pytest.fixture(scope="module", params=sorted(DIMS))
+# the default loop, and the opt-in tensor-core variant (gemv_int4_mma.cuh) exact and with the folded offset
+VARIANTS = {"default": {}, "mma": {"NQ_GEMV_MMA": 1}, "mmaoff": {"NQ_GEMV_MMA": 1, "NQ_GEMV_MMA_OFFSET": 1}}
+
+
+@pytest.fixture(scope="module", params=[(d, v) for d in sorted(DIMS) for v in VARIANTS], ids="-".join)
 def kern(request, gpu):
+    dname, vname = request.param
+    d = DIMS[dname]
+    return d, GemvKernels(d, lambda s, defs: loader.load_module(s, defs), VARIANTS[vname])
+
+
+@pytest.fixture(scope="module", params=sorted(DIMS))
+def kern16(request, gpu):
+    """The lm_head GEMV does not depend on the INT4 variant: once per dims."""
     d = DIMS[request.param]
     return d, GemvKernels(d, lambda s, defs: loader.load_module(s, defs))
 
@@ -167,10 +179,10 @@ def test_gate_up_silu(kern):
 
 
 @pytest.mark.parametrize("n", ["vocab", 1, 3, 1001])
-def test_gemv_fp16(kern, n):
+def test_gemv_fp16(kern16, n):
     import cupy as cp
 
-    d, g = kern
+    d, g = kern16
     rng = np.random.default_rng()
     n = d.vocab if n == "vocab" else n
     w = (0.02 * rng.standard_normal((n, d.hidden), dtype=np.float32)).astype(np.float16)

@@ -34,7 +34,8 @@
 //   2 blocks/SM) measured slower overall (gate/up 28.2 us, qkv 8.8 us, down 15.6 us) and was dropped:
 //   with fewer warps the dependent half2 chains are hidden worse. The stage size (2/4/8 pieces) made no
 //   difference. What would reach 85%: fewer instructions per weight, i.e. the dot product on tensor
-//   cores (mma.sync with the 1032 offset folded into a per-group sum of x; ~0.9 instr/weight).
+//   cores: gemv_int4_mma.cuh, built with NQ_GEMV_MMA=1 (+ NQ_GEMV_MMA_OFFSET=1 to fold the 1032 offset
+//   into a per-group sum of x), is that variant, opt-in until it has been measured on the GPU.
 //
 // Activation in shared memory, transposed so that the 16-byte reads of a warp hit 32 distinct banks:
 //
@@ -58,6 +59,9 @@ namespace nq {
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
+#ifndef NQ_GEMV_MMA
+#define NQ_GEMV_MMA 0  // 1: the tensor-core variant (gemv_int4_mma.cuh), not yet measured; 0: default
+#endif
 #ifndef NQ_GEMV_STAGE_PIECES
 #define NQ_GEMV_STAGE_PIECES 4  // tuning knob (bench_gemv.py --sweep); 4 covers a K = 3584 row in one go
 #endif
@@ -187,7 +191,99 @@ __device__ __forceinline__ void gemv_plain(const uint32_t* __restrict__ qw, cons
   }
 }
 
+// ---- row maps and epilogues for the tensor-core variant (gemv_int4_mma.cuh) -------------------------
+// The default kernels below keep their epilogues inline, textually as measured in docs/PERF.md (the same
+// binary); these functors repeat that code for the opt-in variant. Fold the two together once the
+// variant has been measured and one of them is chosen.
+struct PlainRows {  // rows (2p, 2p+1); odd N: the last unit recomputes row N-1 and writes it once
+  int n_rows;
+  __device__ void operator()(int p, int& r0, int& r1) const {
+    r0 = 2 * p;
+    r1 = min(2 * p + 1, n_rows - 1);
+  }
+};
+struct PlainEpi {
+  const uint16_t* residual;  // may alias out: each element is read, then written, by one thread
+  uint16_t* out;
+  __device__ void operator()(int, int r0, int r1, float o0, float o1) const {
+    if (residual != nullptr) {
+      o0 += h2f(residual[r0]);
+      o1 += h2f(residual[r1]);
+    }
+    out[r0] = f2h(o0);
+    if (r1 != r0) out[r1] = f2h(o1);
+  }
+};
+
+struct QkvRows {  // unit p: head p/64 (q heads, then k, then v), rows d and d+64 of it (d = p % 64)
+  __device__ void operator()(int p, int& r0, int& r1) const {
+    r0 = (p / 64) * kHeadDim + p % 64;
+    r1 = r0 + 64;  // the pair HF's rotate-half RoPE mixes
+  }
+};
+struct QkvEpi {
+  const uint16_t* bias;
+  int pos;
+  const int32_t* page_table;
+  uint16_t* k_cache;
+  uint16_t* v_cache;
+  int layer, n_pages;
+  uint16_t* q_out;
+  __device__ void operator()(int p, int r0, int r1, float a, float b) const {
+    const int head = p / 64, d = p % 64;
+    a += h2f(bias[r0]);
+    b += h2f(bias[r1]);
+    if (head < kHeads + kKvHeads) {  // q or k: rotate the pair (d, d + 64)
+      // HF: inv_freq[d] = 1 / theta^(2d/128), angle = pos * inv_freq in fp32. inv_freq is computed in
+      // fp64 and rounded once, so it is the correctly rounded fp32 value (as the engine's numpy
+      // reference computes it): an ulp of inv_freq is ~2e-3 rad of angle at pos 32k. Precise sincosf
+      // (no fast math) because the angle reaches ~3e4 rad at 32k context.
+      const float inv = static_cast<float>(1.0 / pow(static_cast<double>(NQ_ROPE_THETA), (2.0 * d) / kHeadDim));
+      const float ang = static_cast<float>(pos) * inv;
+      float sn, cs;
+      sincosf(ang, &sn, &cs);
+      const float ra = a * cs - b * sn;
+      const float rb = b * cs + a * sn;
+      a = ra;
+      b = rb;
+    }
+    if (head < kHeads) {
+      q_out[r0] = f2h(a);
+      q_out[r1] = f2h(b);
+    } else {
+      const bool is_k = head < kHeads + kKvHeads;
+      const int kvh = head - kHeads - (is_k ? 0 : kKvHeads);
+      const int page = page_table[pos / kPageTokens];
+      // k_cache[layer][page][kvh][pos % 16][:]
+      const size_t base =
+          ((((static_cast<size_t>(layer) * n_pages + page) * kKvHeads + kvh) * kPageTokens) + pos % kPageTokens) *
+          kHeadDim;
+      uint16_t* dst = is_k ? k_cache : v_cache;
+      dst[base + d] = f2h(a);
+      dst[base + d + 64] = f2h(b);
+    }
+  }
+};
+
+struct GateUpRows {  // gate row p and the up row of the same output element
+  __device__ void operator()(int p, int& r0, int& r1) const {
+    r0 = p;
+    r1 = kInter + p;
+  }
+};
+struct GateUpEpi {
+  uint16_t* out;
+  __device__ void operator()(int p, int, int, float g, float u) const {
+    // HF rounds gate and up to fp16 before the activation; we keep fp32 (within the test tolerance)
+    out[p] = f2h(g / (1.f + __expf(-g)) * u);
+  }
+};
+
 }  // namespace nq
+
+#if NQ_GEMV_MMA
+#include "gemv_int4_mma.cuh"  // gemv_units_mma: the tensor-core variant (opt-in, see its header)
+#endif
 
 using namespace nq;
 
@@ -200,7 +296,12 @@ extern "C" __global__ void __launch_bounds__(kThreads) nq_gemv_int4_h(
     const uint16_t* residual,              // [N] fp16 or null; may alias out
     uint16_t* out,                         // [N] fp16
     int n_rows) {
+#if NQ_GEMV_MMA
+  gemv_units_mma<kHidden>(qweight, scales, x, norm_w, eps, (n_rows + 1) / 2, PlainRows{n_rows},
+                          PlainEpi{residual, out});
+#else
   gemv_plain<kHidden>(qweight, scales, x, norm_w, eps, residual, out, n_rows);
+#endif
 }
 
 extern "C" __global__ void __launch_bounds__(kThreads) nq_gemv_int4_i(
@@ -209,7 +310,12 @@ extern "C" __global__ void __launch_bounds__(kThreads) nq_gemv_int4_i(
     const uint16_t* __restrict__ x,        // [I] fp16
     const uint16_t* __restrict__ norm_w,   // [I] fp16 or null
     float eps, const uint16_t* residual, uint16_t* out, int n_rows) {
+#if NQ_GEMV_MMA
+  gemv_units_mma<kInter>(qweight, scales, x, norm_w, eps, (n_rows + 1) / 2, PlainRows{n_rows},
+                         PlainEpi{residual, out});
+#else
   gemv_plain<kInter>(qweight, scales, x, norm_w, eps, residual, out, n_rows);
+#endif
 }
 
 // Fused input RMSNorm + q/k/v projection + bias + RoPE + KV page write. Units = kQkvRows / 2.
@@ -226,6 +332,10 @@ extern "C" __global__ void __launch_bounds__(kThreads) nq_qkv_rope_kv(
     uint16_t* __restrict__ v_cache,         // same
     int layer, int n_pages,
     uint16_t* __restrict__ q_out) {         // [kQDim] fp16, roped
+#if NQ_GEMV_MMA
+  gemv_units_mma<kHidden>(qweight, scales, x, norm_w, eps, kQkvRows / 2, QkvRows{},
+                          QkvEpi{bias, *pos_dev, page_table, k_cache, v_cache, layer, n_pages, q_out});
+#else
   __shared__ uint4 xs[kHidden / 8];
   __shared__ float red[32];
   stage_x<kHidden>(x, norm_w, eps, xs, red);
@@ -269,6 +379,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) nq_qkv_rope_kv(
       dst[base + d + 64] = f2h(b);
     }
   }
+#endif
 }
 
 // Fused post-attention RMSNorm + gate/up projection + SiLU(gate) * up. Units = kInter.
@@ -279,6 +390,9 @@ extern "C" __global__ void __launch_bounds__(kThreads) nq_gate_up_silu(
     const uint16_t* __restrict__ norm_w,   // [H] fp16 or null
     float eps,
     uint16_t* __restrict__ out) {          // [I] fp16
+#if NQ_GEMV_MMA
+  gemv_units_mma<kHidden>(qweight, scales, x, norm_w, eps, kInter, GateUpRows{}, GateUpEpi{out});
+#else
   __shared__ uint4 xs[kHidden / 8];
   __shared__ float red[32];
   stage_x<kHidden>(x, norm_w, eps, xs, red);
@@ -291,4 +405,5 @@ extern "C" __global__ void __launch_bounds__(kThreads) nq_gate_up_silu(
       out[p] = f2h(g / (1.f + __expf(-g)) * u);
     }
   }
+#endif
 }
