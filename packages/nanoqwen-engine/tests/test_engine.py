@@ -17,7 +17,7 @@ from nanoqwen_engine import (
     SamplingParams,
 )
 
-GREEDY = SamplingParams(temperature=0, max_tokens=32)
+GREEDY = SamplingParams(temperature=0, max_tokens=20)
 
 
 def pool_idle(engine) -> bool:
@@ -43,7 +43,7 @@ def test_issue_example_greedy_completion(tiny_path):
 def test_greedy_tokens_are_the_argmax_of_teacher_forced_logits(tiny_engine):
     prompt = tiny_engine.tokenizer.encode("def fib(n):")
     c = tiny_engine.complete("def fib(n):", GREEDY)
-    assert c.finish_reason == "length" and len(c.token_ids) == 32
+    assert c.finish_reason == "length" and len(c.token_ids) == 20
     logits = tiny_engine.score(prompt + c.token_ids)
     assert c.token_ids == np.argmax(logits[len(prompt) - 1 : -1], axis=-1).tolist()
     assert c.text == tiny_engine.tokenizer.decode(c.token_ids)
@@ -82,7 +82,7 @@ def test_stop_string_cuts_the_text(tiny_engine):
     c = tiny_engine.complete("def fib(n):", dataclasses.replace(GREEDY, stop=("\x00never", stop)))
     assert c.finish_reason == "stop"
     assert c.text == text[: text.find(stop)]
-    assert c.token_ids == full.token_ids[: len(c.token_ids)] and len(c.token_ids) < 32
+    assert c.token_ids == full.token_ids[: len(c.token_ids)] and len(c.token_ids) < 20
     assert pool_idle(tiny_engine)
 
 

@@ -18,6 +18,7 @@ from functools import lru_cache
 
 from tokenizers import Tokenizer as _HFTokenizer
 
+from .chat import ChatTemplate
 from .errors import ModelFormatError
 
 
@@ -49,8 +50,6 @@ class Tokenizer:
         self.special_ids = frozenset(t["id"] for t in spec.get("added_tokens", []) if t.get("special"))
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self._bytes_cache: dict[int, bytes] = {}
-        from .chat import ChatTemplate  # chat imports nothing from here at module level
-
         self.chat = ChatTemplate.from_tokenizer_config(tokenizer_config or {})
 
     def encode(self, text: str, parse_special: bool = True) -> list[int]:
