@@ -236,3 +236,40 @@ def test_sampling_checks(launches):
     assert launches[-1][0] == "nq_advance"
     with pytest.raises(KernelError, match="seq_len_dev"):
         s.advance(dev((1,), np.int32), dev((2,), np.int32))
+
+
+def test_kernelset_exposes_the_interface(monkeypatch, launches):
+    """KernelSet builds part A's and part B's launchers and exposes every name of docs/INTERFACES.md
+    section 4 (plus the sampler-state helpers the GPU backend uses)."""
+    from nanoqwen_kernels import KernelSet, kernelset
+
+    built = []
+    monkeypatch.setattr(
+        kernelset, "load_module", lambda sources, defines, arch: built.append(sources) or Loaded()
+    )
+    ks = KernelSet(TINY, arch="sm_90a")
+    names = [
+        "rmsnorm",
+        "rmsnorm_rows",
+        "gemv_int4",
+        "qkv_rope_kv",
+        "gate_up_silu",
+        "attention_decode",
+        "gemv_fp16",
+        "embed",
+        "argmax",
+        "sample",
+        "advance",
+        "gemm_int4",
+        "rope_kv_prefill",
+        "attention_prefill",
+        "make_sampler_state",
+        "set_sampler_params",
+        "attention_workspace",
+    ]
+    for name in names:
+        assert callable(getattr(ks, name)), name
+    srcs = {s for group in built for s in group}
+    assert {"gemv_int4.cu", "gemv_fp16.cu", "rmsnorm.cu", "embed.cu", "sampling.cu"} <= srcs
+    with pytest.raises(KernelError, match="ModelDims"):
+        KernelSet({"hidden_size": 256}, arch="sm_90a")
