@@ -190,8 +190,38 @@ def test_convert_and_inspect_a_synthetic_hf_folder(tmp_path, env):
     header = json.loads(shown.stdout)
     assert header["config"]["tie_word_embeddings"] is True
     assert header["config"]["num_hidden_layers"] == config["num_hidden_layers"]
-    gen = cli(["run", "--model", out, "--device", "cpu", "--raw", "-t", "0", "-n", 3, "--json", "x = "], env)
-    assert gen.returncode == 0, gen.stderr
+    from_file = cli(
+        ["run", "--model", out, "--device", "cpu", "--raw", "-t", "0", "-n", 3, "--json", "x = "], env
+    )
+    assert from_file.returncode == 0, from_file.stderr
+
+    # --model with the HF folder itself: converted once into $NANOQWEN_CACHE, then reused.
+    args = [
+        "run",
+        "--model",
+        tmp_path / "hf-model",
+        "--device",
+        "cpu",
+        "--raw",
+        "-t",
+        "0",
+        "-n",
+        3,
+        "--json",
+        "x = ",
+    ]
+    first = cli(args, env)
+    assert first.returncode == 0, first.stderr
+    (cached,) = (tmp_path / "cache").glob("*.nanoqwen")
+    mtime = cached.stat().st_mtime_ns
+    second = cli(args, env)
+    assert second.returncode == 0, second.stderr
+    assert cached.stat().st_mtime_ns == mtime and len(list((tmp_path / "cache").glob("*.nanoqwen"))) == 1
+    assert (
+        json.loads(first.stdout)["text"]
+        == json.loads(second.stdout)["text"]
+        == json.loads(from_file.stdout)["text"]
+    )
 
 
 def test_bench_synthetic_tiny_json(env):
