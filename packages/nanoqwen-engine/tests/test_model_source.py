@@ -41,3 +41,32 @@ def test_unresolvable_sources(tmp_path):
         resolve_model(tmp_path)
     with pytest.raises(ModelNotFoundError, match="no such"):
         resolve_model(tmp_path / "nope" / "x.nanoqwen")
+
+
+def test_hub_id_download_failure_is_model_not_found(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    calls = []
+
+    def offline(repo_id, **kw):
+        calls.append((repo_id, kw.get("allow_patterns")))
+        raise OSError("We couldn't connect to 'https://huggingface.co'\nsecond line")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    monkeypatch.chdir(tmp_path)  # so "someone/some-model" is not a relative path that exists
+    with pytest.raises(ModelNotFoundError, match="cannot download 'someone/some-model'.*couldn't connect"):
+        resolve_model("someone/some-model", progress=False)
+    assert calls == [("someone/some-model", ["*.json", "*.safetensors"])]
+
+
+def test_hub_id_is_downloaded_then_converted(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    cfg = tiny_config(hidden_size=128, num_attention_heads=1, intermediate_size=256, vocab_size=2048,
+                      tie_word_embeddings=True, num_hidden_layers=1)
+    snapshot = write_hf_checkpoint(tmp_path / "snapshot", cfg, seed=4)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo_id, **kw: str(snapshot))
+    monkeypatch.setenv("NANOQWEN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    out = resolve_model("someone/some-model", progress=False)
+    assert out.parent == tmp_path / "cache" and out.name.startswith("someone--some-model-")
