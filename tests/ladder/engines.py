@@ -53,12 +53,32 @@ def _ram_bytes() -> int:
 
 def cpu_engine(path, max_context: int, budget: int | None = None) -> Engine:
     """The reference. budget: bytes of float32 weights it keeps; default a third of RAM, which holds a
-    whole 7B (26 GiB of layers, dequantized once at load) on the GPU machine. A small budget (4 GiB)
-    dequantizes layers lazily: right for a test that needs one layer."""
+    whole 7B (26 GiB of layers) on the GPU machine. A small budget (4 GiB) dequantizes layers lazily:
+    right for a test that needs one layer.
+
+    When the budget holds every layer they are dequantized up front by a thread pool (numpy releases the
+    GIL in its vectorised unpack): ~3 s per 7B layer on one core, so 28 layers take ~1.5 min serially.
+    That reaches into ReferenceWeights' private cache (_load, _layers, _lm_head_f32); a test helper only.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    from nanoqwen_engine.reference.weights import projection_bytes
+
     t0 = time.perf_counter()
     nq, cfg, tok = _open(path)
     budget = budget if budget is not None else max(4 << 30, _ram_bytes() // 3)
-    be = ReferenceBackend.create(nq, cfg, max_context=max_context, weight_budget=budget)
+    whole = projection_bytes(cfg) <= budget
+    # created lazy (nothing dequantized yet), then filled in parallel when the budget holds it all
+    be = ReferenceBackend.create(nq, cfg, max_context=max_context, weight_budget=budget if not whole else 1 << 20)
+    w = be.weights
+    if whole:
+        w.budget = budget
+        with ThreadPoolExecutor(min(16, os.cpu_count() or 1)) as ex:
+            for i, layer in enumerate(ex.map(w._load, range(cfg.n_layers))):
+                w._layers[i] = layer
+        w.lazy = False
+        if w.lm_head.nbytes * 2 <= budget // 4:
+            w._lm_head_f32 = w.lm_head.astype(np.float32)
     return Engine(be, tok, nq, path, time.perf_counter() - t0)
 
 
