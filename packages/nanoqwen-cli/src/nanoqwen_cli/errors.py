@@ -39,6 +39,8 @@ def describe(exc: BaseException) -> str:
         return text
     if _is_instance_by_name(exc, {"NoGPUError"}) and "--device cpu" not in text:
         return f"{text} (--device cpu runs the CPU reference backend instead)"
+    if _is_instance_by_name(exc, {"PromptTooLongError"}) and "--max-context" not in text:
+        return f"{text} (a larger --max-context makes room, up to the model's limit)"
     if _is_instance_by_name(exc, {"NanoqwenError", "NanoqwenFormatError", "KernelError"}):
         return text
     if _is_instance_by_name(exc, _HUB_OFFLINE):
