@@ -214,3 +214,19 @@ def test_decode_time_excludes_the_callers_time(tiny_engine):
     stats = events[-1].stats
     assert stats["generated_tokens"] == 3 and stats["decode_s"] > 0
     assert stats["prefill_s"] + stats["decode_s"] <= wall - 3 * 0.2 + 1e-3
+
+
+def test_failed_request_leaves_a_live_sequence_intact(tiny_path):
+    """A request that finds the pool full fails alone: a stream already running continues with exactly
+    the tokens it would have produced by itself."""
+    engine = Engine.load(tiny_path, device="cpu", max_context=96, kv_pages=4, progress=False)
+    text = _ids_text(engine, 40)  # 3 pages, room to 48 tokens
+    params = SamplingParams(temperature=0, max_tokens=6)
+    solo = engine.complete(text, params).token_ids
+    running = engine.generate(text, params)
+    first = [next(running).token_id, next(running).token_id]
+    with pytest.raises(KVPagesExhaustedError):
+        engine.complete(_ids_text(engine, 30), GREEDY)  # needs 2 pages, 1 free
+    assert engine.backend.pool.n_free == 1 and len(engine.backend.pool.sequences) == 1
+    assert first + [e.token_id for e in running] == solo
+    assert pool_idle(engine)
