@@ -31,8 +31,9 @@ def format(session: nox.Session) -> None:
 @nox.session
 def kernels(session: nox.Session) -> None:
     # cuda12 extra: CuPy + the NVRTC wheel, enough to compile every kernel for sm_90a without a GPU;
-    # cuobjdump (a CPU tool) disassembles the cubins so tests can check the SASS a design relies on.
-    session.install("-e", f"{KERNELS}[cuda12]", "nvidia-cuda-cuobjdump", *TEST_NEEDS)
+    # cuobjdump (a CPU tool) disassembles the cubins so tests can check the SASS a design relies on;
+    # cuobjdump 13.x calls nvdisasm for -sass, so that wheel comes too.
+    session.install("-e", f"{KERNELS}[cuda12]", "nvidia-cuda-cuobjdump", "nvidia-cuda-nvdisasm", *TEST_NEEDS)
     _pytest(session, f"{KERNELS}/tests")
 
 

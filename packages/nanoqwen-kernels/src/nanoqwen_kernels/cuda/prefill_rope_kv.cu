@@ -12,8 +12,10 @@
 // Launch: rope_kv_prefill grid (T, NQ_NHEADS + 2*NQ_NKV), 64 threads: thread d owns the pair (d, d+64).
 // Why: one small elementwise pass; T and start_pos are host ints because prefill is launched eagerly
 //   (the decode path, captured in a graph, reads its position from the device instead).
-//   inv_freq and the angle are computed in fp32 exactly as HF's Qwen2RotaryEmbedding does
-//   (inv_freq = 1 / theta^(2d/128) in fp32, angle = fp32(p) * inv_freq), then accurate sincosf.
+//   inv_freq = 1 / theta^(2d/128) is computed in fp64 and rounded once to fp32 (the correctly rounded
+//   value, as the numpy reference and the decode path's qkv_rope_kv in gemv_int4.cu compute it), then
+//   angle = fp32(p) * inv_freq and accurate sincosf. Both paths must agree bit for bit: K written by
+//   prefill is read by decode, and an ulp of inv_freq is ~2e-3 rad of angle at position 32k.
 // Tested: tests/test_prefill_rope_kv.py (numpy float64 reference, pages scattered).
 #include "common.cuh"
 
@@ -33,7 +35,7 @@ extern "C" __global__ void __launch_bounds__(64)
   const float x0 = nq::h2f(x[d]), x1 = nq::h2f(x[d + 64]);
   float y0 = x0, y1 = x1;
   if (head < nq::kHeads + nq::kKvHeads) {
-    const float inv_freq = 1.0f / powf(NQ_ROPE_THETA, static_cast<float>(2 * d) / 128.0f);
+    const float inv_freq = static_cast<float>(1.0 / pow(static_cast<double>(NQ_ROPE_THETA), (2.0 * d) / 128.0));
     float sn, cs;
     sincosf(static_cast<float>(pos) * inv_freq, &sn, &cs);
     y0 = x0 * cs - x1 * sn;
