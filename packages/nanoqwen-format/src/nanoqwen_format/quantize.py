@@ -28,18 +28,22 @@ def quantize_int4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         raise NanoqwenFormatError(f"quantize_int4 needs floating-point weights, got {w.dtype}")
     n, k = w.shape
     g = w.astype(np.float32, copy=False).reshape(n, k // GROUP, GROUP)  # [N, K/128, 128]
-    amax = np.max(np.abs(g), axis=2)  # [N, K/128] float32
+    # max|w| as max(max, -min): two reductions and no |w| temporary (this function is the converter's
+    # hot loop: 31M values/s before, on the 2-core machine here; every full pass over g counts).
+    amax = np.maximum(g.max(axis=2), -g.min(axis=2))  # [N, K/128] float32
     if not np.all(np.isfinite(amax)):
         raise NanoqwenFormatError("quantize_int4: weights contain inf or NaN")
     with np.errstate(over="ignore"):
         scales = (amax / np.float32(7)).astype(np.float16)  # [N, K/128]
     if not np.all(np.isfinite(scales)):
         raise NanoqwenFormatError("quantize_int4: a group's max|w|/7 overflows float16 (|w| > 458528)")
-    s32 = scales.astype(np.float32)[:, :, None]  # [N, K/128, 1]
-    safe = np.where(s32 == 0, np.float32(1), s32)  # avoid 0/0; those groups are forced to q = 0 below
-    q = np.rint(g / safe)
-    q = np.where(s32 == 0, np.float32(0), np.clip(q, QMIN, QMAX))
-    u = (q + ZERO).astype(np.uint8).reshape(n, k)
+    # s == 0 -> divide by +inf: every finite w/inf is +-0, so q = 0 without a separate select pass.
+    s32 = np.where(scales == 0, np.float32(np.inf), scales.astype(np.float32))[:, :, None]  # [N, K/128, 1]
+    q = np.divide(g, s32)  # [N, K/128, 128] float32, a fresh buffer the next steps work in
+    np.rint(q, out=q)
+    np.clip(q, QMIN, QMAX, out=q)
+    q += np.float32(ZERO)
+    u = q.astype(np.uint8).reshape(n, k)
     return u, scales
 
 

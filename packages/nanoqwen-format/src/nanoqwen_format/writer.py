@@ -3,7 +3,9 @@ written chunk by chunk (CRC32 as they go), the header is written last, and the f
 
 import json
 import os
+import queue
 import struct
+import threading
 import zlib
 from pathlib import Path
 
@@ -63,11 +65,47 @@ class NanoqwenWriter:
         self._next = 0  # index of the next tensor to write
         self._tmp = self.dst.with_name(f".{self.dst.name}.{os.getpid()}.tmp")
         self._f = None
+        # Write-behind: a thread does the file writes and CRCs (both release the GIL) while the caller
+        # computes the next chunk. Two chunks in flight bound the extra memory (chunks are <= ~64 MB).
+        self._queue: queue.Queue = queue.Queue(maxsize=2)
+        self._thread = threading.Thread(target=self._drain, name="nanoqwen-writer", daemon=True)
+        self._error: BaseException | None = None
 
     def __enter__(self):
         self.dst.parent.mkdir(parents=True, exist_ok=True)
         self._f = open(self._tmp, "wb")
+        self._thread.start()
         return self
+
+    def _drain(self) -> None:
+        """Worker: items are (entry, offset) to start a tensor, bytes-like data, or None to stop."""
+        crc, entry = 0, None
+        while (item := self._queue.get()) is not None:
+            if self._error is not None:
+                continue  # keep draining so the producer never blocks on a full queue
+            try:
+                if isinstance(item, tuple):
+                    if entry is not None:
+                        entry["crc32"] = f"{crc:08x}"
+                    entry, crc = item[0], 0
+                    self._f.seek(item[1])
+                else:
+                    crc = zlib.crc32(item, crc)
+                    self._f.write(item)
+            except BaseException as e:  # handed to the producer, raised there
+                self._error = e
+        if entry is not None and self._error is None:
+            entry["crc32"] = f"{crc:08x}"
+
+    def _put(self, item) -> None:
+        if self._error is not None:
+            raise NanoqwenFormatError(f"writing {self._tmp.name} failed: {self._error}") from self._error
+        self._queue.put(item)
+
+    def _stop(self) -> None:
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
 
     def write_tensor(self, name: str, chunks) -> None:
         """chunks: an iterable of arrays of the tensor's dtype whose bytes, in order, are the tensor."""
@@ -75,23 +113,24 @@ class NanoqwenWriter:
             want = self.specs[self._next].name if self._next < len(self.specs) else "nothing"
             raise NanoqwenFormatError(f"writer: got tensor {name}, expected {want}")
         spec, entry = self.specs[self._next], self.header["tensors"][self._next]
-        self._f.seek(entry["offset"])
-        crc, written = 0, 0
+        self._put((entry, entry["offset"]))
+        written = 0
         for chunk in chunks:
-            chunk = np.ascontiguousarray(chunk)
+            chunk = np.ascontiguousarray(chunk)  # the queue keeps it alive until written
             if chunk.dtype != np.dtype(spec.dtype).newbyteorder("<"):
                 raise NanoqwenFormatError(f"writer: {name} chunk has dtype {chunk.dtype}, want {spec.dtype}")
             data = memoryview(chunk).cast("B")
-            crc = zlib.crc32(data, crc)
             written += len(data)
-            self._f.write(data)
+            self._put(data)
         if written != spec.nbytes:
             raise NanoqwenFormatError(f"writer: {name} got {written} bytes, want {spec.nbytes}")
-        entry["crc32"] = f"{crc:08x}"
         self._next += 1
 
     def __exit__(self, exc_type, exc, tb):
         try:
+            self._stop()  # every queued chunk written, every CRC in the table
+            if exc_type is None and self._error is not None:
+                raise NanoqwenFormatError(f"writing {self._tmp.name} failed: {self._error}") from self._error
             if exc_type is None:
                 if self._next != len(self.specs):
                     raise NanoqwenFormatError(f"writer: tensor {self.specs[self._next].name} never written")
