@@ -26,8 +26,9 @@ def test_prompt_from_stdin_equals_prompt_argument(invoke, tiny_model):
     from_arg = invoke([*args, PROMPT])
     from_stdin = invoke(args, input=PROMPT)
     from_dash = invoke([*args, "-"], input=PROMPT)
-    assert from_arg.exit_code == from_stdin.exit_code == from_dash.exit_code == 0, from_stdin.output
-    assert from_stdin.stdout == from_arg.stdout == from_dash.stdout
+    from_echo = invoke(args, input=PROMPT + "\n")  # what `echo PROMPT |` sends
+    assert from_arg.exit_code == from_stdin.exit_code == from_dash.exit_code == from_echo.exit_code == 0
+    assert from_stdin.stdout == from_arg.stdout == from_dash.stdout == from_echo.stdout
 
 
 def test_chat_template_is_the_default_and_system_reaches_it(invoke, tiny_model, tiny_engine):

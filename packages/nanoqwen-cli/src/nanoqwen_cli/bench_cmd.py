@@ -105,7 +105,7 @@ def bench(
         loaded.model = f"synthetic {synthetic} (random weights, seed 0)"
     engine = loaded.engine
     prompt = bench_prompt(engine, prompt_tokens)
-    params = session.make_params(engine, {"temperature": 0.0, "max_tokens": gen_tokens, "stop": None})
+    params = session.make_params({"temperature": 0.0, "max_tokens": gen_tokens, "stop": None})
 
     for _ in range(warmup):
         session.complete(engine, prompt, params)

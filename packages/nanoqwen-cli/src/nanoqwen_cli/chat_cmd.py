@@ -33,9 +33,8 @@ def chat(model, device, max_context, system, quiet, **sampling):
     """
     from nanoqwen_engine import NanoqwenError
 
-    overrides = sampling_overrides(sampling)
+    params = session.make_params(sampling_overrides(sampling))  # bad values fail before a load
     loaded = session.load(model, device, max_context, progress=not quiet)
-    params = session.make_params(loaded.engine, overrides)
     stdin = sys.stdin
     out = sys.stdout
     interactive = stdin.isatty()

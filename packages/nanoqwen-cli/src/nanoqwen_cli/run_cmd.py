@@ -31,7 +31,8 @@ from nanoqwen_cli.options import model_options, sampling_options, sampling_overr
     "instead of streaming.",
 )
 def run(prompt, model, device, max_context, system, raw, quiet, as_json, **sampling):
-    """Generate an answer to PROMPT (an argument, or stdin when absent or `-`), streamed to stdout.
+    """Generate an answer to PROMPT (an argument, or stdin when absent or `-`, less one trailing newline),
+    streamed to stdout.
 
     Instruct models get the chat template (with --system if given); --raw completes the text as is.
     Sampling defaults come from the model's generation_config; any flag overrides one value. At the end,
@@ -43,14 +44,13 @@ def run(prompt, model, device, max_context, system, raw, quiet, as_json, **sampl
         echo "def fib(n):" | nanoqwen-cli run --raw --temperature 0 --max-tokens 64
         nanoqwen-cli run --model tiny.nanoqwen --device cpu --json "hello"
     """
-    overrides = sampling_overrides(sampling)
+    params = session.make_params(sampling_overrides(sampling))  # bad values fail before a load
     text = _read_prompt(prompt)
     if raw and system is not None:
         raise click.UsageError("--system applies to the chat template; it has no meaning with --raw")
     request = text if raw else session.messages_for(text, system)
 
     loaded = session.load(model, device, max_context, progress=not (quiet or as_json))
-    params = session.make_params(loaded.engine, overrides)
 
     if as_json:
         text, stats = session.complete(loaded.engine, request, params)
@@ -75,6 +75,8 @@ def _read_prompt(prompt: str | None) -> str:
         if prompt is None and stdin.isatty():
             raise click.UsageError("no prompt: give PROMPT as an argument or pipe it on stdin")
         prompt = stdin.read()
+        # `echo ... |` ends the text with a newline the user did not mean as part of a raw completion.
+        prompt = prompt[:-1] if prompt.endswith("\n") else prompt
     if not prompt.strip():
         raise CliError("the prompt is empty")
     return prompt

@@ -53,7 +53,7 @@ def check_engine_kwargs(**engine_kwargs) -> None:
             raise CliError(f"this nanoqwen-engine's Engine.load does not take {name}={value!r} yet")
 
 
-def make_params(engine, overrides: dict):
+def make_params(overrides: dict):
     """SamplingParams with the flags the user gave; the engine fills the rest from generation_config."""
     from nanoqwen_engine import SamplingParams
 
