@@ -18,13 +18,13 @@ HELP_TEXT = "commands: /reset (forget the conversation), /exit (quit), /help; Ct
 @click.option(
     "--system", default=None, help="System message for the chat template (default: the model's own)."
 )
-@click.option("--quiet", "-q", is_flag=True, help="No banner, prompts, or timing lines on stderr.")
+@click.option("--quiet", "-q", is_flag=True, help="No banner, notes, or timing lines on stderr.")
 def chat(model, device, max_context, system, quiet, **sampling):
     """Talk with the model; each line you type is one turn, answered with the whole history in context.
 
     /reset forgets the conversation, /exit (or Ctrl-D) quits, Ctrl-C stops the answer being written and
-    keeps the session. Works with stdin piped (one turn per line): answers go to stdout, everything else
-    (banner, prompts, timings) to stderr.
+    keeps the session. Works with stdin piped (one turn per line, no `>>>` prompt): answers go to
+    stdout, the banner, notes and timings to stderr.
 
     \b
     Examples:
