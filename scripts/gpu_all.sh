@@ -2,8 +2,9 @@
 # Every GPU test and benchmark of nanoqwen in one call, on a bare GPU machine (no installs): run from the
 # repo root or anywhere; logs under $OUT (default ./gpu-out); a summary table printed last.
 #
-#   bash scripts/gpu_all.sh                       # everything (~10 min on an H200: the 100-prompt tiny
-#                                                 #   ladder and the 7B reference are the long parts)
+#   bash scripts/gpu_all.sh                       # everything. Measured on the H200 (2026-11-30): info +
+#                                                 #   model7b + engine + the full ladder = 82 s; the kernels'
+#                                                 #   tests, their benches and the CLI bench come on top
 #   GPU_ALL_QUICK=1 bash scripts/gpu_all.sh       # a reduced ladder (30 prompts x 32 tokens, 7B 1 x 4)
 #   GPU_ALL_SECTIONS="kernels ladder" bash ...    # some sections only (clibench_graph: graph mode only)
 #
@@ -61,7 +62,7 @@ if want info; then
 print(\"python\", sys.version.split()[0], \"cupy\", cupy.__version__, \"nvrtc\", nvrtc.getVersion())'"
 fi
 if want model7b; then
-  run model7b 240 $PY -c "
+  run model7b 90 $PY -c "
 import os, time
 from pathlib import Path
 from nanoqwen_format.synthetic import qwen7b_config, write_synthetic
@@ -76,23 +77,23 @@ else:
 "
 fi
 PYTEST="$PY -m pytest -q -m gpu -p no:cacheprovider -rfEs"
-want kernels && run kernels 300 $PYTEST packages/nanoqwen-kernels/tests
-want engine && run engine 200 $PYTEST packages/nanoqwen-engine/tests
+want kernels && run kernels 200 $PYTEST packages/nanoqwen-kernels/tests
+want engine && run engine 60 $PYTEST packages/nanoqwen-engine/tests
 # GPU_ALL_LADDER_K: a pytest -k expression to run part of the ladder (e.g. "not 7b")
-want ladder && run ladder 900 $PYTEST -s ${GPU_ALL_LADDER_K:+-k "$GPU_ALL_LADDER_K"} tests/test_ladder_layer.py \
+want ladder && run ladder 240 $PYTEST -s ${GPU_ALL_LADDER_K:+-k "$GPU_ALL_LADDER_K"} tests/test_ladder_layer.py \
   tests/test_ladder_graph.py
 if want kbench; then
   for b in packages/nanoqwen-kernels/bench/*.py; do
     [ -f "$b" ] || continue
-    run "kbench_$(basename "$b" .py)" 120 $PY "$b"
+    run "kbench_$(basename "$b" .py)" 90 $PY "$b"
   done
 fi
 if want clibench || want clibench_graph; then
   if [ -d packages/nanoqwen-cli/src/nanoqwen_cli ]; then
     # the bench finds the 7B file the model7b section wrote in $NANOQWEN_CACHE
-    run clibench_graph 300 bash -c "$PY -m nanoqwen_cli bench --synthetic 7b --json > '$OUT/bench_7b_graph.json'; \
+    run clibench_graph 120 bash -c "$PY -m nanoqwen_cli bench --synthetic 7b --json > '$OUT/bench_7b_graph.json'; \
       rc=\$?; cat '$OUT/bench_7b_graph.json'; exit \$rc"
-    want clibench && run clibench_eager 300 bash -c "$PY -m nanoqwen_cli bench --synthetic 7b --eager --json > '$OUT/bench_7b_eager.json'; \
+    want clibench && run clibench_eager 120 bash -c "$PY -m nanoqwen_cli bench --synthetic 7b --eager --json > '$OUT/bench_7b_eager.json'; \
       rc=\$?; cat '$OUT/bench_7b_eager.json'; exit \$rc"
   else
     echo "no nanoqwen_cli package: clibench skipped" | tee -a "$LOG"
