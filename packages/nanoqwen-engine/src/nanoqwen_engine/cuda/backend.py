@@ -194,8 +194,9 @@ class CudaBackend:
         return tok
 
     def score(self, token_ids: np.ndarray) -> np.ndarray:
-        """float32 [T, V]: the logits after each prefix (fp32 final norm input rounding aside, the same
-        forward as prefill), in a temporary sequence freed afterwards."""
+        """float32 [T, V]: the logits after each prefix, teacher-forced, in a temporary sequence freed
+        afterwards. The layers are prefill's; the final norm and lm_head of every row run as fp32
+        matmuls (prefill's last row uses the decode path's fp16 GEMV: same weights, fp32 sums)."""
         ids = self._check_ids(token_ids)
         seq = self.pool.new_sequence()
         try:
