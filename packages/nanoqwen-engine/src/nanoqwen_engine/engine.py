@@ -70,21 +70,33 @@ class Engine:
         self._file = nqfile  # keeps the mmap alive while backends hold views of it
         ctx = getattr(backend, "max_context", None) or backend.pool.max_tokens_per_seq
         self.max_context = min(int(ctx), backend.pool.max_tokens_per_seq)
-        self.info = {"model": str(path), **getattr(backend, "info", {}), "load_s": load_s,
-                     "max_context": self.max_context}
+        self._info = {"model": str(path), "load_s": load_s, "max_context": self.max_context}
+
+    @property
+    def info(self) -> dict:
+        """What the load took and what the backend reports; read live, because some figures (the decode
+        graph's kernel-node count) exist only after the first decode step."""
+        return {**getattr(self.backend, "info", {}), **self._info}
 
     @classmethod
     def load(cls, path_or_hf_id, device: str = "cuda", max_context: int | None = None, progress: bool = True,
-             kv_pages: int | None = None) -> Engine:
+             kv_pages: int | None = None, decode_mode: str = "graph") -> Engine:
         """Open a .nanoqwen file (an HF folder or hub id is converted into the cache first).
 
         device: "cuda" (nanoqwen_engine.cuda.CudaBackend) or "cpu" (the numpy reference backend).
         max_context: tokens per sequence (default: the backend's choice). kv_pages: page-pool size.
+        decode_mode: "graph" (one CUDA graph replay per token) or "eager" (the same launches one by one,
+        for debugging and the seed's eager-vs-graph comparison); the CPU backend has only one mode.
         Format errors from nanoqwen_format are wrapped in ModelFormatError (original as __cause__).
         """
         t0 = time.perf_counter()
         if device not in ("cuda", "cpu"):
             raise InvalidRequestError(f"device must be 'cuda' or 'cpu', got {device!r}")
+        if decode_mode not in ("graph", "eager"):
+            raise InvalidRequestError(f"decode_mode must be 'graph' or 'eager', got {decode_mode!r}")
+        if device == "cpu" and decode_mode != "graph":
+            raise InvalidRequestError("decode_mode='eager' applies to device='cuda' only (the CPU reference "
+                                      "backend has no graphs)")
         if max_context is not None and max_context < 1:
             raise InvalidRequestError(f"max_context must be >= 1, got {max_context}")
         path = resolve_model(path_or_hf_id, progress=progress)
@@ -103,7 +115,7 @@ class Engine:
 
                 backend = ReferenceBackend.create(nq, config, max_context=max_context, **extra)
             else:
-                backend = cls._cuda_backend(nq, config, max_context, progress, extra)
+                backend = cls._cuda_backend(nq, config, max_context, progress, {**extra, "decode_mode": decode_mode})
         except NanoqwenFormatError as e:
             raise ModelFormatError(f"{path}: {e}") from e
         return cls(backend, tokenizer, nq, path, time.perf_counter() - t0)
