@@ -10,10 +10,12 @@
 #
 # Sections: info, model7b (writes the 7B-shaped synthetic file once, shared by the ladder and the bench),
 # kernels / engine / ladder (pytest -m gpu of each suite), kbench (packages/nanoqwen-kernels/bench/*.py),
-# clibench (nanoqwen-cli bench --synthetic 7b --json, graph then eager). Each section runs under its own
+# clibench (nanoqwen-cli bench --synthetic 7b --json, graph then eager), breakdown (scripts/decode_breakdown.py:
+# the decode step's time per kernel family vs its byte floor), peer (scripts/peer_transformers.py: HF
+# transformers bf16 eager, same shape and protocol; needs torch). Each section runs under its own
 # timeout (SECTION_TIMEOUT_<name>, seconds), so one hang costs one section, not the call.
 # Files back from $OUT (the device tool returns at most 8): gpu_all.log (everything), summary.txt,
-# bench_7b_graph.json, bench_7b_eager.json, details.tar.gz (per-section logs, ladder JSON reports).
+# bench_7b_graph.json, bench_7b_eager.json, breakdown_7b.json, peer_transformers.json, details.tar.gz (per-section logs, ladder JSON reports).
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}
@@ -34,7 +36,7 @@ if [ "${GPU_ALL_QUICK:-0}" = 1 ]; then
   export NANOQWEN_LADDER_PROMPTS=${NANOQWEN_LADDER_PROMPTS:-30} NANOQWEN_LADDER_TOKENS=${NANOQWEN_LADDER_TOKENS:-32}
   export NANOQWEN_LADDER_7B_PROMPTS=${NANOQWEN_LADDER_7B_PROMPTS:-1} NANOQWEN_LADDER_7B_TOKENS=${NANOQWEN_LADDER_7B_TOKENS:-4}
 fi
-SECTIONS=${GPU_ALL_SECTIONS:-info model7b kernels engine ladder kbench clibench}
+SECTIONS=${GPU_ALL_SECTIONS:-info model7b kernels engine ladder kbench clibench breakdown peer}
 TABLE=$WORK/sections.tsv
 : >"$TABLE"
 LOG=$OUT/gpu_all.log
@@ -99,6 +101,10 @@ if want clibench || want clibench_graph; then
     echo "no nanoqwen_cli package: clibench skipped" | tee -a "$LOG"
   fi
 fi
+
+# Issue 7's evidence: the per-token breakdown by kernel family, and the transformers peer in the same call.
+want breakdown && run breakdown 120 $PY scripts/decode_breakdown.py "$NANOQWEN_LADDER_7B" --json "$OUT/breakdown_7b.json"
+want peer && run peer 180 $PY scripts/peer_transformers.py --out "$OUT/peer_transformers.json"
 
 tar -czf "$OUT/details.tar.gz" -C "$WORK" logs ladder 2>/dev/null
 $PY scripts/gpu_summary.py "$TABLE" "$NANOQWEN_LADDER_OUT" "$OUT" | tee "$OUT/summary.txt"
