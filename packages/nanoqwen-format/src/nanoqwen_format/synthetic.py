@@ -31,7 +31,7 @@ LOGIT_STD = 5.0
 NORM_STD = 0.1
 BIAS_STD = 0.1
 CHUNK = 16 << 20  # values generated per step: bounded memory for 7B shapes
-Q_RMS = math.sqrt(17.5)  # rms of q = +-m, m uniform in 0..7: mean(m^2) = 140/8
+Q_RMS = math.sqrt(17.5)  # rms of _qweight_chunks' q: mean(q^2) = 2 * (1 + 4 + ... + 49) / 16
 
 
 def _load_json(name: str):
@@ -167,23 +167,25 @@ def write_hf_checkpoint(dst, config: dict, seed: int = 0, dtype: str = "bfloat16
 
 
 def _qweight_chunks(rng, n: int, k: int):
-    """Random ValueShuffle words uint32 [n, k/8]: every q = +-m, m uniform in 0..7, sign random.
+    """Random ValueShuffle words uint32 [n, k/8] with a symmetric q: from a random nibble r, q = r - 7 for
+    r < 8 (-7..0) and q = r - 8 for r >= 8 (0..7), so q is uniform on -7..7 except 0, which is twice as
+    likely; mean 0, mean q^2 = 140/8. In stored form u = q + 8 = r + 1 when r's top bit is clear, else r:
+    u = w + ((~w >> 3) & 0x11111111) on whole words (r + 1 <= 8 never carries out of its nibble).
 
     Why symmetric: raw random nibbles give q uniform in -8..7, mean -0.5. That bias is the same in every
     row, so each projection adds a common-mode term ~ sum(x) to all outputs; RMSNorm turns a common mode
     into an all-ones input, whose sum is ~K times larger, and the residual stream blew up (rms ~250 after
-    28 layers of the tiny shape; test_synthetic.py). Per nibble, with m = 3 random bits and s the 4th:
-    u = 8 + m (s = 0) or 8 - m = (m ^ 7) + 1 (s = 1); done on whole words, no carry crosses a nibble."""
+    28 layers of the tiny shape; test_synthetic.py)."""
     step = max(1, CHUNK // (k // 8))
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
         count = (r1 - r0) * (k // 8)
         w = rng.bit_generator.random_raw((count + 1) // 2).view(np.uint32)[:count]
-        m = w & np.uint32(0x77777777)
-        neg = ((w & np.uint32(0x88888888)) >> np.uint32(3)) * np.uint32(15)  # 0xF in nibbles with s = 1
-        up = m | np.uint32(0x88888888)  # 8 + m
-        down = (m ^ np.uint32(0x77777777)) + np.uint32(0x11111111)  # 8 - m, in 1..8
-        yield ((up & ~neg) | (down & neg)).reshape(r1 - r0, k // 8)
+        low = np.invert(w)
+        low >>= np.uint32(3)
+        low &= np.uint32(0x11111111)  # 1 in each nibble whose top bit was clear
+        w += low
+        yield w.reshape(r1 - r0, k // 8)
 
 
 def write_synthetic(dst, config: dict, seed: int = 0, provenance: dict | None = None) -> Path:
