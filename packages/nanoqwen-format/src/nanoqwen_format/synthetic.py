@@ -11,7 +11,16 @@ margins well above fp16 noise, residual stream in the tens through 28 layers in 
                            see _sign_uniform_fp16_chunks)
 
 Every block adds ~1 rms to the residual stream (attention ~1, MLP ~0.6), a random walk: after 28 layers it
-has rms ~6-8 and a max of a few tens. test_synthetic.py checks this numerically with a float64 forward.
+has rms ~6 and a max of a few tens. test_synthetic.py checks this with a float64 forward. Measured
+(2026-11-30, write_synthetic, seed 3, 32 random tokens, tiny dims H 256):
+
+    2 layers, vocab 152064 : max |activation| 7.8, residual rms 1.3, logit std 6.1, top-2 margin median 1.0
+                             (tied 3.9), 10th percentile 0.27 (tied 0.30)
+    28 layers, vocab 8192  : max |activation| 23, residual rms 5.3, logit std 6.2, margin median 1.9
+                             (tied 1.2), 10th percentile 0.52 (tied 0.13)
+
+against fp16 noise of ~1e-2 in a logit. For the 7B shape write_synthetic's embed/lm_head rms rounds to
+2^-4 * 1.53 = 0.095, so logits have std ~5.7.
 """
 
 import json
