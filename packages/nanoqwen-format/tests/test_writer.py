@@ -76,3 +76,11 @@ def test_disk_error_is_one_error_and_no_file(tmp_path):
             for s in SPECS:
                 w.write_tensor(s.name, chunks_for(s, rng)[1])
     assert list(tmp_path.iterdir()) == []
+
+
+def test_unwritable_destination(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_bytes(b"")
+    with pytest.raises(NanoqwenFormatError, match="cannot write"):
+        with writer(blocker / "sub" / "m.nanoqwen"):
+            pass

@@ -122,7 +122,10 @@ def convert(src, dst, progress: bool = True) -> dict:
     tok_path = folder / "tokenizer.json"
     if not tok_path.exists():
         raise NanoqwenFormatError(f"{folder.name}: tokenizer.json is missing (the file embeds it)")
-    tokenizer_json = tok_path.read_text(encoding="utf-8")
+    try:
+        tokenizer_json = tok_path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise NanoqwenFormatError(f"{tok_path}: cannot read ({e})") from None
     tokenizer_config = _read_json(folder / "tokenizer_config.json")
     generation_config = _read_json(folder / "generation_config.json", required=False)
     where = open_checkpoint(folder)

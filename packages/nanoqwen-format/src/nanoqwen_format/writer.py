@@ -72,8 +72,11 @@ class NanoqwenWriter:
         self._error: BaseException | None = None
 
     def __enter__(self):
-        self.dst.parent.mkdir(parents=True, exist_ok=True)
-        self._f = open(self._tmp, "wb")
+        try:
+            self.dst.parent.mkdir(parents=True, exist_ok=True)
+            self._f = open(self._tmp, "wb")
+        except OSError as e:
+            raise NanoqwenFormatError(f"cannot write {self.dst}: {e.strerror or e}") from None
         self._thread.start()
         return self
 
