@@ -27,6 +27,7 @@ from .errors import (
 from .model_source import resolve_model
 from .params import SamplingParams
 from .sampler import SamplerState
+from .stops import StopStrings
 from .tokenizer import Tokenizer
 
 
@@ -47,17 +48,6 @@ class Completion:
     # prompt_tokens, generated_tokens, prefill_s (prompt -> first token), decode_s (time inside the
     # generated_tokens - 1 decode steps, not counting the caller's time between events), seed
     stats: dict = field(default_factory=dict)
-
-
-def _stop_holdback(text: str, stops: Sequence[str]) -> int:
-    """Length of the longest suffix of text that is a proper prefix of a stop string."""
-    best = 0
-    for s in stops:
-        for n in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:n]):
-                best = n
-                break
-    return best
 
 
 class Engine:
@@ -164,8 +154,8 @@ class Engine:
         sampler = SamplerState(p, self.config.vocab)
         eos = set() if p.ignore_eos else set(self.config.eos_ids)
         stream = self.tokenizer.stream()
+        stops = StopStrings(p.stop)
         seq = pool.new_sequence()
-        pending = ""  # text held back: a possible start of a stop string
         n_gen = 0
         decode_s = 0.0
         t0 = time.perf_counter()
@@ -176,21 +166,17 @@ class Engine:
                 n_gen += 1
                 finish = None
                 if tok in eos:
-                    finish, delta = "stop", pending + stream.flush()
+                    finish, delta = "stop", stops.flush() + stream.flush()
                 else:
-                    text = pending + stream.push(tok)
-                    cut = min((i for i in (text.find(s) for s in p.stop) if i >= 0), default=-1)
-                    if cut >= 0:
-                        finish, delta = "stop", text[:cut]
-                    else:
-                        hold = _stop_holdback(text, p.stop)
-                        delta, pending = text[: len(text) - hold], text[len(text) - hold :]
-                        if n_gen >= p.max_tokens:
-                            finish = "length"
-                        elif seq.length >= self.max_context:
-                            finish = "context"
-                        if finish:
-                            delta += pending + stream.flush()
+                    delta = stops.push(stream.push(tok))
+                    if stops.stopped:
+                        finish = "stop"
+                    elif n_gen >= p.max_tokens:
+                        finish = "length"
+                    elif seq.length >= self.max_context:
+                        finish = "context"
+                    if finish and not stops.stopped:
+                        delta += stops.flush() + stream.flush()
                 if finish:
                     stats = {"prompt_tokens": len(ids), "generated_tokens": n_gen, "prefill_s": prefill_s,
                              "decode_s": decode_s, "seed": sampler.seed}
