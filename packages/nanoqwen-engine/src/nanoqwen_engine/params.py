@@ -69,16 +69,10 @@ class SamplingParams:
         greedy = temperature == 0
         neutral = {"top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0}
         vals = {}
-        for name in neutral:
+        for name, off in neutral.items():
             v = getattr(self, name)
             if v is None:
-                if greedy and name != "repetition_penalty":
-                    v = neutral[name]
-                elif greedy:
-                    v = 1.0
-                else:
-                    v = gc.get(name)
-                    v = neutral[name] if v is None else v
+                v = off if greedy or gc.get(name) is None else gc[name]
             vals[name] = v
         return replace(
             self,
