@@ -82,27 +82,26 @@ def test_verify_cuda_against_the_reference(tiny_model, env):
     assert r["max_logit_rel_err"] < 1e-2
 
 
-def test_bench_cuda_synthetic_tiny(env):
-    p = cli(
-        [
-            "bench",
-            "--device",
-            "cuda",
-            "--synthetic",
-            "tiny",
-            "--prompt-tokens",
-            64,
-            "--gen-tokens",
-            16,
-            "--runs",
-            2,
-            "--json",
-        ],
-        env,
-    )
+BENCH_SMALL = [
+    "--device",
+    "cuda",
+    "--synthetic",
+    "tiny",
+    "--prompt-tokens",
+    64,
+    "--gen-tokens",
+    16,
+    "--runs",
+    2,
+]
+
+
+@pytest.mark.parametrize("mode", ["graph", "eager"])
+def test_bench_cuda_synthetic_tiny(env, mode):
+    p = cli(["bench", *BENCH_SMALL, "--json", *(["--eager"] if mode == "eager" else [])], env)
     assert p.returncode == 0, p.stderr
     r = json.loads(p.stdout)
-    assert r["device"] == "cuda" and r["mode"] == "graph"
+    assert r["device"] == "cuda" and r["mode"] == mode
     assert r["gpu_name"] and r["peak_gpu_mem_bytes"] > 0
     assert r["decode_ms_per_token"] > 0 and r["prefill_ms"] > 0
     assert all(run["prompt_tokens"] == 64 for run in r["runs"])
