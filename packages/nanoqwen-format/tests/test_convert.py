@@ -234,3 +234,16 @@ def test_convert_name_stays_the_function():
     from nanoqwen_format.convert import convert as via_module
 
     assert via_module is nanoqwen_format.convert is convert and callable(convert)
+
+
+def test_fp32_value_outside_float16_is_refused(tmp_path):
+    hf = write_hf_checkpoint(tmp_path / "hf", small_config(num_hidden_layers=1), seed=4, dtype="float32")
+    path = hf / "model.safetensors"
+    raw = bytearray(path.read_bytes())
+    (n,) = struct.unpack("<Q", raw[:8])
+    start = 8 + n + json.loads(raw[8:8 + n])["model.norm.weight"]["data_offsets"][0]
+    raw[start:start + 4] = struct.pack("<f", 1e6)  # beyond float16's 65504
+    path.write_bytes(bytes(raw))
+    with pytest.raises(NanoqwenFormatError, match=r"model\.norm\.weight: values outside the float16 range"):
+        convert(hf, tmp_path / "m.nanoqwen", progress=False)
+    assert not (tmp_path / "m.nanoqwen").exists()

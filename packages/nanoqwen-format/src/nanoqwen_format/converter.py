@@ -166,11 +166,9 @@ def _convert(config, where, dst, progress, prov, tokenizer_json, tokenizer_confi
         with writer as w:
             for s in sources:
                 f = where[s.hf_name]
-                cols = int(np.prod(s.shape[1:], dtype=np.int64)) if len(s.shape) > 1 else s.shape[0]
-                step = max(1, CHUNK_BYTES // (4 * cols)) if len(s.shape) > 1 else 1
-                bounds = [(r, min(r + step, s.shape[0])) for r in range(0, s.shape[0], step)]
-                if len(s.shape) == 1:
-                    bounds = [(0, s.shape[0])]
+                rows = s.shape[0]
+                step = max(1, CHUNK_BYTES // (4 * s.shape[1])) if len(s.shape) == 2 else rows  # 1-D: one chunk
+                bounds = [(r, min(r + step, rows)) for r in range(0, rows, step)]
                 if s.quantized:
                     scales = []
                     pre = s.hf_name.removesuffix(".weight")
@@ -201,14 +199,14 @@ def _quantized(f, s, bounds, scales_out, stats, bar):
 
 def _float16(f, s, bounds, bar):
     for r0, r1 in bounds:
-        w = f.read_rows(s.hf_name, r0, r1) if len(s.shape) > 1 else f.read_rows(s.hf_name)
+        w = f.read_rows(s.hf_name, r0, r1)  # float32 [rows, ...] (a 1-D tensor: its elements)
         with np.errstate(over="ignore"):
             h = w.astype(np.float16)
         if not np.all(np.isfinite(h)):
             raise NanoqwenFormatError(f"{s.hf_name}: values outside the float16 range (or inf/NaN)")
         yield h
         if bar is not None:
-            bar.update(r1 - r0 if len(s.shape) > 1 else s.shape[0])
+            bar.update(r1 - r0)
 
 
 def format_errors(errors: dict) -> str:
