@@ -191,38 +191,39 @@ def test_bad_requests_raise_clear_errors(tied_path, kind):
 
 
 def test_out_of_memory_during_a_request_is_clean(tied_path, kind, monkeypatch):
-    """OOM inside a request: GPUOutOfMemoryError, the pool and the backend usable afterwards. On the GPU a
-    real one (a hog allocation leaves too little for the prefill temporaries), on the host an injected
-    MemoryError."""
+    """OOM inside a request: GPUOutOfMemoryError, the pool and the backend usable afterwards. On the GPU
+    CuPy's own allocation path raises its OutOfMemoryError (an allocator with nothing left); on the host an
+    injected MemoryError. (Filling the GPU with a hog first was flaky: CuPy's pool keeps split blocks it
+    cannot release, and the prefill's temporaries were sometimes served from them.)"""
     from nanoqwen_engine.cuda import GPUOutOfMemoryError
 
     be = _backend(tied_path, kind, max_context=512)
-    ids = np.random.default_rng().integers(0, 4096, size=300)  # ~3 MB of prefill temporaries
+    ids = np.random.default_rng().integers(0, 4096, size=300)
     want, s = _generate(be, ids, 4)
     be.pool.free(s)
-    hog = None
     if kind == "gpu":
         import cupy
 
-        hog = []  # fill the GPU: 1 GiB blocks, then 64 MiB, then 1 MiB; < 1 MiB stays free
-        for size in (1 << 30, 64 << 20, 1 << 20):
-            while True:
-                try:
-                    hog.append(cupy.empty(size, dtype=np.uint8))
-                except cupy.cuda.memory.OutOfMemoryError:
-                    break
+        pool = cupy.get_default_memory_pool()
+
+        def exhausted(size):
+            raise cupy.cuda.memory.OutOfMemoryError(size, pool.total_bytes(), 0)
+
+        pool.free_all_blocks()  # nothing cached: every temporary must come from the allocator
+        cupy.cuda.set_allocator(exhausted)
     else:
         def oom(*a, **k):
             raise MemoryError("injected")
 
         monkeypatch.setattr(be.prefill_pass, "hidden", oom)
     seq = be.pool.new_sequence()
-    with pytest.raises(GPUOutOfMemoryError, match="out of GPU memory"):
-        be.prefill(seq, ids, SamplerState(GREEDY, 4096))
+    try:
+        with pytest.raises(GPUOutOfMemoryError, match="out of GPU memory"):
+            be.prefill(seq, ids, SamplerState(GREEDY, 4096))
+    finally:
+        if kind == "gpu":
+            cupy.cuda.set_allocator(pool.malloc)
     be.pool.free(seq)
-    del hog
-    if kind == "gpu":
-        cupy.get_default_memory_pool().free_all_blocks()
     monkeypatch.undo()
     assert be.pool.n_used == 0
     assert _generate(be, ids, 4)[0] == want
