@@ -15,6 +15,16 @@ THREADS = 256
 WARPS = THREADS // 32
 
 
+# Builds of the INT4 GEMV (the -D knobs of gemv_int4.cu): "default" = half2 FMA dot products;
+# "mma" = the dot products on tensor cores (gemv_int4_mma.cuh); "mmaoff" = mma with the 1032 offset
+# folded into a per-group sum of x. KernelSet picks one (argument, or $NANOQWEN_GEMV_VARIANT).
+GEMV_VARIANTS: dict[str, dict[str, int]] = {
+    "default": {},
+    "mma": {"NQ_GEMV_MMA": 1},
+    "mmaoff": {"NQ_GEMV_MMA": 1, "NQ_GEMV_MMA_OFFSET": 1},
+}
+
+
 class GemvKernels:
     def __init__(self, dims: ModelDims, load_module, tuning: dict[str, int] | None = None):
         """tuning: extra -D knobs for the INT4 build (NQ_GEMV_STAGE_PIECES; bench_gemv.py --sweep)."""

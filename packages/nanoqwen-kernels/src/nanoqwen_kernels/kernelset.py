@@ -12,23 +12,30 @@ each launcher's contract is written once, beside its kernel.
 from __future__ import annotations
 
 import functools
+import os
 
 from .dims import ModelDims
 from .errors import KernelError
-from .gemv import GemvKernels
+from .gemv import GEMV_VARIANTS, GemvKernels
 from .loader import device_arch, load_module
 from .norm import NormKernels
 from .sampling import SamplingKernels
 
 
 class KernelSet:
-    def __init__(self, dims: ModelDims, arch: str | None = None):
+    def __init__(self, dims: ModelDims, arch: str | None = None, gemv_variant: str | None = None):
+        """gemv_variant: a key of gemv.GEMV_VARIANTS (default: $NANOQWEN_GEMV_VARIANT, else "default")."""
         if not isinstance(dims, ModelDims):
             raise KernelError(f"KernelSet needs a ModelDims, got {type(dims).__name__}")
+        variant = gemv_variant or os.environ.get("NANOQWEN_GEMV_VARIANT") or "default"
+        if variant not in GEMV_VARIANTS:
+            raise KernelError(f"unknown INT4 GEMV variant {variant!r} (NANOQWEN_GEMV_VARIANT); one of "
+                              f"{', '.join(GEMV_VARIANTS)}")
         self.dims = dims
+        self.gemv_variant = variant
         self.arch = arch or device_arch()
         load = functools.partial(_load, arch=self.arch)
-        self._gemv = GemvKernels(dims, load)
+        self._gemv = GemvKernels(dims, load, tuning=GEMV_VARIANTS[variant])
         self._norm = NormKernels(dims, load)
         self._sampling = SamplingKernels(dims, load)
         from .attention import AttentionKernels
