@@ -15,25 +15,38 @@ THREADS = 256
 WARPS = THREADS // 32
 
 
-# Builds of the INT4 GEMV (the -D knobs of gemv_int4.cu): "default" = half2 FMA dot products;
-# "mma" = the dot products on tensor cores (gemv_int4_mma.cuh); "mmaoff" = mma with the 1032 offset
-# folded into a per-group sum of x. KernelSet picks one (argument, or $NANOQWEN_GEMV_VARIANT).
-GEMV_VARIANTS: dict[str, dict[str, int]] = {
-    "default": {},
-    "mma": {"NQ_GEMV_MMA": 1},
-    "mmaoff": {"NQ_GEMV_MMA": 1, "NQ_GEMV_MMA_OFFSET": 1},
+# Builds of the INT4 GEMV (the -D knobs of gemv_int4.cu), as (small, large): "small" builds the K = H
+# GEMV (o_proj) and the fused q/k/v, "large" the K = I GEMV (down_proj) and the fused gate/up.
+#   default : half2 FMA dot products everywhere;
+#   mma     : the dot products on tensor cores (gemv_int4_mma.cuh) everywhere;
+#   mmaoff  : mma with the 1032 offset folded into a per-group sum of x;
+#   mixed   : each matrix on the build measured fastest for it. H200, 2026-11-30 (bench_gemv.py --sweep,
+#             docs/PERF.md): default/mma us: o 4.91/5.71, qkv 7.39/7.86, gate_up 25.56/24.60,
+#             down 16.53/14.81. The tensor cores pay off where K or N is long enough to hide their
+#             per-tile fixed cost (16-row tiles, a shared-memory reduction across the 8 warps).
+# KernelSet picks one (argument, or $NANOQWEN_GEMV_VARIANT); all four pass the same GPU tests.
+_MMA = {"NQ_GEMV_MMA": 1}
+GEMV_VARIANTS: dict[str, tuple[dict[str, int], dict[str, int]]] = {
+    "default": ({}, {}),
+    "mma": (_MMA, _MMA),
+    "mmaoff": ({**_MMA, "NQ_GEMV_MMA_OFFSET": 1}, {**_MMA, "NQ_GEMV_MMA_OFFSET": 1}),
+    "mixed": ({}, _MMA),
 }
+DEFAULT_GEMV_VARIANT = "mixed"
 
 
 class GemvKernels:
-    def __init__(self, dims: ModelDims, load_module, tuning: dict[str, int] | None = None):
-        """tuning: extra -D knobs for the INT4 build (NQ_GEMV_STAGE_PIECES; bench_gemv.py --sweep)."""
+    def __init__(self, dims: ModelDims, load_module, tuning: dict[str, int] | None = None,
+                 tuning_large: dict[str, int] | None = None):
+        """tuning: extra -D knobs for the INT4 build (NQ_GEMV_STAGE_PIECES, NQ_GEMV_MMA; bench_gemv.py
+        --sweep); tuning_large, when given, builds the K = I GEMV and gate/up separately with those."""
         self.dims = dims
         m = load_module(INT4_SOURCES, {**dims.defines(), **(tuning or {})})
+        big = m if tuning_large is None else load_module(INT4_SOURCES, {**dims.defines(), **tuning_large})
         self._h = m.get_function("nq_gemv_int4_h")
-        self._i = m.get_function("nq_gemv_int4_i")
+        self._i = big.get_function("nq_gemv_int4_i")
         self._qkv = m.get_function("nq_qkv_rope_kv")
-        self._gu = m.get_function("nq_gate_up_silu")
+        self._gu = big.get_function("nq_gate_up_silu")
         self._fp16 = load_module(FP16_SOURCES, dims.defines()).get_function("nq_gemv_fp16")
 
     def _int4(self, qweight, scales, k: int | None = None) -> tuple[int, int]:

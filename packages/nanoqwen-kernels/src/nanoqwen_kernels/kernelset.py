@@ -16,7 +16,7 @@ import os
 
 from .dims import ModelDims
 from .errors import KernelError
-from .gemv import GEMV_VARIANTS, GemvKernels
+from .gemv import DEFAULT_GEMV_VARIANT, GEMV_VARIANTS, GemvKernels
 from .loader import device_arch, load_module
 from .norm import NormKernels
 from .sampling import SamplingKernels
@@ -24,10 +24,10 @@ from .sampling import SamplingKernels
 
 class KernelSet:
     def __init__(self, dims: ModelDims, arch: str | None = None, gemv_variant: str | None = None):
-        """gemv_variant: a key of gemv.GEMV_VARIANTS (default: $NANOQWEN_GEMV_VARIANT, else "default")."""
+        """gemv_variant: a key of gemv.GEMV_VARIANTS (default: $NANOQWEN_GEMV_VARIANT, else "mixed")."""
         if not isinstance(dims, ModelDims):
             raise KernelError(f"KernelSet needs a ModelDims, got {type(dims).__name__}")
-        variant = gemv_variant or os.environ.get("NANOQWEN_GEMV_VARIANT") or "default"
+        variant = gemv_variant or os.environ.get("NANOQWEN_GEMV_VARIANT") or DEFAULT_GEMV_VARIANT
         if variant not in GEMV_VARIANTS:
             raise KernelError(f"unknown INT4 GEMV variant {variant!r} (NANOQWEN_GEMV_VARIANT); one of "
                               f"{', '.join(GEMV_VARIANTS)}")
@@ -35,7 +35,8 @@ class KernelSet:
         self.gemv_variant = variant
         self.arch = arch or device_arch()
         load = functools.partial(_load, arch=self.arch)
-        self._gemv = GemvKernels(dims, load, tuning=GEMV_VARIANTS[variant])
+        small, large = GEMV_VARIANTS[variant]
+        self._gemv = GemvKernels(dims, load, tuning=small, tuning_large=large if large != small else None)
         self._norm = NormKernels(dims, load)
         self._sampling = SamplingKernels(dims, load)
         from .attention import AttentionKernels
