@@ -35,7 +35,9 @@
 //   with fewer warps the dependent half2 chains are hidden worse. The stage size (2/4/8 pieces) made no
 //   difference. What would reach 85%: fewer instructions per weight, i.e. the dot product on tensor
 //   cores: gemv_int4_mma.cuh, built with NQ_GEMV_MMA=1 (+ NQ_GEMV_MMA_OFFSET=1 to fold the 1032 offset
-//   into a per-group sum of x), is that variant, opt-in until it has been measured on the GPU.
+//   into a per-group sum of x), is that variant. Measured (2026-11-30): it wins on the long matrices
+//   only (gate/up, down), so the default build mix (gemv.py, "mixed") uses it there and this loop for
+//   o_proj and q/k/v; the folded-offset build lost everywhere.
 //
 // Activation in shared memory, transposed so that the 16-byte reads of a warp hit 32 distinct banks:
 //
@@ -60,7 +62,7 @@ namespace nq {
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 #ifndef NQ_GEMV_MMA
-#define NQ_GEMV_MMA 0  // 1: the tensor-core variant (gemv_int4_mma.cuh), not yet measured; 0: default
+#define NQ_GEMV_MMA 0  // 1: the tensor-core variant (gemv_int4_mma.cuh); 0: the half2 loop below
 #endif
 #ifndef NQ_GEMV_STAGE_PIECES
 #define NQ_GEMV_STAGE_PIECES 4  // tuning knob (bench_gemv.py --sweep); 4 covers a K = 3584 row in one go
@@ -193,7 +195,7 @@ __device__ __forceinline__ void gemv_plain(const uint32_t* __restrict__ qw, cons
 
 // ---- row maps and epilogues for the tensor-core variant (gemv_int4_mma.cuh) -------------------------
 // The default kernels below keep their epilogues inline, textually as measured in docs/PERF.md (the same
-// binary); these functors repeat that code for the opt-in variant. Fold the two together once the
+// binary); these functors repeat that code for the tensor-core variant. Fold the two together once the
 // variant has been measured and one of them is chosen.
 struct PlainRows {  // rows (2p, 2p+1); odd N: the last unit recomputes row N-1 and writes it once
   int n_rows;
@@ -282,7 +284,7 @@ struct GateUpEpi {
 }  // namespace nq
 
 #if NQ_GEMV_MMA
-#include "gemv_int4_mma.cuh"  // gemv_units_mma: the tensor-core variant (opt-in, see its header)
+#include "gemv_int4_mma.cuh"  // gemv_units_mma: the tensor-core variant (see its header)
 #endif
 
 using namespace nq;

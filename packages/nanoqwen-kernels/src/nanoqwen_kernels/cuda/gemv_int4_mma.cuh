@@ -1,7 +1,9 @@
 // gemv_int4_mma.cuh: the INT4 GEMV's dot products on tensor cores (mma.sync m16n8k16, fp32 accumulate).
-// Opt-in: built when NQ_GEMV_MMA=1 (GemvKernels(..., tuning={"NQ_GEMV_MMA": 1})); included by gemv_int4.cu.
-// STATUS: compiled and SASS-checked on the CPU, numpy emulation of its lane mapping in
-// tests/test_gemv_mma_mapping.py; NOT yet run on a GPU (GPU tests and bench_gemv.py --sweep cover it).
+// Built when NQ_GEMV_MMA=1; included by gemv_int4.cu. The default GEMV variant "mixed" (gemv.py) uses it
+// for gate/up and down_proj, where it measured faster on the H200 (2026-11-30, bench_gemv.py --sweep:
+// gate/up 24.60 vs 25.56 us, down 14.81 vs 16.53 us; slower on o_proj and q/k/v, which keep the half2
+// loop). Tested: every GPU GEMV test (tests/test_gemv_gpu.py) passes on it, the numpy emulation of its
+// lane mapping in tests/test_gemv_mma_mapping.py on the CPU, and the validation ladder on "mixed".
 //
 // What: the same results as gemv_int4.cu's default loop (same row maps and epilogues, same ValueShuffle
 //   words, same prmt unpack), with the multiply-adds moved from half2 FMAs onto the tensor cores.
