@@ -166,37 +166,29 @@ __device__ __forceinline__ void dot_rows2(const uint32_t* __restrict__ qw, const
   o1 = warp_sum(a1);
 }
 
-template <int K>
-__device__ __forceinline__ void gemv_plain(const uint32_t* __restrict__ qw, const uint16_t* __restrict__ sc,
+// The half2 loop over units: a warp takes unit p, `map` names its 2 rows, `epi` (lane 0) writes the
+// results. The same maps and epilogues serve the tensor-core variant (gemv_units_mma), so each fused
+// epilogue is written once.
+template <int K, class Map, class Epi>
+__device__ __forceinline__ void gemv_units(const uint32_t* __restrict__ qw, const uint16_t* __restrict__ sc,
                                            const uint16_t* __restrict__ x, const uint16_t* __restrict__ norm_w,
-                                           float eps, const uint16_t* residual, uint16_t* out, int n_rows) {
+                                           float eps, int units, const Map& map, const Epi& epi) {
   __shared__ uint4 xs[K / 8];  // [4][K/32] x 16 B: K * 2 bytes (37.9 KB at K = 18944)
   __shared__ float red[32];
   stage_x<K>(x, norm_w, eps, xs, red);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int units = (n_rows + 1) / 2;
   // no barrier below: warps leave the loop independently
   for (int p = blockIdx.x * kWarps + warp; p < units; p += gridDim.x * kWarps) {
-    const int r0 = 2 * p;
-    const int r1 = min(2 * p + 1, n_rows - 1);  // odd N: the last unit recomputes row N-1, writes once
+    int r0, r1;
+    map(p, r0, r1);
     float o0, o1;
     dot_rows2<K>(qw, sc, r0, r1, xs, o0, o1);
-    if (lane == 0) {
-      // residual may alias out: each element is read then written by this one lane
-      if (residual != nullptr) {
-        o0 += h2f(residual[r0]);
-        o1 += h2f(residual[r1]);
-      }
-      out[r0] = f2h(o0);
-      if (r1 != r0) out[r1] = f2h(o1);
-    }
+    if (lane == 0) epi(p, r0, r1, o0, o1);
   }
 }
 
-// ---- row maps and epilogues for the tensor-core variant (gemv_int4_mma.cuh) -------------------------
-// The default kernels below keep their epilogues inline, textually as measured in docs/PERF.md (the same
-// binary); these functors repeat that code for the tensor-core variant. Fold the two together once the
-// variant has been measured and one of them is chosen.
+// ---- row maps and epilogues: which 2 rows a unit is, and what lane 0 does with their dot products -----
+// Shared by the half2 loop (gemv_units) and the tensor-core variant (gemv_units_mma, gemv_int4_mma.cuh).
 struct PlainRows {  // rows (2p, 2p+1); odd N: the last unit recomputes row N-1 and writes it once
   int n_rows;
   __device__ void operator()(int p, int& r0, int& r1) const {
@@ -285,6 +277,9 @@ struct GateUpEpi {
 
 #if NQ_GEMV_MMA
 #include "gemv_int4_mma.cuh"  // gemv_units_mma: the tensor-core variant (see its header)
+#define NQ_GEMV_UNITS gemv_units_mma
+#else
+#define NQ_GEMV_UNITS gemv_units
 #endif
 
 using namespace nq;
@@ -298,12 +293,8 @@ extern "C" __global__ void __launch_bounds__(kThreads) nq_gemv_int4_h(
     const uint16_t* residual,              // [N] fp16 or null; may alias out
     uint16_t* out,                         // [N] fp16
     int n_rows) {
-#if NQ_GEMV_MMA
-  gemv_units_mma<kHidden>(qweight, scales, x, norm_w, eps, (n_rows + 1) / 2, PlainRows{n_rows},
-                          PlainEpi{residual, out});
-#else
-  gemv_plain<kHidden>(qweight, scales, x, norm_w, eps, residual, out, n_rows);
-#endif
+  NQ_GEMV_UNITS<kHidden>(qweight, scales, x, norm_w, eps, (n_rows + 1) / 2, PlainRows{n_rows},
+                         PlainEpi{residual, out});
 }
 
 extern "C" __global__ void __launch_bounds__(kThreads) nq_gemv_int4_i(
@@ -312,12 +303,8 @@ extern "C" __global__ void __launch_bounds__(kThreads) nq_gemv_int4_i(
     const uint16_t* __restrict__ x,        // [I] fp16
     const uint16_t* __restrict__ norm_w,   // [I] fp16 or null
     float eps, const uint16_t* residual, uint16_t* out, int n_rows) {
-#if NQ_GEMV_MMA
-  gemv_units_mma<kInter>(qweight, scales, x, norm_w, eps, (n_rows + 1) / 2, PlainRows{n_rows},
-                         PlainEpi{residual, out});
-#else
-  gemv_plain<kInter>(qweight, scales, x, norm_w, eps, residual, out, n_rows);
-#endif
+  NQ_GEMV_UNITS<kInter>(qweight, scales, x, norm_w, eps, (n_rows + 1) / 2, PlainRows{n_rows},
+                        PlainEpi{residual, out});
 }
 
 // Fused input RMSNorm + q/k/v projection + bias + RoPE + KV page write. Units = kQkvRows / 2.
@@ -334,54 +321,8 @@ extern "C" __global__ void __launch_bounds__(kThreads) nq_qkv_rope_kv(
     uint16_t* __restrict__ v_cache,         // same
     int layer, int n_pages,
     uint16_t* __restrict__ q_out) {         // [kQDim] fp16, roped
-#if NQ_GEMV_MMA
-  gemv_units_mma<kHidden>(qweight, scales, x, norm_w, eps, kQkvRows / 2, QkvRows{},
-                          QkvEpi{bias, *pos_dev, page_table, k_cache, v_cache, layer, n_pages, q_out});
-#else
-  __shared__ uint4 xs[kHidden / 8];
-  __shared__ float red[32];
-  stage_x<kHidden>(x, norm_w, eps, xs, red);
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  constexpr int kUnits = kQkvRows / 2;
-  const int pos = *pos_dev;
-  for (int p = blockIdx.x * kWarps + warp; p < kUnits; p += gridDim.x * kWarps) {
-    const int head = p / 64, d = p % 64;  // head over q heads, then k heads, then v heads
-    const int r0 = head * kHeadDim + d, r1 = r0 + 64;
-    float a, b;
-    dot_rows2<kHidden>(qweight, scales, r0, r1, xs, a, b);
-    if (lane != 0) continue;
-    a += h2f(bias[r0]);
-    b += h2f(bias[r1]);
-    if (head < kHeads + kKvHeads) {  // q or k: rotate the pair (d, d + 64)
-      // HF: inv_freq[d] = 1 / theta^(2d/128), angle = pos * inv_freq in fp32. inv_freq is computed in
-      // fp64 and rounded once, so it is the correctly rounded fp32 value (as the engine's numpy
-      // reference computes it): an ulp of inv_freq is ~2e-3 rad of angle at pos 32k. Precise sincosf
-      // (no fast math) because the angle reaches ~3e4 rad at 32k context.
-      const float inv = static_cast<float>(1.0 / pow(static_cast<double>(NQ_ROPE_THETA), (2.0 * d) / kHeadDim));
-      const float ang = static_cast<float>(pos) * inv;
-      float sn, cs;
-      sincosf(ang, &sn, &cs);
-      const float ra = a * cs - b * sn;
-      const float rb = b * cs + a * sn;
-      a = ra;
-      b = rb;
-    }
-    if (head < kHeads) {
-      q_out[r0] = f2h(a);
-      q_out[r1] = f2h(b);
-    } else {
-      const bool is_k = head < kHeads + kKvHeads;
-      const int kvh = head - kHeads - (is_k ? 0 : kKvHeads);
-      const int page = page_table[pos / kPageTokens];
-      const size_t base =
-          ((((static_cast<size_t>(layer) * n_pages + page) * kKvHeads + kvh) * kPageTokens) + pos % kPageTokens) *
-          kHeadDim;
-      uint16_t* dst = is_k ? k_cache : v_cache;
-      dst[base + d] = f2h(a);
-      dst[base + d + 64] = f2h(b);
-    }
-  }
-#endif
+  NQ_GEMV_UNITS<kHidden>(qweight, scales, x, norm_w, eps, kQkvRows / 2, QkvRows{},
+                         QkvEpi{bias, *pos_dev, page_table, k_cache, v_cache, layer, n_pages, q_out});
 }
 
 // Fused post-attention RMSNorm + gate/up projection + SiLU(gate) * up. Units = kInter.
@@ -392,20 +333,5 @@ extern "C" __global__ void __launch_bounds__(kThreads) nq_gate_up_silu(
     const uint16_t* __restrict__ norm_w,   // [H] fp16 or null
     float eps,
     uint16_t* __restrict__ out) {          // [I] fp16
-#if NQ_GEMV_MMA
-  gemv_units_mma<kHidden>(qweight, scales, x, norm_w, eps, kInter, GateUpRows{}, GateUpEpi{out});
-#else
-  __shared__ uint4 xs[kHidden / 8];
-  __shared__ float red[32];
-  stage_x<kHidden>(x, norm_w, eps, xs, red);
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  for (int p = blockIdx.x * kWarps + warp; p < kInter; p += gridDim.x * kWarps) {
-    float g, u;
-    dot_rows2<kHidden>(qweight, scales, p, kInter + p, xs, g, u);
-    if (lane == 0) {
-      // HF rounds gate and up to fp16 before the activation; we keep fp32 (within the test tolerance)
-      out[p] = f2h(g / (1.f + __expf(-g)) * u);
-    }
-  }
-#endif
+  NQ_GEMV_UNITS<kHidden>(qweight, scales, x, norm_w, eps, kInter, GateUpRows{}, GateUpEpi{out});
 }
