@@ -9,7 +9,7 @@
 #   GPU_ALL_SECTIONS="kernels ladder" bash ...    # some sections only (clibench_graph: graph mode only)
 #
 # Sections: info, model7b (writes the 7B-shaped synthetic file once, shared by the ladder and the bench),
-# kernels / engine / ladder (pytest -m gpu of each suite), kbench (packages/nanoqwen-kernels/bench/*.py),
+# kernels / engine / ladder / cli (pytest -m gpu of each suite; cli = tests/test_cli_gpu.py), kbench (packages/nanoqwen-kernels/bench/*.py),
 # clibench (nanoqwen-cli bench --synthetic 7b --json, graph then eager), breakdown (scripts/decode_breakdown.py:
 # the decode step's time per kernel family vs its byte floor), peer (scripts/peer_transformers.py: HF
 # transformers bf16 eager, same shape and protocol; needs torch). Each section runs under its own
@@ -36,7 +36,7 @@ if [ "${GPU_ALL_QUICK:-0}" = 1 ]; then
   export NANOQWEN_LADDER_PROMPTS=${NANOQWEN_LADDER_PROMPTS:-30} NANOQWEN_LADDER_TOKENS=${NANOQWEN_LADDER_TOKENS:-32}
   export NANOQWEN_LADDER_7B_PROMPTS=${NANOQWEN_LADDER_7B_PROMPTS:-1} NANOQWEN_LADDER_7B_TOKENS=${NANOQWEN_LADDER_7B_TOKENS:-4}
 fi
-SECTIONS=${GPU_ALL_SECTIONS:-info model7b kernels engine ladder kbench clibench breakdown peer}
+SECTIONS=${GPU_ALL_SECTIONS:-info model7b kernels engine ladder cli kbench clibench breakdown peer}
 TABLE=$WORK/sections.tsv
 : >"$TABLE"
 LOG=$OUT/gpu_all.log
@@ -84,6 +84,7 @@ want engine && run engine 60 $PYTEST packages/nanoqwen-engine/tests
 # GPU_ALL_LADDER_K: a pytest -k expression to run part of the ladder (e.g. "not 7b")
 want ladder && run ladder 240 $PYTEST -s ${GPU_ALL_LADDER_K:+-k "$GPU_ALL_LADDER_K"} tests/test_ladder_layer.py \
   tests/test_ladder_graph.py
+want cli && run cli 120 $PYTEST tests/test_cli_gpu.py
 if want kbench; then
   for b in packages/nanoqwen-kernels/bench/*.py; do
     [ -f "$b" ] || continue

@@ -105,7 +105,8 @@ def bench(
         loaded.model = f"synthetic {synthetic} (random weights, seed 0)"
     engine = loaded.engine
     prompt = bench_prompt(engine, prompt_tokens)
-    params = session.make_params({"temperature": 0.0, "max_tokens": gen_tokens, "stop": None})
+    # ignore_eos: the protocol times exactly gen_tokens decode steps, whatever the (random) model says.
+    params = session.make_params({"temperature": 0.0, "max_tokens": gen_tokens, "stop": None, "ignore_eos": True})
 
     for _ in range(warmup):
         session.complete(engine, prompt, params)
