@@ -26,6 +26,16 @@ ATTENTION_VARIANTS = {"fma": ("attention_prefill", 32, 256), "mma": ("attention_
 DEFAULT_ATTENTION_VARIANT = "mma"
 
 
+
+def _check_positions(page_table, start_pos, t: int) -> int:
+    """start_pos (an int >= 0) such that positions start_pos .. start_pos + t - 1 have pages."""
+    start_pos = check_int("start_pos", start_pos, 0)
+    if start_pos + t > page_table.size * PAGE_TOKENS:
+        raise KernelError(
+            f"start_pos + T = {start_pos + t} exceeds the page table's {page_table.size * PAGE_TOKENS} positions"
+        )
+    return start_pos
+
 class PrefillKernels:
     """The prefill build for one ModelDims. `load_module(sources, defines)` is the loader's."""
 
@@ -107,11 +117,7 @@ class PrefillKernels:
         check_array("q_out", q_out, np.float16, shape=(t, d.q_dim))
         layer, n_pages = check_kv_cache(d, k_cache, v_cache, layer)
         check_page_table(page_table)
-        start_pos = check_int("start_pos", start_pos, 0)
-        if start_pos + t > page_table.size * PAGE_TOKENS:
-            raise KernelError(
-                f"start_pos + T = {start_pos + t} exceeds the page table's {page_table.size * PAGE_TOKENS} positions"
-            )
+        start_pos = _check_positions(page_table, start_pos, t)
         launch(
             self._rope,
             (t, d.n_heads + 2 * d.n_kv_heads, 1),
@@ -144,11 +150,7 @@ class PrefillKernels:
         check_array("out", out, np.float16, shape=(T, d.q_dim))
         layer, n_pages = check_kv_cache(d, k_cache, v_cache, layer)
         check_page_table(page_table)
-        start_pos = check_int("start_pos", start_pos, 0)
-        if start_pos + T > page_table.size * PAGE_TOKENS:
-            raise KernelError(
-                f"start_pos + T = {start_pos + T} exceeds the page table's {page_table.size * PAGE_TOKENS} positions"
-            )
+        start_pos = _check_positions(page_table, start_pos, T)
         launch(
             self._attn,
             ((T + self._attn_rows - 1) // self._attn_rows, d.n_heads, 1),
