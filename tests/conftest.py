@@ -44,6 +44,16 @@ def models_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """The CLI tests' model: the tiny synthetic shape (tiny_config), seed 0, written once."""
+    from nanoqwen_format.synthetic import tiny_config, write_synthetic
+
+    path = tmp_path_factory.mktemp("cli-models") / "tiny.nanoqwen"
+    write_synthetic(path, tiny_config(), seed=0)
+    return path
+
+
+@pytest.fixture(scope="session")
 def ladder_tiny_path(models_dir):
     from ladder.models import tiny_model
 

@@ -20,15 +20,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _OK, reason=f"no usable GP
 TIMEOUT = 600
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    from nanoqwen_format.synthetic import tiny_config, write_synthetic
-
-    path = tmp_path_factory.mktemp("cli-gpu-models") / "tiny.nanoqwen"
-    write_synthetic(path, tiny_config(), seed=0)
-    return path
-
-
 @pytest.fixture
 def env(tmp_path):
     e = dict(os.environ)

@@ -20,15 +20,6 @@ import pytest
 TIMEOUT = 180
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    from nanoqwen_format.synthetic import tiny_config, write_synthetic
-
-    path = tmp_path_factory.mktemp("cli-models") / "tiny.nanoqwen"
-    write_synthetic(path, tiny_config(), seed=0)
-    return path
-
-
 @pytest.fixture
 def env(tmp_path):
     """An empty model cache and an empty, offline Hugging Face home: nothing reaches the network."""
