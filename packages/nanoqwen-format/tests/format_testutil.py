@@ -13,9 +13,8 @@ def small_config(**overrides) -> dict:
     return tiny_config(**{"vocab_size": SMALL_VOCAB, **overrides})
 
 
-def write_bare(path, config):
+def write_bare(path, config, rng: np.random.Generator ):
     """A valid .nanoqwen with random tensors and a stand-in tokenizer: tiny header, quick to damage."""
-    rng = np.random.default_rng()
     specs = expected_tensors(config)
     with NanoqwenWriter(path, config, specs, tokenizer_json='{"model": {}}', tokenizer_config={},
                         generation_config={"eos_token_id": 1}, provenance={"source": "test"}) as w:

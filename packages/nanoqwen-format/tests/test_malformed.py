@@ -4,6 +4,7 @@ JSON mutations never gets anything else (and whatever passes validation reads wi
 import json
 import struct
 
+import numpy as np
 import pytest
 from format_testutil import small_config, write_bare
 from hypothesis import HealthCheck, given, settings
@@ -131,10 +132,11 @@ def test_undamaged_files_open(bare_file, synthetic_file):
 
 
 @pytest.fixture(scope="module")
-def fuzz_base(tmp_path_factory):
+def fuzz_base(tmp_path_factory, session_seed):
     """One layer, so each example is quick."""
     path = tmp_path_factory.mktemp("fuzz") / "base.nanoqwen"
-    return write_bare(path, small_config(num_hidden_layers=1, vocab_size=256)).read_bytes()
+    return write_bare(path, small_config(num_hidden_layers=1, vocab_size=256),
+                      np.random.default_rng(session_seed)).read_bytes()
 
 
 json_values = st.recursive(
