@@ -64,9 +64,12 @@ def rng(seed) -> np.random.Generator:
 def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
-    if report.failed and SEED_KEY in item.stash:
-        s = item.stash[SEED_KEY]
-        report.sections.append(("seed", f"this test's seed: {s} (replay: pytest --seed {s} {item.nodeid})"))
+    if report.failed:
+        own = item.stash.get(SEED_KEY, None)
+        lines = [f"session seed (shared files): {item.config.stash[SESSION_SEED]}"]
+        if own is not None:
+            lines.insert(0, f"this test's seed: {own} (replay: pytest --seed {own} {item.nodeid})")
+        report.sections.append(("seed", "\n".join(lines)))
 
 
 def pytest_terminal_summary(terminalreporter, config):
