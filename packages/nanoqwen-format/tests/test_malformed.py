@@ -6,17 +6,11 @@ import struct
 
 import numpy as np
 import pytest
-from format_testutil import small_config, write_bare
+from format_testutil import small_config, split, write_bare
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from nanoqwen_format import NanoqwenFormatError, open_model
 from nanoqwen_format.layout import expected_tensors
-
-
-def split(raw: bytes):
-    """(json dict, json_len) of a file's bytes."""
-    (n,) = struct.unpack("<Q", raw[16:24])
-    return json.loads(raw[24:24 + n]), n
 
 
 def with_header(raw: bytes, header: dict, json_len: int | None = None) -> bytes:
@@ -66,8 +60,8 @@ CASES = {
     "short file": (lambda r: r[:12], "too short"),
     "unknown version": (lambda r: r[:8] + struct.pack("<I", 2) + r[12:], "unknown format version 2"),
     "unknown flags": (lambda r: r[:12] + struct.pack("<I", 1) + r[16:], "unknown flags"),
-    "json garbage": (lambda r: with_header(r, {}) .replace(b"{}", b"{x", 1), "not valid UTF-8 JSON"),
-    "json not utf-8": (lambda r: r[:24] + b"\xff\xfe" + r[26:], "not valid UTF-8 JSON"),
+    "json garbage": (lambda r: with_header(r, {}) .replace(b"{}", b"{x", 1), "not valid JSON"),
+    "json not utf-8": (lambda r: r[:24] + b"\xff\xfe" + r[26:], "not valid UTF-8"),
     "json not an object": (lambda r: with_header(r, {}).replace(b"{}", b"[]", 1), "not a JSON object"),
     "header length past EOF": (lambda r: r[:16] + struct.pack("<Q", len(r)) + r[24:], "runs past the end"),
     "tensor past EOF": (lambda r: r[:-10], r"lm_head\.weight: bytes .* run past the end of the file"),
