@@ -11,7 +11,6 @@ import math
 import mmap
 import os
 import re
-import stat
 import struct
 import zlib
 from pathlib import Path
@@ -34,7 +33,7 @@ from .layout import (
     validate_tokenizer_config,
 )
 from .quantize import dequantize_int4
-from .strict import MAX_BYTES, check_disjoint, int_in, loads, shape_nbytes, short
+from .strict import MAX_BYTES, check_disjoint, int_in, label, loads, open_regular, shape_nbytes, short
 from .valueshuffle import unpack_valueshuffle
 
 TOP_KEYS = {"config": dict, "quantization": dict, "tensors": list, "tokenizer_json": str,
@@ -113,7 +112,7 @@ def check_tensor_table(header: dict, size: int, data_start: int) -> dict[str, di
         name = entry["name"]
         if not isinstance(name, str) or name in table:
             raise NanoqwenFormatError(f"tensor table: bad or duplicate name {short(name)}")
-        what = f"tensor {short(name)[1:-1]}"
+        what = f"tensor {label(name)}"
         dtype, off, nb = entry["dtype"], entry["offset"], entry["nbytes"]
         if not isinstance(dtype, str) or dtype not in DTYPES:
             raise NanoqwenFormatError(f"{what}: unknown dtype {short(dtype)} (want one of {sorted(DTYPES)})")
@@ -140,7 +139,7 @@ def check_tensor_table(header: dict, size: int, data_start: int) -> dict[str, di
             raise NanoqwenFormatError(f"missing tensor {t.name}")
     for n in table:
         if n not in names:
-            raise NanoqwenFormatError(f"unexpected tensor {short(n)[1:-1]} (not part of this config's model)")
+            raise NanoqwenFormatError(f"unexpected tensor {label(n)} (not part of this config's model)")
     for t in expected:
         e = table[t.name]
         if e["dtype"] != t.dtype or tuple(e["shape"]) != t.shape:
@@ -223,28 +222,10 @@ class NanoqwenFile:
                 f"tensors={len(self.tensor_names)})")
 
 
-def _open_regular(path: Path):
-    """The file opened for reading, or one error: missing, unreadable, or not a regular file. O_NONBLOCK
-    makes opening a FIFO return at once (a plain open waits for a writer for ever); fstat then refuses it."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as e:
-        raise NanoqwenFormatError(f"cannot open {path}: {e.strerror}") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise NanoqwenFormatError(f"cannot open {path}: not a regular file")
-        os.set_blocking(fd, True)
-        return open(fd, "rb", buffering=0), st.st_size
-    except BaseException:
-        os.close(fd)
-        raise
-
-
 def open_model(path, verify: bool = False) -> NanoqwenFile:
     """Validate and map a .nanoqwen file; verify=True also checks every tensor's CRC32."""
     path = Path(path)
-    f, size = _open_regular(path)
+    f, size = open_regular(path)
     mm = None
     try:
         json_len = check_fixed_header(os.pread(f.fileno(), FIXED_HEADER, 0), size)

@@ -1,4 +1,4 @@
-"""Strict parsing of untrusted tables: the .nanoqwen JSON header, safetensors headers, the HF JSON files.
+"""Strict reading of untrusted input: the .nanoqwen JSON header, safetensors headers, the HF JSON files.
 
 One copy of each rule, shared by the reader and the converter's safetensors reader, so both refuse the
 same things: JSON with duplicate keys or non-finite numbers, shapes and integers beyond fixed bounds
@@ -9,7 +9,9 @@ values through `short` (a 2 MB shape list is shown as its first few items).
 
 import json
 import math
+import os
 import reprlib
+import stat
 
 from .errors import NanoqwenFormatError
 
@@ -29,6 +31,14 @@ def short(value) -> str:
         return _repr.repr(value)
     except (ValueError, RecursionError):  # an int past Python's 4300-digit str limit, a deep structure
         return f"<{type(value).__name__}>"
+
+
+def label(value) -> str:
+    """An untrusted name as it reads in a message: a string unquoted (shortened past 60 characters),
+    anything else as short()."""
+    if isinstance(value, str):
+        return value if len(value) <= 60 else value[:28] + "..." + value[-28:]
+    return short(value)
 
 
 def is_int(v) -> bool:
@@ -107,3 +117,23 @@ def check_disjoint(spans, what: str) -> None:
     for (_, end_a, a), (start_b, _, b) in zip(ordered, ordered[1:], strict=False):
         if start_b < end_a:
             raise NanoqwenFormatError(f"{what} {short(a)} and {short(b)} overlap")
+
+
+def open_regular(path, label=None):
+    """(binary file, size) of a regular file, or one error: missing, unreadable, or not a
+    regular file. O_NONBLOCK makes opening a FIFO return at once (a plain open waits for a writer for
+    ever); fstat then refuses it, and a device or a folder too."""
+    label = label or str(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise NanoqwenFormatError(f"cannot open {label}: {e.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise NanoqwenFormatError(f"cannot open {label}: not a regular file")
+        os.set_blocking(fd, True)
+        return open(fd, "rb"), st.st_size
+    except BaseException:
+        os.close(fd)
+        raise
