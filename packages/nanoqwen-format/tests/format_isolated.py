@@ -21,7 +21,7 @@ import sys
 import traceback
 from pathlib import Path
 
-MEMORY_LIMIT = 768 << 20  # the child imports numpy (~115 MB of address space) and maps small files
+MEMORY_LIMIT = 1 << 30  # the child imports numpy (~115 MB of address space) and maps small files
 
 
 def exercise(path) -> dict:

@@ -79,7 +79,7 @@ def _declare_header(raw: bytes, json_len: int) -> bytes:
 
 
 def test_sparse_file_declaring_a_1gib_header(bare_file, tmp_path):
-    """4 KiB of data, 1 GiB declared: refused from the 24-byte fixed header, in a child limited to 768 MiB
+    """4 KiB of data, 1 GiB declared: refused from the 24-byte fixed header, in a child limited to 1 GiB
     of address space (reading it took 2 GiB)."""
     path = tmp_path / "sparse.nanoqwen"
     path.write_bytes(_declare_header(bare_file.read_bytes()[:4096], 1 << 30))
