@@ -5,8 +5,10 @@ import json
 import struct
 
 import pytest
+from click.testing import CliRunner
 from format_testutil import split
 from nanoqwen_format import NanoqwenFormatError, open_model
+from nanoqwen_format.cli import main
 from nanoqwen_format.layout import expected_tensors
 
 
@@ -95,6 +97,15 @@ def test_malformed_file_is_named(bare_file, tmp_path, kind):
     bad.write_bytes(mutate(bare_file.read_bytes()))
     with pytest.raises(NanoqwenFormatError, match=match):
         open_model(bad, verify=True)
+
+
+@pytest.mark.parametrize("kind", sorted(CASES))
+def test_inspect_prints_one_line(bare_file, tmp_path, kind):
+    bad = tmp_path / "bad.nanoqwen"
+    bad.write_bytes(CASES[kind][0](bare_file.read_bytes()))
+    r = CliRunner().invoke(main, ["inspect", str(bad), "--verify"])
+    assert r.exit_code == 1 and isinstance(r.exception, SystemExit), (r.output, r.exception)
+    assert r.output.count("\n") == 1 and r.output.startswith("Error: "), r.output
 
 
 def test_crc_mismatch_only_with_verify(bare_file, tmp_path):
