@@ -1,9 +1,9 @@
-"""What an outside fuzz of the reader found, one test each: huge shapes, long shape lists, huge declared
-headers, NaN/Infinity and duplicate keys in the JSON, config values the engine cannot use, files that are
-not regular files. Each is refused with one NanoqwenFormatError naming the problem, and `inspect` prints
-that one line.
+"""Hostile files, one test each (the reader findings of issue 11): huge shapes, long shape lists, huge
+declared headers, NaN/Infinity and duplicate keys in the JSON, config values the engine cannot use, files
+that are not regular files. Each is refused with one NanoqwenFormatError naming the problem, and
+`inspect` prints that one line.
 
-Cases that used to hang or exhaust memory run in a child process (format_isolated) with a deadline and an
+Cases that could hang or exhaust memory run in a child process (format_isolated) with a deadline and an
 address-space limit, so a regression fails the test instead of stalling the suite."""
 
 import os
@@ -47,7 +47,8 @@ def assert_refused(path, match):
 
 
 def test_shape_whose_product_has_thousands_of_digits(bare_file, tmp_path):
-    """math.prod of 250 dims of 2^62 has ~4,700 digits: formatting it raised ValueError."""
+    """The product of 250 dims of 2^62 has ~4,700 digits, past Python's int-to-str limit: a message quoting
+    it would raise ValueError. The rank is refused first."""
     raw = with_edit(bare_file.read_bytes(), lambda h: norm_entry(h).update(shape=[2**62] * 250))
     assert_refused(damaged(tmp_path, raw), r"model\.norm\.weight: shape .*dimensions")
 
@@ -63,7 +64,8 @@ def test_huge_offset_and_nbytes(bare_file, tmp_path):
 
 
 def test_long_shape_list_is_refused_before_any_product(bare_file, tmp_path):
-    """[2**62] * 100000 (a 2.1 MB header) kept math.prod busy for about a minute."""
+    """[2**62] * 100000 (a 2.1 MB header): its product takes minutes to compute, so the rank is refused
+    before any product is taken."""
     raw = with_edit(bare_file.read_bytes(), lambda h: norm_entry(h).update(shape=[2**62] * 100_000))
     path = damaged(tmp_path, raw)
     assert len(raw) > 2_000_000
@@ -80,7 +82,7 @@ def _declare_header(raw: bytes, json_len: int) -> bytes:
 
 def test_sparse_file_declaring_a_1gib_header(bare_file, tmp_path):
     """4 KiB of data, 1 GiB declared: refused from the 24-byte fixed header, in a child limited to 1 GiB
-    of address space (reading it took 2 GiB)."""
+    of address space (reading the declared header would need more)."""
     path = tmp_path / "sparse.nanoqwen"
     path.write_bytes(_declare_header(bare_file.read_bytes()[:4096], 1 << 30))
     os.truncate(path, 24 + (1 << 30) + 4096)  # sparse: the rest is a hole
@@ -114,7 +116,8 @@ def test_nan_and_infinity_are_refused(bare_file, tmp_path, literal):
 
 @pytest.mark.parametrize("where", ["top", "config", "entry"])
 def test_duplicate_keys_are_refused(bare_file, tmp_path, where):
-    """{"tensors": "bogus", ...valid...} opened: the last key won."""
+    """{"tensors": "bogus", ...valid...}: json.loads keeps the last key, so a header could read differently
+    to another reader."""
     edit = {"top": lambda t: t.replace(b"{", b'{"tensors":"bogus",', 1),
             "config": lambda t: t.replace(b'"config":{', b'"config":{"hidden_size":1,', 1),
             "entry": lambda t: t.replace(b'{"name":', b'{"dtype":"bogus","name":', 1)}[where]
@@ -123,7 +126,7 @@ def test_duplicate_keys_are_refused(bare_file, tmp_path, where):
 
 
 def test_file_that_is_not_a_regular_file(tmp_path):
-    """Opening a FIFO blocked for ever; a directory is no model either."""
+    """A plain open of a FIFO waits for a writer for ever; a directory is no model either."""
     fifo = tmp_path / "pipe.nanoqwen"
     os.mkfifo(fifo)
     answer = run_one(fifo, timeout=20)
