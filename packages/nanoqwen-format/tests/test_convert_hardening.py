@@ -350,3 +350,11 @@ def test_sigkill_leaves_a_temporary_that_the_next_run_sweeps(hf_untied, tmp_path
     assert [q.name for q in out.parent.iterdir()] == [f".m.nanoqwen.{p.pid}.tmp"]
     convert(hf_untied, out, progress=False)
     assert [q.name for q in out.parent.iterdir()] == ["m.nanoqwen"]
+
+
+def test_output_that_is_a_symlink_loop(hf_untied, tmp_path):
+    loop = tmp_path / "loop.nanoqwen"
+    loop.symlink_to(loop)
+    with pytest.raises(NanoqwenFormatError, match="loop.nanoqwen|symbolic"):
+        convert(hf_untied, loop, progress=False)
+    assert loop.is_symlink()

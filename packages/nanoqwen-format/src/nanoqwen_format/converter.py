@@ -163,7 +163,11 @@ def convert(src, dst, progress: bool = True) -> dict:
     rules (a finished conversion always opens), and dst may be neither an input nor inside the source."""
     folder, prov = resolve_source(src)
     dst = Path(dst)
-    check_not_an_input(dst, [folder, *folder.iterdir()])
+    try:
+        inputs = list(folder.iterdir())
+    except OSError as e:
+        raise NanoqwenFormatError(f"cannot list {folder}: {e.strerror}") from None
+    check_not_an_input(dst, [folder, *inputs])
     check_destination(dst)
     config = model_config(_read_json(folder / "config.json"))
     tokenizer_config = validate_tokenizer_config(_read_json(folder / "tokenizer_config.json"))

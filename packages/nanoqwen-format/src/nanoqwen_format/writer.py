@@ -144,9 +144,12 @@ def check_destination(dst: Path) -> None:
 def check_not_an_input(dst: Path, sources) -> None:
     """Refuse a destination that is one of the input files or lies inside an input folder (after symlinks:
     a Hugging Face snapshot's files are links into its blob store)."""
-    out = Path(dst).resolve()
-    for src in sources:
-        src = Path(src).resolve()
+    try:
+        out = Path(dst).resolve()
+        resolved = [Path(src).resolve() for src in sources]
+    except (OSError, RuntimeError) as e:  # a symlink loop (RuntimeError before Python 3.13)
+        raise NanoqwenFormatError(f"cannot resolve the output or source path: {e}") from None
+    for src in resolved:
         if out == src or (src.is_dir() and out.is_relative_to(src)):
             raise NanoqwenFormatError(f"output {dst} would overwrite or lie inside the source {src}; "
                                       f"write it somewhere else")
