@@ -32,7 +32,7 @@ def read_safetensors(folder):
 
 
 def quantize_here(w):
-    """DESIGN.md's formula, vectorised differently from the package (per group, float32 throughout)."""
+    """docs/FORMAT.md section 5's formula, vectorised differently from the package (per group, float32 throughout)."""
     n, k = w.shape
     g = w.reshape(n, k // 128, 128)
     s = (np.abs(g).max(axis=2) / np.float32(7)).astype(np.float16)

@@ -1,4 +1,4 @@
-"""quantize_int4 against a plain per-group loop written here from DESIGN.md's formula."""
+"""quantize_int4 against a plain per-group loop written here from docs/FORMAT.md section 5."""
 
 import numpy as np
 import pytest
@@ -22,8 +22,7 @@ def reference_quantize(w: np.ndarray):
 
 
 @pytest.mark.parametrize("shape", [(1, 128), (3, 256), (5, 384)])
-def test_matches_reference_bit_for_bit(shape):
-    rng = np.random.default_rng()
+def test_matches_reference_bit_for_bit(shape, rng):
     w = (rng.standard_normal(shape) * rng.uniform(1e-3, 10)).astype(np.float32)
     u, s = quantize_int4(w)
     ru, rs = reference_quantize(w)
@@ -32,8 +31,7 @@ def test_matches_reference_bit_for_bit(shape):
     np.testing.assert_array_equal(u, ru)
 
 
-def test_error_at_most_half_a_step():
-    rng = np.random.default_rng()
+def test_error_at_most_half_a_step(rng):
     w = (rng.standard_normal((64, 1024)) * rng.uniform(0.01, 3, size=(64, 1))).astype(np.float32)
     u, s = quantize_int4(w)
     err = np.abs(w.astype(np.float64) - dequantize_int4(u, s).astype(np.float64))
@@ -42,8 +40,7 @@ def test_error_at_most_half_a_step():
     assert u.min() >= 1 and u.max() <= 15  # symmetric: q = -8 is never produced by rounding
 
 
-def test_zero_groups_and_extremes():
-    rng = np.random.default_rng()
+def test_zero_groups_and_extremes(rng):
     w = rng.standard_normal((4, 512)).astype(np.float32)
     w[0, :128] = 0  # an all-zero group: s = 0, every q = 0 (u = 8), no NaN from 0/0
     w[1, 128:256] = 0

@@ -69,10 +69,9 @@ def top2_margins(logits):
 
 
 @pytest.mark.parametrize("tied", [False, True])
-def test_28_layers_stay_finite_and_decisive(tmp_path, tied):
+def test_28_layers_stay_finite_and_decisive(tmp_path, tied, seed, rng):
     config = tiny_config(num_hidden_layers=28, vocab_size=8192, tie_word_embeddings=tied)
-    path = write_synthetic(tmp_path / "m.nanoqwen", config, seed=int(np.random.default_rng().integers(1 << 30)))
-    rng = np.random.default_rng()
+    path = write_synthetic(tmp_path / "m.nanoqwen", config, seed=seed)
     with open_model(path, verify=True) as m:
         logits, peak, rms = forward(m, rng.integers(0, 8192, size=12))
     assert np.all(np.isfinite(logits))
@@ -84,10 +83,10 @@ def test_28_layers_stay_finite_and_decisive(tmp_path, tied):
     assert np.median(margins) > 0.1 and np.mean(margins > 0.02) >= 0.75, f"top-2 margins {margins}"
 
 
-def test_default_tiny_model_full_vocab(tmp_path):
+def test_default_tiny_model_full_vocab(tmp_path, seed):
     config = tiny_config()
     assert config["vocab_size"] == 152064 and config["hidden_size"] // config["num_attention_heads"] == 128
-    path = write_synthetic(tmp_path / "tiny.nanoqwen", config, seed=int(np.random.default_rng().integers(1 << 30)))
+    path = write_synthetic(tmp_path / "tiny.nanoqwen", config, seed=seed)
     with open_model(path) as m:
         assert m.tokenizer_json.startswith("{") and "<|im_end|>" in m.tokenizer_json
         assert "chat_template" in m.tokenizer_config and m.generation_config["eos_token_id"] == [151645, 151643]

@@ -13,23 +13,20 @@ def test_worked_example_word():
     np.testing.assert_array_equal(unpack_valueshuffle(words), u)
 
 
-def test_unpack_then_pack_random_words():
-    rng = np.random.default_rng()
+def test_unpack_then_pack_random_words(rng):
     words = rng.integers(0, 1 << 32, size=(7, 19), dtype=np.uint32)
     u = unpack_valueshuffle(words)
     assert u.shape == (7, 152) and u.max() <= 15
     np.testing.assert_array_equal(pack_valueshuffle(u), words)
 
 
-def test_pack_then_unpack_random_values():
-    rng = np.random.default_rng()
+def test_pack_then_unpack_random_values(rng):
     u = rng.integers(0, 16, size=(5, 1024), dtype=np.uint8)
     np.testing.assert_array_equal(unpack_valueshuffle(pack_valueshuffle(u)), u)
 
 
-def test_bit_positions_match_the_diagram():
+def test_bit_positions_match_the_diagram(rng):
     """bits 4i..4i+3 of byte i... : nibble at bit 8i is u[k+i], at bit 8i+4 is u[k+4+i]."""
-    rng = np.random.default_rng()
     u = rng.integers(0, 16, size=(3, 64), dtype=np.uint8)
     words = pack_valueshuffle(u)
     for r in range(3):

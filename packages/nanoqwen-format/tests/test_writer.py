@@ -24,8 +24,7 @@ def chunks_for(spec, rng, pieces=3):
     return arr, np.array_split(arr, pieces) if arr.ndim else [arr]
 
 
-def test_chunked_writes_round_trip(tmp_path):
-    rng = np.random.default_rng()
+def test_chunked_writes_round_trip(tmp_path, rng):
     written = {}
     with writer(tmp_path / "m.nanoqwen") as w:
         for s in SPECS:
@@ -37,8 +36,7 @@ def test_chunked_writes_round_trip(tmp_path):
             np.testing.assert_array_equal(m.tensor(name), arr)
 
 
-def test_order_size_and_dtype_are_checked(tmp_path):
-    rng = np.random.default_rng()
+def test_order_size_and_dtype_are_checked(tmp_path, rng):
     with pytest.raises(NanoqwenFormatError, match="expected model.embed_tokens.weight"):
         with writer(tmp_path / "a.nanoqwen") as w:
             w.write_tensor(SPECS[1].name, [])
@@ -54,8 +52,7 @@ def test_order_size_and_dtype_are_checked(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_disk_error_is_one_error_and_no_file(tmp_path):
-    rng = np.random.default_rng()
+def test_disk_error_is_one_error_and_no_file(tmp_path, rng):
 
     class FullDisk:
         def __init__(self, f):

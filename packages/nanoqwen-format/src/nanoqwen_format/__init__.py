@@ -16,10 +16,10 @@ from .reader import NanoqwenFile, open_model  # noqa: E402
 from .synthetic import tiny_config, write_synthetic  # noqa: E402
 from .valueshuffle import pack_valueshuffle, unpack_valueshuffle  # noqa: E402
 
-# The converter lived in `convert.py` until 2026-11-30, and importing that submodule rebound the package
-# attribute `convert` from the function to the module. It is `converter.py` now; this alias keeps
-# `from nanoqwen_format.convert import convert` (nanoqwen-engine's model_source.py) working without the
-# rebinding: a module already in sys.modules is returned as is, and the package attribute stays the function.
+# `from nanoqwen_format.convert import convert` (nanoqwen-engine's model_source.py) names converter.py
+# through this alias. A real submodule called `convert` would rebind the package attribute `convert` from
+# the function to the module when imported; a module already in sys.modules is returned as is, so the
+# attribute stays the function.
 _sys.modules[f"{__name__}.convert"] = _sys.modules[f"{__name__}.converter"]
 
 __all__ = [

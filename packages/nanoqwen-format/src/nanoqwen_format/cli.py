@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from .errors import NanoqwenFormatError
+from .strict import is_finite_number, short
 
 
 def _fail(e: NanoqwenFormatError):
@@ -57,26 +58,45 @@ def inspect_command(file: Path, as_json: bool, verify: bool):
     if as_json:
         click.echo(json.dumps(head, indent=2))
         return
+    click.echo(f"{file}: " + "\n".join(summary_lines(head, verify)))
+
+
+def _text(v) -> str:
+    """An informative value (provenance, architectures: any JSON) as short text."""
+    if isinstance(v, str):
+        return v if len(v) <= 100 else v[:97] + "..."
+    if isinstance(v, list) and v and all(isinstance(x, str) for x in v):
+        return _text(", ".join(v))
+    return short(v)
+
+
+def summary_lines(head: dict, verify: bool) -> list[str]:
+    """The text `inspect` prints for a validated file's header (describe()'s dict). The reader has checked
+    what it uses; architectures and provenance are informative and may hold any JSON, so they go
+    through _text."""
     c, tensors = head["config"], head["tensors"]
     by_dtype: dict[str, int] = {}
     for t in tensors:
         by_dtype[t["dtype"]] = by_dtype.get(t["dtype"], 0) + t["nbytes"]
-    click.echo(f"{file}: .nanoqwen v1, {head['file_bytes'] / 1e9:.3f} GB, valid" + (", CRCs verified" if verify else ""))
-    click.echo(f"  model      {', '.join(c.get('architectures') or ['?'])}: {c['num_hidden_layers']} layers, "
-               f"hidden {c['hidden_size']}, intermediate {c['intermediate_size']}, heads "
-               f"{c['num_attention_heads']}/{c['num_key_value_heads']} kv, vocab {c['vocab_size']}, "
-               f"tied {str(c['tie_word_embeddings']).lower()}, rope_theta {c['rope_theta']}, eps {c['rms_norm_eps']}")
+    lines = [f".nanoqwen v1, {head['file_bytes'] / 1e9:.3f} GB, valid" + (", CRCs verified" if verify else "")]
+    lines.append(f"  model      {_text(c.get('architectures') or '?')}: {c['num_hidden_layers']} layers, "
+                 f"hidden {c['hidden_size']}, intermediate {c['intermediate_size']}, heads "
+                 f"{c['num_attention_heads']}/{c['num_key_value_heads']} kv, vocab {c['vocab_size']}, "
+                 f"tied {str(c['tie_word_embeddings']).lower()}, rope_theta {c['rope_theta']}, eps {c['rms_norm_eps']}")
     q = head["quantization"]
-    click.echo(f"  quant      int{q['bits']} symmetric, group {q['group_size']}, {q['scale_dtype']} scales, {q['packing']}")
-    click.echo(f"  tensors    {len(tensors)}: " + ", ".join(f"{k} {v / 1e9:.3f} GB" for k, v in sorted(by_dtype.items())))
-    click.echo(f"  tokenizer  {head['tokenizer_json_chars']} chars; chat template "
-               f"{'yes' if head['tokenizer_config'].get('chat_template') else 'no'}; "
-               f"eos {head['generation_config'].get('eos_token_id', c.get('eos_token_id'))}")
+    lines.append(f"  quant      int{q['bits']} symmetric, group {q['group_size']}, {q['scale_dtype']} scales, {q['packing']}")
+    lines.append(f"  tensors    {len(tensors)}: " + ", ".join(f"{k} {v / 1e9:.3f} GB" for k, v in sorted(by_dtype.items())))
+    lines.append(f"  tokenizer  {head['tokenizer_json_chars']} chars; chat template "
+                 f"{'yes' if head['tokenizer_config'].get('chat_template') else 'no'}; "
+                 f"eos {head['generation_config'].get('eos_token_id', c.get('eos_token_id'))}")
     prov = head["provenance"]
-    click.echo(f"  provenance {prov.get('source', '?')} by {prov.get('converter', '?')}"
-               + (f" at {prov['created']}" if "created" in prov else ""))
-    for kind, e in (prov.get("quantization_error") or {}).items():
-        click.echo(f"    {kind:<10} |w - w'| max {e['max_abs']:.3e} mean {e['mean_abs']:.3e}")
+    lines.append(f"  provenance {_text(prov.get('source', '?'))} by {_text(prov.get('converter', '?'))}"
+                 + (f" at {_text(prov['created'])}" if "created" in prov else ""))
+    errors = prov.get("quantization_error")
+    for kind, e in (errors.items() if isinstance(errors, dict) else ()):
+        if isinstance(e, dict) and all(is_finite_number(e.get(k)) for k in ("max_abs", "mean_abs")):
+            lines.append(f"    {_text(kind):<10} |w - w'| max {e['max_abs']:.3e} mean {e['mean_abs']:.3e}")
+    return lines
 
 
 class _ConvertGroup(click.Group):

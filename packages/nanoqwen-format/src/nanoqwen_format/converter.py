@@ -7,7 +7,6 @@ returned and, with progress=True, printed.
 """
 
 import datetime
-import json
 import re
 import sys
 from pathlib import Path
@@ -15,11 +14,20 @@ from pathlib import Path
 import numpy as np
 
 from .errors import NanoqwenFormatError
-from .layout import PROJECTION_KINDS, expected_tensors, source_tensors, validate_config
+from .layout import (
+    MAX_JSON,
+    PROJECTION_KINDS,
+    expected_tensors,
+    source_tensors,
+    validate_config,
+    validate_generation_config,
+    validate_tokenizer_config,
+)
 from .quantize import dequantize_int4, quantize_int4
 from .safetensors_io import SafetensorsFile
+from .strict import loads, open_regular, short
 from .valueshuffle import pack_valueshuffle
-from .writer import NanoqwenWriter
+from .writer import NanoqwenWriter, check_destination, check_not_an_input
 
 NEEDED = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
           "*.safetensors", "model.safetensors.index.json"]
@@ -46,53 +54,87 @@ def resolve_source(src) -> tuple[Path, dict]:
     return Path(folder), {"source": f"hf://{src}", "snapshot": Path(folder).name}
 
 
-def _read_json(path: Path, required: bool = True):
-    if not path.exists():
+def _read_text(path: Path, required: bool = True) -> str | None:
+    """A source file's text (UTF-8, a regular file, at most MAX_JSON bytes); None if optional and absent."""
+    if not path.exists() and not path.is_symlink():
         if required:
             raise NanoqwenFormatError(f"{path.parent.name}: {path.name} is missing")
-        return {}
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise NanoqwenFormatError(f"{path}: not valid JSON ({e})") from None
+        return None
+    f, size = open_regular(path, path.name)
+    with f:
+        if size > MAX_JSON:
+            raise NanoqwenFormatError(f"{path.name}: {size} bytes, more than the {MAX_JSON >> 20} MiB a "
+                                      f".nanoqwen header can embed")
+        try:
+            return f.read().decode("utf-8")
+        except OSError as e:
+            raise NanoqwenFormatError(f"{path.name}: cannot read ({e.strerror or e})") from None
+        except UnicodeDecodeError as e:
+            raise NanoqwenFormatError(f"{path.name} is not valid UTF-8: {e.reason} at byte {e.start}") from None
 
 
-def model_config(hf_config: dict) -> dict:
-    """The HF config as a .nanoqwen file stores it, after refusing what v1 cannot represent."""
+def _read_json(path: Path, required: bool = True):
+    """A source JSON file, parsed as strictly as the reader parses its header; {} if optional and absent."""
+    text = _read_text(path, required)
+    return {} if text is None else loads(text, path.name)
+
+
+def model_config(hf_config) -> dict:
+    """The HF config as a .nanoqwen file stores it, after refusing what v1 cannot represent
+    (layout.validate_config: the same rules the reader applies)."""
+    if not isinstance(hf_config, dict):
+        raise NanoqwenFormatError(f"config.json must be a JSON object, got {short(hf_config)}")
     archs = hf_config.get("architectures") or []
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise NanoqwenFormatError(f"config.json: architectures must be a list of strings, got {short(archs)}")
     if "Qwen2ForCausalLM" not in archs and not (not archs and hf_config.get("model_type") == "qwen2"):
-        raise NanoqwenFormatError(f"not a Qwen2ForCausalLM checkpoint (architectures={archs}, "
-                                  f"model_type={hf_config.get('model_type')!r})")
-    if hf_config.get("hidden_act", "silu") != "silu":
-        raise NanoqwenFormatError(f"hidden_act {hf_config['hidden_act']!r} is not supported (only silu)")
-    if hf_config.get("use_sliding_window"):
-        raise NanoqwenFormatError("use_sliding_window=true is not supported (nanoqwen attends to the whole context)")
-    if hf_config.get("rope_scaling"):
-        raise NanoqwenFormatError(f"rope_scaling {hf_config['rope_scaling']} is not supported (plain RoPE only)")
+        raise NanoqwenFormatError(f"not a Qwen2ForCausalLM checkpoint (architectures={short(archs)}, "
+                                  f"model_type={short(hf_config.get('model_type'))})")
     config = dict(hf_config)
     config.setdefault("tie_word_embeddings", False)  # the Qwen2 default when the key is absent
     return validate_config(config)
+
+
+def _shard_names(folder: Path, index: Path) -> list[str]:
+    """The shard files model.safetensors.index.json names: plain file names in `folder`."""
+    index_json = _read_json(index)
+    weight_map = index_json.get("weight_map") if isinstance(index_json, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise NanoqwenFormatError(f"{index.name}: no weight_map object")
+    names = set(weight_map.values())
+    for name in names:
+        if not isinstance(name, str) or Path(name).name != name or name in (".", "..") \
+                or not name.endswith(".safetensors"):
+            raise NanoqwenFormatError(f"{index.name}: shard {short(name)} is not a .safetensors file name "
+                                      f"in the checkpoint folder")
+    return sorted(names)
 
 
 def open_checkpoint(folder: Path) -> dict[str, SafetensorsFile]:
     """tensor name -> the safetensors file holding it (index.json if present, else every *.safetensors)."""
     index = folder / "model.safetensors.index.json"
     if index.exists():
-        weight_map = _read_json(index).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise NanoqwenFormatError(f"{index.name}: no weight_map")
-        names = sorted(set(weight_map.values()))
+        names = _shard_names(folder, index)
     else:
         names = sorted(p.name for p in folder.glob("*.safetensors"))
     if not names:
         raise NanoqwenFormatError(f"{folder}: no *.safetensors weights (.bin/.pt checkpoints are not supported)")
-    where = {}
-    for name in names:
-        if not (folder / name).exists():
-            raise NanoqwenFormatError(f"{folder}: shard {name} named in the index is missing")
-        f = SafetensorsFile(folder / name)
-        for t in f.tensors:
-            where[t] = f
+    where: dict[str, SafetensorsFile] = {}
+    opened = []
+    try:
+        for name in names:
+            if not (folder / name).exists():
+                raise NanoqwenFormatError(f"{folder}: shard {name} named in the index is missing")
+            f = SafetensorsFile(folder / name)
+            opened.append(f)
+            for t in f.tensors:
+                if t in where:
+                    raise NanoqwenFormatError(f"tensor {short(t)} is in both {where[t].path.name} and {name}")
+                where[t] = f
+    except BaseException:
+        for f in opened:
+            f.close()
+        raise
     return where
 
 
@@ -115,21 +157,27 @@ class _ErrorStats:
 
 
 def convert(src, dst, progress: bool = True) -> dict:
-    """Convert; returns {"path", "bytes", "quantization_error": {kind: {max_abs, mean_abs, ...}}}."""
+    """Convert; returns {"path", "bytes", "quantization_error": {kind: {max_abs, mean_abs, ...}}}.
+
+    Every input that ends up in the file is checked before any weight is read, with the reader's own
+    rules (a finished conversion always opens), and dst may be neither an input nor inside the source."""
     folder, prov = resolve_source(src)
-    hf_config = _read_json(folder / "config.json")
-    config = model_config(hf_config)
-    tok_path = folder / "tokenizer.json"
-    if not tok_path.exists():
-        raise NanoqwenFormatError(f"{folder.name}: tokenizer.json is missing (the file embeds it)")
+    dst = Path(dst)
     try:
-        tokenizer_json = tok_path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise NanoqwenFormatError(f"{tok_path}: cannot read ({e})") from None
-    tokenizer_config = _read_json(folder / "tokenizer_config.json")
-    generation_config = _read_json(folder / "generation_config.json", required=False)
+        inputs = list(folder.iterdir())
+    except OSError as e:
+        raise NanoqwenFormatError(f"cannot list {folder}: {e.strerror}") from None
+    check_not_an_input(dst, [folder, *inputs])
+    check_destination(dst)
+    config = model_config(_read_json(folder / "config.json"))
+    tokenizer_config = validate_tokenizer_config(_read_json(folder / "tokenizer_config.json"))
+    generation_config = validate_generation_config(_read_json(folder / "generation_config.json", required=False))
+    tokenizer_json = _read_text(folder / "tokenizer.json")
     where = open_checkpoint(folder)
     try:
+        # Parsed last of the cheap checks: a 7 MB tokenizer takes a few hundred ms.
+        if not isinstance(loads(tokenizer_json, "tokenizer.json"), dict):
+            raise NanoqwenFormatError("tokenizer.json is not a JSON object")
         return _convert(config, where, dst, progress, prov, tokenizer_json, tokenizer_config, generation_config)
     finally:
         for f in set(where.values()):

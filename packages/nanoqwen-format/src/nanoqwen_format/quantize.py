@@ -29,7 +29,7 @@ def quantize_int4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     n, k = w.shape
     g = w.astype(np.float32, copy=False).reshape(n, k // GROUP, GROUP)  # [N, K/128, 128]
     # max|w| as max(max, -min): two reductions and no |w| temporary (this function is the converter's
-    # hot loop: 31M values/s before, on the 2-core machine here; every full pass over g counts).
+    # hot loop, so every full pass over g counts).
     amax = np.maximum(g.max(axis=2), -g.min(axis=2))  # [N, K/128] float32
     if not np.all(np.isfinite(amax)):
         raise NanoqwenFormatError("quantize_int4: weights contain inf or NaN")

@@ -1,11 +1,12 @@
 """open_model: validate a .nanoqwen file completely, then serve zero-copy numpy views from one mmap.
 
-Validation order follows docs/FORMAT.md "Validation": magic before any other read, then the fixed header,
-the JSON, the config, the quantization block, the tensor table against the file's size and against the
+Validation order follows docs/FORMAT.md "Validation": magic before any other read, then the fixed header
+(the JSON length bounded before a byte of the JSON is touched), the JSON, the config, tokenizer_config and
+generation_config, the quantization block, the tensor table against the file's size and against the
 config, and (verify=True) every tensor's CRC32. Every failure is one NanoqwenFormatError naming it.
 """
 
-import json
+import codecs
 import math
 import mmap
 import os
@@ -28,90 +29,109 @@ from .layout import (
     align_up,
     expected_tensors,
     validate_config,
+    validate_generation_config,
+    validate_tokenizer_config,
 )
 from .quantize import dequantize_int4
+from .strict import MAX_BYTES, check_disjoint, int_in, label, loads, open_regular, shape_nbytes, short
 from .valueshuffle import unpack_valueshuffle
 
 TOP_KEYS = {"config": dict, "quantization": dict, "tensors": list, "tokenizer_json": str,
             "tokenizer_config": dict, "generation_config": dict, "provenance": dict}
 ENTRY_KEYS = ("name", "dtype", "shape", "offset", "nbytes", "crc32")
 CRC_RE = re.compile(r"[0-9a-f]{8}")
+CRC_CHUNK = 64 << 20  # bytes per zlib.crc32 call in verify(): one call per chunk of a memoryview, no copy
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _canon(obj) -> str:
-    return json.dumps(obj, sort_keys=True)  # type-strict equality: true != 1 here
-
-
-def read_header(f, size: int) -> tuple[dict, int]:
-    """Parse and check the fixed header and the JSON; returns (header dict, data section start)."""
+def check_fixed_header(fixed: bytes, size: int) -> int:
+    """The 24-byte fixed header of a file of `size` bytes (fixed: its first min(24, size) bytes);
+    returns N, the JSON length, known to be at most MAX_JSON and to fit in the file."""
     if size < len(MAGIC):
         raise NanoqwenFormatError(f"file is too short ({size} bytes) to hold the magic {MAGIC!r}")
-    magic = f.read(8)
-    if magic != MAGIC:
-        raise NanoqwenFormatError(f"bad magic {magic!r}: not a .nanoqwen file (want {MAGIC!r})")
+    if fixed[:8] != MAGIC:
+        raise NanoqwenFormatError(f"bad magic {fixed[:8]!r}: not a .nanoqwen file (want {MAGIC!r})")
     if size < FIXED_HEADER:
         raise NanoqwenFormatError(f"file is too short ({size} bytes) for the {FIXED_HEADER}-byte fixed header")
-    version, flags, json_len = struct.unpack("<IIQ", f.read(16))
+    version, flags, json_len = struct.unpack("<IIQ", fixed[8:FIXED_HEADER])
     if version != VERSION:
         raise NanoqwenFormatError(f"unknown format version {version} (this reader knows {VERSION})")
     if flags != 0:
         raise NanoqwenFormatError(f"unknown flags 0x{flags:08x} (v1 defines none)")
-    if json_len > MAX_JSON or FIXED_HEADER + json_len > size:
+    if json_len > MAX_JSON:
+        raise NanoqwenFormatError(f"JSON header length {json_len} exceeds the {MAX_JSON >> 20} MiB a v1 header "
+                                  f"may have")
+    if FIXED_HEADER + json_len > size:
         raise NanoqwenFormatError(f"JSON header length {json_len} runs past the end of the file ({size} bytes)")
-    raw = f.read(json_len)
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise NanoqwenFormatError(f"JSON header is not valid UTF-8 JSON: {str(e)[:120]}") from None
+    return json_len
+
+
+def read_header(mm: mmap.mmap, json_len: int, size: int) -> tuple[dict, int]:
+    """Parse and check the JSON header straight from the mapping; returns (header dict, data section start).
+
+    No copy of the raw bytes is made: a NUL byte (never in JSON text, and what a hole in a sparse file
+    reads as) is looked for first, in place, then the bytes are decoded from a view of the mapping into
+    the one str that json parses."""
+    end = FIXED_HEADER + json_len
+    nul = mm.find(b"\0", FIXED_HEADER, end)
+    if nul != -1:
+        raise NanoqwenFormatError(f"JSON header is not valid JSON text: a NUL byte at offset {nul}")
+    with memoryview(mm) as whole, whole[FIXED_HEADER:end] as raw:
+        try:
+            text, _ = codecs.utf_8_decode(raw, "strict", True)
+        except UnicodeDecodeError as e:
+            raise NanoqwenFormatError(f"JSON header is not valid UTF-8: {e.reason} at byte "
+                                      f"{FIXED_HEADER + e.start}") from None
+    header = loads(text, "JSON header")
+    del text
     if not isinstance(header, dict):
         raise NanoqwenFormatError("JSON header is not a JSON object")
     for key, typ in TOP_KEYS.items():
         if not isinstance(header.get(key), typ):
             raise NanoqwenFormatError(f"JSON header: {key!r} missing or not a {typ.__name__}")
-    data_start = align_up(FIXED_HEADER + json_len)
-    pad = f.read(min(data_start, size) - FIXED_HEADER - json_len)
-    if pad.strip(b"\0"):
+    data_start = align_up(end)
+    if mm[end:min(data_start, size)].strip(b"\0"):
         raise NanoqwenFormatError("nonzero bytes in the padding between the JSON header and the data section")
     return header, data_start
 
 
+def check_quantization(q: dict) -> None:
+    """Exactly the v1 block, values and JSON types (true is not 1)."""
+    if set(q) != set(QUANTIZATION) or any(type(q[k]) is not type(v) or q[k] != v for k, v in QUANTIZATION.items()):
+        raise NanoqwenFormatError(f"unsupported quantization {short(q)} (v1 is exactly {QUANTIZATION})")
+
+
 def check_tensor_table(header: dict, size: int, data_start: int) -> dict[str, dict]:
-    """Every entry well-formed, inside the file, aligned, non-overlapping, and exactly what the config needs."""
+    """Every entry well-formed, inside the file, aligned, non-overlapping, and exactly what the config needs.
+
+    Each integer is bounded (strict.shape_nbytes, MAX_BYTES) before any arithmetic uses it."""
     config = header["config"]
     table: dict[str, dict] = {}
-    for entry in header["tensors"]:
+    for i, entry in enumerate(header["tensors"]):
         if not isinstance(entry, dict) or set(entry) != set(ENTRY_KEYS):
-            raise NanoqwenFormatError(f"tensor table entry must have exactly the keys {ENTRY_KEYS}: {str(entry)[:80]}")
+            raise NanoqwenFormatError(f"tensor table entry {i} must have exactly the keys {ENTRY_KEYS}: {short(entry)}")
         name = entry["name"]
         if not isinstance(name, str) or name in table:
-            raise NanoqwenFormatError(f"tensor table: bad or duplicate name {name!r}")
-        dtype, shape, off, nb = entry["dtype"], entry["shape"], entry["offset"], entry["nbytes"]
+            raise NanoqwenFormatError(f"tensor table: bad or duplicate name {short(name)}")
+        what = f"tensor {label(name)}"
+        dtype, off, nb = entry["dtype"], entry["offset"], entry["nbytes"]
         if not isinstance(dtype, str) or dtype not in DTYPES:
-            raise NanoqwenFormatError(f"tensor {name}: unknown dtype {dtype!r} (want one of {sorted(DTYPES)})")
-        if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
-            raise NanoqwenFormatError(f"tensor {name}: shape {shape!r} is not a list of non-negative integers")
-        if not _is_int(off) or not _is_int(nb) or off < 0 or nb < 0:
-            raise NanoqwenFormatError(f"tensor {name}: offset/nbytes must be non-negative integers")
+            raise NanoqwenFormatError(f"{what}: unknown dtype {short(dtype)} (want one of {sorted(DTYPES)})")
+        want = shape_nbytes(entry["shape"], DTYPES[dtype], what)
+        for key, v in (("offset", off), ("nbytes", nb)):
+            if not int_in(v, 0, MAX_BYTES):
+                raise NanoqwenFormatError(f"{what}: {key} must be an integer in 0..2^62, got {short(v)}")
         if not isinstance(entry["crc32"], str) or not CRC_RE.fullmatch(entry["crc32"]):
-            raise NanoqwenFormatError(f"tensor {name}: crc32 must be 8 lowercase hex digits")
-        if math.prod(shape) * DTYPES[dtype] != nb:
-            raise NanoqwenFormatError(f"tensor {name}: dtype {dtype} x shape {shape} = "
-                                      f"{math.prod(shape) * DTYPES[dtype]} bytes != nbytes {nb}")
+            raise NanoqwenFormatError(f"{what}: crc32 must be 8 lowercase hex digits")
+        if want != nb:
+            raise NanoqwenFormatError(f"{what}: dtype {dtype} x shape {entry['shape']} = {want} bytes != nbytes {nb}")
         if off % ALIGN:
-            raise NanoqwenFormatError(f"tensor {name}: offset {off} is not aligned to {ALIGN} bytes")
+            raise NanoqwenFormatError(f"{what}: offset {off} is not aligned to {ALIGN} bytes")
         if off < data_start:
-            raise NanoqwenFormatError(f"tensor {name}: offset {off} lies inside the header (data starts at {data_start})")
+            raise NanoqwenFormatError(f"{what}: offset {off} lies inside the header (data starts at {data_start})")
         if off + nb > size:
-            raise NanoqwenFormatError(f"tensor {name}: bytes {off}..{off + nb} run past the end of the file ({size} bytes)")
+            raise NanoqwenFormatError(f"{what}: bytes {off}..{off + nb} run past the end of the file ({size} bytes)")
         table[name] = entry
-    spans = sorted((e["offset"], e["offset"] + e["nbytes"], n) for n, e in table.items())
-    for (_, end_a, a), (start_b, _, b) in zip(spans, spans[1:], strict=False):
-        if start_b < end_a:
-            raise NanoqwenFormatError(f"tensors {a} and {b} overlap")
+    check_disjoint([(e["offset"], e["offset"] + e["nbytes"], n) for n, e in table.items()], "tensors")
     expected = expected_tensors(config)
     names = {t.name for t in expected}
     for t in expected:
@@ -119,7 +139,7 @@ def check_tensor_table(header: dict, size: int, data_start: int) -> dict[str, di
             raise NanoqwenFormatError(f"missing tensor {t.name}")
     for n in table:
         if n not in names:
-            raise NanoqwenFormatError(f"unexpected tensor {n} (not part of this config's model)")
+            raise NanoqwenFormatError(f"unexpected tensor {label(n)} (not part of this config's model)")
     for t in expected:
         e = table[t.name]
         if e["dtype"] != t.dtype or tuple(e["shape"]) != t.shape:
@@ -171,12 +191,14 @@ class NanoqwenFile:
 
     def verify(self) -> None:
         """Check every tensor's CRC32 against the table."""
-        for name, e in self._table.items():
-            crc = 0
-            for start in range(e["offset"], e["offset"] + e["nbytes"], 64 << 20):
-                crc = zlib.crc32(self._mm[start:min(start + (64 << 20), e["offset"] + e["nbytes"])], crc)
-            if f"{crc:08x}" != e["crc32"]:
-                raise NanoqwenFormatError(f"tensor {name}: CRC32 mismatch (file {crc:08x}, table {e['crc32']})")
+        with memoryview(self._mm) as whole:
+            for name, e in self._table.items():
+                crc, end = 0, e["offset"] + e["nbytes"]
+                for start in range(e["offset"], end, CRC_CHUNK):
+                    with whole[start:min(start + CRC_CHUNK, end)] as chunk:
+                        crc = zlib.crc32(chunk, crc)
+                if f"{crc:08x}" != e["crc32"]:
+                    raise NanoqwenFormatError(f"tensor {name}: CRC32 mismatch (file {crc:08x}, table {e['crc32']})")
 
     def close(self) -> None:
         if self._mm is not None:
@@ -203,21 +225,24 @@ class NanoqwenFile:
 def open_model(path, verify: bool = False) -> NanoqwenFile:
     """Validate and map a .nanoqwen file; verify=True also checks every tensor's CRC32."""
     path = Path(path)
+    f, size = open_regular(path)
+    mm = None
     try:
-        f = open(path, "rb")
-    except OSError as e:
-        raise NanoqwenFormatError(f"cannot open {path}: {e.strerror}") from None
-    try:
-        size = os.fstat(f.fileno()).st_size
-        header, data_start = read_header(f, size)
+        json_len = check_fixed_header(os.pread(f.fileno(), FIXED_HEADER, 0), size)
+        try:
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except (OSError, ValueError, OverflowError) as e:
+            raise NanoqwenFormatError(f"cannot map {path} ({size} bytes): {e}") from None
+        header, data_start = read_header(mm, json_len, size)
         validate_config(header["config"])
-        if _canon(header["quantization"]) != _canon(QUANTIZATION):
-            raise NanoqwenFormatError(f"unsupported quantization {str(header['quantization'])[:200]} "
-                                      f"(v1 is exactly {QUANTIZATION})")
+        validate_tokenizer_config(header["tokenizer_config"])
+        validate_generation_config(header["generation_config"])
+        check_quantization(header["quantization"])
         table = check_tensor_table(header, size, data_start)
-        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         model = NanoqwenFile(path, header, table, f, mm)
     except BaseException:
+        if mm is not None:
+            mm.close()
         f.close()
         raise
     if verify:
