@@ -55,8 +55,7 @@ def test_min_p_scales_with_the_top_probability():
     assert kept(min_p_mask(LOGITS, 1.0)) == [1]
 
 
-def test_repetition_penalty_divides_positive_and_multiplies_negative():
-    rng = np.random.default_rng()
+def test_repetition_penalty_divides_positive_and_multiplies_negative(rng):
     x = rng.normal(size=64).astype(np.float32) * 3
     seen = rng.random(64) < 0.3
     out = apply_repetition_penalty(x, seen, 1.3)
@@ -79,8 +78,7 @@ def test_penalty_comes_before_temperature():
     np.testing.assert_array_equal(processed_logits(x, st.params, st.seen), expect)
 
 
-def test_greedy_is_argmax_and_ignores_the_rng():
-    rng = np.random.default_rng()
+def test_greedy_is_argmax_and_ignores_the_rng(rng):
     for _ in range(20):
         x = rng.normal(size=1000).astype(np.float32)
         assert SamplerState(params(temperature=0), 1000).sample(x) == int(np.argmax(x))
@@ -93,8 +91,8 @@ def test_greedy_with_explicit_penalty_avoids_a_seen_token():
     assert st.sample(x) == 1  # 3.0 / 1.2 = 2.5 < 2.9
 
 
-def test_seeded_sampling_is_reproducible():
-    x = np.random.default_rng().normal(size=500).astype(np.float32)
+def test_seeded_sampling_is_reproducible(rng):
+    x = rng.normal(size=500).astype(np.float32)
     def draws(seed):
         st = SamplerState(params(seed=seed, repetition_penalty=1.0), 500)
         return [st.sample(x) for _ in range(60)]
@@ -102,10 +100,10 @@ def test_seeded_sampling_is_reproducible():
     assert draws(1234) != draws(99)
 
 
-def test_temperature_distribution_matches_softmax():
+def test_temperature_distribution_matches_softmax(rng):
     x = np.array([1.0, 0.0, -0.5, 2.0], dtype=np.float32)
     for t in (0.5, 1.7):
-        st = SamplerState(params(temperature=t, seed=int(np.random.default_rng().integers(1 << 30))), 4)
+        st = SamplerState(params(temperature=t, seed=int(rng.integers(1 << 30))), 4)
         st.seen[:] = False
         n = 20000
         counts = np.zeros(4)
