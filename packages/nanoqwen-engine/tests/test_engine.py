@@ -231,3 +231,47 @@ def test_request_waits_for_pages_then_both_give_their_solo_tokens(tiny_path, rng
     assert first + [e.token_id for e in running] == solo_a
     assert other.result().token_ids == solo_b
     assert pool_idle(engine)
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"kv_pages": 0}, "kv_pages"), ({"kv_pages": 2.5}, "kv_pages"), ({"max_context": 2.5}, "max_context"),
+    ({"max_context": 0}, "max_context"), ({"max_context": "96"}, "max_context"), ({"max_batch": 0}, "max_batch"),
+    ({"prefill_chunk": 0}, "prefill_chunk"), ({"max_queue": -1}, "max_queue"), ({"max_batch": True}, "max_batch"),
+    ({"progress": "no"}, "progress"),
+])
+def test_load_arguments_are_checked_before_the_model_is_opened(tmp_path, kw, match):
+    """A missing model would raise ModelNotFoundError: the argument error comes first."""
+    with pytest.raises(InvalidRequestError, match=match):
+        Engine.load(tmp_path / "missing.nanoqwen", device="cpu", **kw)
+
+
+class _Patched:
+    """A NanoqwenFile whose config dicts are replaced: what a file the reader accepts may hold."""
+
+    def __init__(self, nq, **dicts):
+        self._nq, self._dicts = nq, dicts
+
+    def __getattr__(self, name):
+        return self._dicts[name] if name in self._dicts else getattr(self._nq, name)
+
+
+@pytest.mark.parametrize("field, change, match", [
+    ("config", {"eos_token_id": "abc"}, "eos_token_id"), ("config", {"eos_token_id": [None]}, "eos_token_id"),
+    ("config", {"max_position_embeddings": "x"}, "max_position_embeddings"),
+    ("config", {"max_position_embeddings": 0}, "max_position_embeddings"),
+    ("tokenizer_config", {"chat_template": 5}, "chat_template"),
+    ("generation_config", {"temperature": float("nan")}, "generation_config.temperature"),
+    ("generation_config", {"top_k": "20"}, "generation_config.top_k"),
+])
+def test_bad_values_in_an_accepted_file_are_model_format_errors(tiny_path, monkeypatch, field, change, match):
+    import nanoqwen_format
+
+    real = nanoqwen_format.open_model
+
+    def patched(path, *a, **kw):
+        nq = real(path, *a, **kw)
+        return _Patched(nq, **{field: {**(getattr(nq, field) or {}), **change}})
+
+    monkeypatch.setattr(nanoqwen_format, "open_model", patched)
+    with pytest.raises(ModelFormatError, match=match):
+        Engine.load(tiny_path, device="cpu", progress=False)

@@ -131,8 +131,43 @@ def test_params_resolve_from_generation_config():
     assert SamplingParams(stop="x").stop == ("x",)
 
 
-@pytest.mark.parametrize("kw", [{"temperature": -1}, {"top_p": 0}, {"top_k": -2}, {"min_p": 2},
-                                {"max_tokens": 0}, {"repetition_penalty": 0}, {"stop": [""]}])
-def test_bad_params_are_one_clear_error(kw):
-    with pytest.raises(InvalidRequestError, match=next(iter(kw))):
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize("kw", [
+    {"temperature": -1}, {"top_p": 0}, {"top_k": -2}, {"min_p": 2}, {"max_tokens": 0},
+    {"repetition_penalty": 0}, {"stop": [""]},
+    # the fuzz's findings: each escaped as IndexError/TypeError later, or degenerated the output
+    {"temperature": NAN}, {"temperature": INF}, {"repetition_penalty": NAN}, {"top_p": NAN}, {"min_p": NAN},
+    {"max_tokens": "3"}, {"max_tokens": 3.0}, {"max_tokens": True}, {"top_k": 1.5}, {"temperature": "0.7"},
+    {"seed": -2}, {"seed": 2**64}, {"seed": 1.5}, {"seed": "7"}, {"stop": 5}, {"stop": [1]},
+    {"ignore_eos": 1}, {"temperature": None, "top_p": 1.5},
+])
+def test_bad_params_are_one_clear_error_naming_the_field(kw):
+    field = [k for k, v in kw.items() if v is not None][0]
+    with pytest.raises(InvalidRequestError, match=f"SamplingParams.{field}"):
         SamplingParams(**kw)
+
+
+def test_seed_minus_one_means_random_and_numpy_ints_are_ints():
+    a, b = SamplerState(params(seed=-1), 8), SamplerState(params(seed=-1), 8)
+    assert SamplingParams(seed=-1).seed is None and a.seed != b.seed  # fresh seeds, reported in stats
+    p = SamplingParams(max_tokens=np.int64(5), top_k=np.int32(3), temperature=np.float32(0.5), seed=np.uint64(9))
+    assert (p.max_tokens, p.top_k, p.seed) == (5, 3, 9) and type(p.max_tokens) is int
+    assert type(p.temperature) is float
+
+
+@pytest.mark.parametrize("gc, key", [
+    ({"temperature": NAN}, "generation_config.temperature"), ({"top_p": "0.8"}, "generation_config.top_p"),
+    ({"top_k": 2.5}, "generation_config.top_k"), ({"repetition_penalty": -1}, "generation_config.repetition_penalty"),
+    ({"max_new_tokens": 0}, "generation_config.max_new_tokens"), ({"do_sample": "yes"}, "generation_config.do_sample"),
+])
+def test_bad_generation_config_values_are_config_errors(gc, key):
+    from nanoqwen_engine.errors import ConfigError, ModelFormatError
+    from nanoqwen_engine.params import check_generation_config
+
+    with pytest.raises(ConfigError, match=key) as e:
+        check_generation_config({"do_sample": False, **gc})  # checked even where no request reads it
+    assert isinstance(e.value, ModelFormatError)
+    with pytest.raises(ConfigError, match=key):  # and where a request reads it
+        SamplingParams().resolve({"do_sample": True, "temperature": 0.5, **gc})
