@@ -63,5 +63,8 @@ def integration(session: nox.Session) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    session.install("ruff>=0.6")
+    session.install("ruff>=0.6", "mypy>=1.10", "numpy>=1.26")
     session.run("ruff", "check", ".")
+    # The engine's modules (cuda/ aside) against backend.py's Protocols; config in its pyproject.toml.
+    session.chdir(ENGINE)
+    session.run("mypy")

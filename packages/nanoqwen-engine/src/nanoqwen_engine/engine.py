@@ -123,14 +123,14 @@ class Engine:
             raise ModelFormatError(f"{path}: {e}") from e
         except ModelFormatError as e:  # ConfigError included: say which file
             raise type(e)(f"{path}: {e}") from e
-        extra = {"n_pages": kv_pages} if kv_pages is not None else {}
         backend: Backend
         try:
             if device == "cpu":
                 from .reference import ReferenceBackend
 
-                backend = ReferenceBackend.create(nq, config, max_context=max_context, **extra)
+                backend = ReferenceBackend.create(nq, config, max_context=max_context, n_pages=kv_pages)
             else:
+                extra = {"n_pages": kv_pages} if kv_pages is not None else {}
                 backend = cls._cuda_backend(nq, config, max_context, progress, {**extra, "decode_mode": decode_mode})
         except NanoqwenFormatError as e:
             raise ModelFormatError(f"{path}: {e}") from e

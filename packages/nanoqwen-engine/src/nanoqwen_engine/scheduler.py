@@ -46,7 +46,7 @@ import numpy as np
 
 from .backend import Backend
 from .errors import NanoqwenError
-from .kv_pages import pages_for
+from .kv_pages import SequenceState, pages_for
 from .request import Request
 
 
@@ -96,7 +96,7 @@ class Scheduler:
         self._drop_cancelled()
         while True:
             decode = [r for r in self.running if r.decoding]
-            need = sum(pages_for(r.seq.length + 1) - r.seq.n_pages for r in decode)  # type: ignore[union-attr]
+            need = sum(_pages_to_grow(r) for r in decode)
             if need <= self.pool.n_free:
                 break
             self._preempt(self.running[-1])
@@ -150,7 +150,7 @@ class Scheduler:
         if plan.decode:
             rows = plan.decode
             try:
-                toks = self.backend.decode([r.seq for r in rows], [r.output[-1] for r in rows],  # type: ignore[misc]
+                toks = self.backend.decode([_seq(r) for r in rows], [r.output[-1] for r in rows],
                                            [r.sampler for r in rows])
             except Exception as e:  # the batch is one call: every row shares its failure
                 for r in rows:
@@ -165,15 +165,14 @@ class Scheduler:
             last = r.seq.length + n == r.prefill_target
             sample = last and not r.output
             try:
-                tok = self.backend.prefill(r.seq, np.asarray(r.prefill_ids(n), dtype=np.int32),
-                                           r.sampler if sample else None)
+                first = self.backend.prefill(_seq(r), np.asarray(r.prefill_ids(n), dtype=np.int32),
+                                             r.sampler if sample else None)
             except Exception as e:
                 self._end(r, error=e)
                 continue
             self.counters.prefill_tokens += n
-            if sample:
-                assert tok is not None
-                self._token(r, tok)
+            if first is not None:
+                self._token(r, first)
 
     def step(self) -> StepPlan:
         plan = self.schedule()
@@ -213,3 +212,15 @@ class Scheduler:
             self._end(self.waiting.popleft(), error=error)
         for r in list(self.running):
             self._end(r, error=error)
+
+
+def _seq(r: Request) -> SequenceState:
+    """The sequence of a running request (admitted requests always have one)."""
+    assert r.seq is not None, f"request {r.request_id} is not admitted"
+    return r.seq
+
+
+def _pages_to_grow(r: Request) -> int:
+    """Pages a decoding request needs beyond its own for its next token."""
+    seq = _seq(r)
+    return pages_for(seq.length + 1) - seq.n_pages

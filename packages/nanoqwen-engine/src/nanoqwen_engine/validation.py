@@ -284,7 +284,7 @@ def logit_error(a: np.ndarray, b: np.ndarray) -> dict:
     a = np.asarray(a, dtype=np.float64)
     b = np.asarray(b, dtype=np.float64)
     return {
-        "rel": float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)),
+        "rel": float(np.linalg.norm(a - b) / max(float(np.linalg.norm(b)), 1e-30)),
         "max_abs": float(np.max(np.abs(a - b))),
         "argmax_agree": float(np.mean(np.argmax(a, -1) == np.argmax(b, -1))),
         "finite": bool(np.isfinite(a).all()),
