@@ -253,8 +253,10 @@ class SchedulerMachine(RuleBasedStateMachine):
                                              "length" if len(want) == r.params.max_tokens else "context")
 
 
-def test_scheduler_state_machine(tokenizer, seed):
+def test_scheduler_state_machine(tokenizer):
+    """Hypothesis draws its own seeds and, on a failure, prints the shrunk sequence of rules (and a
+    @reproduce_failure blob) that replays it."""
     SchedulerMachine.tokenizer = tokenizer
     run_state_machine_as_test(SchedulerMachine, settings=settings(
-        max_examples=150, stateful_step_count=40, deadline=None, derandomize=False, database=None,
+        max_examples=150, stateful_step_count=40, deadline=None, database=None, print_blob=True,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]))

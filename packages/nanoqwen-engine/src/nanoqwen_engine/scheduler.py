@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -76,8 +75,7 @@ class Scheduler:
     `waiting` (Engine's); `execute` runs on the engine thread alone. `step()` does both, for callers that
     drive the scheduler directly from one thread (tests)."""
 
-    def __init__(self, backend: Backend, max_batch: int, prefill_chunk: int,
-                 on_finished: Callable[[Request], None] | None = None):
+    def __init__(self, backend: Backend, max_batch: int, prefill_chunk: int):
         self.backend = backend
         self.pool = backend.pool
         self.max_batch = max_batch
@@ -85,7 +83,6 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: running[-1] is the preemption victim
         self.counters = Counters()
-        self._on_finished = on_finished
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -179,25 +176,26 @@ class Scheduler:
         self.execute(plan)
         return plan
 
+    # Bookkeeping (pages, counters) always comes before delivering a request's last event: a caller
+    # woken by it (complete() returning) must find the pool and stats() already updated.
+
     def _token(self, r: Request, tok: int) -> None:
         self.counters.tokens_generated += 1
-        if r.on_token(int(tok)):
+        event = r.on_token(int(tok))
+        if event.finish_reason is not None:
             self._release(r)
             self.counters.requests_finished += 1
-            if self._on_finished is not None:
-                self._on_finished(r)
+        r.deliver(event)
 
     def _end(self, r: Request, cancelled: bool = False, error: BaseException | None = None) -> None:
         """A request ends other than by its own tokens: cancelled, or failed with `error`."""
         self._release(r)
         if cancelled:
             self.counters.requests_cancelled += 1
-            r.on_cancel()
+            r.deliver(r.on_cancel())
         else:
             self.counters.requests_failed += 1
-            r.on_error(error if error is not None else NanoqwenError("request ended"))
-        if self._on_finished is not None:
-            self._on_finished(r)
+            r.fail(error if error is not None else NanoqwenError("request ended"))
 
     def _release(self, r: Request) -> None:
         if r.seq is not None:
