@@ -103,6 +103,8 @@ def engine_error(exc: Exception, prompt_param: str) -> ProtocolError:
         return protocol.bad_request(str(exc), param=prompt_param, code="context_length_exceeded")
     if name in ("InvalidRequestError", "TemplateError"):
         return protocol.bad_request(str(exc), param=prompt_param)
+    if name == "KVPagesExhaustedError":  # at submit: this request could never fit the whole page pool
+        return protocol.bad_request(str(exc), param="max_tokens", code="context_length_exceeded")
     if name == "QueueFullError":
         return ProtocolError(429, f"the server is busy: {exc}", type="rate_limit_error", code="queue_full",
                              headers={"Retry-After": "1"})
@@ -275,28 +277,25 @@ async def _generate(state: ServerState, request: Request, parse: Callable[[objec
 
 
 def _submit(engine, parsed: Parsed, params):
-    """Engine.submit (on a worker thread: it tokenizes), with the context checked against max_tokens.
+    """Engine.submit (on a worker thread: it tokenizes the prompt), then the context check.
 
-    A client that names max_tokens gets a 400 when prompt + max_tokens cannot fit, as OpenAI answers; a
-    client that does not gets at most what the context has room for (finish_reason "length" there).
+    A client that names max_tokens gets a 400 when prompt + max_tokens cannot fit, as OpenAI answers (the
+    request, just queued, is cancelled: the prompt's length is known only once the engine tokenized it);
+    a client that does not gets what the context has room for (finish_reason "length" there).
     """
     from nanoqwen_engine import NanoqwenError
 
     try:
-        ids = engine.encode_prompt(parsed.prompt)
-        room = engine.max_context - len(ids)
-        if room < 1:
-            raise protocol.bad_request(
-                f"This model's maximum context length is {engine.max_context} tokens; the prompt is "
-                f"{len(ids)} tokens", param=parsed.prompt_param, code="context_length_exceeded")
-        if parsed.max_tokens_given and len(ids) + params.max_tokens > engine.max_context:
-            raise protocol.bad_request(
-                f"This model's maximum context length is {engine.max_context} tokens; the request asks "
-                f"for {len(ids) + params.max_tokens} ({len(ids)} in the prompt, {params.max_tokens} to "
-                "generate)", param="max_tokens", code="context_length_exceeded")
-        return engine.submit(parsed.prompt, params)
+        handle = engine.submit(parsed.prompt, params)
     except NanoqwenError as e:
         raise engine_error(e, parsed.prompt_param) from None
+    if parsed.max_tokens_given and handle.prompt_tokens + params.max_tokens > engine.max_context:
+        handle.cancel()
+        raise protocol.bad_request(
+            f"This model's maximum context length is {engine.max_context} tokens; the request asks for "
+            f"{handle.prompt_tokens + params.max_tokens} ({handle.prompt_tokens} in the prompt, "
+            f"{params.max_tokens} to generate)", param="max_tokens", code="context_length_exceeded")
+    return handle
 
 
 @dataclass
@@ -318,13 +317,14 @@ async def _events(state: ServerState, handle, t0: float, out: _Outcome) -> Async
     last = t0
     try:
         async for ev in handle:
-            now = time.perf_counter()
-            (m.itl if out.completion_tokens else m.ttft).observe(now - last)
-            last = now
-            out.completion_tokens += 1
-            m.generation_tokens.inc()
             if ev.finish_reason is not None:
                 out.finish_reason = ev.finish_reason
+            if ev.finish_reason != "cancelled":  # a cancelled request's last event carries no token
+                now = time.perf_counter()
+                (m.itl if out.completion_tokens else m.ttft).observe(now - last)
+                last = now
+                out.completion_tokens += 1
+                m.generation_tokens.inc()
             yield ev.text
         m.duration.observe(last - t0)
     except NanoqwenError as e:
