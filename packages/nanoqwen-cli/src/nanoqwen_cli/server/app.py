@@ -1,4 +1,4 @@
-"""The HTTP routes (FastAPI): OpenAI's completions and chat completions over the batched engine.
+"""The HTTP routes (Starlette): OpenAI's completions and chat completions over the batched engine.
 
     POST /v1/chat/completions   messages through the model's chat template
     POST /v1/completions        raw text; with `suffix`, Qwen2.5-Coder's fill-in-the-middle prompt
@@ -25,9 +25,12 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 from anyio import to_thread
-from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
 
 from nanoqwen_cli.server import protocol
 from nanoqwen_cli.server.metrics import Metrics
@@ -45,6 +48,7 @@ class ServerConfig:
     served_names: list[str]  # model names a request may use; the first is the one /v1/models lists first
     api_key: str | None = None  # Bearer token the /v1 routes require (None: open)
     max_body_bytes: int = 8 * 2**20
+    drain_timeout: float = 30.0  # seconds requests in flight may run on after a shutdown signal
 
 
 @dataclass
@@ -54,9 +58,11 @@ class ServerState:
     config: ServerConfig
     load: Callable[[], object]  # -> a loaded nanoqwen_engine.Engine (runs on a loader thread)
     on_load_failed: Callable[[BaseException], None] = lambda exc: None
+    stopping: Callable[[], bool] = lambda: False  # True once the process was asked to shut down
     engine: object | None = None
     load_error: BaseException | None = None
     draining: bool = False
+    in_flight: set = field(default_factory=set)  # RequestHandles not yet finished
     metrics: Metrics = field(init=False)
 
     def __post_init__(self):
@@ -76,6 +82,21 @@ class ServerState:
                 self.on_load_failed(exc)
 
         threading.Thread(target=run, name="nanoqwen-load", daemon=True).start()
+
+    async def watch_for_shutdown(self) -> None:
+        """Once a shutdown signal arrives: refuse new requests (503), give those in flight
+        config.drain_timeout seconds, then cancel the rest, so that each ends with a clean error event
+        instead of a connection cut by the server's own, later, timeout."""
+        while not self.stopping():
+            await asyncio.sleep(0.1)
+        self.draining = True
+        deadline = time.monotonic() + self.config.drain_timeout
+        while self.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        if self.in_flight:
+            log.warning("drain timeout: cancelling %d request(s) still running", len(self.in_flight))
+            for handle in list(self.in_flight):
+                handle.cancel()
 
     def ready_engine(self):
         if self.draining:
@@ -184,75 +205,84 @@ class CountRequests:
 
 # -- the application --
 
-def create_app(state: ServerState) -> FastAPI:
+def create_app(state: ServerState) -> Starlette:
     @asynccontextmanager
-    async def lifespan(app: FastAPI):
+    async def lifespan(app: Starlette):
         state.start_loading()
+        watcher = asyncio.create_task(state.watch_for_shutdown())
         yield
+        watcher.cancel()
         state.draining = True
         if state.engine is not None:
             state.engine.close()
 
-    app = FastAPI(title="nanoqwen", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(CountRequests, state=state)
-    app.add_middleware(BodyLimit, state=state)  # added last = outermost: a large body never reaches routes
+    def v1(handler):
+        """The /v1 routes require the API key when one is set (/health and /metrics stay open to probes)."""
+        async def checked(request: Request):
+            _authorize(state, request)
+            return await handler(request)
 
-    @app.exception_handler(ProtocolError)
-    async def protocol_error(request: Request, exc: ProtocolError):
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+        return checked
 
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException):
-        kind = "not_found" if exc.status_code == 404 else "invalid_request_error"
-        body = protocol.error_body(f"{request.method} {request.url.path}: {exc.detail}", kind)
-        return JSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
-
-    @app.exception_handler(Exception)
-    async def unexpected(request: Request, exc: Exception):
-        log.exception("unexpected error in %s %s", request.method, request.url.path)
-        return JSONResponse(protocol.error_body(f"internal error: {type(exc).__name__}", "server_error"),
-                            status_code=500)
-
-    def authorize(request: Request) -> None:
-        key = state.config.api_key
-        if key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        # compare_digest: the time taken does not depend on how much of the key a guess got right.
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-            raise ProtocolError(401, "Incorrect API key provided (Authorization: Bearer <key>)",
-                                code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorize)])
-
-    @v1.post("/chat/completions")
     async def chat_completions(request: Request):
         return await _generate(state, request, protocol.parse_chat, chat=True)
 
-    @v1.post("/completions")
     async def completions(request: Request):
         return await _generate(state, request, protocol.parse_completion, chat=False)
 
-    @v1.get("/models")
-    async def models():
+    async def models(request: Request):
         extra = {} if state.engine is None else {"max_model_len": state.engine.max_context}
         data = [{"id": name, "object": "model", "created": 0, "owned_by": "nanoqwen", **extra}
                 for name in state.config.served_names]
-        return {"object": "list", "data": data}
+        return JSONResponse({"object": "list", "data": data})
 
-    app.include_router(v1)
-
-    @app.get("/health")
-    async def health():
+    async def health(request: Request):
         state.ready_engine()
-        return {"status": "ok"}
+        return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
-    async def metrics():
+    async def metrics(request: Request):
         body, content_type = state.metrics.render()
         return Response(body, media_type=content_type)
 
-    return app
+    routes = [
+        Route("/v1/chat/completions", v1(chat_completions), methods=["POST"]),
+        Route("/v1/completions", v1(completions), methods=["POST"]),
+        Route("/v1/models", v1(models), methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ]
+    handlers = {ProtocolError: _protocol_error, HTTPException: _http_error, Exception: _unexpected}
+    # Outermost first: a body over the limit never reaches the routes; every answer is counted.
+    middleware = [Middleware(BodyLimit, state=state), Middleware(CountRequests, state=state)]
+    return Starlette(routes=routes, middleware=middleware, exception_handlers=handlers, lifespan=lifespan)
+
+
+def _authorize(state: ServerState, request: Request) -> None:
+    key = state.config.api_key
+    if key is None:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    # compare_digest: the time taken does not depend on how much of the key a guess got right.
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        raise ProtocolError(401, "Incorrect API key provided (Authorization: Bearer <key>)",
+                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+async def _protocol_error(request: Request, exc: ProtocolError):
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+async def _http_error(request: Request, exc: HTTPException):
+    """Starlette's own 404 (no such route) and 405 (wrong method), in OpenAI's shape."""
+    kind = "not_found" if exc.status_code == 404 else "invalid_request_error"
+    body = protocol.error_body(f"{request.method} {request.url.path}: {exc.detail}", kind)
+    return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+
+
+async def _unexpected(request: Request, exc: Exception):
+    log.error("unexpected error in %s %s", request.method, request.url.path, exc_info=exc)
+    return JSONResponse(protocol.error_body(f"internal error: {type(exc).__name__}", "server_error"),
+                        status_code=500)
 
 
 async def _generate(state: ServerState, request: Request, parse: Callable[[object], Parsed], chat: bool):
@@ -266,14 +296,15 @@ async def _generate(state: ServerState, request: Request, parse: Callable[[objec
     engine = state.ready_engine()
     params = protocol.sampling_params(parsed.sampling)
     handle = await to_thread.run_sync(_submit, engine, parsed, params)
+    state.in_flight.add(handle)
     state.metrics.prompt_tokens.inc(handle.prompt_tokens)
     shape = Shape.for_endpoint(chat, model)
     out = _Outcome()
     events = _events(state, handle, t0, out)
     if parsed.stream:
-        return StreamingResponse(_stream(events, out, handle, shape, parsed.include_usage),
+        return StreamingResponse(_stream(state, events, out, handle, shape, parsed.include_usage),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    return JSONResponse(await _collect(request, events, out, handle, shape))
+    return JSONResponse(await _collect(state, request, events, out, handle, shape))
 
 
 def _submit(engine, parsed: Parsed, params):
@@ -331,21 +362,23 @@ async def _events(state: ServerState, handle, t0: float, out: _Outcome) -> Async
         out.error = e
     finally:
         handle.cancel()
+        state.in_flight.discard(handle)
         reason = "error" if out.error else out.finish_reason or "cancelled"
         m.finished.labels(reason).inc()
 
 
-def _ended(out: _Outcome) -> ProtocolError | None:
+def _ended(out: _Outcome, state: ServerState) -> ProtocolError | None:
     """The error to report when the request did not finish on its own (engine error, server cancel)."""
     if out.error is not None:
         return engine_error(out.error, "")
     if out.finish_reason not in FINISH_REASONS:
-        return ProtocolError(503, f"the request was ended by the server ({out.finish_reason})",
+        why = "the server is shutting down and the drain timeout passed" if state.draining else "cancelled"
+        return ProtocolError(503, f"the request was ended before it finished: {why}",
                              type="service_unavailable", code="cancelled")
     return None
 
 
-async def _stream(events, out: _Outcome, handle, shape: Shape, include_usage: bool) -> AsyncIterator[bytes]:
+async def _stream(state: ServerState, events, out: _Outcome, handle, shape: Shape, include_usage: bool) -> AsyncIterator[bytes]:
     """Server-sent events: the chunks, a final one with the finish reason, the usage chunk if asked,
     then `data: [DONE]`. Starlette cancels this generator when the client disconnects; closing `events`
     then cancels the request."""
@@ -355,7 +388,7 @@ async def _stream(events, out: _Outcome, handle, shape: Shape, include_usage: bo
         async for text in events:
             if text:
                 yield sse(shape.chunk(text, include_usage=include_usage))
-        err = _ended(out)
+        err = _ended(out, state)
         if err is not None:
             yield sse(err.body())
         else:
@@ -367,7 +400,7 @@ async def _stream(events, out: _Outcome, handle, shape: Shape, include_usage: bo
         await events.aclose()
 
 
-async def _collect(request: Request, events, out: _Outcome, handle, shape: Shape) -> dict:
+async def _collect(state: ServerState, request: Request, events, out: _Outcome, handle, shape: Shape) -> dict:
     """The whole answer; a task watches the connection meanwhile and cancels the request if it drops."""
     watcher = asyncio.ensure_future(_cancel_on_disconnect(request, handle))
     parts: list[str] = []
@@ -377,7 +410,7 @@ async def _collect(request: Request, events, out: _Outcome, handle, shape: Shape
     finally:
         watcher.cancel()
         await events.aclose()
-    err = _ended(out)
+    err = _ended(out, state)
     if err is not None:
         raise err
     use = protocol.usage(handle.prompt_tokens, out.completion_tokens)

@@ -75,15 +75,18 @@ def serve(model, device, max_context, host, port, served_model_name, api_key, ma
 
     sock = _bind(host, port)
     config = ServerConfig(served_names=list(served_model_name) or [model], api_key=api_key,
-                          max_body_bytes=max_body_bytes)
+                          max_body_bytes=max_body_bytes, drain_timeout=drain_timeout)
 
     def load():
         progress = sys.stderr.isatty()
         return session.load(model, device, max_context, progress=progress, **engine_kwargs).engine
 
     state = ServerState(config, load)
+    # The app ends requests at the drain timeout itself (ServerState.watch_for_shutdown), each with an
+    # error event; uvicorn's own timeout, later, only cuts connections that still do not close.
     server = _graceful_server(uvicorn.Config(create_app(state), log_level=log_level, access_log=access_log,
-                                    timeout_graceful_shutdown=drain_timeout, lifespan="on"))
+                                            timeout_graceful_shutdown=drain_timeout + 10, lifespan="on"))
+    state.stopping = lambda: server.should_exit
 
     def load_failed(exc: BaseException) -> None:
         server.should_exit = True
