@@ -187,7 +187,7 @@ def test_load_generator_script(server):
     out = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "load_openai.py"), "--base-url", server.base_url,
          "--concurrency", "1,4", "--requests", "4", "--max-tokens", "3", "--prompt-tokens", "8,40",
-         "--warmup", "1", "--json"],
+         "--warmup", "0", "--json"],
         capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     record = json.loads(out.stdout)
