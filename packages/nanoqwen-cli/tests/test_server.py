@@ -94,10 +94,15 @@ def test_sse_framing_ends_with_done(server):
         assert json.loads(event[len("data: "):])["object"] == "chat.completion.chunk"
 
 
+@pytest.fixture(scope="module")
+def greedy24(tiny_engine) -> str:
+    return tiny_engine.complete(PROMPT, SamplingParams(temperature=0, max_tokens=24)).text
+
+
 @pytest.mark.parametrize("as_list", [False, True])
 @pytest.mark.parametrize("stream", [False, True])
-def test_stop_string_ends_the_text_before_it(server, tiny_engine, stream, as_list):
-    full = tiny_engine.complete(PROMPT, SamplingParams(temperature=0, max_tokens=24)).text
+def test_stop_string_ends_the_text_before_it(server, greedy24, stream, as_list):
+    full = greedy24
     assert len(full) >= 6, f"the tiny model's greedy text is too short to cut: {full!r}"
     stop = full[len(full) // 2 : len(full) // 2 + 3]
     client = server.client()
@@ -117,13 +122,11 @@ def test_seeded_sampling_matches_the_engine(server, tiny_engine):
     """temperature/top_p/seed and the vLLM-style extensions (top_k, min_p, repetition_penalty) reach the
     sampler: the same seed gives the engine's own tokens."""
     extra = {"top_k": 40, "min_p": 0.01, "repetition_penalty": 1.1}
-    params = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=10, **extra)
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=6, **extra)
     want = tiny_engine.complete(USER, params).text
-    client = server.client()
-    for _ in range(2):
-        got = client.chat.completions.create(model="tiny", messages=USER, temperature=0.9, top_p=0.95,
-                                             seed=1234, max_completion_tokens=10, extra_body=extra)
-        assert got.choices[0].message.content == want
+    got = server.client().chat.completions.create(model="tiny", messages=USER, temperature=0.9, top_p=0.95,
+                                                  seed=1234, max_completion_tokens=6, extra_body=extra)
+    assert got.choices[0].message.content == want
 
 
 def test_ignore_eos_generates_exactly_max_tokens(server):
