@@ -117,7 +117,7 @@ class ServerState:
         return asked
 
 
-def engine_error(exc: Exception, prompt_param: str) -> ProtocolError:
+def engine_error(exc: Exception, prompt_param: str | None) -> ProtocolError:
     """The engine's refusal of a request at submit, as the HTTP error a client expects."""
     name = type(exc).__name__
     if name == "PromptTooLongError":
@@ -302,9 +302,31 @@ async def _generate(state: ServerState, request: Request, parse: Callable[[objec
     out = _Outcome()
     events = _events(state, handle, t0, out)
     if parsed.stream:
-        return StreamingResponse(_stream(state, events, out, handle, shape, parsed.include_usage),
-                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return _EventStream(_stream(state, events, out, handle, shape, parsed.include_usage),
+                            release=lambda: _release(state, handle))
     return JSONResponse(await _collect(state, request, events, out, handle, shape))
+
+
+class _EventStream(StreamingResponse):
+    """The SSE response. `release` runs however sending ends: a client that disconnects before the
+    first chunk cancels the stream before its generator ever starts, so the generator's own cleanup
+    would not run and the request would decode on for nobody."""
+
+    def __init__(self, body, release: Callable[[], None]):
+        super().__init__(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._release = release
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._release()
+
+
+def _release(state: ServerState, handle) -> None:
+    """The request is over for the server: cancel it (a no-op once it finished), stop tracking it."""
+    handle.cancel()
+    state.in_flight.discard(handle)
 
 
 def _submit(engine, parsed: Parsed, params):
@@ -361,8 +383,7 @@ async def _events(state: ServerState, handle, t0: float, out: _Outcome) -> Async
     except NanoqwenError as e:
         out.error = e
     finally:
-        handle.cancel()
-        state.in_flight.discard(handle)
+        _release(state, handle)
         reason = "error" if out.error else out.finish_reason or "cancelled"
         m.finished.labels(reason).inc()
 
@@ -370,7 +391,7 @@ async def _events(state: ServerState, handle, t0: float, out: _Outcome) -> Async
 def _ended(out: _Outcome, state: ServerState) -> ProtocolError | None:
     """The error to report when the request did not finish on its own (engine error, server cancel)."""
     if out.error is not None:
-        return engine_error(out.error, "")
+        return engine_error(out.error, None)
     if out.finish_reason not in FINISH_REASONS:
         why = "the server is shutting down and the drain timeout passed" if state.draining else "cancelled"
         return ProtocolError(503, f"the request was ended before it finished: {why}",
@@ -378,7 +399,8 @@ def _ended(out: _Outcome, state: ServerState) -> ProtocolError | None:
     return None
 
 
-async def _stream(state: ServerState, events, out: _Outcome, handle, shape: Shape, include_usage: bool) -> AsyncIterator[bytes]:
+async def _stream(state: ServerState, events, out: _Outcome, handle, shape: Shape,
+                  include_usage: bool) -> AsyncIterator[bytes]:
     """Server-sent events: the chunks, a final one with the finish reason, the usage chunk if asked,
     then `data: [DONE]`. Starlette cancels this generator when the client disconnects; closing `events`
     then cancels the request."""
