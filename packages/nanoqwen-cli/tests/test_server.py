@@ -151,6 +151,17 @@ def test_fim_suffix_builds_qwen_fill_in_the_middle_prompt(server, tiny_engine):
     assert None not in fim_ids and fim_ids <= set(tiny_engine.encode_prompt(fim))
 
 
+def test_token_id_prompt_equals_its_text(server, tiny_engine):
+    """A completions prompt may be token ids (or a list of one such list), as OpenAI's API allows."""
+    ids = tiny_engine.encode_prompt(PROMPT)
+    client = server.client()
+    text = client.completions.create(model="tiny", prompt=PROMPT, temperature=0, max_tokens=5)
+    for prompt in (ids, [ids]):
+        got = client.completions.create(model="tiny", prompt=prompt, temperature=0, max_tokens=5)
+        assert got.choices[0].text == text.choices[0].text
+        assert got.usage.prompt_tokens == len(ids)
+
+
 def test_chat_content_parts_and_system_message(server, tiny_engine):
     messages = [{"role": "system", "content": "Answer in Python."},
                 {"role": "user", "content": [{"type": "text", "text": "def "}, {"type": "text", "text": "f"}]}]

@@ -57,7 +57,9 @@ REFUSED = [
     (COMPLETIONS, {"best_of": 2}, "best_of"),
     (COMPLETIONS, {"logprobs": 1}, "logprobs"),
     (COMPLETIONS, {"prompt": ["a", "b"]}, "prompt"),
-    (COMPLETIONS, {"prompt": [1, 2, 3]}, "prompt"),
+    (COMPLETIONS, {"prompt": [[1, 2], [3]]}, "prompt"),
+    (COMPLETIONS, {"prompt": [1, 2, 3], "suffix": "x"}, "suffix"),
+    (COMPLETIONS, {"prompt": [1, 10**9]}, "prompt"),
     (COMPLETIONS, {"prompt": ""}, "prompt"),
 ]
 

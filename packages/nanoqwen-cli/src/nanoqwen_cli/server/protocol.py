@@ -141,7 +141,7 @@ class Parsed:
     """A validated request: what to submit to the engine and how to answer."""
 
     model: str | None  # as the client named it (None: the served model)
-    prompt: str | list[dict]  # raw text (completions, FIM) or chat messages (the model's template renders)
+    prompt: str | list[int] | list[dict]  # raw text (completions, FIM), token ids, or chat messages
     prompt_param: str  # the field a context-length error names: "messages" or "prompt"
     sampling: dict  # SamplingParams keyword arguments
     max_tokens_given: bool  # the client set a limit (checked against the context; else the default)
@@ -250,14 +250,15 @@ def parse_completion(body: Any) -> Parsed:
     if req.logprobs:
         raise _refuse("logprobs", "the engine's events do not carry log-probabilities")
     prompt = req.prompt
-    if isinstance(prompt, list):
-        if len(prompt) != 1 or not isinstance(prompt[0], str):
-            raise _refuse("prompt", "one text prompt per request (a string, or a list of one string); "
-                                    "no token-id prompts")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):  # a batch of prompts
+        if len(prompt) != 1:
+            raise _refuse("prompt", "one prompt per request (send several requests; they are batched)")
         prompt = prompt[0]
     if not prompt:
         raise bad_request("prompt must not be empty", param="prompt")
     if req.suffix is not None:
+        if not isinstance(prompt, str):
+            raise _refuse("suffix", "fill-in-the-middle needs a text prompt, not token ids")
         prompt = f"{FIM_PREFIX}{prompt}{FIM_SUFFIX}{req.suffix}{FIM_MIDDLE}"
     return Parsed(req.model, prompt, "prompt", _sampling(req, req.max_tokens), req.max_tokens is not None,
                   req.stream, bool(req.stream_options and req.stream_options.include_usage))
