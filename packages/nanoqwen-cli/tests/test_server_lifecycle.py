@@ -174,6 +174,26 @@ def test_loading_503_then_sigterm_drains_in_flight_and_exits_0(tiny_model, tmp_p
     assert "Traceback" not in proc.output()
 
 
+def test_startup_errors_are_one_line_and_exit_1(tiny_model, tmp_path):
+    """A port already taken fails before the model loads; a model that cannot load stops the server."""
+    cmd = [sys.executable, "-m", "nanoqwen_cli", "serve", "--device", "cpu"]
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = subprocess.run([*cmd, "--model", str(tiny_model), "--port", str(port)], capture_output=True,
+                             text=True, timeout=300)
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines() == [f"error: cannot listen on 127.0.0.1:{port}: Address already in use"]
+
+    missing = tmp_path / "missing.nanoqwen"
+    out = subprocess.run([*cmd, "--model", str(missing), "--port", "0"], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines()[-1].startswith(f"error: {missing}")
+    assert "Traceback" not in out.stderr
+
+
 def _refused(port: int) -> bool:
     try:
         socket.create_connection(("127.0.0.1", port), timeout=1).close()
