@@ -195,6 +195,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     every request's tokens against its solo run at the end."""
 
     tokenizer = None  # set by the test below (a session fixture)
+    sched: Scheduler | None = None  # set by setup (the first rule hypothesis runs)
 
     @initialize(n_pages=st.integers(3, 12), max_batch=st.integers(1, 5), chunk=st.integers(1, 48),
                 ctx_pages=st.integers(2, 6))
@@ -232,11 +233,11 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @invariant()
     def pool_consistent(self):
-        if hasattr(self, "sched"):
+        if self.sched is not None:
             check_pool(self.sched)
 
     def teardown(self):
-        if not hasattr(self, "sched"):
+        if self.sched is None:
             return
         drain(self.sched)
         pool = self.be.pool
