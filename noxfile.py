@@ -51,7 +51,8 @@ def engine(session: nox.Session) -> None:
 
 @nox.session
 def cli(session: nox.Session) -> None:
-    session.install("-e", FORMAT, "-e", KERNELS, "-e", ENGINE, "-e", CLI, *TEST_NEEDS)
+    # openai: the server's tests drive `nanoqwen-cli serve` with the official client.
+    session.install("-e", FORMAT, "-e", KERNELS, "-e", ENGINE, "-e", CLI, *TEST_NEEDS, "openai>=1.40")
     _pytest(session, f"{CLI}/tests")
 
 

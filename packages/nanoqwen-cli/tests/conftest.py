@@ -23,6 +23,23 @@ def tiny_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def server(tiny_model, tmp_path_factory):
+    """One `nanoqwen-cli serve` process for the server tests that need no special flags (its load costs
+    seconds): the tiny model under two names, batches of up to 32 sequences. Stopped with SIGTERM at the
+    end, which must exit 0."""
+    from server_process import ServeProcess
+
+    proc = ServeProcess(tiny_model, tmp_path_factory.mktemp("serve"), "--served-model-name", "tiny",
+                        "--served-model-name", "tiny-alias", "--max-batch", "32")
+    try:
+        proc.health_statuses()
+        yield proc
+    finally:
+        rc = proc.stop()
+    assert rc == 0, proc.output()
+
+
+@pytest.fixture(scope="session")
 def tiny_engine(tiny_model):
     """The same model loaded directly through the engine: what the CLI's output is checked against."""
     from nanoqwen_engine import Engine

@@ -1,4 +1,4 @@
-"""The `nanoqwen-cli` command group: run, chat, convert, inspect, bench, verify.
+"""The `nanoqwen-cli` command group: run, chat, convert, inspect, bench, verify, serve.
 
 Every subcommand is thin over nanoqwen-engine / nanoqwen-format. The group owns error reporting (one
 `error: ...` line, non-zero exit, a traceback only with --debug) so that each command can simply let
@@ -25,6 +25,7 @@ COMMANDS = {
     "inspect": "nanoqwen_cli.format_cmds:inspect",
     "bench": "nanoqwen_cli.bench_cmd:bench",
     "verify": "nanoqwen_cli.verify_cmd:verify",
+    "serve": "nanoqwen_cli.server.command:serve",
 }
 
 
