@@ -57,7 +57,7 @@ def add_field(writer, gguf, key: str, value, types) -> None:
 
 def tensor_shapes(c: dict) -> list[tuple[str, tuple[int, ...]]]:
     """GGUF names and numpy shapes ([rows, cols] = [out, in]) of a Qwen2 model, in llama.cpp's order."""
-    H, I, L, V = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["vocab_size"]
+    H, Im, L, V = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["vocab_size"]
     hd = H // c["num_attention_heads"]
     kv = c["num_key_value_heads"] * hd
     shapes = [("token_embd.weight", (V, H))]
@@ -67,7 +67,7 @@ def tensor_shapes(c: dict) -> list[tuple[str, tuple[int, ...]]]:
             (b + "attn_norm.weight", (H,)), (b + "attn_q.weight", (H, H)), (b + "attn_q.bias", (H,)),
             (b + "attn_k.weight", (kv, H)), (b + "attn_k.bias", (kv,)), (b + "attn_v.weight", (kv, H)),
             (b + "attn_v.bias", (kv,)), (b + "attn_output.weight", (H, H)), (b + "ffn_norm.weight", (H,)),
-            (b + "ffn_gate.weight", (I, H)), (b + "ffn_up.weight", (I, H)), (b + "ffn_down.weight", (H, I)),
+            (b + "ffn_gate.weight", (Im, H)), (b + "ffn_up.weight", (Im, H)), (b + "ffn_down.weight", (H, Im)),
         ]
     shapes += [("output_norm.weight", (H,)), ("output.weight", (V, H))]
     return shapes
