@@ -1,4 +1,4 @@
-"""numpy references and packers for the part-A kernel tests (kept beside the tests, not in the package).
+"""numpy references and packers for the kernel tests (kept beside the tests, not in the package).
 
 Written from the contracts (docs/INTERFACES.md sections 2-4) and HF Qwen2's math, independently of the
 kernels: the ValueShuffle packer below is checked against the contract's worked example on the CPU.
