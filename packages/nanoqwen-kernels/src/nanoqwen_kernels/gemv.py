@@ -27,7 +27,11 @@ WARPS = THREADS // 32
 TILE_ROWS = 16  # rows per tile of the tensor-core core (8 units of 2 rows)
 MMA_BUILDS = (8, 32)  # columns per pass each tensor-core entry is built for (suffix _mma8, _mma32)
 X_PAD = 16  # halves of padding per staged x row (gemv_mma.cuh kXPad)
-X_SMEM_BUDGET = 200 * 1024  # dynamic shared memory for staged x; + <= 17.5 KB static stays under 227 KB
+X_SMEM_BUDGET = 200 * 1024  # dynamic shared memory for staged x; + <= 18.5 KB static stays under 227 KB
+# With few tiles (about one per block) a block restages x per tile anyway: x then goes in slices small
+# enough for two blocks per SM (the builds are register-bounded for two), so one block's staging overlaps
+# the other's multiply
+X_SMEM_FEW_TILES = 90 * 1024
 
 # The GEMV variant: which matrices run on the tensor-core core at B = 1 (B > 1 always does).
 #   "h" o_proj (K = H), "i" down_proj (K = I), "qkv" the fused q/k/v, "gu" the fused gate/up.
@@ -72,16 +76,18 @@ def plan_gemv(b: int, k: int, n_tiles: int, sm_count: int) -> GemvPlan:
     (from L2, mostly: the passes' blocks run side by side over the same tiles).
     """
     groups = k // GROUP
+    few = n_tiles <= 2 * sm_count
+    budget = X_SMEM_FEW_TILES if few else X_SMEM_BUDGET
     want = min(b, MMA_BUILDS[-1])
     passes = -(-b // want)
-    if _x_bytes(want, groups) > X_SMEM_BUDGET and n_tiles > 2 * sm_count:
-        cap = max(1, X_SMEM_BUDGET // _x_bytes(1, groups))
+    if not few and _x_bytes(want, groups) > budget:
+        cap = max(1, budget // _x_bytes(1, groups))
         passes = -(-b // min(cap, want))
     pass_cols = -(-b // passes)
-    if _x_bytes(pass_cols, groups) <= X_SMEM_BUDGET:
+    if _x_bytes(pass_cols, groups) <= budget:
         slice_groups = groups
     else:  # a multiple of 8 groups (the warp of a group stays g % 8: the same sums as unsliced)
-        fit = (X_SMEM_BUDGET // (2 * pass_cols) - X_PAD) // GROUP
+        fit = (budget // (2 * pass_cols) - X_PAD) // GROUP
         slice_groups = max(8, fit // 8 * 8)
     build = next(c for c in MMA_BUILDS if c >= pass_cols)
     return GemvPlan(build, pass_cols, passes, slice_groups, _x_bytes(pass_cols, slice_groups))

@@ -346,5 +346,5 @@ extern "C" __global__ void __launch_bounds__(kThreads) nq_gate_up_silu(
                                 slice_groups, GateUpRows{}, GateUpEpi{out});                               \
   }
 
-NQ_INT4_MMA_ENTRIES(8, 3)
-NQ_INT4_MMA_ENTRIES(32, 1)
+NQ_INT4_MMA_ENTRIES(8, 2)
+NQ_INT4_MMA_ENTRIES(32, 2)
