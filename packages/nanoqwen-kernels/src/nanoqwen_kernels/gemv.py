@@ -35,12 +35,13 @@ X_SMEM_FEW_TILES = 90 * 1024
 
 # The GEMV variant: which matrices run on the tensor-core core at B = 1 (B > 1 always does).
 #   "h" o_proj (K = H), "i" down_proj (K = I), "qkv" the fused q/k/v, "gu" the fused gate/up.
-#   default : the half2 loop everywhere;
+#   default : the half2 loop everywhere (the default: the fastest at B = 1 as measured);
 #   mma     : the tensor-core core everywhere (B = 1 then gives the same bits as a row of any batch);
-#   mixed   : each matrix on the body measured faster at B = 1. H200, 2026-11-30 (bench_gemv.py --sweep,
-#             docs/PERF.md): half2/mma us: o 4.91/5.71, qkv 7.39/7.86, gate_up 25.56/24.60,
-#             down 16.53/14.81. The tensor cores pay off where K or N is long enough to hide their
-#             per-tile fixed cost (16-row tiles, a shared-memory reduction across the 8 warps).
+#   mixed   : down and gate/up on the tensor-core core, o_proj and q/k/v on the half2 loop.
+# H200, 2026-11-30, commit 04608fd (bench_gemv.py --batch 1 --sweep, docs/PERF.md), us at B = 1,
+# half2 loop / tensor-core core: o_proj 5.02 / 7.19, q/k/v 7.38 / 12.68, gate/up 25.61 / 41.05,
+# down 15.35 / 21.51. The core is built for batches (x of up to 32 sequences in shared memory, two
+# batches of loads in flight per warp); at B = 1 it keeps too few bytes in flight (docs/PERF.md).
 # KernelSet picks one (argument, or $NANOQWEN_GEMV_VARIANT); all pass the same GPU tests.
 GEMV_KINDS = ("h", "i", "qkv", "gu")
 GEMV_VARIANTS: dict[str, frozenset[str]] = {
@@ -48,7 +49,7 @@ GEMV_VARIANTS: dict[str, frozenset[str]] = {
     "mma": frozenset(GEMV_KINDS),
     "mixed": frozenset({"i", "gu"}),
 }
-DEFAULT_GEMV_VARIANT = "mixed"
+DEFAULT_GEMV_VARIANT = "default"
 
 
 @dataclass(frozen=True)
