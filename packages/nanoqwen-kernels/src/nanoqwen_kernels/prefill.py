@@ -10,21 +10,23 @@ from __future__ import annotations
 
 import numpy as np
 
-from .attention import _cupy, check_array, check_int, check_kv_cache, check_page_table, launch
+from .checks import check_array, check_int, check_kv_cache, check_page_table, cupy_module, launch, sm_count
 from .dims import GROUP, HEAD_DIM, PAGE_TOKENS, ModelDims
 from .errors import KernelError
 
 PREFILL_SOURCES = ["dequant_int4.cu", "prefill_rope_kv.cu", "attention_prefill.cu"]
 _DEQUANT_THREADS = 256
-_DEQUANT_MAX_BLOCKS = 132 * 16  # grid-stride beyond this: enough blocks to fill every SM many times
+_DEQUANT_BLOCKS_PER_SM = 16  # grid-stride beyond this many blocks per SM: enough to fill each many times
 # attention_prefill bodies: name -> (kernel, query rows per block (kBQ), threads) in attention_prefill.cu
-ATTENTION_VARIANTS = {"fma": ("attention_prefill", 32, 256), "mma": ("attention_prefill_mma", 64, 128)}
-# "mma" (tensor cores, P rounded to fp16 as in FlashAttention): 40 us vs 226 us for "fma" at T = 512 and
-# 56 ms vs 446 ms at T = 32768 on the H200 (GPU run 2, docs/PERF.md); its outputs differ from the fp32
+ATTENTION_VARIANTS = {
+    "fma": ("nq_attention_prefill", 32, 256),
+    "mma": ("nq_attention_prefill_mma", 64, 128),
+}
+# "mma" (tensor cores, P rounded to fp16 as in FlashAttention) is the default: 40 us vs 226 us for "fma"
+# at T = 512 and 56 ms vs 446 ms at T = 32768 on the H200 (docs/PERF.md); its outputs differ from the fp32
 # reference by the fp16 rounding of P (<= 2^-11 sum p|v|, tests/test_attention_prefill.py). "fma" keeps
 # fp32 probabilities and is the fallback: PrefillKernels(dims, load_module, "fma").
 DEFAULT_ATTENTION_VARIANT = "mma"
-
 
 
 def _check_positions(page_table, start_pos, t: int) -> int:
@@ -35,6 +37,15 @@ def _check_positions(page_table, start_pos, t: int) -> int:
             f"start_pos + T = {start_pos + t} exceeds the page table's {page_table.size * PAGE_TOKENS} positions"
         )
     return start_pos
+
+
+def _check_pages(dims, k_cache, v_cache, layer, page_table, start_pos, t: int) -> tuple[int, int, int]:
+    """The caches, the layer, the page table and the position range of T tokens written or read from
+    start_pos: (layer, n_pages, start_pos)."""
+    layer, n_pages = check_kv_cache(dims, k_cache, v_cache, layer)
+    check_page_table(page_table)
+    return layer, n_pages, _check_positions(page_table, start_pos, t)
+
 
 class PrefillKernels:
     """The prefill build for one ModelDims. `load_module(sources, defines)` is the loader's."""
@@ -48,8 +59,8 @@ class PrefillKernels:
         self.attention_variant = attention_variant
         kernel, self._attn_rows, self._attn_threads = ATTENTION_VARIANTS[attention_variant]
         mod = load_module(PREFILL_SOURCES, dims.defines())
-        self._dequant = mod.get_function("dequantize_int4")
-        self._rope = mod.get_function("rope_kv_prefill")
+        self._dequant = mod.get_function("nq_dequantize_int4")
+        self._rope = mod.get_function("nq_rope_kv_prefill")
         self._attn = mod.get_function(kernel)
 
     # ---- INT4 GEMM ------------------------------------------------------------------------------
@@ -71,7 +82,7 @@ class PrefillKernels:
         check_array("out", out, np.float16, shape=(n, k))
         words = n * k // 8
         per_block = _DEQUANT_THREADS * 4  # kWordsPerThread = 4 in dequant_int4.cu
-        blocks = min(_DEQUANT_MAX_BLOCKS, (words + per_block - 1) // per_block)
+        blocks = min(_DEQUANT_BLOCKS_PER_SM * sm_count(), (words + per_block - 1) // per_block)
         launch(
             self._dequant,
             (blocks, 1, 1),
@@ -85,7 +96,7 @@ class PrefillKernels:
         First step of the prefill GEMM: dequantize into `workspace` (fp16, >= N*K elements; allocated
         from CuPy's pool when None) and multiply with cuBLAS on tensor cores (cupy.matmul).
         """
-        cupy = _cupy()
+        cupy = cupy_module()
         n, k = self._check_int4(qweight, scales)
         check_array("X", X, np.float16)
         if X.ndim != 2 or X.shape[1] != k or X.shape[0] < 1:
@@ -115,9 +126,7 @@ class PrefillKernels:
             raise KernelError(f"qkv must be fp16 [T, {d.qkv_rows}], got shape {tuple(qkv.shape)}")
         t = int(qkv.shape[0])
         check_array("q_out", q_out, np.float16, shape=(t, d.q_dim))
-        layer, n_pages = check_kv_cache(d, k_cache, v_cache, layer)
-        check_page_table(page_table)
-        start_pos = _check_positions(page_table, start_pos, t)
+        layer, n_pages, start_pos = _check_pages(d, k_cache, v_cache, layer, page_table, start_pos, t)
         launch(
             self._rope,
             (t, d.n_heads + 2 * d.n_kv_heads, 1),
@@ -148,9 +157,7 @@ class PrefillKernels:
             raise KernelError(f"q has {q.shape[0]} rows but T = {T}")
         check_array("q", q, np.float16, shape=(T, d.q_dim))
         check_array("out", out, np.float16, shape=(T, d.q_dim))
-        layer, n_pages = check_kv_cache(d, k_cache, v_cache, layer)
-        check_page_table(page_table)
-        start_pos = _check_positions(page_table, start_pos, T)
+        layer, n_pages, start_pos = _check_pages(d, k_cache, v_cache, layer, page_table, start_pos, T)
         launch(
             self._attn,
             ((T + self._attn_rows - 1) // self._attn_rows, d.n_heads, 1),
