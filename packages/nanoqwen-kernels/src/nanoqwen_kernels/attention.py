@@ -2,17 +2,15 @@
 
 `AttentionKernels(dims, load_module).attention_decode(q, k_cache, v_cache, page_table, seq_len_dev,
 layer, out, workspace)` launches two kernels on the current CuPy stream and never synchronises; the
-sequence length is read on the device, so a captured CUDA graph serves every token. The shared argument
-checks (`check_array`, `check_kv_cache`, ...) live here too and are reused by prefill.py: every bad
-argument is one KernelError naming it, before anything reaches the GPU.
+sequence length is read on the device, so a captured CUDA graph serves every token. Every bad argument
+is one KernelError naming it (checks.py), before anything reaches the GPU.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
+from .checks import check_array, check_kv_cache, check_page_table, cupy_module, launch
 from .dims import HEAD_DIM, PAGE_TOKENS, ModelDims
 from .errors import KernelError
 
@@ -66,73 +64,6 @@ def decode_workspace_floats(dims: ModelDims) -> int:
     return decode_splits(dims) * dims.n_heads * (HEAD_DIM + 2)
 
 
-# ---- argument checks shared by the launchers -------------------------------------------------------
-
-
-def _cupy():
-    try:
-        import cupy
-    except Exception as e:  # pragma: no cover - exercised only without CuPy
-        raise KernelError(f"CuPy is needed to launch kernels: {e}") from None
-    return cupy
-
-
-def check_array(name: str, a: Any, dtype, shape: tuple | None = None, min_size: int | None = None):
-    """a must be a C-contiguous CuPy array of dtype (and shape, or at least min_size elements)."""
-    cupy = _cupy()
-    if not isinstance(a, cupy.ndarray):
-        raise KernelError(f"{name} must be a CuPy array, got {type(a).__name__}")
-    if a.dtype != np.dtype(dtype):
-        raise KernelError(f"{name} must be {np.dtype(dtype).name}, got {a.dtype.name}")
-    if not a.flags.c_contiguous:
-        raise KernelError(f"{name} must be C-contiguous")
-    if shape is not None and tuple(a.shape) != tuple(shape):
-        raise KernelError(f"{name} must have shape {tuple(shape)}, got {tuple(a.shape)}")
-    if min_size is not None and a.size < min_size:
-        raise KernelError(f"{name} needs at least {min_size} elements, got {a.size}")
-    return a
-
-
-def check_int(name: str, v: Any, lo: int, hi: int | None = None) -> int:
-    """v must be an int in [lo, hi) (hi None: unbounded)."""
-    if isinstance(v, bool) or not isinstance(v, int | np.integer):
-        raise KernelError(f"{name} must be an int, got {type(v).__name__}")
-    v = int(v)
-    if v < lo or (hi is not None and v >= hi):
-        raise KernelError(f"{name} = {v} out of range [{lo}, {'inf' if hi is None else hi})")
-    return v
-
-
-def check_kv_cache(dims: ModelDims, k_cache: Any, v_cache: Any, layer: Any) -> tuple[int, int]:
-    """k/v_cache fp16 [n_layers, n_pages, n_kv_heads, 16, 128], same shape; returns (layer, n_pages)."""
-    check_array("k_cache", k_cache, np.float16)
-    check_array("v_cache", v_cache, np.float16)
-    if k_cache.ndim != 5 or tuple(k_cache.shape[2:]) != (dims.n_kv_heads, PAGE_TOKENS, HEAD_DIM):
-        raise KernelError(
-            f"k_cache must be [n_layers, n_pages, {dims.n_kv_heads}, {PAGE_TOKENS}, {HEAD_DIM}], "
-            f"got {tuple(k_cache.shape)}"
-        )
-    if v_cache.shape != k_cache.shape:
-        raise KernelError(f"v_cache shape {tuple(v_cache.shape)} differs from k_cache {tuple(k_cache.shape)}")
-    layer = check_int("layer", layer, 0, k_cache.shape[0])
-    return layer, int(k_cache.shape[1])
-
-
-def check_page_table(page_table: Any):
-    check_array("page_table", page_table, np.int32)
-    if page_table.ndim != 1 or page_table.size < 1:
-        raise KernelError(
-            f"page_table must be a non-empty 1-D int32 array, got shape {tuple(page_table.shape)}"
-        )
-    return page_table
-
-
-def launch(fn, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0) -> None:
-    """Launch on the current CuPy stream (explicitly, so a graph capture on it records the kernel)."""
-    cupy = _cupy()
-    fn(grid, block, args, shared_mem=shared_mem, stream=cupy.cuda.get_current_stream())
-
-
 class AttentionKernels:
     """The decode attention build for one ModelDims. `load_module(sources, defines)` is the loader's."""
 
@@ -153,7 +84,7 @@ class AttentionKernels:
 
     def new_workspace(self):
         """A float32 workspace of the size attention_decode needs (allocate once, reuse every token)."""
-        return _cupy().empty(self.workspace_floats, dtype=np.float32)
+        return cupy_module().empty(self.workspace_floats, dtype=np.float32)
 
     def attention_decode(self, q, k_cache, v_cache, page_table, seq_len_dev, layer, out, workspace) -> None:
         """out[h] = softmax(q[h] K^T / sqrt(128)) V over positions < seq_len_dev[0] of one layer's pages.

@@ -1,5 +1,10 @@
-"""Argument checks shared by the part-A launchers: one KernelError naming the argument, never a CUDA
-fault or a traceback from inside CuPy."""
+"""Argument checks and launch helpers shared by every launcher: a bad argument is one KernelError naming
+it, raised before anything reaches the GPU (never a CUDA fault or a traceback from inside CuPy).
+
+The array checks are duck-typed on what a launch needs (a C-contiguous array with a device pointer,
+`a.data.ptr`), so they run on a CPU machine too: the CI tests stand device arrays in with host arrays
+that expose such a pointer. A numpy array has no `data.ptr` and is refused as "not a CuPy array".
+"""
 
 from __future__ import annotations
 
@@ -8,27 +13,40 @@ from typing import Any
 
 import numpy as np
 
+from .dims import HEAD_DIM, PAGE_TOKENS, ModelDims
 from .errors import KernelError
+
+NULL = np.uint64(0)  # a null pointer argument (the kernels' optional inputs)
 
 
 def cupy_module():
+    """CuPy, imported on first use (importing nanoqwen_kernels needs neither CuPy nor a GPU)."""
     try:
         import cupy
-    except Exception as e:
+    except Exception as e:  # ImportError, or a broken CUDA install raising at import
         raise KernelError(f"CuPy is needed to launch kernels: {e}") from None
     return cupy
 
 
-def array(name: str, a: Any, dtype, shape: tuple | None = None, align: int = 0) -> Any:
-    """a: a C-contiguous CuPy array of `dtype` (and `shape` when given; `align`-byte aligned when the
-    kernel reads it in 16-byte pieces)."""
-    # duck-typed on what a launch needs (a device pointer), so the checks run on a CPU in CI too
+def check_array(
+    name: str,
+    a: Any,
+    dtype,
+    shape: tuple | None = None,
+    *,
+    min_size: int | None = None,
+    align: int = 0,
+) -> Any:
+    """a: a C-contiguous device array of `dtype`; of `shape` when given, of at least `min_size` elements
+    when given, and `align`-byte aligned when the kernel reads it in pieces of that size."""
     if not hasattr(getattr(a, "data", None), "ptr") or not hasattr(a, "flags"):
         raise KernelError(f"{name} must be a CuPy array, got {type(a).__name__}")
     if a.dtype != np.dtype(dtype):
         raise KernelError(f"{name} must be {np.dtype(dtype).name}, got {a.dtype.name}")
     if shape is not None and tuple(a.shape) != tuple(shape):
         raise KernelError(f"{name} must have shape {tuple(shape)}, got {tuple(a.shape)}")
+    if min_size is not None and a.size < min_size:
+        raise KernelError(f"{name} needs at least {min_size} elements, got {a.size}")
     if not a.flags.c_contiguous:
         raise KernelError(f"{name} must be C-contiguous")
     if align and a.data.ptr % align:
@@ -36,24 +54,26 @@ def array(name: str, a: Any, dtype, shape: tuple | None = None, align: int = 0) 
     return a
 
 
-def integer(name: str, v: Any, lo: int, hi: int | None = None) -> int:
-    """v: an int in [lo, hi)."""
+def check_int(name: str, v: Any, lo: int, hi: int | None = None) -> int:
+    """v: an int (not a bool) in [lo, hi); hi None: unbounded."""
     if isinstance(v, bool) or not isinstance(v, int | np.integer):
         raise KernelError(f"{name} must be an int, got {type(v).__name__}")
     v = int(v)
     if v < lo or (hi is not None and v >= hi):
-        raise KernelError(f"{name} = {v} is out of range [{lo}, {'inf' if hi is None else hi})")
+        raise KernelError(f"{name} = {v} out of range [{lo}, {'inf' if hi is None else hi})")
     return v
 
 
-def eps_value(eps: Any) -> np.float32:
+def check_eps(eps: Any) -> np.float32:
+    """The RMSNorm epsilon: a float in (0, 1), passed to the kernels as fp32."""
     if isinstance(eps, bool) or not isinstance(eps, int | float | np.floating) or not (0 < float(eps) < 1):
         raise KernelError(f"eps must be a float in (0, 1), got {eps!r}")
     return np.float32(eps)
 
 
-def distinct(**arrays: Any) -> None:
-    """Inputs read by every block must not share memory with an output (a race, not an error CUDA sees)."""
+def check_distinct(**arrays: Any) -> None:
+    """Inputs read by every block must not share memory with an output (a race, not an error CUDA sees).
+    None entries are skipped."""
     items = [(n, a) for n, a in arrays.items() if a is not None]
     for i, (n1, a1) in enumerate(items):
         lo1, hi1 = a1.data.ptr, a1.data.ptr + a1.nbytes
@@ -63,33 +83,81 @@ def distinct(**arrays: Any) -> None:
                 raise KernelError(f"{n1} and {n2} overlap in memory; the kernel needs them apart")
 
 
-@functools.cache
-def sm_count(device_id: int) -> int:
-    cupy = cupy_module()
-    return int(cupy.cuda.Device(device_id).attributes["MultiProcessorCount"])
+def check_kv_cache(dims: ModelDims, k_cache: Any, v_cache: Any, layer: Any) -> tuple[int, int]:
+    """k/v_cache fp16 [n_layers, n_pages, n_kv_heads, 16, 128], the same shape; layer in range.
+    Returns (layer, n_pages)."""
+    check_array("k_cache", k_cache, np.float16)
+    check_array("v_cache", v_cache, np.float16)
+    if k_cache.ndim != 5 or tuple(k_cache.shape[2:]) != (dims.n_kv_heads, PAGE_TOKENS, HEAD_DIM):
+        raise KernelError(
+            f"k_cache must be [n_layers, n_pages, {dims.n_kv_heads}, {PAGE_TOKENS}, {HEAD_DIM}], "
+            f"got {tuple(k_cache.shape)}"
+        )
+    if v_cache.shape != k_cache.shape:
+        raise KernelError(f"v_cache shape {tuple(v_cache.shape)} differs from k_cache {tuple(k_cache.shape)}")
+    layer = check_int("layer", layer, 0, k_cache.shape[0])
+    return layer, int(k_cache.shape[1])
+
+
+def check_page_table(page_table: Any, rows: int | None = None) -> Any:
+    """One sequence's page table, int32 [max_pages] (rows None), or one per row of a batch,
+    int32 [rows, max_pages] (row b = sequence b's table); max_pages >= 1."""
+    check_array("page_table", page_table, np.int32)
+    if rows is None:
+        if page_table.ndim != 1 or page_table.size < 1:
+            raise KernelError(
+                f"page_table must be a non-empty 1-D int32 array, got shape {tuple(page_table.shape)}"
+            )
+    elif page_table.ndim != 2 or page_table.shape[0] != rows or page_table.shape[1] < 1:
+        raise KernelError(
+            f"page_table must be int32 [{rows}, max_pages] (one row per sequence), "
+            f"got shape {tuple(page_table.shape)}"
+        )
+    return page_table
+
+
+def batch_rows(name: str, x: Any, width: int, max_rows: int | None = None) -> int:
+    """B of a batch-shaped activation: x is [B, width] (or [width], B = 1). Returns B (>= 1)."""
+    if x.ndim == 1 and x.shape[0] == width:
+        return 1
+    if x.ndim != 2 or x.shape[1] != width or x.shape[0] < 1:
+        raise KernelError(f"{name} must be [B, {width}] (or [{width}] for B = 1), got {tuple(x.shape)}")
+    b = int(x.shape[0])
+    if max_rows is not None and b > max_rows:
+        raise KernelError(f"{name} has {b} rows; at most {max_rows} are supported")
+    return b
+
+
+def sm_count(device_id: int | None = None) -> int:
+    """Streaming multiprocessors of a device (the current CuPy device when None)."""
+    return _sm_count(cupy_module().cuda.Device().id if device_id is None else int(device_id))
 
 
 @functools.cache
-def _resident_blocks(fn_ptr: int, threads: int) -> int:
+def _sm_count(device_id: int) -> int:
+    return int(cupy_module().cuda.Device(device_id).attributes["MultiProcessorCount"])
+
+
+@functools.cache
+def _resident_blocks(fn_ptr: int, threads: int, shared_mem: int) -> int:
     from cupy_backends.cuda.api import driver
 
-    return max(1, int(driver.occupancyMaxActiveBlocksPerMultiprocessor(fn_ptr, threads, 0)))
+    return max(1, int(driver.occupancyMaxActiveBlocksPerMultiprocessor(fn_ptr, threads, shared_mem)))
 
 
-def even_grid(fn, block_units: int, threads: int) -> int:
+def even_grid(fn, block_units: int, threads: int, shared_mem: int = 0) -> int:
     """Blocks for a grid-stride kernel: at most what is resident at once (the occupancy API's answer for
     this kernel's registers and shared memory), and every block running the same number of iterations
     (no ragged last wave)."""
-    cupy = cupy_module()
-    cap = sm_count(cupy.cuda.Device().id) * _resident_blocks(fn.ptr, threads)
+    cap = sm_count() * _resident_blocks(fn.ptr, threads, shared_mem)
     iters = -(-block_units // cap)
     return max(1, -(-block_units // iters))
 
 
-def launch(fn, grid: int, block: int, args: tuple, shared_mem: int = 0) -> None:
-    """On the current CuPy stream, named explicitly so a graph capture on it records the launch."""
+def launch(fn, grid: int | tuple, block: int | tuple, args: tuple, shared_mem: int = 0) -> None:
+    """On the current CuPy stream, named explicitly so a graph capture on it records the launch.
+    grid/block: an int (1-D) or a tuple."""
     cupy = cupy_module()
-    fn((grid,), (block,), args, shared_mem=shared_mem, stream=cupy.cuda.get_current_stream())
-
-
-NULL = np.uint64(0)  # a null pointer argument (the kernels' optional inputs)
+    grid = grid if isinstance(grid, tuple) else (grid,)
+    block = block if isinstance(block, tuple) else (block,)
+    fn(grid, block, args, shared_mem=shared_mem, stream=cupy.cuda.get_current_stream())

@@ -51,8 +51,8 @@ class GemvKernels:
 
     def _int4(self, qweight, scales, k: int | None = None) -> tuple[int, int]:
         """qweight uint32 [N, K/8], scales fp16 [N, K/128] with K one of the compiled (H, I)."""
-        ck.array("qweight", qweight, np.uint32, align=16)
-        ck.array("scales", scales, np.float16)
+        ck.check_array("qweight", qweight, np.uint32, align=16)
+        ck.check_array("scales", scales, np.float16)
         if qweight.ndim != 2 or scales.ndim != 2:
             raise KernelError(f"qweight and scales must be 2-D, got {qweight.shape} and {scales.shape}")
         n, k8 = qweight.shape
@@ -76,16 +76,16 @@ class GemvKernels:
     def gemv_int4(self, qweight, scales, x, out, residual=None, norm_w=None, eps=1e-6) -> None:
         """out[N] = W . (norm(x) if norm_w else x) (+ residual[N]); residual may be out itself."""
         n, k = self._int4(qweight, scales)
-        ck.array("x", x, np.float16, (k,), align=16)
-        ck.array("out", out, np.float16, (n,))
+        ck.check_array("x", x, np.float16, (k,), align=16)
+        ck.check_array("out", out, np.float16, (n,))
         if residual is not None:
-            ck.array("residual", residual, np.float16, (n,))
+            ck.check_array("residual", residual, np.float16, (n,))
         if norm_w is not None:
-            ck.array("norm_w", norm_w, np.float16, (k,), align=16)
-        e = ck.eps_value(eps)
-        ck.distinct(x=x, out=out)
+            ck.check_array("norm_w", norm_w, np.float16, (k,), align=16)
+        e = ck.check_eps(eps)
+        ck.check_distinct(x=x, out=out)
         if residual is not None and residual.data.ptr != out.data.ptr:
-            ck.distinct(residual=residual, out=out)
+            ck.check_distinct(residual=residual, out=out)
         fn = self._h if k == self.dims.hidden else self._i
         units = (n + 1) // 2
         grid = ck.even_grid(fn, -(-units // WARPS), THREADS)
@@ -114,16 +114,16 @@ class GemvKernels:
         n, _ = self._int4(qweight, scales, d.hidden)
         if n != rows:
             raise KernelError(f"qweight must have {rows} rows (q {d.q_dim} + k + v {d.kv_dim} each), got {n}")
-        ck.array("bias", bias, np.float16, (rows,))
-        ck.array("x", x, np.float16, (d.hidden,), align=16)
-        ck.array("norm_w", norm_w, np.float16, (d.hidden,), align=16)
-        e = ck.eps_value(eps)
-        ck.array("pos_dev", pos_dev, np.int32, (1,))
-        ck.array("page_table", page_table, np.int32)
+        ck.check_array("bias", bias, np.float16, (rows,))
+        ck.check_array("x", x, np.float16, (d.hidden,), align=16)
+        ck.check_array("norm_w", norm_w, np.float16, (d.hidden,), align=16)
+        e = ck.check_eps(eps)
+        ck.check_array("pos_dev", pos_dev, np.int32, (1,))
+        ck.check_array("page_table", page_table, np.int32)
         if page_table.ndim != 1 or page_table.size < 1:
             raise KernelError(f"page_table must be 1-D and non-empty, got shape {tuple(page_table.shape)}")
-        ck.array("k_cache", k_cache, np.float16)
-        ck.array("v_cache", v_cache, np.float16)
+        ck.check_array("k_cache", k_cache, np.float16)
+        ck.check_array("v_cache", v_cache, np.float16)
         want = (d.n_kv_heads, PAGE_TOKENS, HEAD_DIM)
         if k_cache.ndim != 5 or tuple(k_cache.shape[2:]) != want:
             raise KernelError(
@@ -134,9 +134,9 @@ class GemvKernels:
             raise KernelError(
                 f"v_cache shape {tuple(v_cache.shape)} differs from k_cache {tuple(k_cache.shape)}"
             )
-        layer = ck.integer("layer", layer, 0, k_cache.shape[0])
-        ck.array("q_out", q_out, np.float16, (d.q_dim,))
-        ck.distinct(x=x, q_out=q_out)
+        layer = ck.check_int("layer", layer, 0, k_cache.shape[0])
+        ck.check_array("q_out", q_out, np.float16, (d.q_dim,))
+        ck.check_distinct(x=x, q_out=q_out)
         grid = ck.even_grid(self._qkv, -(-(rows // 2) // WARPS), THREADS)
         ck.launch(
             self._qkv,
@@ -165,12 +165,12 @@ class GemvKernels:
         n, _ = self._int4(qweight, scales, d.hidden)
         if n != 2 * d.intermediate:
             raise KernelError(f"qweight must have 2 x intermediate = {2 * d.intermediate} rows, got {n}")
-        ck.array("x", x, np.float16, (d.hidden,), align=16)
+        ck.check_array("x", x, np.float16, (d.hidden,), align=16)
         if norm_w is not None:
-            ck.array("norm_w", norm_w, np.float16, (d.hidden,), align=16)
-        e = ck.eps_value(eps)
-        ck.array("out", out, np.float16, (d.intermediate,))
-        ck.distinct(x=x, out=out)
+            ck.check_array("norm_w", norm_w, np.float16, (d.hidden,), align=16)
+        e = ck.check_eps(eps)
+        ck.check_array("out", out, np.float16, (d.intermediate,))
+        ck.check_distinct(x=x, out=out)
         grid = ck.even_grid(self._gu, -(-d.intermediate // WARPS), THREADS)
         ck.launch(
             self._gu, grid, THREADS, (qweight, scales, x, norm_w if norm_w is not None else ck.NULL, e, out)
@@ -178,12 +178,12 @@ class GemvKernels:
 
     def gemv_fp16(self, w, x, out) -> None:
         """out_f32[N] = w[N, H] . x[H] (the lm_head; fp32 logits)."""
-        ck.array("w", w, np.float16, align=16)
+        ck.check_array("w", w, np.float16, align=16)
         if w.ndim != 2 or w.shape[1] != self.dims.hidden or w.shape[0] < 1:
             raise KernelError(f"w must be [N, {self.dims.hidden}], got {tuple(w.shape)}")
         n = int(w.shape[0])
-        ck.array("x", x, np.float16, (self.dims.hidden,), align=16)
-        ck.array("out", out, np.float32, (n,))
+        ck.check_array("x", x, np.float16, (self.dims.hidden,), align=16)
+        ck.check_array("out", out, np.float32, (n,))
         units = (n + 1) // 2
         grid = ck.even_grid(self._fp16, -(-units // WARPS), THREADS)
         ck.launch(self._fp16, grid, THREADS, (w, x, out, np.int32(n)))

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from .attention import _cupy, check_array, check_int, check_kv_cache, check_page_table, launch
+from .checks import check_array, check_int, check_kv_cache, check_page_table, cupy_module, launch, sm_count
 from .dims import GROUP, HEAD_DIM, PAGE_TOKENS, ModelDims
 from .errors import KernelError
 
 PREFILL_SOURCES = ["dequant_int4.cu", "prefill_rope_kv.cu", "attention_prefill.cu"]
 _DEQUANT_THREADS = 256
-_DEQUANT_MAX_BLOCKS = 132 * 16  # grid-stride beyond this: enough blocks to fill every SM many times
+_DEQUANT_BLOCKS_PER_SM = 16  # grid-stride beyond this many blocks per SM: enough to fill each many times
 # attention_prefill bodies: name -> (kernel, query rows per block (kBQ), threads) in attention_prefill.cu
 ATTENTION_VARIANTS = {"fma": ("attention_prefill", 32, 256), "mma": ("attention_prefill_mma", 64, 128)}
 # "mma" (tensor cores, P rounded to fp16 as in FlashAttention): 40 us vs 226 us for "fma" at T = 512 and
@@ -71,7 +71,7 @@ class PrefillKernels:
         check_array("out", out, np.float16, shape=(n, k))
         words = n * k // 8
         per_block = _DEQUANT_THREADS * 4  # kWordsPerThread = 4 in dequant_int4.cu
-        blocks = min(_DEQUANT_MAX_BLOCKS, (words + per_block - 1) // per_block)
+        blocks = min(_DEQUANT_BLOCKS_PER_SM * sm_count(), (words + per_block - 1) // per_block)
         launch(
             self._dequant,
             (blocks, 1, 1),
@@ -85,7 +85,7 @@ class PrefillKernels:
         First step of the prefill GEMM: dequantize into `workspace` (fp16, >= N*K elements; allocated
         from CuPy's pool when None) and multiply with cuBLAS on tensor cores (cupy.matmul).
         """
-        cupy = _cupy()
+        cupy = cupy_module()
         n, k = self._check_int4(qweight, scales)
         check_array("X", X, np.float16)
         if X.ndim != 2 or X.shape[1] != k or X.shape[0] < 1:

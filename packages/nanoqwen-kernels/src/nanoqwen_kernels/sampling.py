@@ -38,7 +38,7 @@ class SamplingKernels:
         self._ticket = cupy.zeros(1, dtype=np.uint32)
 
     def _logits(self, logits) -> int:
-        ck.array("logits", logits, np.float32)
+        ck.check_array("logits", logits, np.float32)
         if logits.ndim != 1 or logits.size < 1:
             raise KernelError(f"logits must be 1-D and non-empty, got shape {tuple(logits.shape)}")
         if logits.size >= 2**31:
@@ -48,7 +48,7 @@ class SamplingKernels:
     def argmax(self, logits, token_out) -> None:
         """token_out[0] = argmax(logits) (lowest id on ties)."""
         n = self._logits(logits)
-        ck.array("token_out", token_out, np.int32, (1,))
+        ck.check_array("token_out", token_out, np.int32, (1,))
         ck.launch(
             self._argmax,
             ARG_BLOCKS,
@@ -65,8 +65,8 @@ class SamplingKernels:
         self, params, rng, *, temperature, top_k, top_p, min_p, repetition_penalty, seed
     ) -> None:
         """Write one request's parameters and seed (a host->device copy; not for inside a graph)."""
-        ck.array("params", params, np.float32, (5,))
-        ck.array("rng", rng, np.uint64, (2,))
+        ck.check_array("params", params, np.float32, (5,))
+        ck.check_array("rng", rng, np.uint64, (2,))
         vals = dict(temperature=temperature, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty)
         for name, v in vals.items():
             if isinstance(v, bool) or not isinstance(v, int | float | np.number) or not math.isfinite(v):
@@ -79,24 +79,24 @@ class SamplingKernels:
             raise KernelError(f"min_p must be in [0, 1], got {min_p}")
         if repetition_penalty <= 0:
             raise KernelError(f"repetition_penalty must be > 0, got {repetition_penalty}")
-        top_k = ck.integer("top_k", top_k, 0)
-        seed = ck.integer("seed", seed, 0)
+        top_k = ck.check_int("top_k", top_k, 0)
+        seed = ck.check_int("seed", seed, 0)
         params.set(np.array([temperature, min(top_k, 2**24), top_p, min_p, repetition_penalty], np.float32))
         rng.set(np.array([seed % 2**64, 0], dtype=np.uint64))
 
     def sample(self, logits, params, rng_state, history, token_out) -> None:
         """token_out[0] = a draw from the processed distribution (see sampling.cu); marks it in history."""
         n = self._logits(logits)
-        ck.array("params", params, np.float32, (5,))
-        ck.array("rng_state", rng_state, np.uint64, (2,))
-        ck.array("history", history, np.uint8, (n,))
-        ck.array("token_out", token_out, np.int32, (1,))
+        ck.check_array("params", params, np.float32, (5,))
+        ck.check_array("rng_state", rng_state, np.uint64, (2,))
+        ck.check_array("history", history, np.uint8, (n,))
+        ck.check_array("token_out", token_out, np.int32, (1,))
         ck.launch(
             self._sample, 1, SAMPLE_THREADS, (logits, np.int32(n), params, rng_state, history, token_out)
         )
 
     def advance(self, pos_dev, seq_len_dev) -> None:
         """pos_dev[0] += 1 and seq_len_dev[0] += 1 on the device."""
-        ck.array("pos_dev", pos_dev, np.int32, (1,))
-        ck.array("seq_len_dev", seq_len_dev, np.int32, (1,))
+        ck.check_array("pos_dev", pos_dev, np.int32, (1,))
+        ck.check_array("seq_len_dev", seq_len_dev, np.int32, (1,))
         ck.launch(self._advance, 1, 1, (pos_dev, seq_len_dev))
