@@ -10,8 +10,9 @@
 //   page_table   int32 [B, max_pages]: row b maps b's logical block (tokens 16j..16j+15) -> page id
 //   seq_len_dev  int32 [B], read on the device (a decode step is one CUDA graph replayed every token);
 //                a row with seq_len 0 is an idle (padding) row: it reads nothing and its output is 0
-//   ws_acc       fp32 [B, n_splits, NQ_NHEADS, 128]   unnormalised partial outputs
-//   ws_ml        fp32 [B, n_splits, NQ_NHEADS, 2]     partial (max, sum) in the log2 domain
+//   workspace    fp32, two arrays back to back (one pointer, so the launcher passes no views):
+//     ws_acc     [B, n_splits, NQ_NHEADS, 128]   unnormalised partial outputs
+//     ws_ml      [B, n_splits, NQ_NHEADS, 2]     partial (max, sum) in the log2 domain
 // Launch: nq_attention_decode_split  grid (NQ_NKV, n_splits, B), 32 * (1 + NQ_DECODE_CONSUMERS) threads,
 //         kSmemBytes dynamic smem;
 //         nq_attention_decode_combine grid (NQ_NHEADS, B), 128 threads.
@@ -425,9 +426,10 @@ extern "C" __global__ void __launch_bounds__(nq_dec::kThreads, 1)
                               const int* __restrict__ page_table,          // [B, max_pages]
                               const int* __restrict__ seq_len_dev,         // [B]
                               int layer, int n_pages, int max_pages, int n_splits,
-                              float* __restrict__ ws_acc,                  // [B, n_splits, NQ_NHEADS, 128]
-                              float* __restrict__ ws_ml) {                 // [B, n_splits, NQ_NHEADS, 2]
+                              float* __restrict__ workspace) {             // ws_acc, then ws_ml (header)
   using namespace nq_dec;
+  float* ws_acc = workspace;
+  float* ws_ml = workspace + static_cast<size_t>(gridDim.z) * n_splits * nq::kHeads * 128;
   extern __shared__ __align__(128) unsigned char smem[];
   unsigned char* ring = smem;                                              // [kStages][2][4096 B]
   float* merge_acc = reinterpret_cast<float*>(smem + kRingBytes);          // [kConsumers][kG][128]
@@ -521,12 +523,13 @@ extern "C" __global__ void __launch_bounds__(nq_dec::kThreads, 1)
 // out[b, h, d] = sum_s 2^(m_s - M) acc_s[h, d] / sum_s 2^(m_s - M) l_s   (M = max_s m_s) over the
 // splits of sequence b that hold pages (the others are neutral and not read)
 extern "C" __global__ void __launch_bounds__(128)
-    nq_attention_decode_combine(const float* __restrict__ ws_acc,      // [B, n_splits, NQ_NHEADS, 128]
-                                const float* __restrict__ ws_ml,       // [B, n_splits, NQ_NHEADS, 2]
+    nq_attention_decode_combine(const float* __restrict__ workspace,   // the split kernel's partials
                                 const int* __restrict__ seq_len_dev,   // [B]
                                 int max_pages, int n_splits,
                                 nq::uint16_t* __restrict__ out) {      // [B, NQ_NHEADS*128]
   using namespace nq_dec;
+  const float* ws_acc = workspace;
+  const float* ws_ml = workspace + static_cast<size_t>(gridDim.y) * n_splits * nq::kHeads * 128;
   const int h = blockIdx.x, b = blockIdx.y, d = threadIdx.x;
   const int used = split_range(seq_len_dev[b], max_pages, n_splits).used;
   const size_t base = static_cast<size_t>(b) * n_splits;
