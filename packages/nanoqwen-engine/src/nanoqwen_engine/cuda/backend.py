@@ -24,7 +24,13 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..config import ModelConfig
-from ..errors import InvalidRequestError, KVPagesExhaustedError, ModelFormatError, NoGPUError, PromptTooLongError
+from ..errors import (
+    InvalidRequestError,
+    KVPagesExhaustedError,
+    ModelFormatError,
+    NoGPUError,
+    PromptTooLongError,
+)
 from ..kv_pages import PAGE_TOKENS, PagePool, SequenceState, kv_cache_shape, pages_for
 from ..sampler import SamplerState
 from .decode import DecodeStep, Row
