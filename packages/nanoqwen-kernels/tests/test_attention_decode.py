@@ -26,12 +26,22 @@ VARIANTS = ["fma", "mma", "mma8"]  # consumer bodies (nanoqwen_kernels.attention
 MIXED = [1, 15, 16, 17, 1000, 5000]  # lengths the batches cycle through (page boundaries and long rows)
 
 
+class _Builds(dict):
+    """(dims name, variant[, combine]) -> AttentionKernels, built on first use."""
+
+    def __missing__(self, key):
+        from nanoqwen_kernels.attention import AttentionKernels
+        from nanoqwen_kernels.loader import load_module
+
+        name, variant, *combine = key
+        ak = AttentionKernels(DIMS[name], load_module, variant, combine=combine[0] if combine else "separate")
+        self[key] = ak
+        return ak
+
+
 @pytest.fixture(scope="module")
 def kernels():
-    from nanoqwen_kernels.attention import AttentionKernels
-    from nanoqwen_kernels.loader import load_module
-
-    return {(name, v): AttentionKernels(d, load_module, v) for name, d in DIMS.items() for v in VARIANTS}
+    return _Builds()
 
 
 P_ROUNDING = 1.25 * 2.0**-11  # fp16 rounding of p in [0, 1] (relative), with a margin
@@ -143,15 +153,16 @@ def test_decode_matches_reference(kernels, name, seq_len, variant, rng):
 
 @gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("combine", ["separate", "fused"])
 @pytest.mark.parametrize("variant", ["fma", "mma"])
 @pytest.mark.parametrize("name", ["7b", "tiny"])
 @pytest.mark.parametrize("B", [1, 3, 8, 33, 64])
-def test_batch_of_mixed_lengths(kernels, name, B, variant, rng):
+def test_batch_of_mixed_lengths(kernels, name, B, variant, combine, rng):
     """B sequences of mixed lengths (cycling through MIXED from a random offset, one idle row of length 0
-    when B > 1) in one launch: every row matches its own float64 reference."""
+    when B > 1) in one launch: every row matches its own float64 reference, with either combine."""
     import cupy as cp
 
-    dims, ak = DIMS[name], kernels[name, variant]
+    dims, ak = DIMS[name], kernels[name, variant, combine]
     off = int(rng.integers(len(MIXED)))
     lengths = [MIXED[(off + b) % len(MIXED)] for b in range(B)]
     if B > 1:
@@ -205,11 +216,13 @@ def test_decode_reads_seq_len_on_device(kernels, variant, rng):
 
 @gpu
 @pytest.mark.gpu
-def test_replays_in_a_graph_as_lengths_change(kernels, rng):
-    """One captured launch serves every step: lengths and page tables change on the device between replays."""
+@pytest.mark.parametrize("combine", ["separate", "fused"])
+def test_replays_in_a_graph_as_lengths_change(kernels, combine, rng):
+    """One captured launch serves every step: lengths and page tables change on the device between replays
+    (and the fused combine's tickets are re-armed by each launch)."""
     import cupy as cp
 
-    dims, ak = TINY, kernels["tiny", "fma"]
+    dims, ak = TINY, kernels["tiny", "fma", combine]
     c = make_batch(cp, dims, [100, 37, 64], rng)
     out = cp.empty((3, dims.n_heads * 128), dtype=cp.float16)
     ws = ak.new_workspace(max_batch=3)
@@ -219,7 +232,7 @@ def test_replays_in_a_graph_as_lengths_change(kernels, rng):
         stream.begin_capture()
         ak.attention_decode(c["q"], c["k"], c["v"], c["table"], c["seq"], c["layer"], out, ws)
         graph = stream.end_capture()
-    for lens in ([1, 1, 1], [17, 0, 64], [100, 37, 63]):
+    for lens in ([1, 1, 1], [17, 0, 64], [100, 37, 63], [100, 37, 63]):
         with stream:
             c["seq"].set(np.array(lens, np.int32), stream=stream)
         graph.launch(stream)

@@ -257,6 +257,46 @@ def test_sampling_checks(launches):
         s.advance(dev((1,), np.int32), dev((2,), np.int32))
 
 
+@pytest.mark.parametrize("combine", ["separate", "fused"])
+def test_attention_decode_launch_and_checks(launches, combine):
+    from nanoqwen_kernels.attention import AttentionKernels, decode_splits
+
+    d = QWEN25_7B
+    ak = AttentionKernels(d, load, sms=132, combine=combine)
+    W, P, B = d.n_heads * 128, 9, 3
+    q, out = dev((B, W), np.float16), dev((B, W), np.float16)
+    k, v = dev((2, 40, d.n_kv_heads, 16, 128), np.float16), dev((2, 40, d.n_kv_heads, 16, 128), np.float16)
+    table, lens = dev((B, P), np.int32), dev((B,), np.int32)
+    ws = dev((ak.workspace_floats(B),), np.float32)
+    ak.attention_decode(q, k, v, table, lens, 1, out, ws)
+    splits = decode_splits(d, B, 132)
+    assert splits == 11  # ceil(132 / (4 KV heads x 3 sequences))
+    if combine == "fused":  # one launch: the split kernel with the tickets and the output
+        fn, grid, args = launches[-1]
+        assert (fn, grid) == ("nq_attention_decode_split", (4, splits, B)) and args[-1] is out
+        assert args[-2] is not checks.NULL
+    else:
+        (fn1, grid1, args1), (fn2, grid2, args2) = launches[-2:]
+        assert (fn1, grid1, fn2, grid2) == ("nq_attention_decode_split", (4, splits, B),
+                                           "nq_attention_decode_combine", (d.n_heads, B, 1))
+        assert args1[-2] is checks.NULL and args2[-1] is out
+    ak.attention_decode(dev((W,), np.float16), k, v, dev((P,), np.int32), dev((1,), np.int32),
+                        1, dev((W,), np.float16), ws)  # the batch of one: 1-D q, out and table
+    bad = dict(
+        page_table=(dev((2, P), np.int32), "page_table"),
+        seq_len_dev=(dev((2,), np.int32), "seq_len_dev"),
+        workspace=(dev((ak.workspace_floats(1) // 2,), np.float32), "workspace"),
+        out=(dev((B, W - 1), np.float16), "out"),
+        layer=(2, "layer"),
+    )
+    args = dict(q=q, k_cache=k, v_cache=v, page_table=table, seq_len_dev=lens, layer=1, out=out, workspace=ws)
+    for name, (value, word) in bad.items():
+        with pytest.raises(KernelError, match=word):
+            ak.attention_decode(**{**args, name: value})
+    with pytest.raises(KernelError, match="combine"):
+        AttentionKernels(d, load, sms=132, combine="both")
+
+
 def test_kernelset_exposes_the_interface(monkeypatch, launches):
     """KernelSet builds part A's and part B's launchers and exposes every name of docs/INTERFACES.md
     section 4 (plus the sampler-state helpers the GPU backend uses)."""

@@ -1,8 +1,9 @@
 """Paged decode attention over a batch: launcher for cuda/attention_decode.cu (split kernel + combine).
 
 `AttentionKernels(dims, load_module).attention_decode(q[B, n_heads*128], k_cache, v_cache,
-page_table[B, max_pages], seq_len_dev[B], layer, out[B, n_heads*128], workspace)` launches two kernels
-on the current CuPy stream and never synchronises; lengths and page tables are read on the device, so a
+page_table[B, max_pages], seq_len_dev[B], layer, out[B, n_heads*128], workspace)` launches the split
+kernel and the combine (a second kernel, or folded into the first: `combine`) on the current CuPy stream
+and never synchronises; lengths and page tables are read on the device, so a
 captured CUDA graph serves every token of a batch of that size. A 1-D q/out is the batch of one. Every
 bad argument is one KernelError naming it (checks.py), before anything reaches the GPU.
 """
@@ -11,11 +12,17 @@ from __future__ import annotations
 
 import numpy as np
 
-from .checks import batch_rows, check_array, check_kv_cache, check_page_table, cupy_module, launch, sm_count
+from . import checks as ck
 from .dims import HEAD_DIM, PAGE_TOKENS, ModelDims
 from .errors import KernelError
 
 MAX_BATCH = 64  # the largest batch a default workspace serves (the engine's max_batch)
+MAX_ROWS = 512  # sequences one launch takes at most (the fused combine's ticket array)
+# How the splits' partials become the output (attention_decode.cu): "separate" = a second kernel,
+# "fused" = the last split block of each (sequence, KV head) combines. Default "separate" until the
+# fused path is measured faster on the H200 (bench_attention.py prints both).
+COMBINES = ("separate", "fused")
+DEFAULT_COMBINE = "separate"
 DECODE_SOURCES = ["attention_decode.cu"]
 DECODE_STAGES = 8  # ring slots of 8 KiB (K+V page): 64 KiB in flight per SM (Little's law needs ~32 KB)
 # Consumer variants: "fma" = fp32 dot products on CUDA cores, 4 consumer warps; "mma" = mma.sync m16n8k16
@@ -70,13 +77,18 @@ class AttentionKernels:
     """The decode attention build for one ModelDims. `load_module(sources, defines)` is the loader's;
     `sms` the device's SM count (asked of the current device when None)."""
 
-    def __init__(self, dims: ModelDims, load_module, variant: str = DEFAULT_VARIANT, sms: int | None = None):
+    def __init__(self, dims: ModelDims, load_module, variant: str = DEFAULT_VARIANT, sms: int | None = None,
+                 combine: str = DEFAULT_COMBINE):
         if dims.n_heads // dims.n_kv_heads > 8:
             raise KernelError(
                 f"unsupported GQA group {dims.n_heads // dims.n_kv_heads}: attention_decode handles <= 8"
             )
+        if combine not in COMBINES:
+            raise KernelError(f"unknown attention_decode combine {combine!r}; one of {COMBINES}")
         self.dims = dims
         self.variant = variant
+        self.combine = combine
+        self._counters = None  # the fused combine's tickets, allocated (zeroed) at its first launch
         self.threads = 32 * (1 + _variant(variant)[1])  # 1 producer warp + the consumer warps
         self.smem_bytes = decode_smem_bytes(dims, variant)
         self._sms = sms
@@ -89,7 +101,7 @@ class AttentionKernels:
         """SMs the split counts are sized for (asked of the device on first use, so a CPU can build the
         launcher for its argument checks)."""
         if self._sms is None:
-            self._sms = sm_count()
+            self._sms = ck.sm_count()
         return self._sms
 
     def splits(self, batch: int) -> int:
@@ -102,7 +114,7 @@ class AttentionKernels:
 
     def new_workspace(self, max_batch: int = MAX_BATCH):
         """A float32 workspace for batches of up to max_batch sequences (allocate once, reuse every token)."""
-        return cupy_module().empty(self.workspace_floats(max_batch), dtype=np.float32)
+        return ck.cupy_module().empty(self.workspace_floats(max_batch), dtype=np.float32)
 
     def attention_decode(self, q, k_cache, v_cache, page_table, seq_len_dev, layer, out, workspace) -> None:
         """out[b, h] = softmax(q[b, h] K_b^T / sqrt(128)) V_b over positions < seq_len_dev[b] of sequence
@@ -114,20 +126,26 @@ class AttentionKernels:
         seq_len is clamped to max_pages*16 on the device.
         """
         d = self.dims
-        check_array("q", q, np.float16)
+        ck.check_array("q", q, np.float16)
         width = d.n_heads * HEAD_DIM
-        B = batch_rows("q", q, width)
-        check_array("out", out, np.float16, shape=tuple(q.shape))
-        layer, n_pages = check_kv_cache(d, k_cache, v_cache, layer)
-        check_page_table(page_table, rows=None if page_table.ndim == 1 and B == 1 else B)
+        B = ck.batch_rows("q", q, width)
+        ck.check_array("out", out, np.float16, shape=tuple(q.shape))
+        layer, n_pages = ck.check_kv_cache(d, k_cache, v_cache, layer)
+        one_table = B == 1 and getattr(page_table, "ndim", None) == 1  # batch of one: a 1-D table too
+        ck.check_page_table(page_table, rows=None if one_table else B)
         max_pages = int(page_table.shape[-1])
-        check_array("seq_len_dev", seq_len_dev, np.int32, shape=(B,))
+        ck.check_array("seq_len_dev", seq_len_dev, np.int32, shape=(B,))
         splits = self.splits(B)
-        check_array("workspace", workspace, np.float32,
+        ck.check_array("workspace", workspace, np.float32,
                     min_size=decode_workspace_floats(d, B, self.sms))
         if max_pages * PAGE_TOKENS >= 2**31:
             raise KernelError(f"page_table has {max_pages} pages per sequence: too many for int32 positions")
-        launch(
+        if B > MAX_ROWS:
+            raise KernelError(f"q has {B} rows; at most {MAX_ROWS} sequences per launch")
+        fused = self.combine == "fused"
+        if fused and self._counters is None:
+            self._counters = ck.cupy_module().zeros(MAX_ROWS * d.n_kv_heads, dtype=np.uint32)
+        ck.launch(
             self._split,
             (d.n_kv_heads, splits, B),
             (self.threads, 1, 1),
@@ -142,10 +160,14 @@ class AttentionKernels:
                 np.int32(max_pages),
                 np.int32(splits),
                 workspace,
+                self._counters if fused else ck.NULL,
+                out,
             ),
             shared_mem=self.smem_bytes,
         )
-        launch(
+        if fused:
+            return
+        ck.launch(
             self._combine,
             (d.n_heads, B, 1),
             (HEAD_DIM, 1, 1),
