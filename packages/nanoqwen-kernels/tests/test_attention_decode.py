@@ -151,11 +151,15 @@ def test_decode_matches_reference(kernels, name, seq_len, variant, rng):
     check(got, c, variant, [seq_len])
 
 
+# (dims, consumer body, combine): every body and combine on the 7B shape, the cheap tiny shape for both
+# combines of the default body
+BUILDS = [("7b", "fma", "separate"), ("7b", "fma", "fused"), ("7b", "mma", "separate"), ("7b", "mma", "fused"),
+          ("tiny", "fma", "separate"), ("tiny", "fma", "fused")]
+
+
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("combine", ["separate", "fused"])
-@pytest.mark.parametrize("variant", ["fma", "mma"])
-@pytest.mark.parametrize("name", ["7b", "tiny"])
+@pytest.mark.parametrize("name,variant,combine", BUILDS)
 @pytest.mark.parametrize("B", [1, 3, 8, 33, 64])
 def test_batch_of_mixed_lengths(kernels, name, B, variant, combine, rng):
     """B sequences of mixed lengths (cycling through MIXED from a random offset, one idle row of length 0
