@@ -394,3 +394,36 @@ def test_no_gpu_and_wrong_gpu_are_clear_errors(tied_path, monkeypatch):
     monkeypatch.setattr(nanoqwen_kernels, "gpu_status", lambda: (False, "CuPy not importable: no module"))
     with pytest.raises(NoGPUError, match="no usable GPU: CuPy not importable"):
         CudaBackend.create(nq, cfg, progress=False)
+
+
+def test_ctrl_is_copied_only_where_it_changed(tied_path, monkeypatch, rng):
+    """Host side of the batched step: a steady batch sends nothing to ctrl between steps except the page
+    id of a row that crossed into a new page (one small copy); a new sequence in a row sends its table."""
+    from nanoqwen_engine.cuda.decode import _spans
+
+    be = _backend(tied_path, "host", max_context=96, n_pages=32)
+    V = be.config.vocab
+    copies = []
+    real = be.dev.h2d
+
+    def h2d(dst, src):
+        if np.shares_memory(dst, be.step.ctrl):
+            copies.append(int(np.asarray(src).size))
+        real(dst, src)
+
+    monkeypatch.setattr(be.dev, "h2d", h2d)
+    seqs = [be.pool.new_sequence() for _ in range(3)]
+    sts = [SamplerState(GREEDY, V) for _ in seqs]
+    toks = [be.prefill(s, rng.integers(0, V, size=n), st) for s, n, st in zip(seqs, (14, 20, 3), sts, strict=True)]
+    for step in range(20):
+        copies.clear()
+        crossing = [s for s in seqs if s.length % 16 == 0]  # this step's token opens a new page
+        toks = be.decode(seqs, toks, sts)
+        if step == 0:
+            assert len(copies) >= 1  # fresh rows: tokens, positions, tables
+        elif crossing:
+            assert len(copies) == 1 and copies[0] <= 2 * be.step.layout.max_pages, copies
+        else:
+            assert copies == [], f"step {step}: nothing changed, yet {copies} entries were copied"
+    assert _spans(np.array([5, 3, 9, 100_000, 100_001])) == [(3, 10), (100_000, 100_002)]
+    assert _spans(np.array([], dtype=np.int64)) == []

@@ -228,9 +228,10 @@ class CudaBackend:
         rows, bucket, moved = self.rows.assign([s.seq_id for s in seqs])
         mode = batch_mode(samplers)
         with self._guard(), self.dev.use():
-            fed_changed = self.step.write_rows(
-                [Row(r, t, s.length, s.page_table) for r, t, s in zip(rows, toks_in, seqs, strict=True)], bucket)
             moved_rows = set(moved)
+            fed_changed = self.step.write_rows(
+                [Row(r, t, s.length, s.page_table) for r, t, s in zip(rows, toks_in, seqs, strict=True)], bucket,
+                fresh=moved_rows)
             for r, t, s, samp in zip(rows, toks_in, seqs, samplers, strict=True):
                 if r in moved_rows:  # a sequence new to this row: its whole sampler state
                     self.sampler_dev.load(r, samp, step=s.length + 1)

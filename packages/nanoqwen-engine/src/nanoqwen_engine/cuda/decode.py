@@ -18,8 +18,8 @@ Why one graph per bucket serves every step: no kernel argument depends on the st
 positions, lengths and page tables from `ctrl` at run time, so a page boundary is just another value of
 POS, and a row changing hands is a different page table in ctrl; the graph's pointers (weights, cache,
 buffers) never change after load. The host keeps a shadow of ctrl as it stands on the device (advanced
-the way `advance` advances it) and copies only the span of entries that differ: for a steady batch that
-is nothing, or the new page ids of the rows that crossed into a page.
+the way `advance` advances it) and copies only the span of entries that differ (write_rows): for a steady
+batch that is nothing, or the new page ids of the rows that crossed into a page.
 
 Idle rows (inside the bucket, held by no sequence) run with POS 0, SEQ_LEN 0 and TABLE[b][0] = the
 scratch page, a page of the cache outside the pool that no sequence owns: their K/V write lands there,
@@ -42,6 +42,19 @@ import numpy as np
 
 from .sampling import DeviceSampler
 from .weights import GpuWeights
+
+SPAN_GAP = 16384  # entries (64 KiB): changed entries closer than this go to the device in one copy
+
+
+def _spans(cells: np.ndarray) -> list[tuple[int, int]]:
+    """[lo, hi) spans covering the changed entries `cells`; two are merged when less than SPAN_GAP apart."""
+    if cells.size == 0:
+        return []
+    cells = np.unique(cells)
+    cuts = np.flatnonzero(np.diff(cells) > SPAN_GAP)
+    starts = np.concatenate([[0], cuts + 1])
+    ends = np.concatenate([cuts, [cells.size - 1]])
+    return [(int(cells[a]), int(cells[b]) + 1) for a, b in zip(starts, ends, strict=True)]
 
 
 class CountingKernels:
@@ -189,38 +202,60 @@ class DecodeStep:
         return counting.calls
 
     # ------------------------------------------------------------------ host side
-    def write_rows(self, rows: list[Row], bucket: int) -> set[int]:
-        """Make ctrl describe this step: `rows` active, every other row below `bucket` idle. One H2D copy
-        of the span that differs from what the device holds (none when nothing does).
+    def write_rows(self, rows: list[Row], bucket: int, fresh: set[int] | None = None) -> set[int]:
+        """Make ctrl describe this step: `rows` active, every other row below `bucket` idle; `fresh` are the
+        rows that hold a different sequence than in the previous step (their whole page table is written;
+        None: every row).
+        Copies to the device only the entries that differ from what it holds: one H2D copy of that span
+        (several when the changed entries lie far apart in a large table; none when nothing changed).
+
+        A row's page-table entries past the page of its position are never read (attention reads pages
+        < ceil(SEQ_LEN / 16), the K/V write goes to page POS // 16), so a continuing row can only change
+        in its last entry: the host compares one entry per row per step, not whole tables.
 
         Returns the active rows whose fed token differs from the one the device holds there (the device
         did not draw it: its seen-ids mask needs it)."""
-        lay = self.layout
-        old = self.shadow
-        want = np.zeros(lay.size, dtype=np.int32) if old is None else old.copy()
-        active = {r.row for r in rows}
-        for b in range(bucket):
-            if b not in active:  # idle: the scratch page, nothing to attend to
-                want[lay.pos + b] = 0
-                want[lay.seq_len + b] = 0
-                want[lay.table + b * lay.max_pages] = self.scratch_page
-        fed_changed = set()
+        lay, P = self.layout, self.layout.max_pages
+        full = self.shadow is None
+        if full:
+            self.shadow = np.zeros(lay.size, dtype=np.int32)
+        sh = self.shadow
+        idx = np.fromiter((r.row for r in rows), dtype=np.int64, count=len(rows))
+        tok = np.fromiter((r.token for r in rows), dtype=np.int32, count=len(rows))
+        pos = np.fromiter((r.pos for r in rows), dtype=np.int32, count=len(rows))
+        fed_changed = set(idx[sh[idx] != tok].tolist())
+        idle = np.setdiff1d(np.arange(bucket), idx)
+        # the header of rows [0, bucket): tokens, positions, lengths (idle rows: 0, 0)
+        want = np.empty((3, bucket), dtype=np.int32)
+        want[0] = sh[0:bucket]
+        want[1:, idle] = 0
+        want[0, idx], want[1, idx], want[2, idx] = tok, pos, pos + 1
+        changed = []
+        for k, base in enumerate((0, lay.pos, lay.seq_len)):
+            ne = np.flatnonzero(sh[base:base + bucket] != want[k])
+            sh[base + ne] = want[k, ne]
+            changed.append(base + ne)
+        # page tables: idle rows' first entry is the scratch page; a fresh row's entries up to its
+        # position's page; a continuing row's last entry
+        cells, vals = [lay.table + idle * P], [np.full(idle.size, self.scratch_page, dtype=np.int32)]
         for r in rows:
-            if old is None or old[r.row] != r.token:
-                fed_changed.add(r.row)
-            want[r.row] = r.token
-            want[lay.pos + r.row] = r.pos
-            want[lay.seq_len + r.row] = r.pos + 1
-            t0 = lay.table + r.row * lay.max_pages
-            want[t0:t0 + lay.max_pages] = r.page_table[: lay.max_pages]
-        if old is None:
-            lo, hi = 0, lay.size
+            n = r.pos // 16 + 1
+            t0 = lay.table + r.row * P
+            if full or fresh is None or r.row in fresh:
+                cells.append(np.arange(t0, t0 + n))
+                vals.append(r.page_table[:n].astype(np.int32))
+            else:
+                cells.append(np.array([t0 + n - 1]))
+                vals.append(r.page_table[n - 1:n].astype(np.int32))
+        c, v = np.concatenate(cells), np.concatenate(vals)
+        ne = sh[c] != v
+        sh[c[ne]] = v[ne]
+        changed.append(c[ne])
+        if full:
+            self.dev.h2d(self.ctrl, sh)
         else:
-            diff = np.flatnonzero(want != old)
-            lo, hi = (int(diff[0]), int(diff[-1]) + 1) if diff.size else (0, 0)
-        if hi > lo:
-            self.dev.h2d(self.ctrl[lo:hi], want[lo:hi])
-        self.shadow = want
+            for lo, hi in _spans(np.concatenate(changed)):
+                self.dev.h2d(self.ctrl[lo:hi], sh[lo:hi])
         return fed_changed
 
     def invalidate(self) -> None:
