@@ -57,7 +57,8 @@ def test_decode_compiles_with_bulk_copy_and_mbarriers(dims, variant, tmp_path):
 @pytest.mark.parametrize("dims", DIMS)
 def test_prefill_sources_compile(dims, tmp_path):
     text = sass(loader.compile_cubin(PREFILL_SOURCES, dims.defines(), "sm_90a"), tmp_path)
-    for kernel in ("dequantize_int4", "rope_kv_prefill", "attention_prefill", "attention_prefill_mma"):
+    kernels = ("nq_dequantize_int4", "nq_rope_kv_prefill", "nq_attention_prefill", "nq_attention_prefill_mma")
+    for kernel in kernels:
         assert f"Function : {kernel}" in text
     assert "HMMA.16816.F32" in text and "LDSM.16.MT88.4" in text, "attention_prefill_mma off tensor cores"
     # the dequantizer unpacks with byte permutes, as the ValueShuffle layout intends
@@ -93,7 +94,9 @@ def test_unknown_variant_is_refused():
 
 
 def test_gqa_above_8_is_refused():
-    d = ModelDims(hidden=1280, intermediate=256, n_heads=10, n_kv_heads=1, head_dim=128, vocab=10, n_layers=1)
+    d = ModelDims(
+        hidden=1280, intermediate=256, n_heads=10, n_kv_heads=1, head_dim=128, vocab=10, n_layers=1, rope_theta=1e6
+    )
     with pytest.raises(KernelError, match="GQA"):
         AttentionKernels(d, _no_gpu_loader, sms=132)
 

@@ -1,27 +1,20 @@
-"""ModelDims: the whitelist of shapes the kernels are built for, and from_config."""
-
-import json
-from pathlib import Path
+"""ModelDims: the whitelist of shapes the kernels are built for, and the named shapes."""
 
 import pytest
 from nanoqwen_kernels import KernelError, ModelDims
-from nanoqwen_kernels.dims import QWEN25_7B, TINY
-
-CFG_7B = Path(__file__).resolve().parents[3] / (
-    "packages/nanoqwen-format/src/nanoqwen_format/data/qwen2.5-coder-7b-instruct/config.json"
-)
+from nanoqwen_kernels.dims import PRESETS, QWEN25_1_5B, QWEN25_7B, TINY
 
 
-def test_7b_config_round_trips():
-    cfg = json.loads(CFG_7B.read_text())
-    d = ModelDims.from_config(cfg)
-    assert d == ModelDims(3584, 18944, 28, 4, 128, cfg["vocab_size"], 28, float(cfg["rope_theta"]))
-    assert d.qkv_rows == 3584 + 2 * 512
-    assert d.defines()["NQ_HIDDEN"] == 3584
+def test_named_shapes():
+    assert QWEN25_7B.qkv_rows == 3584 + 2 * 512 and QWEN25_7B.kv_dim == 512
+    assert QWEN25_1_5B.qkv_rows == 1536 + 2 * 256 and QWEN25_1_5B.n_heads // QWEN25_1_5B.n_kv_heads == 6
+    assert TINY.q_dim == 256
+    assert set(PRESETS.values()) == {QWEN25_7B, QWEN25_1_5B, TINY}
+    assert QWEN25_7B.defines()["NQ_HIDDEN"] == 3584 and QWEN25_7B.defines()["NQ_ROPE_THETA"] == 1e6
 
 
-def test_presets_pass():
-    assert QWEN25_7B.kv_dim == 512 and TINY.q_dim == 256
+BASE = dict(hidden=256, intermediate=512, n_heads=2, n_kv_heads=1, head_dim=128, vocab=1000, n_layers=2,
+            rope_theta=1e6)
 
 
 @pytest.mark.parametrize(
@@ -37,12 +30,13 @@ def test_presets_pass():
     ],
 )
 def test_unsupported_dims_raise_naming_the_dim(kw, word):
-    base = dict(hidden=256, intermediate=512, n_heads=2, n_kv_heads=1, head_dim=128, vocab=1000, n_layers=2)
-    base.update(kw)
     with pytest.raises(KernelError, match=word):
-        ModelDims(**base)
+        ModelDims(**{**BASE, **kw})
 
 
-def test_from_config_missing_key():
-    with pytest.raises(KernelError, match="intermediate_size"):
-        ModelDims.from_config({"hidden_size": 256, "num_attention_heads": 2})
+def test_rope_theta_has_no_default():
+    """The model's config is the one source of theta (the engine passes it): no silent default here."""
+    kw = dict(BASE)
+    del kw["rope_theta"]
+    with pytest.raises(TypeError, match="rope_theta"):
+        ModelDims(**kw)

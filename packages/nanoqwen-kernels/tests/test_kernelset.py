@@ -1,11 +1,14 @@
-"""KernelSet's choice of INT4 GEMV build (CPU: the choice is checked before anything compiles)."""
+"""KernelSet's choice of GEMV variant (CPU: the choice is checked before anything compiles), and what each
+variant runs at B = 1, seen through the launches it makes."""
 
+from types import SimpleNamespace
+
+import numpy as np
 import pytest
-from nanoqwen_kernels import KernelError, KernelSet
-from nanoqwen_kernels.dims import ModelDims
-from nanoqwen_kernels.gemv import DEFAULT_GEMV_VARIANT, GEMV_VARIANTS, GemvKernels
-
-TINY = ModelDims(hidden=256, intermediate=512, n_heads=2, n_kv_heads=1, head_dim=128, vocab=152064, n_layers=2)
+from fakes import dev
+from nanoqwen_kernels import KernelError, KernelSet, checks
+from nanoqwen_kernels.dims import TINY
+from nanoqwen_kernels.gemv import DEFAULT_GEMV_VARIANT, GEMV_KINDS, GEMV_VARIANTS, GemvKernels
 
 
 @pytest.mark.parametrize("how", ["argument", "environment"])
@@ -15,35 +18,56 @@ def test_unknown_gemv_variant_is_a_clear_error(how, monkeypatch):
         kw["gemv_variant"] = "fastest"
     else:
         monkeypatch.setenv("NANOQWEN_GEMV_VARIANT", "fastest")
-    with pytest.raises(KernelError, match="unknown INT4 GEMV variant 'fastest'.*default, mma, mmaoff, mixed"):
+    with pytest.raises(KernelError, match="unknown INT4 GEMV variant 'fastest'.*default, mma, mixed"):
         KernelSet(TINY, arch="sm_90a", **kw)
 
 
-def test_every_variant_names_only_gemv_knobs():
-    assert set(GEMV_VARIANTS) >= {"default", "mma", "mmaoff", "mixed"}
-    assert GEMV_VARIANTS["default"] == ({}, {})
+def test_default_variant_is_known():
     assert DEFAULT_GEMV_VARIANT in GEMV_VARIANTS
-    for small, large in GEMV_VARIANTS.values():
-        assert all(k.startswith("NQ_GEMV_") for k in {**small, **large})
 
 
-def test_mixed_builds_the_large_matrices_apart():
-    """mixed: o_proj and q/k/v from one build, down and gate/up from the tensor-core build."""
-    builds = []
+class _Module:
+    def get_function(self, name, max_dynamic_smem=0):
+        return name
 
-    class Module:
-        def __init__(self, defines):
-            self.defines = defines
 
-        def get_function(self, name):
-            return (name, self.defines.get("NQ_GEMV_MMA", 0))
+def _batch1_kernels(variant, monkeypatch) -> dict[str, str]:
+    """The kernel each GEMV launches at B = 1 under `variant`."""
+    calls = []
+    monkeypatch.setattr(checks, "launch", lambda fn, grid, block, args, shared_mem=0: calls.append(fn))
+    monkeypatch.setattr(checks, "even_grid", lambda fn, units, threads, shared_mem=0, copies=1: 1)
+    monkeypatch.setattr(checks, "sm_count", lambda device_id=None: 132)
+    monkeypatch.setattr(checks, "cupy_module", lambda: SimpleNamespace())
+    d = TINY
+    g = GemvKernels(d, lambda sources, defines: _Module(), variant)
+    h, i = d.hidden, d.intermediate
+    g.gemv_int4(dev((h, h // 8), np.uint32), dev((h, h // 128), np.float16), dev((h,), np.float16),
+                dev((h,), np.float16))
+    g.gemv_int4(dev((h, i // 8), np.uint32), dev((h, i // 128), np.float16), dev((i,), np.float16),
+                dev((h,), np.float16))
+    rows = d.qkv_rows
+    g.qkv_rope_kv(dev((rows, h // 8), np.uint32), dev((rows, h // 128), np.float16), dev((rows,), np.float16),
+                  dev((h,), np.float16), dev((h,), np.float16), 1e-6, dev((1,), np.int32), dev((4,), np.int32),
+                  dev((1, 4, d.n_kv_heads, 16, 128), np.float16), dev((1, 4, d.n_kv_heads, 16, 128), np.float16),
+                  0, dev((d.q_dim,), np.float16))
+    g.gate_up_silu(dev((2 * i, h // 8), np.uint32), dev((2 * i, h // 128), np.float16), dev((h,), np.float16),
+                   None, 1e-6, dev((i,), np.float16))
+    return dict(zip(GEMV_KINDS, calls, strict=True))
 
-    def load(sources, defines):
-        builds.append((tuple(sources), dict(defines)))
-        return Module(defines)
 
-    small, large = GEMV_VARIANTS["mixed"]
-    g = GemvKernels(TINY, load, tuning=small, tuning_large=large)
-    assert g._h == ("nq_gemv_int4_h", 0) and g._qkv == ("nq_qkv_rope_kv", 0)
-    assert g._i == ("nq_gemv_int4_i", 1) and g._gu == ("nq_gate_up_silu", 1)
-    assert sum(1 for src, _ in builds if src == ("gemv_int4.cu",)) == 2
+@pytest.mark.parametrize("variant", sorted(GEMV_VARIANTS))
+def test_variant_picks_the_body_per_matrix(variant, monkeypatch):
+    got = _batch1_kernels(variant, monkeypatch)
+    for kind, kernel in got.items():
+        on_tensor_cores = kernel.endswith("_mma8")
+        assert on_tensor_cores == (kind in GEMV_VARIANTS[variant]), (variant, kind, kernel)
+
+
+def test_mixed_runs_the_long_matrices_on_tensor_cores(monkeypatch):
+    got = _batch1_kernels("mixed", monkeypatch)
+    assert got == {
+        "h": "nq_gemv_int4_h",
+        "i": "nq_gemv_int4_i_mma8",
+        "qkv": "nq_qkv_rope_kv",
+        "gu": "nq_gate_up_silu_mma8",
+    }

@@ -6,29 +6,13 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from fakes import Dev, dev
 from nanoqwen_kernels import KernelError, checks
 from nanoqwen_kernels.dims import QWEN25_7B, TINY
+from nanoqwen_kernels.embed import EmbedKernels
 from nanoqwen_kernels.gemv import GemvKernels
 from nanoqwen_kernels.norm import NormKernels
 from nanoqwen_kernels.sampling import SamplingKernels, pack_params, pack_rng
-
-
-class Dev:
-    """A host array posing as a device array: dtype/shape/flags/nbytes and data.ptr."""
-
-    def __init__(self, a):
-        self.a = a
-        self.dtype, self.shape, self.ndim, self.size, self.nbytes = a.dtype, a.shape, a.ndim, a.size, a.nbytes
-        self.flags = a.flags
-        self.data = SimpleNamespace(ptr=a.ctypes.data)
-
-
-def dev(shape, dtype):
-    # over-allocate and align to 256 bytes like a CUDA allocation
-    n = int(np.prod(shape)) * np.dtype(dtype).itemsize
-    raw = np.zeros(n + 256, dtype=np.uint8)
-    off = (-raw.ctypes.data) % 256
-    return Dev(raw[off : off + n].view(dtype).reshape(shape))
 
 
 class Loaded:
@@ -42,7 +26,10 @@ def launches(monkeypatch):
     monkeypatch.setattr(
         checks, "launch", lambda fn, grid, block, args, shared_mem=0: calls.append((fn, grid, args))
     )
-    monkeypatch.setattr(checks, "even_grid", lambda fn, units, threads: min(units, 132 * 4))
+    monkeypatch.setattr(
+        checks, "even_grid", lambda fn, units, threads, shared_mem=0, copies=1: min(units, 132 * 4 // copies)
+    )
+    monkeypatch.setattr(checks, "sm_count", lambda device_id=None: 132)
     monkeypatch.setattr(checks, "cupy_module", lambda: SimpleNamespace(zeros=np.zeros, empty=np.empty))
     return calls
 
@@ -53,7 +40,7 @@ def load(sources, defines):
 
 def test_gemv_int4_good_call_and_residual_alias(launches):
     d = TINY
-    g = GemvKernels(d, load)
+    g = GemvKernels(d, load)  # variant "mixed": at B = 1, K = H on the half2 loop, K = I on tensor cores
     qw, sc = dev((300, d.hidden // 8), np.uint32), dev((300, d.hidden // 128), np.float16)
     x, out = dev((d.hidden,), np.float16), dev((300,), np.float16)
     g.gemv_int4(qw, sc, x, out, residual=out)  # in-place residual is allowed
@@ -61,7 +48,34 @@ def test_gemv_int4_good_call_and_residual_alias(launches):
     assert fn == "nq_gemv_int4_h" and grid == -(-150 // 8) and int(args[-1]) == 300
     qi, si = dev((7, d.intermediate // 8), np.uint32), dev((7, d.intermediate // 128), np.float16)
     g.gemv_int4(qi, si, dev((d.intermediate,), np.float16), dev((7,), np.float16))
-    assert launches[-1][0] == "nq_gemv_int4_i"
+    fn, grid, args = launches[-1]
+    assert fn == "nq_gemv_int4_i_mma8" and grid == (1, 1)
+    assert [int(a) for a in args[-3:]] == [1, 1, d.intermediate // 128]  # B, columns per pass, K whole
+
+
+@pytest.mark.parametrize("b, entry, passes", [(2, "mma8", 1), (8, "mma8", 1), (9, "mma32", 1), (64, "mma32", 2)])
+def test_gemv_int4_batched_launch(launches, b, entry, passes):
+    d = TINY
+    g = GemvKernels(d, load)
+    qw, sc = dev((300, d.hidden // 8), np.uint32), dev((300, d.hidden // 128), np.float16)
+    res = dev((b, 300), np.float16)
+    g.gemv_int4(qw, sc, dev((b, d.hidden), np.float16), res, residual=res)
+    fn, grid, args = launches[-1]
+    assert fn == f"nq_gemv_int4_h_{entry}" and grid[1] == passes and int(args[-3]) == b
+    assert int(args[-2]) * passes >= b
+
+
+def test_batched_outputs_must_match_the_batch(launches):
+    d = TINY
+    g = GemvKernels(d, load)
+    qw, sc = dev((64, d.hidden // 8), np.uint32), dev((64, d.hidden // 128), np.float16)
+    with pytest.raises(KernelError, match=r"out must have shape \(3, 64\)"):
+        g.gemv_int4(qw, sc, dev((3, d.hidden), np.float16), dev((64,), np.float16))
+    with pytest.raises(KernelError, match=r"x must be \[B, 256\]"):
+        g.gemv_int4(qw, sc, dev((3, 2, d.hidden), np.float16), dev((3, 64), np.float16))
+    with pytest.raises(KernelError, match=r"residual must have shape \(3, 64\)"):
+        g.gemv_int4(qw, sc, dev((3, d.hidden), np.float16), dev((3, 64), np.float16), residual=dev((64,), np.float16))
+    assert not launches
 
 
 @pytest.mark.parametrize(
@@ -71,7 +85,7 @@ def test_gemv_int4_good_call_and_residual_alias(launches):
         (dict(qweight=lambda d: dev((64, 40), np.uint32)), "neither hidden"),
         (dict(scales=lambda d: dev((64, 3), np.float16)), "scales must be"),
         (dict(scales=lambda d: dev((64, d.hidden // 128), np.float32)), "scales must be float16"),
-        (dict(x=lambda d: dev((d.hidden + 8,), np.float16)), "x must have shape"),
+        (dict(x=lambda d: dev((d.hidden + 8,), np.float16)), r"x must be \[B, 256\]"),
         (dict(out=lambda d: dev((63,), np.float16)), "out must have shape"),
         (dict(residual=lambda d: dev((64,), np.float32)), "residual must be float16"),
         (dict(norm_w=lambda d: dev((5,), np.float16)), "norm_w must have shape"),
@@ -115,27 +129,33 @@ def test_gemv_rejects_non_contiguous_misaligned_and_overlap(launches):
     assert not launches
 
 
+def _qkv_args(d, b):
+    rows = d.qkv_rows
+    lead = (b,) if b > 1 else ()
+    return dict(
+        qweight=dev((rows, d.hidden // 8), np.uint32),
+        scales=dev((rows, d.hidden // 128), np.float16),
+        bias=dev((rows,), np.float16),
+        x=dev((*lead, d.hidden), np.float16),
+        norm_w=dev((d.hidden,), np.float16),
+        eps=1e-6,
+        pos_dev=dev((b,), np.int32),
+        page_table=dev((b, 64), np.int32) if b > 1 else dev((64,), np.int32),
+        k_cache=dev((2, 4, d.n_kv_heads, 16, 128), np.float16),
+        v_cache=dev((2, 4, d.n_kv_heads, 16, 128), np.float16),
+        layer=1,
+        q_out=dev((*lead, d.q_dim), np.float16),
+    )
+
+
 def test_qkv_rope_kv_checks(launches):
     d = QWEN25_7B
     g = GemvKernels(d, load)
     rows = d.qkv_rows
-    good = dict(
-        qweight=dev((rows, d.hidden // 8), np.uint32),
-        scales=dev((rows, d.hidden // 128), np.float16),
-        bias=dev((rows,), np.float16),
-        x=dev((d.hidden,), np.float16),
-        norm_w=dev((d.hidden,), np.float16),
-        eps=1e-6,
-        pos_dev=dev((1,), np.int32),
-        page_table=dev((64,), np.int32),
-        k_cache=dev((2, 4, d.n_kv_heads, 16, 128), np.float16),
-        v_cache=dev((2, 4, d.n_kv_heads, 16, 128), np.float16),
-        layer=1,
-        q_out=dev((d.q_dim,), np.float16),
-    )
+    good = _qkv_args(d, 1)
     g.qkv_rope_kv(**good)
     fn, grid, args = launches[-1]
-    assert fn == "nq_qkv_rope_kv" and int(args[-3]) == 1 and int(args[-2]) == 4
+    assert fn == "nq_qkv_rope_kv" and int(args[-3]) == 1 and int(args[-2]) == 4 and int(args[8]) == 64
     bad = [
         (
             dict(qweight=dev((rows - 2, d.hidden // 8), np.uint32), scales=dev((rows - 2, 28), np.float16)),
@@ -155,6 +175,24 @@ def test_qkv_rope_kv_checks(launches):
             g.qkv_rope_kv(**{**good, **change})
 
 
+def test_qkv_rope_kv_batched_checks(launches):
+    d = QWEN25_7B
+    g = GemvKernels(d, load)
+    good = _qkv_args(d, 5)
+    g.qkv_rope_kv(**good)
+    fn, grid, args = launches[-1]
+    assert fn == "nq_qkv_rope_kv_mma8" and int(args[8]) == 64 and int(args[-3]) == 5
+    bad = [
+        (dict(pos_dev=dev((1,), np.int32)), r"pos_dev must have shape \(5,\)"),
+        (dict(page_table=dev((64,), np.int32)), r"page_table must be int32 \[5, max_pages\]"),
+        (dict(page_table=dev((4, 64), np.int32)), "page_table"),
+        (dict(q_out=dev((4, d.q_dim), np.float16)), "q_out must have shape"),
+    ]
+    for change, word in bad:
+        with pytest.raises(KernelError, match=word):
+            g.qkv_rope_kv(**{**good, **change})
+
+
 def test_gate_up_and_fp16_checks(launches):
     d = TINY
     g = GemvKernels(d, load)
@@ -167,7 +205,7 @@ def test_gate_up_and_fp16_checks(launches):
         1e-6,
         dev((d.intermediate,), np.float16),
     )
-    assert launches[-1][0] == "nq_gate_up_silu"
+    assert launches[-1][0] == "nq_gate_up_silu_mma8"  # "mixed": gate/up on tensor cores at B = 1
     with pytest.raises(KernelError, match="2 x intermediate"):
         g.gate_up_silu(
             dev((d.intermediate, d.hidden // 8), np.uint32),
@@ -179,6 +217,8 @@ def test_gate_up_and_fp16_checks(launches):
         )
     g.gemv_fp16(dev((1001, d.hidden), np.float16), dev((d.hidden,), np.float16), dev((1001,), np.float32))
     assert launches[-1][0] == "nq_gemv_fp16" and int(launches[-1][2][-1]) == 1001
+    g.gemv_fp16(dev((1001, d.hidden), np.float16), dev((3, d.hidden), np.float16), dev((3, 1001), np.float32))
+    assert launches[-1][0] == "nq_gemv_fp16_mma8" and int(launches[-1][2][-3]) == 3
     with pytest.raises(KernelError, match="out must be float32"):
         g.gemv_fp16(dev((10, d.hidden), np.float16), dev((d.hidden,), np.float16), dev((10,), np.float16))
     with pytest.raises(KernelError, match="w must be"):
@@ -193,16 +233,23 @@ def test_norm_embed_checks(launches):
     x = dev((3, d.hidden), np.float16)
     n.rmsnorm_rows(x, dev((d.hidden,), np.float16), x, 1e-6)  # in place is fine
     assert launches[-1][1] == 3
+    n.rmsnorm(x, dev((d.hidden,), np.float16), dev((3, d.hidden), np.float16), 1e-6)  # B rows
+    assert launches[-1][1] == 3
     with pytest.raises(KernelError, match="x must be"):
         n.rmsnorm_rows(
             dev((d.hidden,), np.float16), dev((d.hidden,), np.float16), dev((d.hidden,), np.float16), 1e-6
         )
     with pytest.raises(KernelError, match="w must have shape"):
         n.rmsnorm(dev((d.hidden,), np.float16), dev((7,), np.float16), dev((d.hidden,), np.float16), 1e-6)
+    e = EmbedKernels(d, load)
+    e.embed(dev((d.vocab, d.hidden), np.float16), dev((4,), np.int32), dev((4, d.hidden), np.float16))
+    assert launches[-1][1] == (1, 4)
     with pytest.raises(KernelError, match="table must have shape"):
-        n.embed(dev((d.vocab - 1, d.hidden), np.float16), dev((1,), np.int32), dev((d.hidden,), np.float16))
+        e.embed(dev((d.vocab - 1, d.hidden), np.float16), dev((1,), np.int32), dev((d.hidden,), np.float16))
     with pytest.raises(KernelError, match="token_dev must be int32"):
-        n.embed(dev((d.vocab, d.hidden), np.float16), dev((1,), np.int64), dev((d.hidden,), np.float16))
+        e.embed(dev((d.vocab, d.hidden), np.float16), dev((1,), np.int64), dev((d.hidden,), np.float16))
+    with pytest.raises(KernelError, match=r"token_dev must have shape \(4,\)"):
+        e.embed(dev((d.vocab, d.hidden), np.float16), dev((1,), np.int32), dev((4, d.hidden), np.float16))
 
 
 def test_sampling_checks(launches):
@@ -298,8 +345,8 @@ def test_attention_decode_launch_and_checks(launches, combine):
 
 
 def test_kernelset_exposes_the_interface(monkeypatch, launches):
-    """KernelSet builds part A's and part B's launchers and exposes every name of docs/INTERFACES.md
-    section 4 (plus the sampler-state helpers the GPU backend uses)."""
+    """KernelSet builds every launcher and exposes each name of docs/INTERFACES.md section 4 (plus the
+    sampler-state helpers the GPU backend uses)."""
     from nanoqwen_kernels import KernelSet, kernelset
 
     built = []
@@ -322,6 +369,7 @@ def test_kernelset_exposes_the_interface(monkeypatch, launches):
         "gemm_int4",
         "rope_kv_prefill",
         "attention_prefill",
+        "dequantize_int4",
         "make_sampler_state",
         "set_sampler_params",
         "attention_workspace",
@@ -332,3 +380,35 @@ def test_kernelset_exposes_the_interface(monkeypatch, launches):
     assert {"gemv_int4.cu", "gemv_fp16.cu", "rmsnorm.cu", "embed.cu", "sampling.cu"} <= srcs
     with pytest.raises(KernelError, match="ModelDims"):
         KernelSet({"hidden_size": 256}, arch="sm_90a")
+
+
+def test_gemv_plan_examples():
+    """The 7B's matrices: x of a pass in shared memory whole when it fits; else restaged per tile (few
+    tiles) or more passes (many tiles)."""
+    from nanoqwen_kernels.gemv import X_SMEM_BUDGET, plan_gemv
+
+    h, i = QWEN25_7B.hidden, QWEN25_7B.intermediate
+    p = plan_gemv(1, i, 224, 132)  # down_proj at B = 1: 38 KB of x, staged once
+    assert (p.build, p.passes, p.pass_cols, p.slice_groups) == (8, 1, 1, i // 128)
+    p = plan_gemv(32, i, 224, 132)  # down_proj at B = 32: one pass, K in slices of a multiple of 8 groups
+    assert (p.build, p.passes, p.pass_cols) == (32, 1, 32) and p.slice_groups % 8 == 0
+    assert p.smem <= X_SMEM_BUDGET
+    p = plan_gemv(32, h, 2368, 132)  # gate/up at B = 32: two passes of 16 columns, K whole
+    assert (p.build, p.passes, p.pass_cols, p.slice_groups) == (32, 2, 16, h // 128)
+    p = plan_gemv(64, h, 2368, 132)
+    assert (p.passes, p.pass_cols, p.slice_groups) == (3, 22, h // 128)
+    p = plan_gemv(8, h, 224, 132)
+    assert (p.build, p.passes, p.pass_cols, p.slice_groups) == (8, 1, 8, h // 128)
+
+
+@pytest.mark.parametrize("k", [256, 1536, 3584, 8960, 18944])
+@pytest.mark.parametrize("tiles", [1, 224, 2368, 9504])
+def test_gemv_plan_invariants(k, tiles):
+    from nanoqwen_kernels.gemv import MMA_BUILDS, X_SMEM_BUDGET, plan_gemv
+
+    for b in range(1, 65):
+        p = plan_gemv(b, k, tiles, 132)
+        assert p.build in MMA_BUILDS and p.pass_cols <= p.build
+        assert p.passes * p.pass_cols >= b > (p.passes - 1) * p.pass_cols  # every pass has columns
+        assert p.smem <= X_SMEM_BUDGET
+        assert p.slice_groups == k // 128 or p.slice_groups % 8 == 0  # sliced: the same sums' order

@@ -145,11 +145,11 @@ def _resident_blocks(fn_ptr: int, threads: int, shared_mem: int) -> int:
     return max(1, int(driver.occupancyMaxActiveBlocksPerMultiprocessor(fn_ptr, threads, shared_mem)))
 
 
-def even_grid(fn, block_units: int, threads: int, shared_mem: int = 0) -> int:
+def even_grid(fn, block_units: int, threads: int, shared_mem: int = 0, copies: int = 1) -> int:
     """Blocks for a grid-stride kernel: at most what is resident at once (the occupancy API's answer for
-    this kernel's registers and shared memory), and every block running the same number of iterations
-    (no ragged last wave)."""
-    cap = sm_count() * _resident_blocks(fn.ptr, threads, shared_mem)
+    this kernel's registers and shared memory), shared by `copies` grids side by side (grid.y), and
+    every block running the same number of iterations (no ragged last wave)."""
+    cap = max(1, sm_count() * _resident_blocks(fn.ptr, threads, shared_mem) // copies)
     iters = -(-block_units // cap)
     return max(1, -(-block_units // iters))
 

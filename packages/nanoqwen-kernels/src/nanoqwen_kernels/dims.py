@@ -1,4 +1,5 @@
-"""ModelDims: the model shape a kernel build is specialised for (docs/INTERFACES.md section 4).
+"""ModelDims: the model shape a kernel build is specialised for (docs/INTERFACES.md section 4). The engine
+builds one from its ModelConfig; this package never parses a model config itself.
 
 Every dim becomes a compile-time constant (`-DNQ_*`) so the compiler unrolls the K loops and folds the
 row/head arithmetic; each Qwen2.5 size gets its own cubin from the same sources. The whitelist below is
@@ -25,7 +26,7 @@ class ModelDims:
     head_dim: int  # must be 128
     vocab: int  # V: embedding / lm_head rows
     n_layers: int
-    rope_theta: float = 1_000_000.0  # Qwen2.5's rope base
+    rope_theta: float  # RoPE base (Qwen2.5: 1e6), from the model's config: no default here
 
     def __post_init__(self) -> None:
         for name in ("hidden", "intermediate", "n_heads", "n_kv_heads", "head_dim", "vocab", "n_layers"):
@@ -46,28 +47,6 @@ class ModelDims:
             raise KernelError(
                 f"unsupported heads: n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}"
             )
-
-    @classmethod
-    def from_config(cls, cfg: dict) -> ModelDims:
-        """From a Hugging Face Qwen2 config dict (the keys of config.json)."""
-        try:
-            hidden = int(cfg["hidden_size"])
-            n_heads = int(cfg["num_attention_heads"])
-            head_dim = int(cfg.get("head_dim") or hidden // n_heads)
-            return cls(
-                hidden=hidden,
-                intermediate=int(cfg["intermediate_size"]),
-                n_heads=n_heads,
-                n_kv_heads=int(cfg.get("num_key_value_heads", n_heads)),
-                head_dim=head_dim,
-                vocab=int(cfg["vocab_size"]),
-                n_layers=int(cfg["num_hidden_layers"]),
-                rope_theta=float(cfg.get("rope_theta", 1_000_000.0)),
-            )
-        except KeyError as e:
-            raise KernelError(f"model config lacks {e.args[0]!r}") from None
-        except (TypeError, ValueError) as e:
-            raise KernelError(f"model config has a malformed dim: {e}") from None
 
     @property
     def q_dim(self) -> int:
@@ -96,8 +75,17 @@ class ModelDims:
         }
 
 
-# Named presets (the tiny one is the test shape every CPU/GPU test compiles).
+# Named shapes, written out once for the tests and benchmarks (the engine builds its ModelDims from its
+# own ModelConfig, the one parser of a model's config). TINY is the shape every CPU test compiles.
 QWEN25_7B = ModelDims(
-    hidden=3584, intermediate=18944, n_heads=28, n_kv_heads=4, head_dim=128, vocab=152064, n_layers=28
+    hidden=3584, intermediate=18944, n_heads=28, n_kv_heads=4, head_dim=128, vocab=152064, n_layers=28,
+    rope_theta=1e6,
 )
-TINY = ModelDims(hidden=256, intermediate=512, n_heads=2, n_kv_heads=1, head_dim=128, vocab=1000, n_layers=2)
+QWEN25_1_5B = ModelDims(
+    hidden=1536, intermediate=8960, n_heads=12, n_kv_heads=2, head_dim=128, vocab=151936, n_layers=28,
+    rope_theta=1e6,
+)
+TINY = ModelDims(
+    hidden=256, intermediate=512, n_heads=2, n_kv_heads=1, head_dim=128, vocab=1000, n_layers=2, rope_theta=1e6
+)
+PRESETS = {"7b": QWEN25_7B, "1.5b": QWEN25_1_5B, "tiny": TINY}

@@ -1,53 +1,114 @@
-"""Launchers for the decode GEMVs (cuda/gemv_int4.cu, cuda/gemv_fp16.cu): INT4 x FP16 with its fused
-variants, and the FP16 lm_head. Shapes follow docs/INTERFACES.md section 4."""
+"""Launchers for the decode GEMVs (cuda/gemv_int4.cu, cuda/gemv_fp16.cu, their tensor-core core
+cuda/gemv_mma.cuh): INT4 x FP16 with its fused variants, and the FP16 lm_head, for B sequences at once.
+Shapes follow docs/INTERFACES.md section 4: x is [B, K] (a 1-D x is B = 1, outputs then 1-D too), and B
+is x.shape[0]; positions and page tables are read from device memory, so a captured CUDA graph per batch
+size serves every step.
+
+Which body runs:
+  B = 1   the half2 loop or the tensor-core core, per matrix, as the GEMV variant says (below);
+  B > 1   the tensor-core core: up to 32 columns (sequences) per pass over the weights, planned by
+          `plan_gemv` (passes, and the slices of K that x is staged in).
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
 from . import checks as ck
-from .dims import GROUP, HEAD_DIM, PAGE_TOKENS, ModelDims
+from .dims import GROUP, ModelDims
 from .errors import KernelError
 
 INT4_SOURCES = ["gemv_int4.cu"]
 FP16_SOURCES = ["gemv_fp16.cu"]
 THREADS = 256
 WARPS = THREADS // 32
+TILE_ROWS = 16  # rows per tile of the tensor-core core (8 units of 2 rows)
+MMA_BUILDS = (8, 32)  # columns per pass each tensor-core entry is built for (suffix _mma8, _mma32)
+X_PAD = 16  # halves of padding per staged x row (gemv_mma.cuh kXPad)
+X_SMEM_BUDGET = 200 * 1024  # dynamic shared memory for staged x; + <= 17.5 KB static stays under 227 KB
 
-
-# Builds of the INT4 GEMV (the -D knobs of gemv_int4.cu), as (small, large): "small" builds the K = H
-# GEMV (o_proj) and the fused q/k/v, "large" the K = I GEMV (down_proj) and the fused gate/up.
-#   default : half2 FMA dot products everywhere;
-#   mma     : the dot products on tensor cores (gemv_int4_mma.cuh) everywhere;
-#   mmaoff  : mma with the 1032 offset folded into a per-group sum of x;
-#   mixed   : each matrix on the build measured fastest for it. H200, 2026-11-30 (bench_gemv.py --sweep,
-#             docs/PERF.md): default/mma us: o 4.91/5.71, qkv 7.39/7.86, gate_up 25.56/24.60,
+# The GEMV variant: which matrices run on the tensor-core core at B = 1 (B > 1 always does).
+#   "h" o_proj (K = H), "i" down_proj (K = I), "qkv" the fused q/k/v, "gu" the fused gate/up.
+#   default : the half2 loop everywhere;
+#   mma     : the tensor-core core everywhere (B = 1 then gives the same bits as a row of any batch);
+#   mixed   : each matrix on the body measured faster at B = 1. H200, 2026-11-30 (bench_gemv.py --sweep,
+#             docs/PERF.md): half2/mma us: o 4.91/5.71, qkv 7.39/7.86, gate_up 25.56/24.60,
 #             down 16.53/14.81. The tensor cores pay off where K or N is long enough to hide their
 #             per-tile fixed cost (16-row tiles, a shared-memory reduction across the 8 warps).
-# KernelSet picks one (argument, or $NANOQWEN_GEMV_VARIANT); all four pass the same GPU tests.
-_MMA = {"NQ_GEMV_MMA": 1}
-GEMV_VARIANTS: dict[str, tuple[dict[str, int], dict[str, int]]] = {
-    "default": ({}, {}),
-    "mma": (_MMA, _MMA),
-    "mmaoff": ({**_MMA, "NQ_GEMV_MMA_OFFSET": 1}, {**_MMA, "NQ_GEMV_MMA_OFFSET": 1}),
-    "mixed": ({}, _MMA),
+# KernelSet picks one (argument, or $NANOQWEN_GEMV_VARIANT); all pass the same GPU tests.
+GEMV_KINDS = ("h", "i", "qkv", "gu")
+GEMV_VARIANTS: dict[str, frozenset[str]] = {
+    "default": frozenset(),
+    "mma": frozenset(GEMV_KINDS),
+    "mixed": frozenset({"i", "gu"}),
 }
 DEFAULT_GEMV_VARIANT = "mixed"
 
 
+@dataclass(frozen=True)
+class GemvPlan:
+    """How the tensor-core core covers B columns of one GEMV."""
+
+    build: int  # the entry: 8 or 32 columns per pass at most (MMA_BUILDS)
+    pass_cols: int  # columns per pass (the last pass may have fewer)
+    passes: int  # grid.y; each pass reads the weights once
+    slice_groups: int  # 128-k groups of x staged at a time (all of K: staged once per block)
+    smem: int  # dynamic shared memory bytes
+
+
+def _x_bytes(cols: int, slice_groups: int) -> int:
+    return cols * (slice_groups * GROUP + X_PAD) * 2
+
+
+def plan_gemv(b: int, k: int, n_tiles: int, sm_count: int) -> GemvPlan:
+    """Passes and x slices for B columns of a K-long GEMV of n_tiles 16-row tiles.
+
+    x of a pass lives in shared memory. When all of K fits for the pass's columns, a block stages it once
+    and runs all its tiles over it. When it does not, either each tile restages x slice by slice (cheap
+    when there are few tiles, about one per block anyway: down_proj and o_proj), or the columns are split
+    over more passes so that K fits (many tiles: gate/up, lm_head), each pass reading the weights again
+    (from L2, mostly: the passes' blocks run side by side over the same tiles).
+    """
+    groups = k // GROUP
+    want = min(b, MMA_BUILDS[-1])
+    passes = -(-b // want)
+    if _x_bytes(want, groups) > X_SMEM_BUDGET and n_tiles > 2 * sm_count:
+        cap = max(1, X_SMEM_BUDGET // _x_bytes(1, groups))
+        passes = -(-b // min(cap, want))
+    pass_cols = -(-b // passes)
+    if _x_bytes(pass_cols, groups) <= X_SMEM_BUDGET:
+        slice_groups = groups
+    else:  # a multiple of 8 groups (the warp of a group stays g % 8: the same sums as unsliced)
+        fit = (X_SMEM_BUDGET // (2 * pass_cols) - X_PAD) // GROUP
+        slice_groups = max(8, fit // 8 * 8)
+    build = next(c for c in MMA_BUILDS if c >= pass_cols)
+    return GemvPlan(build, pass_cols, passes, slice_groups, _x_bytes(pass_cols, slice_groups))
+
+
 class GemvKernels:
-    def __init__(self, dims: ModelDims, load_module, tuning: dict[str, int] | None = None,
-                 tuning_large: dict[str, int] | None = None):
-        """tuning: extra -D knobs for the INT4 build (NQ_GEMV_STAGE_PIECES, NQ_GEMV_MMA; bench_gemv.py
-        --sweep); tuning_large, when given, builds the K = I GEMV and gate/up separately with those."""
+    def __init__(self, dims: ModelDims, load_module, variant: str = DEFAULT_GEMV_VARIANT):
+        """variant: a key of GEMV_VARIANTS (the body each matrix runs on at B = 1)."""
+        if variant not in GEMV_VARIANTS:
+            raise KernelError(f"unknown INT4 GEMV variant {variant!r}; one of {', '.join(GEMV_VARIANTS)}")
         self.dims = dims
-        m = load_module(INT4_SOURCES, {**dims.defines(), **(tuning or {})})
-        big = m if tuning_large is None else load_module(INT4_SOURCES, {**dims.defines(), **tuning_large})
-        self._h = m.get_function("nq_gemv_int4_h")
-        self._i = big.get_function("nq_gemv_int4_i")
-        self._qkv = m.get_function("nq_qkv_rope_kv")
-        self._gu = big.get_function("nq_gate_up_silu")
-        self._fp16 = load_module(FP16_SOURCES, dims.defines()).get_function("nq_gemv_fp16")
+        self.variant = variant
+        self._mma_at_b1 = GEMV_VARIANTS[variant]
+        m = load_module(INT4_SOURCES, dims.defines())
+        f = load_module(FP16_SOURCES, dims.defines())
+        smem = X_SMEM_BUDGET
+        names = {"h": "nq_gemv_int4_h", "i": "nq_gemv_int4_i", "qkv": "nq_qkv_rope_kv", "gu": "nq_gate_up_silu"}
+        self._half2 = {kind: m.get_function(name) for kind, name in names.items()}
+        self._mma = {
+            (kind, c): m.get_function(f"{name}_mma{c}", max_dynamic_smem=smem)
+            for kind, name in names.items()
+            for c in MMA_BUILDS
+        }
+        self._fp16 = f.get_function("nq_gemv_fp16")
+        self._fp16_mma = {c: f.get_function(f"nq_gemv_fp16_mma{c}", max_dynamic_smem=smem) for c in MMA_BUILDS}
+
+    # ---- argument checks ---------------------------------------------------------------------------
 
     def _int4(self, qweight, scales, k: int | None = None) -> tuple[int, int]:
         """qweight uint32 [N, K/8], scales fp16 [N, K/128] with K one of the compiled (H, I)."""
@@ -73,117 +134,135 @@ class GemvKernels:
             raise KernelError("qweight has no rows")
         return n, kk
 
+    @staticmethod
+    def _x(x, k: int) -> tuple[int, tuple]:
+        """x fp16 [B, K] or [K]: (B, the leading shape outputs take: (B,) or ())."""
+        ck.check_array("x", x, np.float16, align=16)
+        b = ck.batch_rows("x", x, k)
+        return b, (() if x.ndim == 1 else (b,))
+
+    # ---- launches -----------------------------------------------------------------------------------
+
+    def _launch_mma(self, fn_of, n_units: int, k: int, b: int, args: tuple) -> None:
+        """The tensor-core core over n_units units for B columns: plan, grid, launch."""
+        tiles = -(-n_units // 8)
+        plan = plan_gemv(b, k, tiles, ck.sm_count())
+        fn = fn_of(plan.build)
+        grid_x = ck.even_grid(fn, tiles, THREADS, plan.smem, copies=plan.passes)
+        ck.launch(
+            fn,
+            (grid_x, plan.passes),
+            THREADS,
+            (*args, np.int32(b), np.int32(plan.pass_cols), np.int32(plan.slice_groups)),
+            shared_mem=plan.smem,
+        )
+
     def gemv_int4(self, qweight, scales, x, out, residual=None, norm_w=None, eps=1e-6) -> None:
-        """out[N] = W . (norm(x) if norm_w else x) (+ residual[N]); residual may be out itself."""
+        """out[B, N] = W . (norm(x[b]) if norm_w else x[b]) (+ residual[B, N]); residual may be out itself."""
         n, k = self._int4(qweight, scales)
-        ck.check_array("x", x, np.float16, (k,), align=16)
-        ck.check_array("out", out, np.float16, (n,))
+        b, lead = self._x(x, k)
+        ck.check_array("out", out, np.float16, (*lead, n))
         if residual is not None:
-            ck.check_array("residual", residual, np.float16, (n,))
+            ck.check_array("residual", residual, np.float16, (*lead, n))
         if norm_w is not None:
             ck.check_array("norm_w", norm_w, np.float16, (k,), align=16)
         e = ck.check_eps(eps)
         ck.check_distinct(x=x, out=out)
         if residual is not None and residual.data.ptr != out.data.ptr:
             ck.check_distinct(residual=residual, out=out)
-        fn = self._h if k == self.dims.hidden else self._i
-        units = (n + 1) // 2
-        grid = ck.even_grid(fn, -(-units // WARPS), THREADS)
-        ck.launch(
-            fn,
-            grid,
-            THREADS,
-            (
-                qweight,
-                scales,
-                x,
-                norm_w if norm_w is not None else ck.NULL,
-                e,
-                residual if residual is not None else ck.NULL,
-                out,
-                np.int32(n),
-            ),
+        kind = "h" if k == self.dims.hidden else "i"
+        args = (
+            qweight,
+            scales,
+            x,
+            norm_w if norm_w is not None else ck.NULL,
+            e,
+            residual if residual is not None else ck.NULL,
+            out,
+            np.int32(n),
         )
+        units = (n + 1) // 2
+        if b == 1 and kind not in self._mma_at_b1:
+            fn = self._half2[kind]
+            ck.launch(fn, ck.even_grid(fn, -(-units // WARPS), THREADS), THREADS, args)
+        else:
+            self._launch_mma(lambda c: self._mma[(kind, c)], units, k, b, args)
 
     def qkv_rope_kv(
         self, qweight, scales, bias, x, norm_w, eps, pos_dev, page_table, k_cache, v_cache, layer, q_out
     ) -> None:
-        """Fused RMSNorm + q/k/v GEMV + bias + RoPE at pos_dev[0] + K/V into the page; q to q_out."""
+        """Fused RMSNorm + q/k/v GEMV + bias + RoPE at pos_dev[b] + K/V into the page of pos_dev[b] in
+        page_table row b; q of row b to q_out[b]. A row whose position has no page (page id < 0 or past
+        the pool, or pos_dev[b] outside the table) writes no K/V and gets NaN q (a padding row)."""
         d = self.dims
         rows = d.qkv_rows
         n, _ = self._int4(qweight, scales, d.hidden)
         if n != rows:
             raise KernelError(f"qweight must have {rows} rows (q {d.q_dim} + k + v {d.kv_dim} each), got {n}")
         ck.check_array("bias", bias, np.float16, (rows,))
-        ck.check_array("x", x, np.float16, (d.hidden,), align=16)
+        b, lead = self._x(x, d.hidden)
         ck.check_array("norm_w", norm_w, np.float16, (d.hidden,), align=16)
         e = ck.check_eps(eps)
-        ck.check_array("pos_dev", pos_dev, np.int32, (1,))
+        ck.check_array("pos_dev", pos_dev, np.int32, (b,))
         ck.check_array("page_table", page_table, np.int32)
-        if page_table.ndim != 1 or page_table.size < 1:
-            raise KernelError(f"page_table must be 1-D and non-empty, got shape {tuple(page_table.shape)}")
-        ck.check_array("k_cache", k_cache, np.float16)
-        ck.check_array("v_cache", v_cache, np.float16)
-        want = (d.n_kv_heads, PAGE_TOKENS, HEAD_DIM)
-        if k_cache.ndim != 5 or tuple(k_cache.shape[2:]) != want:
-            raise KernelError(
-                f"k_cache must be [n_layers, n_pages, {', '.join(map(str, want))}], "
-                f"got {tuple(k_cache.shape)}"
-            )
-        if v_cache.shape != k_cache.shape:
-            raise KernelError(
-                f"v_cache shape {tuple(v_cache.shape)} differs from k_cache {tuple(k_cache.shape)}"
-            )
-        layer = ck.check_int("layer", layer, 0, k_cache.shape[0])
-        ck.check_array("q_out", q_out, np.float16, (d.q_dim,))
+        # one sequence may pass its table as a 1-D array (row 0); a batch passes [B, max_pages]
+        ck.check_page_table(page_table, rows=None if b == 1 and page_table.ndim == 1 else b)
+        max_pages = int(page_table.shape[-1])
+        layer, n_pages = ck.check_kv_cache(d, k_cache, v_cache, layer)
+        ck.check_array("q_out", q_out, np.float16, (*lead, d.q_dim))
         ck.check_distinct(x=x, q_out=q_out)
-        grid = ck.even_grid(self._qkv, -(-(rows // 2) // WARPS), THREADS)
-        ck.launch(
-            self._qkv,
-            grid,
-            THREADS,
-            (
-                qweight,
-                scales,
-                bias,
-                x,
-                norm_w,
-                e,
-                pos_dev,
-                page_table,
-                k_cache,
-                v_cache,
-                np.int32(layer),
-                np.int32(k_cache.shape[1]),
-                q_out,
-            ),
+        args = (
+            qweight,
+            scales,
+            bias,
+            x,
+            norm_w,
+            e,
+            pos_dev,
+            page_table,
+            np.int32(max_pages),
+            k_cache,
+            v_cache,
+            np.int32(layer),
+            np.int32(n_pages),
+            q_out,
         )
+        if b == 1 and "qkv" not in self._mma_at_b1:
+            fn = self._half2["qkv"]
+            ck.launch(fn, ck.even_grid(fn, -(-(rows // 2) // WARPS), THREADS), THREADS, args)
+        else:
+            self._launch_mma(lambda c: self._mma[("qkv", c)], rows // 2, d.hidden, b, args)
 
     def gate_up_silu(self, qweight, scales, x, norm_w, eps, out) -> None:
-        """Fused RMSNorm + gate/up GEMV (rows [0,I) gate, [I,2I) up) + silu(gate) * up into out[I]."""
+        """Fused RMSNorm + gate/up GEMV (rows [0,I) gate, [I,2I) up) + silu(gate) * up into out[B, I]."""
         d = self.dims
         n, _ = self._int4(qweight, scales, d.hidden)
         if n != 2 * d.intermediate:
             raise KernelError(f"qweight must have 2 x intermediate = {2 * d.intermediate} rows, got {n}")
-        ck.check_array("x", x, np.float16, (d.hidden,), align=16)
+        b, lead = self._x(x, d.hidden)
         if norm_w is not None:
             ck.check_array("norm_w", norm_w, np.float16, (d.hidden,), align=16)
         e = ck.check_eps(eps)
-        ck.check_array("out", out, np.float16, (d.intermediate,))
+        ck.check_array("out", out, np.float16, (*lead, d.intermediate))
         ck.check_distinct(x=x, out=out)
-        grid = ck.even_grid(self._gu, -(-d.intermediate // WARPS), THREADS)
-        ck.launch(
-            self._gu, grid, THREADS, (qweight, scales, x, norm_w if norm_w is not None else ck.NULL, e, out)
-        )
+        args = (qweight, scales, x, norm_w if norm_w is not None else ck.NULL, e, out)
+        if b == 1 and "gu" not in self._mma_at_b1:
+            fn = self._half2["gu"]
+            ck.launch(fn, ck.even_grid(fn, -(-d.intermediate // WARPS), THREADS), THREADS, args)
+        else:
+            self._launch_mma(lambda c: self._mma[("gu", c)], d.intermediate, d.hidden, b, args)
 
     def gemv_fp16(self, w, x, out) -> None:
-        """out_f32[N] = w[N, H] . x[H] (the lm_head; fp32 logits)."""
+        """out_f32[B, N] = x[B, H] . w[N, H]^T (the lm_head; fp32 logits)."""
         ck.check_array("w", w, np.float16, align=16)
         if w.ndim != 2 or w.shape[1] != self.dims.hidden or w.shape[0] < 1:
             raise KernelError(f"w must be [N, {self.dims.hidden}], got {tuple(w.shape)}")
         n = int(w.shape[0])
-        ck.check_array("x", x, np.float16, (self.dims.hidden,), align=16)
-        ck.check_array("out", out, np.float32, (n,))
+        b, lead = self._x(x, self.dims.hidden)
+        ck.check_array("out", out, np.float32, (*lead, n))
         units = (n + 1) // 2
-        grid = ck.even_grid(self._fp16, -(-units // WARPS), THREADS)
-        ck.launch(self._fp16, grid, THREADS, (w, x, out, np.int32(n)))
+        if b == 1:
+            grid = ck.even_grid(self._fp16, -(-units // WARPS), THREADS)
+            ck.launch(self._fp16, grid, THREADS, (w, x, out, np.int32(n)))
+        else:
+            self._launch_mma(lambda c: self._fp16_mma[c], units, self.dims.hidden, b, (w, x, out, np.int32(n)))

@@ -1,12 +1,11 @@
 """KernelSet: every kernel of one model shape, compiled (or loaded from the disk cache) and exposed as
 the typed launchers of docs/INTERFACES.md section 4.
 
-    ks = KernelSet(ModelDims.from_config(cfg))         # arch defaults to the current device's
+    ks = KernelSet(ModelDims(hidden=..., ...))          # arch defaults to the current device's
     ks.qkv_rope_kv(...); ks.attention_decode(...); ks.gemv_int4(...); ks.argmax(...)
 
-Part A's launchers (GEMVs, norms, embed, sampling) live in gemv.py / norm.py / sampling.py; the
-attention and prefill ones in attention.py / prefill.py. KernelSet only builds them and forwards, so
-each launcher's contract is written once, beside its kernel.
+Each launcher lives beside its kernel (gemv.py, norm.py, embed.py, sampling.py, attention.py,
+prefill.py); KernelSet only builds them and forwards, so each contract is written once.
 """
 
 from __future__ import annotations
@@ -14,11 +13,14 @@ from __future__ import annotations
 import functools
 import os
 
+from .attention import AttentionKernels
 from .dims import ModelDims
+from .embed import EmbedKernels
 from .errors import KernelError
 from .gemv import DEFAULT_GEMV_VARIANT, GEMV_VARIANTS, GemvKernels
 from .loader import device_arch, load_module
 from .norm import NormKernels
+from .prefill import PrefillKernels
 from .sampling import SamplingKernels
 
 
@@ -29,31 +31,28 @@ class KernelSet:
             raise KernelError(f"KernelSet needs a ModelDims, got {type(dims).__name__}")
         variant = gemv_variant or os.environ.get("NANOQWEN_GEMV_VARIANT") or DEFAULT_GEMV_VARIANT
         if variant not in GEMV_VARIANTS:
-            raise KernelError(f"unknown INT4 GEMV variant {variant!r} (NANOQWEN_GEMV_VARIANT); one of "
-                              f"{', '.join(GEMV_VARIANTS)}")
+            raise KernelError(
+                f"unknown INT4 GEMV variant {variant!r} (NANOQWEN_GEMV_VARIANT); one of {', '.join(GEMV_VARIANTS)}"
+            )
         self.dims = dims
         self.gemv_variant = variant
         self.arch = arch or device_arch()
         load = functools.partial(_load, arch=self.arch)
-        small, large = GEMV_VARIANTS[variant]
-        self._gemv = GemvKernels(dims, load, tuning=small, tuning_large=large if large != small else None)
-        self._norm = NormKernels(dims, load)
-        self._sampling = SamplingKernels(dims, load)
-        from .attention import AttentionKernels
-        from .prefill import PrefillKernels
-
-        self._attention = AttentionKernels(dims, load)
-        self._prefill = PrefillKernels(dims, load)
+        g = GemvKernels(dims, load, variant)
+        n = NormKernels(dims, load)
+        e = EmbedKernels(dims, load)
+        s = SamplingKernels(dims, load)
+        a = AttentionKernels(dims, load)
+        p = PrefillKernels(dims, load)
 
         # the launchers, as bound methods (docs/INTERFACES.md section 4)
-        g, n, s, a, p = self._gemv, self._norm, self._sampling, self._attention, self._prefill
         self.gemv_int4 = g.gemv_int4
         self.qkv_rope_kv = g.qkv_rope_kv
         self.gate_up_silu = g.gate_up_silu
         self.gemv_fp16 = g.gemv_fp16
         self.rmsnorm = n.rmsnorm
         self.rmsnorm_rows = n.rmsnorm_rows
-        self.embed = n.embed
+        self.embed = e.embed
         self.argmax = s.argmax
         self.sample = s.sample
         self.advance = s.advance
@@ -61,11 +60,10 @@ class KernelSet:
         self.set_sampler_params = s.set_sampler_params
         self.attention_decode = a.attention_decode
         self.attention_workspace = a.new_workspace
+        self.dequantize_int4 = p.dequantize_int4
         self.gemm_int4 = p.gemm_int4
         self.rope_kv_prefill = p.rope_kv_prefill
         self.attention_prefill = p.attention_prefill
-        if hasattr(p, "dequantize_int4"):
-            self.dequantize_int4 = p.dequantize_int4
 
 
 def _load(sources, defines, arch):

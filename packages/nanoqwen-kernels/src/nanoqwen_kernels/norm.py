@@ -1,4 +1,5 @@
-"""Launchers for RMSNorm (cuda/rmsnorm.cu) and the embedding lookup (cuda/embed.cu)."""
+"""Launcher for RMSNorm (cuda/rmsnorm.cu): the final norm of B sequences at decode, T prompt rows at
+prefill. One kernel, one block per row."""
 
 from __future__ import annotations
 
@@ -13,34 +14,21 @@ class NormKernels:
     def __init__(self, dims: ModelDims, load_module):
         self.dims = dims
         self._rms = load_module(["rmsnorm.cu"], dims.defines()).get_function("nq_rmsnorm_rows")
-        self._embed = load_module(["embed.cu"], dims.defines()).get_function("nq_embed")
 
-    def rmsnorm_rows(self, x, w, out, eps) -> None:
-        """out[T, H] = RMSNorm(x[T, H]) * w; out may be x itself."""
+    def rmsnorm(self, x, w, out, eps) -> None:
+        """out[B, H] = RMSNorm(x[B, H]) * w, row by row (a 1-D x is one row); out may be x itself."""
         h = self.dims.hidden
         ck.check_array("x", x, np.float16, align=16)
-        if x.ndim != 2 or x.shape[1] != h or x.shape[0] < 1:
-            raise KernelError(f"x must be [T, {h}] with T >= 1, got {tuple(x.shape)}")
+        rows = ck.batch_rows("x", x, h)
         ck.check_array("w", w, np.float16, (h,), align=16)
         ck.check_array("out", out, np.float16, tuple(x.shape), align=16)
         if out.data.ptr != x.data.ptr:
             ck.check_distinct(x=x, out=out)
-        ck.launch(self._rms, int(x.shape[0]), 256, (x, w, out, ck.check_eps(eps)))
+        ck.launch(self._rms, rows, 256, (x, w, out, ck.check_eps(eps)))
 
-    def rmsnorm(self, x, w, out, eps) -> None:
-        """out[H] = RMSNorm(x[H]) * w (the final norm at decode)."""
-        h = self.dims.hidden
-        ck.check_array("x", x, np.float16, (h,), align=16)
-        ck.check_array("w", w, np.float16, (h,), align=16)
-        ck.check_array("out", out, np.float16, (h,), align=16)
-        if out.data.ptr != x.data.ptr:
-            ck.check_distinct(x=x, out=out)
-        ck.launch(self._rms, 1, 256, (x, w, out, ck.check_eps(eps)))
-
-    def embed(self, table, token_dev, out) -> None:
-        """out[H] = table[token_dev[0]] (an id outside [0, V) gives NaN, see embed.cu)."""
-        d = self.dims
-        ck.check_array("table", table, np.float16, (d.vocab, d.hidden), align=16)
-        ck.check_array("token_dev", token_dev, np.int32, (1,))
-        ck.check_array("out", out, np.float16, (d.hidden,), align=16)
-        ck.launch(self._embed, -(-(d.hidden // 8) // 256), 256, (table, token_dev, out))
+    def rmsnorm_rows(self, x, w, out, eps) -> None:
+        """The prefill form: x must be 2-D [T, H] (T prompt rows); otherwise as rmsnorm."""
+        ck.check_array("x", x, np.float16, align=16)
+        if x.ndim != 2:
+            raise KernelError(f"x must be [T, {self.dims.hidden}] with T >= 1, got {tuple(x.shape)}")
+        self.rmsnorm(x, w, out, eps)

@@ -18,13 +18,15 @@ PREFILL_SOURCES = ["dequant_int4.cu", "prefill_rope_kv.cu", "attention_prefill.c
 _DEQUANT_THREADS = 256
 _DEQUANT_BLOCKS_PER_SM = 16  # grid-stride beyond this many blocks per SM: enough to fill each many times
 # attention_prefill bodies: name -> (kernel, query rows per block (kBQ), threads) in attention_prefill.cu
-ATTENTION_VARIANTS = {"fma": ("attention_prefill", 32, 256), "mma": ("attention_prefill_mma", 64, 128)}
-# "mma" (tensor cores, P rounded to fp16 as in FlashAttention): 40 us vs 226 us for "fma" at T = 512 and
-# 56 ms vs 446 ms at T = 32768 on the H200 (GPU run 2, docs/PERF.md); its outputs differ from the fp32
+ATTENTION_VARIANTS = {
+    "fma": ("nq_attention_prefill", 32, 256),
+    "mma": ("nq_attention_prefill_mma", 64, 128),
+}
+# "mma" (tensor cores, P rounded to fp16 as in FlashAttention) is the default: 40 us vs 226 us for "fma"
+# at T = 512 and 56 ms vs 446 ms at T = 32768 on the H200 (docs/PERF.md); its outputs differ from the fp32
 # reference by the fp16 rounding of P (<= 2^-11 sum p|v|, tests/test_attention_prefill.py). "fma" keeps
 # fp32 probabilities and is the fallback: PrefillKernels(dims, load_module, "fma").
 DEFAULT_ATTENTION_VARIANT = "mma"
-
 
 
 def _check_positions(page_table, start_pos, t: int) -> int:
@@ -35,6 +37,7 @@ def _check_positions(page_table, start_pos, t: int) -> int:
             f"start_pos + T = {start_pos + t} exceeds the page table's {page_table.size * PAGE_TOKENS} positions"
         )
     return start_pos
+
 
 class PrefillKernels:
     """The prefill build for one ModelDims. `load_module(sources, defines)` is the loader's."""
@@ -48,8 +51,8 @@ class PrefillKernels:
         self.attention_variant = attention_variant
         kernel, self._attn_rows, self._attn_threads = ATTENTION_VARIANTS[attention_variant]
         mod = load_module(PREFILL_SOURCES, dims.defines())
-        self._dequant = mod.get_function("dequantize_int4")
-        self._rope = mod.get_function("rope_kv_prefill")
+        self._dequant = mod.get_function("nq_dequantize_int4")
+        self._rope = mod.get_function("nq_rope_kv_prefill")
         self._attn = mod.get_function(kernel)
 
     # ---- INT4 GEMM ------------------------------------------------------------------------------

@@ -2,19 +2,25 @@
 //
 // What: for query token i (position p = start_pos + i) and head h (KV head h / G):
 //   out[i, h] = softmax_{t <= p}(q[i, h] . K[t] / sqrt(128)) . V[t],   K/V read from the pages
-//   (positions < start_pos were cached earlier; start_pos .. start_pos+T-1 by rope_kv_prefill).
+//   (positions < start_pos were cached earlier; start_pos .. start_pos+T-1 by nq_rope_kv_prefill).
 // Shapes: q, out fp16 [T, NQ_NHEADS*128] (q already roped), k/v_cache fp16 [L, n_pages, NQ_NKV, 16, 128],
 //   page_table int32 [max_pages].
-// Launch: attention_prefill grid (ceil(T/32), NQ_NHEADS), 256 threads, 46.5 KB static smem.
+// Two bodies, the same contract (prefill.py ATTENTION_VARIANTS picks one):
+//   nq_attention_prefill_mma  the default: tensor cores (mma.sync), FlashAttention-2 structure, P rounded
+//                             to fp16 before P.V (as FlashAttention does). Its section below.
+//   nq_attention_prefill      fp32 throughout on CUDA cores (fp32 probabilities): the slower fallback,
+//                             kept as the numerically tighter body ("fma").
+// Memory is O(T) in both (no T x T score matrix): T = 32768 runs as ceil(T / rows) x heads blocks.
+//
+// nq_attention_prefill: grid (ceil(T/32), NQ_NHEADS), 256 threads, 46.5 KB static smem.
 //   Block = 32 query rows of one head; key tiles of 32 positions (2 pages) up to the block's last
-//   query position; memory is O(T) (no T x T score matrix), so T = 32768 runs as 1024 x heads blocks.
-// Why: correct first. fp32 online softmax and fp32 FMAs on CUDA cores from fp32 shared-memory tiles.
-//   Thread (r = tid/8, c = tid%8) computes scores of row r against keys c, c+8, c+16, c+24 (rows padded
-//   to 132 floats so 8 keys x 16 B hit 32 distinct banks), the 8 threads of a row reduce max/sum with
-//   shuffles (same warp), then accumulate 16 output dims c*4 + 32j. Tensor cores (mma.sync or wgmma)
-//   are the known next step; bench/bench_prefill.py measures where this one stands.
-// Tested: tests/test_attention_prefill.py (numpy float64 reference, T 1..513, start_pos 0 and > 0).
-#include "common.cuh"
+//   query position. fp32 online softmax and fp32 FMAs from fp32 shared-memory tiles. Thread
+//   (r = tid/8, c = tid%8) computes scores of row r against keys c, c+8, c+16, c+24 (rows padded to
+//   132 floats so 8 keys x 16 B hit 32 distinct banks), the 8 threads of a row reduce max/sum with
+//   shuffles (same warp), then accumulate 16 output dims c*4 + 32j.
+// Tested: tests/test_attention_prefill.py (numpy float64 reference, T 1..513 and 32768, start_pos 0 and
+//   > 0, both bodies); measured: bench/bench_prefill.py.
+#include "mma.cuh"
 
 namespace nq_pre {
 using nq::uint16_t;
@@ -25,12 +31,12 @@ constexpr int kThreads = 256;
 constexpr int kG = nq::kHeads / nq::kKvHeads;
 constexpr int kRowF = 132;   // padded fp32 row of Q/K tiles
 constexpr int kPRow = 36;    // padded fp32 row of P
-constexpr float kScaleLog2 = 1.4426950408889634f * 0.08838834764831845f;  // log2(e) / sqrt(128)
-__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000u); }
+using nq::kScaleLog2;
+using nq::neg_inf;
 }  // namespace nq_pre
 
 extern "C" __global__ void __launch_bounds__(nq_pre::kThreads)
-    attention_prefill(const nq::uint16_t* __restrict__ q,        // [T, kQDim]
+    nq_attention_prefill(const nq::uint16_t* __restrict__ q,        // [T, kQDim]
                       const nq::uint16_t* __restrict__ k_cache,  // [L, n_pages, NQ_NKV, 16, 128]
                       const nq::uint16_t* __restrict__ v_cache,  // same
                       const int* __restrict__ page_table,        // [max_pages]
@@ -167,7 +173,7 @@ extern "C" __global__ void __launch_bounds__(nq_pre::kThreads)
 }
 
 // ======================================================================================================
-// attention_prefill_mma: the same computation on tensor cores (FlashAttention-2 structure).
+// nq_attention_prefill_mma: the same computation on tensor cores (FlashAttention-2 structure); the default.
 //
 // Launch: grid (ceil(T/64), NQ_NHEADS), 128 threads (4 warps), 34 KB static smem.
 //   Block = 64 query rows of one head; warp w owns rows 16w .. 16w+15 (the M of m16n8k16).
@@ -186,43 +192,16 @@ constexpr int kBK = 64;
 constexpr int kThreads = 128;
 constexpr int kG = nq::kHeads / nq::kKvHeads;
 constexpr int kRowH = 136;  // padded smem row (halves) of the K/V tiles
-constexpr float kScaleLog2 = 1.4426950408889634f * 0.08838834764831845f;
-__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000u); }
-
-__device__ __forceinline__ void mma16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                         uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-// four 8x8 b16 matrices; lane l gives the row address of matrix l/8, row l%8; r[i] = matrix i's
-// (row lane/4, cols 2(lane%4), +1)
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
-  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(a));
-}
-// the same, transposed: r[i] = matrix i's (rows 2(lane%4), +1; col lane/4)
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* p) {
-  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(a));
-}
-
-__device__ __forceinline__ uint32_t pack_h2(float lo, float hi) {
-  uint32_t d;
-  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
-  return d;
-}
+using nq::kScaleLog2;
+using nq::ldmatrix_x4;
+using nq::ldmatrix_x4_trans;
+using nq::mma16816;
+using nq::neg_inf;
+using nq::pack_h2;
 }  // namespace nq_pre_mma
 
 extern "C" __global__ void __launch_bounds__(nq_pre_mma::kThreads)
-    attention_prefill_mma(const nq::uint16_t* __restrict__ q,        // [T, kQDim]
+    nq_attention_prefill_mma(const nq::uint16_t* __restrict__ q,        // [T, kQDim]
                           const nq::uint16_t* __restrict__ k_cache,  // [L, n_pages, NQ_NKV, 16, 128]
                           const nq::uint16_t* __restrict__ v_cache,  // same
                           const int* __restrict__ page_table,        // [max_pages]

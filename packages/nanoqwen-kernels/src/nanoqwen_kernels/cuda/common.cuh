@@ -1,5 +1,6 @@
-// common.cuh: what every nanoqwen kernel shares: the model dims (compile-time), the INT4 ValueShuffle
-// unpack, streaming loads and warp/block reductions.
+// common.cuh: what every nanoqwen kernel shares: the model dims (compile-time), fp16 arithmetic in PTX,
+// the INT4 ValueShuffle unpack, streaming loads, warp/block reductions, the RMSNorm of a 16-byte piece
+// and the softmax constants of the attention kernels.
 //
 // Model dims come in as -D constants from nanoqwen_kernels.dims.ModelDims.defines(); a missing one is a
 // compile error here rather than a silently wrong build.
@@ -72,6 +73,18 @@ __device__ __forceinline__ uint32_t hmul2(uint32_t a, uint32_t b) {
 }
 constexpr uint16_t kHalfNaN = 0x7e00u;
 #define NQ_INF __int_as_float(0x7f800000)  // no <math.h> under NVRTC: +inf spelled by its bits
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000u); }
+
+// (lo, hi) floats -> half2 with lo in the low half (the lower index), round to nearest even
+__device__ __forceinline__ uint32_t pack_h2(float lo, float hi) {
+  uint32_t d;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+  return d;
+}
+
+// ---- attention softmax ----------------------------------------------------------------------------
+// Scores live in the log2 domain: s * log2(e) / sqrt(128), so exp2f (one MUFU.EX2) replaces expf.
+constexpr float kScaleLog2 = 1.4426950408889634f * 0.08838834764831845f;
 
 // ---- loads -------------------------------------------------------------------------------------------
 // Weights are read exactly once per token: the non-coherent path with L1::no_allocate keeps them from
@@ -84,6 +97,17 @@ __device__ __forceinline__ uint4 ld_stream_v4(const void* p) {
                : "l"(p));
   return r;
 }
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16 bytes global -> shared without passing through registers (cp.async, L2 only: .cg); a thread's
+// copies complete at cp_async_wait_all (then a barrier publishes them to the block)
+__device__ __forceinline__ void cp_async16(void* smem_dst, const void* gmem_src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_u32(smem_dst)), "l"(gmem_src) : "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
 // ---- ValueShuffle-v1 unpack (docs/INTERFACES.md section 2) ------------------------------------------
 //
@@ -140,6 +164,36 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
   r = warp_sum(r);
   __syncthreads();  // red may be reused by the caller right after
   return r;
+}
+
+// ---- RMSNorm (HF Qwen2RMSNorm order) --------------------------------------------------------------
+// out = fp16(w * fp16(x * r)), r = rsqrt(mean(x^2) + eps) with the mean of squares in fp32. Written once
+// here for every kernel that normalises: rmsnorm.cu, and the GEMVs that stage a normed activation.
+
+// sum of squares of the 8 fp16 values of a 16-byte piece, in fp32
+__device__ __forceinline__ float sum_squares8(const uint4& v) {
+  const uint32_t h[4] = {v.x, v.y, v.z, v.w};
+  float ss = 0.f;
+#pragma unroll
+  for (int t = 0; t < 4; ++t) {
+    const float2 f = h22f2(h[t]);
+    ss += f.x * f.x + f.y * f.y;
+  }
+  return ss;
+}
+
+// the 8 values of piece v normed with r and weighted with the matching piece w of the norm weight
+__device__ __forceinline__ uint4 rms_apply8(const uint4& v, const uint4& w, float r) {
+  const uint32_t h[4] = {v.x, v.y, v.z, v.w};
+  const uint32_t g[4] = {w.x, w.y, w.z, w.w};
+  uint32_t o[4];
+#pragma unroll
+  for (int t = 0; t < 4; ++t) {
+    const float2 xf = h22f2(h[t]), wf = h22f2(g[t]);
+    o[t] = static_cast<uint32_t>(f2h(wf.x * h2f(f2h(xf.x * r)))) |
+           (static_cast<uint32_t>(f2h(wf.y * h2f(f2h(xf.y * r)))) << 16);
+  }
+  return make_uint4(o[0], o[1], o[2], o[3]);
 }
 
 }  // namespace nq

@@ -3,13 +3,13 @@
 // What: out[n, k] = fp16(scales[n, k / 128] * q[n, k]),  q = u - 8 in -8..7 (docs/INTERFACES.md 1-2)
 // Shapes: qweight uint32 [N, K/8] (ValueShuffle-v1 words), scales fp16 [N, K/128], out fp16 [N, K];
 //   N, K are run-time (one build serves q/k/v/o, gate/up and down); K % 128 == 0 (checked in prefill.py).
-// Launch: dequantize_int4 grid ceil(N*K/8 / 1024) (capped, grid-stride), 256 threads; 4 words per thread
-//   (strided by 256, so loads and 16-byte stores stay coalesced and 4 loads are in flight per thread:
-//   run 1 measured the one-word version at 2.4 TB/s of traffic on 3584x3584).
+// Launch: nq_dequantize_int4 grid ceil(N*K/8 / 1024) (capped at 16 blocks per SM, grid-stride), 256
+//   threads; 4 words per thread, strided by 256, so loads and 16-byte stores stay coalesced and 4 loads
+//   are in flight per thread (one word per thread measured slower: docs/PERF.md).
 // Why: prefill at T >= ~64 tokens is matrix-bound, where cuBLAS on tensor cores at fp16 is the fastest
 //   thing we have today; expanding W once per projection (N*K*2 B written, N*K/2 B read) costs about
 //   the time of reading it, small next to the GEMM at T = 512 (measured in bench/bench_prefill.py).
-//   A fused INT4 tensor-core GEMM that skips the fp16 copy is the stated next step.
+//   A fused INT4 tensor-core GEMM would skip the fp16 copy; this two-step form is what runs today.
 //   The product is exact before its one rounding: q has 4 bits, the scale 11, so mul.rn.f16x2 gives
 //   the correctly rounded fp16 of the exact product, the same value as numpy's fp16(float64 product).
 // Tested: tests/test_prefill_gemm.py (bit-exact against the numpy unpack of the same words).
@@ -19,7 +19,7 @@ constexpr int kDequantThreads = 256;
 constexpr int kWordsPerThread = 4;  // independent loads in flight per thread before the first use
 
 extern "C" __global__ void __launch_bounds__(kDequantThreads)
-    dequantize_int4(const nq::uint32_t* __restrict__ qweight,  // [N, K/8]
+    nq_dequantize_int4(const nq::uint32_t* __restrict__ qweight,  // [N, K/8]
                     const nq::uint16_t* __restrict__ scales,   // [N, K/128] fp16
                     nq::uint16_t* __restrict__ out,            // [N, K] fp16
                     int n_rows, int k) {

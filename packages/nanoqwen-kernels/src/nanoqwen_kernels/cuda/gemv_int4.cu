@@ -1,18 +1,26 @@
-// gemv_int4.cu: batch-1 INT4 x FP16 GEMV (decode) over ValueShuffle-v1 words, with its fused variants.
+// gemv_int4.cu: the INT4 x FP16 GEMVs of decode over ValueShuffle-v1 words, for B sequences at once,
+// with their fused variants. Two bodies share the row maps and epilogues below:
+//   the half2 loop (this file)      B = 1; products in half2 FMAs
+//   the tensor-core core            any B; gemv_mma.cuh (mma.sync, one column per sequence)
 //
-// What: out[n] = sum_k W[n,k] * xin[k], W[n,k] = scale[n, k/128] * q[n,k] (q = u - 8, u in 0..15), where
-//   xin = x, or RMSNorm(x) * norm_w when norm_w is given (HF Qwen2RMSNorm: fp32 mean of squares, x*r
-//   rounded to fp16, times the fp16 weight, rounded to fp16). Four entry points (extern "C"):
-//   nq_gemv_int4_h / nq_gemv_int4_i  K = H / K = I: out = W.xin (+ residual); residual may alias out.
-//   nq_qkv_rope_kv   K = H, rows q|k|v (kQkvRows): + bias, RoPE on q and k at pos (device memory),
-//                    k and v written into the KV page of pos, q (roped) to q_out.
-//   nq_gate_up_silu  K = H, rows [0,I) gate, [I,2I) up: out[i] = silu(gate[i]) * up[i].
-// Shapes/dtypes: qweight uint32 [N, K/8], scales fp16 [N, K/128], x fp16 [K], out fp16 [N or I].
-//   The KV page layout is docs/INTERFACES.md section 3: k_cache fp16 [L, n_pages, n_kv, 16, 128].
+// What: out[b][n] = sum_k W[n,k] * xin[b][k], W[n,k] = scale[n, k/128] * q[n,k] (q = u - 8, u in 0..15),
+//   xin[b] = x[b], or RMSNorm(x[b]) * norm_w when norm_w is given (HF Qwen2RMSNorm: fp32 mean of
+//   squares, x*r rounded to fp16, times the fp16 weight, rounded to fp16). Kernel entries (extern "C"):
+//   nq_gemv_int4_h / _i       K = H / K = I: out = W.xin (+ residual); residual may alias out.
+//   nq_qkv_rope_kv            K = H, rows q|k|v (kQkvRows): + bias, RoPE on q and k at pos[b] (device
+//                             memory), k and v written into the KV page of pos[b] from page_table row b,
+//                             q (roped) to q_out row b.
+//   nq_gate_up_silu           K = H, rows [0,I) gate, [I,2I) up: out[b][i] = silu(gate[i]) * up[i].
+//   each as the half2 loop (B = 1, the name above) and as the tensor-core core for up to 8 or 32
+//   columns per pass (suffix _mma8, _mma32; blockIdx.y = pass; gemv.py plans passes and slices).
+// Shapes/dtypes: qweight uint32 [N, K/8], scales fp16 [N, K/128], x fp16 [B, K], out fp16 [B, N or I].
+//   The KV page layout is docs/INTERFACES.md section 3: k_cache fp16 [L, n_pages, n_kv, 16, 128];
+//   page_table int32 [B, max_pages], row b = sequence b's table.
 //
-// Launch: 256 threads (8 warps: 4 schedulers per SM, 2 warps each), 1-D grid, grid-stride over "units".
-//   A unit is 2 weight rows, owned by one warp; the lanes split K in 16-byte pieces (32 weights, 1/4 of
-//   a group). Which 2 rows make a unit is what lets each epilogue stay inside one warp:
+// The half2 loop. Launch: 256 threads (8 warps), 1-D grid, grid-stride over "units". A unit is 2 weight
+//   rows, owned by one warp; the lanes split K in 16-byte pieces (32 weights, 1/4 of a group). Which 2
+//   rows make a unit is what lets each epilogue stay inside one warp (or one thread, on the tensor-core
+//   core):
 //     plain      rows (2p, 2p+1)                    more loads in flight per lane
 //     qkv_rope   rows (128h + d, 128h + d + 64)     exactly the pair HF's rotate-half RoPE mixes
 //     gate_up    rows (i, I + i)                    gate and up of the same output element
@@ -22,22 +30,18 @@
 //
 //   per warp, one K pass (K = 3584: 112 pieces per row, NJ = 4 per lane):
 //     lane l loads pieces u = l, l+32, l+64, ... of both rows; 4 pieces x 2 rows = 8 x 16 B in flight
-//     per lane before the first use (Little's law, DESIGN.md: ~32 KB per SM in flight is enough; 8 warps
-//     x 32 lanes x 128 B = 32 KB per block, 4 blocks resident at ~55-64 registers).
+//     per lane before the first use. Little's law: an SM's share of the bandwidth (4.19 TB/s / 132 =
+//     32 B/ns) times the HBM latency (~0.7 us) asks for ~22 KB in flight per SM; 8 warps x 32 lanes x
+//     128 B = 32 KB per block, with 3-4 blocks resident at ~55-64 registers.
 //
-// Measured (H200, bench_gemv.py in graphs, 2026-11-30; docs/PERF.md): 3584x3584 4.97 us (32% of copy
-//   bandwidth), 512x3584 3.31 us, fused qkv 4608x3584 7.43 us, fused gate/up 37888x3584 25.7 us (65%),
-//   down 3584x18944 16.6 us (50%). The kernel is issue-bound, not starved of loads: the fp16 lm_head
-//   with the same load structure streams at 99% (it has 4x fewer weights per byte), while here each
-//   8 weights cost ~18 instructions (2 LOP3, 4 PRMT, 4 HSUB2, 4 HMUL2/HFMA2, 2 cvt, adds). A
-//   software-pipelined variant (next stage issued before computing the current one; 90-120 registers,
-//   2 blocks/SM) measured slower overall (gate/up 28.2 us, qkv 8.8 us, down 15.6 us) and was dropped:
-//   with fewer warps the dependent half2 chains are hidden worse. The stage size (2/4/8 pieces) made no
-//   difference. What would reach 85%: fewer instructions per weight, i.e. the dot product on tensor
-//   cores: gemv_int4_mma.cuh, built with NQ_GEMV_MMA=1 (+ NQ_GEMV_MMA_OFFSET=1 to fold the 1032 offset
-//   into a per-group sum of x), is that variant. Measured (2026-11-30): it wins on the long matrices
-//   only (gate/up, down), so the default build mix (gemv.py, "mixed") uses it there and this loop for
-//   o_proj and q/k/v; the folded-offset build lost everywhere.
+// Why it is issue-bound (docs/PERF.md has the figures): each 8 weights cost ~18 instructions (2 LOP3,
+//   4 PRMT, 4 HSUB2, 4 HMUL2/HFMA2, 2 cvt, adds); the fp16 lm_head with the same load structure streams
+//   at 99% of copy bandwidth with 4x fewer weights per byte. The tensor-core core drops the products,
+//   the fp16 partial sums and their conversions (~10.5 instructions per word) and wins on the long
+//   matrices (gate/up, down); this loop stays the faster one for o_proj and q/k/v at B = 1, which is
+//   what the default variant "mixed" (gemv.py) runs. A software-pipelined version of this loop (next
+//   stage issued before the current one is used; 90-120 registers, 2 blocks/SM) measured slower and
+//   is not kept: with fewer warps the dependent half2 chains are hidden worse.
 //
 // Activation in shared memory, transposed so that the 16-byte reads of a warp hit 32 distinct banks:
 //
@@ -52,25 +56,21 @@
 //   sums 4 products |q*x| <= 8|x|, so |x| must stay below ~2000 for it not to overflow fp16; the
 //   normed activations and silu*up of Qwen2.5 stay far below (checked in the layer tests).
 //
-// Tested: tests/test_gemv_gpu.py against numpy (quantize + ValueShuffle pack in the test), poisoned
-//   outputs, 7B and awkward shapes; tests/test_compile.py compiles it for the 7B and tiny dims and
-//   checks the SASS holds PRMT.
-#include "common.cuh"
+// Tested: tests/test_gemv_gpu.py against numpy (quantize + ValueShuffle pack in the test) for B = 1 .. 64,
+//   poisoned outputs, mixed positions and page tables per row, 7B and 1.5B shapes; tests/test_compile.py
+//   compiles it for the 7B, 1.5B and tiny dims and checks the SASS (PRMT, HMMA, no spills).
+#include "gemv_mma.cuh"
 
 namespace nq {
 
-constexpr int kThreads = 256;
-constexpr int kWarps = kThreads / 32;
-#ifndef NQ_GEMV_MMA
-#define NQ_GEMV_MMA 0  // 1: the tensor-core variant (gemv_int4_mma.cuh); 0: the half2 loop below
-#endif
 #ifndef NQ_GEMV_STAGE_PIECES
 #define NQ_GEMV_STAGE_PIECES 4  // tuning knob (bench_gemv.py --sweep); 4 covers a K = 3584 row in one go
 #endif
 constexpr int kInFlight = NQ_GEMV_STAGE_PIECES;  // 16-byte pieces per row per lane issued before first use
 
-// ---- stage the activation (optionally RMS-normed) into the transposed shared layout ----------------
-// Every thread of the block must call this (it holds barriers); norm_w is block-uniform.
+// ---- the half2 loop (B = 1) ---------------------------------------------------------------------------
+// Stage the activation (optionally RMS-normed) into the transposed shared layout. Every thread of the
+// block must call this (it holds barriers); norm_w is block-uniform.
 template <int K>
 __device__ __forceinline__ void stage_x(const uint16_t* __restrict__ x, const uint16_t* __restrict__ norm_w,
                                         float eps, uint4* xs, float* red) {
@@ -80,34 +80,13 @@ __device__ __forceinline__ void stage_x(const uint16_t* __restrict__ x, const ui
   float r = 1.f;
   if (norm_w != nullptr) {
     float ss = 0.f;
-    for (int i = threadIdx.x; i < kChunks; i += kThreads) {
-      const uint4 v = x4[i];
-      const uint32_t h[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-      for (int t = 0; t < 4; ++t) {
-        const float2 f = h22f2(h[t]);
-        ss += f.x * f.x + f.y * f.y;
-      }
-    }
+    for (int i = threadIdx.x; i < kChunks; i += kThreads) ss += sum_squares8(x4[i]);
     ss = block_sum<kThreads>(ss, red);  // barrier inside; the branch is block-uniform
     r = rsqrtf(ss / K + eps);
   }
   for (int i = threadIdx.x; i < kChunks; i += kThreads) {
     uint4 v = x4[i];
-    if (norm_w != nullptr) {
-      const uint4 w = reinterpret_cast<const uint4*>(norm_w)[i];
-      uint32_t* pv = reinterpret_cast<uint32_t*>(&v);
-      const uint32_t* pw = reinterpret_cast<const uint32_t*>(&w);
-#pragma unroll
-      for (int t = 0; t < 4; ++t) {
-        const float2 xf = h22f2(pv[t]);
-        const float2 wf = h22f2(pw[t]);
-        // HF order: fp16(x * r), then fp16(w * that)
-        const uint16_t lo = f2h(wf.x * h2f(f2h(xf.x * r)));
-        const uint16_t hi = f2h(wf.y * h2f(f2h(xf.y * r)));
-        pv[t] = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
-      }
-    }
+    if (norm_w != nullptr) v = rms_apply8(v, reinterpret_cast<const uint4*>(norm_w)[i], r);
     xs[(i & 3) * kNU + (i >> 2)] = v;  // chunk i = piece u = i/4, word c = i%4
   }
   __syncthreads();  // xs complete before any warp reads it
@@ -167,8 +146,8 @@ __device__ __forceinline__ void dot_rows2(const uint32_t* __restrict__ qw, const
 }
 
 // The half2 loop over units: a warp takes unit p, `map` names its 2 rows, `epi` (lane 0) writes the
-// results. The same maps and epilogues serve the tensor-core variant (gemv_units_mma), so each fused
-// epilogue is written once.
+// results of column 0. The same maps and epilogues serve the tensor-core core (gemv_mma.cuh), so each
+// fused epilogue is written once.
 template <int K, class Map, class Epi>
 __device__ __forceinline__ void gemv_units(const uint32_t* __restrict__ qw, const uint16_t* __restrict__ sc,
                                            const uint16_t* __restrict__ x, const uint16_t* __restrict__ norm_w,
@@ -183,29 +162,23 @@ __device__ __forceinline__ void gemv_units(const uint32_t* __restrict__ qw, cons
     map(p, r0, r1);
     float o0, o1;
     dot_rows2<K>(qw, sc, r0, r1, xs, o0, o1);
-    if (lane == 0) epi(p, r0, r1, o0, o1);
+    if (lane == 0) epi(0, p, r0, r1, o0, o1);
   }
 }
 
-// ---- row maps and epilogues: which 2 rows a unit is, and what lane 0 does with their dot products -----
-// Shared by the half2 loop (gemv_units) and the tensor-core variant (gemv_units_mma, gemv_int4_mma.cuh).
-struct PlainRows {  // rows (2p, 2p+1); odd N: the last unit recomputes row N-1 and writes it once
-  int n_rows;
-  __device__ void operator()(int p, int& r0, int& r1) const {
-    r0 = 2 * p;
-    r1 = min(2 * p + 1, n_rows - 1);
-  }
-};
+// ---- epilogues: what happens to the 2 sums of a unit for column (sequence) b ----------------------------
 struct PlainEpi {
-  const uint16_t* residual;  // may alias out: each element is read, then written, by one thread
-  uint16_t* out;
-  __device__ void operator()(int, int r0, int r1, float o0, float o1) const {
+  const uint16_t* residual;  // [B, n_rows] or null; may alias out: each element is read, then written,
+  uint16_t* out;             // by one thread
+  int n_rows;
+  __device__ void operator()(int b, int, int r0, int r1, float o0, float o1) const {
+    const size_t base = static_cast<size_t>(b) * n_rows;
     if (residual != nullptr) {
-      o0 += h2f(residual[r0]);
-      o1 += h2f(residual[r1]);
+      o0 += h2f(residual[base + r0]);
+      o1 += h2f(residual[base + r1]);
     }
-    out[r0] = f2h(o0);
-    if (r1 != r0) out[r1] = f2h(o1);
+    out[base + r0] = f2h(o0);
+    if (r1 != r0) out[base + r1] = f2h(o1);
   }
 };
 
@@ -217,44 +190,51 @@ struct QkvRows {  // unit p: head p/64 (q heads, then k, then v), rows d and d+6
 };
 struct QkvEpi {
   const uint16_t* bias;
-  int pos;
-  const int32_t* page_table;
+  const int32_t* pos;         // [B] position of each sequence's new token
+  const int32_t* page_table;  // [B, max_pages]
+  int max_pages;
   uint16_t* k_cache;
   uint16_t* v_cache;
   int layer, n_pages;
-  uint16_t* q_out;
-  __device__ void operator()(int p, int r0, int r1, float a, float b) const {
+  uint16_t* q_out;            // [B, kQDim]
+  __device__ void operator()(int b, int p, int r0, int r1, float x0, float x1) const {
     const int head = p / 64, d = p % 64;
-    a += h2f(bias[r0]);
-    b += h2f(bias[r1]);
+    const int ps = pos[b];
+    // A row whose position has no page (a padding row of a batch bucket: page id -1) writes no K/V and
+    // gets NaN q, so nothing outside its own outputs changes and garbage shows rather than hides.
+    const int blk = ps >= 0 ? ps / kPageTokens : -1;
+    const int page = (blk >= 0 && blk < max_pages) ? page_table[static_cast<size_t>(b) * max_pages + blk] : -1;
+    const bool ok = page >= 0 && page < n_pages;
+    x0 += h2f(bias[r0]);
+    x1 += h2f(bias[r1]);
     if (head < kHeads + kKvHeads) {  // q or k: rotate the pair (d, d + 64)
       // HF: inv_freq[d] = 1 / theta^(2d/128), angle = pos * inv_freq in fp32. inv_freq is computed in
       // fp64 and rounded once, so it is the correctly rounded fp32 value (as the engine's numpy
       // reference computes it): an ulp of inv_freq is ~2e-3 rad of angle at pos 32k. Precise sincosf
       // (no fast math) because the angle reaches ~3e4 rad at 32k context.
       const float inv = static_cast<float>(1.0 / pow(static_cast<double>(NQ_ROPE_THETA), (2.0 * d) / kHeadDim));
-      const float ang = static_cast<float>(pos) * inv;
+      const float ang = static_cast<float>(ps) * inv;
       float sn, cs;
       sincosf(ang, &sn, &cs);
-      const float ra = a * cs - b * sn;
-      const float rb = b * cs + a * sn;
-      a = ra;
-      b = rb;
+      const float ra = x0 * cs - x1 * sn;
+      const float rb = x1 * cs + x0 * sn;
+      x0 = ra;
+      x1 = rb;
     }
     if (head < kHeads) {
-      q_out[r0] = f2h(a);
-      q_out[r1] = f2h(b);
-    } else {
+      uint16_t* q = q_out + static_cast<size_t>(b) * kQDim;
+      q[r0] = ok ? f2h(x0) : kHalfNaN;
+      q[r1] = ok ? f2h(x1) : kHalfNaN;
+    } else if (ok) {
       const bool is_k = head < kHeads + kKvHeads;
       const int kvh = head - kHeads - (is_k ? 0 : kKvHeads);
-      const int page = page_table[pos / kPageTokens];
       // k_cache[layer][page][kvh][pos % 16][:]
       const size_t base =
-          ((((static_cast<size_t>(layer) * n_pages + page) * kKvHeads + kvh) * kPageTokens) + pos % kPageTokens) *
+          ((((static_cast<size_t>(layer) * n_pages + page) * kKvHeads + kvh) * kPageTokens) + ps % kPageTokens) *
           kHeadDim;
       uint16_t* dst = is_k ? k_cache : v_cache;
-      dst[base + d] = f2h(a);
-      dst[base + d + 64] = f2h(b);
+      dst[base + d] = f2h(x0);
+      dst[base + d + 64] = f2h(x1);
     }
   }
 };
@@ -266,24 +246,19 @@ struct GateUpRows {  // gate row p and the up row of the same output element
   }
 };
 struct GateUpEpi {
-  uint16_t* out;
-  __device__ void operator()(int p, int, int, float g, float u) const {
+  uint16_t* out;  // [B, kInter]
+  __device__ void operator()(int b, int p, int, int, float g, float u) const {
     // HF rounds gate and up to fp16 before the activation; we keep fp32 (within the test tolerance)
-    out[p] = f2h(g / (1.f + __expf(-g)) * u);
+    out[static_cast<size_t>(b) * kInter + p] = f2h(g / (1.f + __expf(-g)) * u);
   }
 };
 
 }  // namespace nq
 
-#if NQ_GEMV_MMA
-#include "gemv_int4_mma.cuh"  // gemv_units_mma: the tensor-core variant (see its header)
-#define NQ_GEMV_UNITS gemv_units_mma
-#else
-#define NQ_GEMV_UNITS gemv_units
-#endif
-
 using namespace nq;
 
+// ---- entries ---------------------------------------------------------------------------------------------
+// The half2 loop, B = 1 (x [K], out [N]; pos_dev [1], page_table [1, max_pages]).
 extern "C" __global__ void __launch_bounds__(kThreads) nq_gemv_int4_h(
     const uint32_t* __restrict__ qweight,  // [N, H/8]
     const uint16_t* __restrict__ scales,   // [N, H/128] fp16
@@ -293,18 +268,15 @@ extern "C" __global__ void __launch_bounds__(kThreads) nq_gemv_int4_h(
     const uint16_t* residual,              // [N] fp16 or null; may alias out
     uint16_t* out,                         // [N] fp16
     int n_rows) {
-  NQ_GEMV_UNITS<kHidden>(qweight, scales, x, norm_w, eps, (n_rows + 1) / 2, PlainRows{n_rows},
-                         PlainEpi{residual, out});
+  gemv_units<kHidden>(qweight, scales, x, norm_w, eps, (n_rows + 1) / 2, PlainRows{n_rows},
+                      PlainEpi{residual, out, n_rows});
 }
 
 extern "C" __global__ void __launch_bounds__(kThreads) nq_gemv_int4_i(
-    const uint32_t* __restrict__ qweight,  // [N, I/8]
-    const uint16_t* __restrict__ scales,   // [N, I/128] fp16
-    const uint16_t* __restrict__ x,        // [I] fp16
-    const uint16_t* __restrict__ norm_w,   // [I] fp16 or null
-    float eps, const uint16_t* residual, uint16_t* out, int n_rows) {
-  NQ_GEMV_UNITS<kInter>(qweight, scales, x, norm_w, eps, (n_rows + 1) / 2, PlainRows{n_rows},
-                        PlainEpi{residual, out});
+    const uint32_t* __restrict__ qweight, const uint16_t* __restrict__ scales, const uint16_t* __restrict__ x,
+    const uint16_t* __restrict__ norm_w, float eps, const uint16_t* residual, uint16_t* out, int n_rows) {
+  gemv_units<kInter>(qweight, scales, x, norm_w, eps, (n_rows + 1) / 2, PlainRows{n_rows},
+                     PlainEpi{residual, out, n_rows});
 }
 
 // Fused input RMSNorm + q/k/v projection + bias + RoPE + KV page write. Units = kQkvRows / 2.
@@ -315,14 +287,15 @@ extern "C" __global__ void __launch_bounds__(kThreads) nq_qkv_rope_kv(
     const uint16_t* __restrict__ x,         // [H] fp16 residual stream
     const uint16_t* __restrict__ norm_w,    // [H] fp16 input_layernorm weight (not null)
     float eps,
-    const int32_t* __restrict__ pos_dev,    // [1] position of this token (device: graph-replayable)
-    const int32_t* __restrict__ page_table, // [max_pages] logical block -> page id
+    const int32_t* __restrict__ pos,        // [1] position of this token (device: graph-replayable)
+    const int32_t* __restrict__ page_table, // [1, max_pages] logical block -> page id
+    int max_pages,
     uint16_t* __restrict__ k_cache,         // [L, n_pages, kKvHeads, 16, 128] fp16
     uint16_t* __restrict__ v_cache,         // same
     int layer, int n_pages,
     uint16_t* __restrict__ q_out) {         // [kQDim] fp16, roped
-  NQ_GEMV_UNITS<kHidden>(qweight, scales, x, norm_w, eps, kQkvRows / 2, QkvRows{},
-                         QkvEpi{bias, *pos_dev, page_table, k_cache, v_cache, layer, n_pages, q_out});
+  gemv_units<kHidden>(qweight, scales, x, norm_w, eps, kQkvRows / 2, QkvRows{},
+                      QkvEpi{bias, pos, page_table, max_pages, k_cache, v_cache, layer, n_pages, q_out});
 }
 
 // Fused post-attention RMSNorm + gate/up projection + SiLU(gate) * up. Units = kInter.
@@ -333,5 +306,45 @@ extern "C" __global__ void __launch_bounds__(kThreads) nq_gate_up_silu(
     const uint16_t* __restrict__ norm_w,   // [H] fp16 or null
     float eps,
     uint16_t* __restrict__ out) {          // [I] fp16
-  NQ_GEMV_UNITS<kHidden>(qweight, scales, x, norm_w, eps, kInter, GateUpRows{}, GateUpEpi{out});
+  gemv_units<kHidden>(qweight, scales, x, norm_w, eps, kInter, GateUpRows{}, GateUpEpi{out});
 }
+
+// The tensor-core core, B columns (x [B, K], outputs [B, ...]; pos [B], page_table [B, max_pages]);
+// n_cols = B, pass_cols = columns per pass, slice_groups = 128-k groups of x staged at a time (gemv.py's
+// plan); grid.y = passes; dynamic shared memory = pass_cols x (slice_groups * 128 + 16) x 2 bytes.
+#define NQ_INT4_MMA_ENTRIES(COLS, MIN_BLOCKS)                                                                \
+  extern "C" __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) nq_gemv_int4_h_mma##COLS(                         \
+      const uint32_t* __restrict__ qweight, const uint16_t* __restrict__ scales,                            \
+      const uint16_t* __restrict__ x, const uint16_t* __restrict__ norm_w, float eps,                       \
+      const uint16_t* residual, uint16_t* out, int n_rows, int n_cols, int pass_cols, int slice_groups) {  \
+    gemv_mma<kHidden, COLS / 8>(Int4Weights{qweight, scales}, x, norm_w, eps, (n_rows + 1) / 2, n_cols,     \
+                                pass_cols, slice_groups, PlainRows{n_rows},                                \
+                                PlainEpi{residual, out, n_rows});                                          \
+  }                                                                                                        \
+  extern "C" __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) nq_gemv_int4_i_mma##COLS(                           \
+      const uint32_t* __restrict__ qweight, const uint16_t* __restrict__ scales,                            \
+      const uint16_t* __restrict__ x, const uint16_t* __restrict__ norm_w, float eps,                       \
+      const uint16_t* residual, uint16_t* out, int n_rows, int n_cols, int pass_cols, int slice_groups) {  \
+    gemv_mma<kInter, COLS / 8>(Int4Weights{qweight, scales}, x, norm_w, eps, (n_rows + 1) / 2, n_cols,      \
+                               pass_cols, slice_groups, PlainRows{n_rows}, PlainEpi{residual, out, n_rows}); \
+  }                                                                                                        \
+  extern "C" __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) nq_qkv_rope_kv_mma##COLS(                           \
+      const uint32_t* __restrict__ qweight, const uint16_t* __restrict__ scales,                            \
+      const uint16_t* __restrict__ bias, const uint16_t* __restrict__ x, const uint16_t* __restrict__ norm_w, \
+      float eps, const int32_t* __restrict__ pos, const int32_t* __restrict__ page_table, int max_pages,     \
+      uint16_t* __restrict__ k_cache, uint16_t* __restrict__ v_cache, int layer, int n_pages,                \
+      uint16_t* __restrict__ q_out, int n_cols, int pass_cols, int slice_groups) {                         \
+    gemv_mma<kHidden, COLS / 8>(                                                                           \
+        Int4Weights{qweight, scales}, x, norm_w, eps, kQkvRows / 2, n_cols, pass_cols, slice_groups,        \
+        QkvRows{}, QkvEpi{bias, pos, page_table, max_pages, k_cache, v_cache, layer, n_pages, q_out});      \
+  }                                                                                                        \
+  extern "C" __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) nq_gate_up_silu_mma##COLS(                          \
+      const uint32_t* __restrict__ qweight, const uint16_t* __restrict__ scales,                            \
+      const uint16_t* __restrict__ x, const uint16_t* __restrict__ norm_w, float eps,                       \
+      uint16_t* __restrict__ out, int n_cols, int pass_cols, int slice_groups) {                           \
+    gemv_mma<kHidden, COLS / 8>(Int4Weights{qweight, scales}, x, norm_w, eps, kInter, n_cols, pass_cols,    \
+                                slice_groups, GateUpRows{}, GateUpEpi{out});                               \
+  }
+
+NQ_INT4_MMA_ENTRIES(8, 3)
+NQ_INT4_MMA_ENTRIES(32, 1)

@@ -9,7 +9,7 @@
 // Shapes: qkv fp16 [T, (NQ_NHEADS + 2 NQ_NKV) * 128] (rows q heads, then k, then v: the fused
 //   projection's order), q_out fp16 [T, NQ_NHEADS*128], k/v_cache fp16 [L, n_pages, NQ_NKV, 16, 128],
 //   page_table int32 [max_pages] (pages for positions < start_pos + T must be assigned).
-// Launch: rope_kv_prefill grid (T, NQ_NHEADS + 2*NQ_NKV), 64 threads: thread d owns the pair (d, d+64).
+// Launch: nq_rope_kv_prefill grid (T, NQ_NHEADS + 2*NQ_NKV), 64 threads: thread d owns the pair (d, d+64).
 // Why: one small elementwise pass; T and start_pos are host ints because prefill is launched eagerly
 //   (the decode path, captured in a graph, reads its position from the device instead).
 //   inv_freq = 1 / theta^(2d/128) is computed in fp64 and rounded once to fp32 (the correctly rounded
@@ -20,7 +20,7 @@
 #include "common.cuh"
 
 extern "C" __global__ void __launch_bounds__(64)
-    rope_kv_prefill(const nq::uint16_t* __restrict__ qkv,     // [T, kQkvRows] fp16
+    nq_rope_kv_prefill(const nq::uint16_t* __restrict__ qkv,     // [T, kQkvRows] fp16
                     int start_pos,
                     const int* __restrict__ page_table,       // [max_pages]
                     nq::uint16_t* __restrict__ k_cache,       // [L, n_pages, NQ_NKV, 16, 128]

@@ -1,10 +1,11 @@
-// rmsnorm.cu: RMSNorm of rows of width H (the final norm at decode; rows of a prompt at prefill).
+// rmsnorm.cu: RMSNorm of rows of width H (the final norm at decode, one row per sequence; rows of a
+// prompt at prefill). The per-piece math is common.cuh's sum_squares8 / rms_apply8.
 //
 // What: out[t] = fp16(w * fp16(x[t] * rsqrt(mean(x[t]^2) + eps))), the HF Qwen2RMSNorm order (mean of
 //   squares in fp32, normalised value rounded to fp16 before the weight multiply).
 // Shapes/dtypes: x fp16 [T, H], w fp16 [H], out fp16 [T, H]; out may alias x (each thread writes only
 //   the pieces it read, after the block barrier inside block_sum).
-// Launch: one 256-thread block per row (grid T); decode calls it with T = 1.
+// Launch: one 256-thread block per row (grid T): T prompt tokens at prefill, B sequences at decode.
 // Why: H <= 8192 fp16 is at most 16 KB: one block holds a row in registers (a few 16-byte pieces per
 //   thread), so a row costs one read and one write; the work is tiny next to the GEMVs around it.
 // Tested: tests/test_norm_embed_gpu.py (numpy reference, poisoned output, in-place, T = 1, 3, 17).
@@ -32,12 +33,7 @@ extern "C" __global__ void __launch_bounds__(kNormThreads) nq_rmsnorm_rows(
     const int i = j * kNormThreads + threadIdx.x;
     if (i < kPieces) {
       v[j] = xr[i];
-      const uint32_t h[4] = {v[j].x, v[j].y, v[j].z, v[j].w};
-#pragma unroll
-      for (int t = 0; t < 4; ++t) {
-        const float2 f = h22f2(h[t]);
-        ss += f.x * f.x + f.y * f.y;
-      }
+      ss += sum_squares8(v[j]);
     }
   }
   const float r = rsqrtf(block_sum<kNormThreads>(ss, red) / kHidden + eps);  // all threads call it
@@ -45,17 +41,7 @@ extern "C" __global__ void __launch_bounds__(kNormThreads) nq_rmsnorm_rows(
   for (int j = 0; j < kPer; ++j) {
     const int i = j * kNormThreads + threadIdx.x;
     if (i < kPieces) {
-      const uint4 wv = reinterpret_cast<const uint4*>(w)[i];
-      const uint32_t h[4] = {v[j].x, v[j].y, v[j].z, v[j].w};
-      const uint32_t g[4] = {wv.x, wv.y, wv.z, wv.w};
-      uint32_t o[4];
-#pragma unroll
-      for (int t = 0; t < 4; ++t) {
-        const float2 xf = h22f2(h[t]), wf = h22f2(g[t]);
-        o[t] = static_cast<uint32_t>(f2h(wf.x * h2f(f2h(xf.x * r)))) |
-               (static_cast<uint32_t>(f2h(wf.y * h2f(f2h(xf.y * r)))) << 16);
-      }
-      orow[i] = make_uint4(o[0], o[1], o[2], o[3]);
+      orow[i] = rms_apply8(v[j], reinterpret_cast<const uint4*>(w)[i], r);
     }
   }
 }

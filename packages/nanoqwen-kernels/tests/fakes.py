@@ -1,0 +1,24 @@
+"""Host arrays posing as device arrays, so the launchers' argument checks and launch plans run on a CPU:
+the checks are duck-typed on exactly what a launch needs (dtype, shape, flags, nbytes, data.ptr)."""
+
+from types import SimpleNamespace
+
+import numpy as np
+
+
+class Dev:
+    """A host array posing as a device array: dtype/shape/flags/nbytes and data.ptr."""
+
+    def __init__(self, a):
+        self.a = a
+        self.dtype, self.shape, self.ndim, self.size, self.nbytes = a.dtype, a.shape, a.ndim, a.size, a.nbytes
+        self.flags = a.flags
+        self.data = SimpleNamespace(ptr=a.ctypes.data)
+
+
+def dev(shape, dtype):
+    # over-allocate and align to 256 bytes like a CUDA allocation
+    n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    raw = np.zeros(n + 256, dtype=np.uint8)
+    off = (-raw.ctypes.data) % 256
+    return Dev(raw[off : off + n].view(dtype).reshape(shape))
