@@ -63,22 +63,3 @@ def gpu():
 
     return cupy
 
-
-def pytest_addoption(parser):
-    try:
-        parser.addoption("--seed", type=int, default=None,
-                         help="seed of the `rng` fixture (default: a fresh one per test, printed)")
-    except ValueError:  # another conftest of the same run registered it already
-        pass
-
-
-@pytest.fixture
-def rng(request):
-    """A numpy Generator from a fresh seed, printed at setup (a failing test's report shows it under
-    "Captured stdout setup"); `pytest --seed N` replays one."""
-    import numpy as np
-
-    given = request.config.getoption("--seed", default=None)
-    seed = int(given) if given is not None else int(np.random.SeedSequence().entropy % 2**32)
-    print(f"rng seed {seed} (replay: pytest --seed {seed})")
-    return np.random.default_rng(seed)

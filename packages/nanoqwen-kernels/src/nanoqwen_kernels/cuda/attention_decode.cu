@@ -58,6 +58,7 @@
 // Tested: tests/test_attention_decode.py (numpy float64 reference; batches of mixed lengths 1..32768,
 // pages scattered, every unread slot NaN; SASS holds UBLKCP and SYNCS); measured: bench/bench_attention.py.
 #include "common.cuh"
+#include "mma.cuh"
 
 #ifndef NQ_DECODE_STAGES
 #define NQ_DECODE_STAGES 8
@@ -74,8 +75,10 @@ namespace nq_dec {
 using nq::uint16_t;
 using nq::uint32_t;
 using nq::uint64_t;
-// -inf without <math.h> (NVRTC wheels ship no headers)
-__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000u); }
+using nq::kScaleLog2;  // scores in the log2 domain (common.cuh)
+using nq::neg_inf;
+using nq::pack_h2;
+using nq::smem_u32;
 
 constexpr int kG = nq::kHeads / nq::kKvHeads;  // query heads per KV head
 constexpr int kGPad = 8;                        // p-buffer row width (two float4 reads per token)
@@ -93,13 +96,6 @@ constexpr int kPBufBytes = kConsumers * 16 * kGPad * 4;
 constexpr int kBarOffset = kRingBytes + kMergeAccBytes + kMergeMlBytes + kPBufBytes;
 constexpr int kSmemBytes = kBarOffset + 2 * kStages * 8;
 static_assert(kBarOffset % 8 == 0, "mbarriers need 8-byte alignment");
-
-// log2(e) / sqrt(128): scores live in the log2 domain so exp2f (one MUFU) replaces expf
-constexpr float kScaleLog2 = 1.4426950408889634f * 0.08838834764831845f;
-
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
 
 __device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count) : "memory");
@@ -278,20 +274,9 @@ __device__ __forceinline__ void consume_fma(int c, int lane, const unsigned char
 // register reuse). For P.V, B = V[tokens][dims]: lane needs tokens 2t, 2t+1, 2t+8, 2t+9 at one dim
 // per tile; dim tile n2, column g <-> dim 16 g + n2, so a lane loads 32 contiguous bytes of each of its
 // 4 V rows and pairs rows with one PRMT per register. Output: lane holds O[g][32t + 16j + n2].
-__device__ __forceinline__ void mma16816(float (&d)[4], uint32_t a0, uint32_t a2, uint32_t b0, uint32_t b1) {
-  // a1 = a3 = 0: rows 8..15 of A (heads 8..15) do not exist for G <= 8
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1));
-}
-
-// (lo, hi) floats -> half2 with lo in the low half (the lower k index)
-__device__ __forceinline__ uint32_t pack_h2(float lo, float hi) {
-  uint32_t d;
-  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
-  return d;
+// A's rows 8..15 (heads 8..15) do not exist for G <= 8: a1 = a3 = 0
+__device__ __forceinline__ void mma_heads(float (&d)[4], uint32_t a0, uint32_t a2, uint32_t b0, uint32_t b1) {
+  nq::mma16816(d, a0, 0u, a2, 0u, b0, b1);
 }
 
 __device__ __forceinline__ void consume_mma(int c, int lane, const unsigned char* ring, uint64_t* full,
@@ -324,8 +309,8 @@ __device__ __forceinline__ void consume_mma(int c, int lane, const unsigned char
 #pragma unroll
       for (int m = 0; m < 4; ++m) {
         const uint4 kb = *reinterpret_cast<const uint4*>(ks + (8 * nt + g) * 128 + 8 * (4 * m + t));
-        mma16816(s[nt], qa[m].x, qa[m].y, kb.x, kb.y);
-        mma16816(s[nt], qa[m].z, qa[m].w, kb.z, kb.w);
+        mma_heads(s[nt], qa[m].x, qa[m].y, kb.x, kb.y);
+        mma_heads(s[nt], qa[m].z, qa[m].w, kb.z, kb.w);
       }
     }
     // V rows 2t, 2t+1, 2t+8, 2t+9, dims 16g .. 16g+15 (issued before the softmax math to hide latency)
@@ -381,7 +366,7 @@ __device__ __forceinline__ void consume_mma(int c, int lane, const unsigned char
       const uint32_t sel = (n2 & 1) ? 0x7632u : 0x5410u;  // high or low halves of the two rows
       const uint32_t b0 = nq::prmt(v0[n2 >> 1], v1[n2 >> 1], sel);
       const uint32_t b1 = nq::prmt(v2[n2 >> 1], v3[n2 >> 1], sel);
-      mma16816(acc[n2], pa0, pa2, b0, b1);
+      mma_heads(acc[n2], pa0, pa2, b0, b1);
     }
     __syncwarp();  // every lane done with the slot before it is handed back
     if (lane == 0) mbar_arrive(&empty[slot]);
