@@ -36,7 +36,6 @@ def main() -> int:
 
     import cupy as cp
     from nanoqwen_engine import Engine
-    from nanoqwen_engine.cuda.decode import Row
     from nanoqwen_engine.kv_pages import pages_for
     from nanoqwen_engine.params import SamplingParams
     from nanoqwen_engine.sampler import SamplerState
@@ -52,17 +51,18 @@ def main() -> int:
     # the token the step decodes at position `context`; the step's rows 0..B-1 hold them.
     rng = np.random.default_rng(0)
     greedy = SamplingParams(temperature=0.0).resolve({})
-    seqs, states = [], []
-    for b in range(B):
+    seqs, toks = [], []
+    for _ in range(B):
         seq = be.pool.new_sequence()
         ids = rng.integers(0, cfg.vocab, size=args.context).astype(np.int32)
         tok = be.prefill(seq, ids, SamplerState(greedy, cfg.vocab))
         be.pool.grow(seq, args.context + 1)
         seqs.append(seq)
-        states.append(Row(b, tok, args.context, seq.page_table))
+        toks.append(tok)
     bucket = be.rows.bucket(B)
     with dev.use():
-        step.write_rows(states, bucket)  # tokens, POS = context, SEQ_LEN = context + 1, the page tables
+        # rows 0..B-1: the tokens, POS = context, SEQ_LEN = context + 1, the page tables
+        step.write_rows(list(range(B)), toks, [args.context] * B, [s.page_table for s in seqs], bucket)
     dev.synchronize()
     v = step.views(bucket)
 

@@ -23,7 +23,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 from ladder.engines import cpu_engine, gpu_engine, reference_block, reference_head
-from nanoqwen_engine.cuda.decode import Row
 
 pytestmark = pytest.mark.gpu
 
@@ -78,7 +77,7 @@ def _layer_tier(path, name, T):
         if T > 1:
             bufs = be.prefill_pass.buffers(T - 1)
             be.prefill_pass.layer(0, xp.array(x0[: T - 1]), 0, be.pf_table, bufs)
-        step.write_rows([Row(0, 0, T - 1, seq.page_table)], 1)  # POS = T-1, SEQ_LEN = T
+        step.write_rows([0], [0], [T - 1], [seq.page_table], 1)  # row 0: POS = T-1, SEQ_LEN = T
         v = step.views(1)
         for b in (v.q, v.attn, v.y, v.act):
             b.fill(np.nan)

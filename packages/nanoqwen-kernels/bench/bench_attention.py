@@ -2,9 +2,9 @@
 H200's copy rate.
 
     PYTHONPATH=packages/nanoqwen-kernels/src python packages/nanoqwen-kernels/bench/bench_attention.py \
-        [--variants fma,mma]    # default: every consumer variant, each with both combines
+        [--variants fma,mma]    # default: every consumer variant
 
-Method: R calls (split kernel + combine, separate or fused) captured in one CUDA graph, each call on the next layer
+Method: R calls (split + combine kernels each) captured in one CUDA graph, each call on the next layer
 of a cache whose layers together exceed twice the 60 MB L2, so every call streams its K/V from HBM;
 CUDA events around a graph launch, median of many launches, divided by R. Bytes = the K and V the call
 must read (seq_len x n_kv x 128 x 2 B x 2). Reference rate: 4.19 TB/s measured copy bandwidth.
@@ -18,7 +18,7 @@ import sys
 
 import cupy as cp
 import numpy as np
-from nanoqwen_kernels.attention import COMBINES, VARIANTS, AttentionKernels
+from nanoqwen_kernels.attention import VARIANTS, AttentionKernels
 from nanoqwen_kernels.dims import QWEN25_7B
 from nanoqwen_kernels.loader import load_module
 
@@ -48,10 +48,10 @@ def time_graph(fn_per_rep, reps_in_graph: int, launches: int = 30) -> float:
     return float(np.median(times))
 
 
-def bench_decode(ctx: int, variant: str, batch: int = 1, combine: str = "separate") -> dict:
+def bench_decode(ctx: int, variant: str, batch: int = 1) -> dict:
     """`batch` sequences of `ctx` tokens each, pages scattered through one pool."""
     d = QWEN25_7B
-    ak = AttentionKernels(d, load_module, variant, combine=combine)
+    ak = AttentionKernels(d, load_module, variant)
     kv_bytes = batch * ctx * d.n_kv_heads * 128 * 2 * 2  # K + V read per call
     n_layers = max(2, -(-2 * L2_BYTES // kv_bytes))
     per_seq = (ctx + 15) // 16
@@ -68,7 +68,7 @@ def bench_decode(ctx: int, variant: str, batch: int = 1, combine: str = "separat
     t = time_graph(lambda i: ak.attention_decode(q, k, v, table, seq, i % n_layers, out, ws), 4 * n_layers)
     gbs = kv_bytes / t / 1e9
     return dict(
-        name=f"attention_decode[{variant}, {combine}] 7B B={batch} ctx {ctx}",
+        name=f"attention_decode[{variant}] 7B B={batch} ctx {ctx}",
         us=t * 1e6,
         gbs=gbs,
         pct=100 * gbs / (COPY_TBS * 1e3),
@@ -124,9 +124,8 @@ def main() -> int:
         # batch 1 at a long context (issue 15's case), and the batched protocol's contexts (128 prompt +
         # up to 256 generated tokens) at the batch sizes the engine runs
         for batch, ctx in ((1, 640), (1, 4096), (1, 32768), (8, 384), (32, 384), (64, 384)):
-            for combine in COMBINES:
-                r = bench_decode(ctx, v, batch, combine)
-                print(f"| {r['name']} | {r['us']:.2f} | {r['gbs']:.0f} | {r['pct']:.1f}% |", flush=True)
+            r = bench_decode(ctx, v, batch)
+            print(f"| {r['name']} | {r['us']:.2f} | {r['gbs']:.0f} | {r['pct']:.1f}% |", flush=True)
         return 0
     # Each variant in its own process: a sticky CUDA error (an illegal address) takes the whole context,
     # and every later row, with it; in a process of its own it costs only its variant's rows.
@@ -138,6 +137,7 @@ def main() -> int:
         rows = [ln for ln in p.stdout.splitlines() if ln.startswith("|")]
         print("\n".join(rows), flush=True)
         if p.returncode:
+            print(p.stderr[-3000:], file=sys.stderr)  # the whole traceback, for the log
             tail = (p.stderr.strip().splitlines() or ["?"])[-1]
             print(
                 f"| attention_decode[{v}] | FAILED (rc {p.returncode}) after {len(rows)} rows: {tail} | | |"

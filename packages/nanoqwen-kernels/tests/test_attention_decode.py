@@ -27,14 +27,14 @@ MIXED = [1, 15, 16, 17, 1000, 5000]  # lengths the batches cycle through (page b
 
 
 class _Builds(dict):
-    """(dims name, variant[, combine]) -> AttentionKernels, built on first use."""
+    """(dims name, variant) -> AttentionKernels, built on first use."""
 
     def __missing__(self, key):
         from nanoqwen_kernels.attention import AttentionKernels
         from nanoqwen_kernels.loader import load_module
 
-        name, variant, *combine = key
-        ak = AttentionKernels(DIMS[name], load_module, variant, combine=combine[0] if combine else "separate")
+        name, variant = key
+        ak = AttentionKernels(DIMS[name], load_module, variant)
         self[key] = ak
         return ak
 
@@ -67,6 +67,13 @@ def tolerance(ref, pv_abs, variant):
     return tol + P_ROUNDING * pv_abs if variant.startswith("mma") else tol
 
 
+def to_pages(seq: np.ndarray, n_pages: int) -> np.ndarray:
+    """token-major [n, n_kv, 128] -> pages [n_pages, n_kv, 16, 128] (a new array); the tail slots are NaN."""
+    pad = np.full((n_pages * 16, *seq.shape[1:]), np.nan, np.float16)
+    pad[: seq.shape[0]] = seq
+    return np.ascontiguousarray(pad.reshape(n_pages, 16, *seq.shape[1:]).transpose(0, 2, 1, 3))
+
+
 def make_batch(cp, dims, lengths, rng, n_layers=2, layer=1, spare_pages=7, extra_table=5):
     """A pool shared by len(lengths) sequences, pages scattered; everything the kernel must not read is NaN.
 
@@ -90,15 +97,9 @@ def make_batch(cp, dims, lengths, rng, n_layers=2, layer=1, spare_pages=7, extra
         k_seq = rng.standard_normal((n, dims.n_kv_heads, 128)).astype(np.float16)
         v_seq = rng.standard_normal((n, dims.n_kv_heads, 128)).astype(np.float16)
         if n:
-            # token-major [n, n_kv, 128] -> pages [n_pages_b, n_kv, 16, 128]; the tail slots stay NaN
-            pad = np.full((len(pages) * 16, dims.n_kv_heads, 128), np.nan, np.float16)
-            pad[:n] = k_seq
-            kp = pad.reshape(len(pages), 16, dims.n_kv_heads, 128).transpose(0, 2, 1, 3)
-            pad[:n] = v_seq
-            vp = pad.reshape(len(pages), 16, dims.n_kv_heads, 128).transpose(0, 2, 1, 3)
             idx = cp.asarray(pages)
-            k[layer, idx] = cp.asarray(np.ascontiguousarray(kp))
-            v[layer, idx] = cp.asarray(np.ascontiguousarray(vp))
+            k[layer, idx] = cp.asarray(to_pages(k_seq, len(pages)))
+            v[layer, idx] = cp.asarray(to_pages(v_seq, len(pages)))
         ref, pv = reference(q[b].astype(np.float64).reshape(dims.n_heads, 128), k_seq.astype(np.float64),
                             v_seq.astype(np.float64), dims.n_kv_heads)
         refs.append(ref)
@@ -151,22 +152,20 @@ def test_decode_matches_reference(kernels, name, seq_len, variant, rng):
     check(got, c, variant, [seq_len])
 
 
-# (dims, consumer body, combine): every body and combine on the 7B shape, the cheap tiny shape for both
-# combines of the default body
-BUILDS = [("7b", "fma", "separate"), ("7b", "fma", "fused"), ("7b", "mma", "separate"), ("7b", "mma", "fused"),
-          ("tiny", "fma", "separate"), ("tiny", "fma", "fused")]
+# (dims, consumer body): both bodies on the 7B shape, the default body on the tiny one
+BUILDS = [("7b", "fma"), ("7b", "mma"), ("tiny", "fma")]
 
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("name,variant,combine", BUILDS)
+@pytest.mark.parametrize("name,variant", BUILDS)
 @pytest.mark.parametrize("B", [1, 3, 8, 33, 64])
-def test_batch_of_mixed_lengths(kernels, name, B, variant, combine, rng):
+def test_batch_of_mixed_lengths(kernels, name, B, variant, rng):
     """B sequences of mixed lengths (cycling through MIXED from a random offset, one idle row of length 0
-    when B > 1) in one launch: every row matches its own float64 reference, with either combine."""
+    when B > 1) in one launch: every row matches its own float64 reference."""
     import cupy as cp
 
-    dims, ak = DIMS[name], kernels[name, variant, combine]
+    dims, ak = DIMS[name], kernels[name, variant]
     off = int(rng.integers(len(MIXED)))
     lengths = [MIXED[(off + b) % len(MIXED)] for b in range(B)]
     if B > 1:
@@ -220,13 +219,11 @@ def test_decode_reads_seq_len_on_device(kernels, variant, rng):
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("combine", ["separate", "fused"])
-def test_replays_in_a_graph_as_lengths_change(kernels, combine, rng):
-    """One captured launch serves every step: lengths and page tables change on the device between replays
-    (and the fused combine's tickets are re-armed by each launch)."""
+def test_replays_in_a_graph_as_lengths_change(kernels, rng):
+    """One captured launch serves every step: lengths and page tables change on the device between replays."""
     import cupy as cp
 
-    dims, ak = TINY, kernels["tiny", "fma", combine]
+    dims, ak = TINY, kernels["tiny", "fma"]
     c = make_batch(cp, dims, [100, 37, 64], rng)
     out = cp.empty((3, dims.n_heads * 128), dtype=cp.float16)
     ws = ak.new_workspace(max_batch=3)

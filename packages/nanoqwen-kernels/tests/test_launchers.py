@@ -304,12 +304,11 @@ def test_sampling_checks(launches):
         s.advance(dev((1,), np.int32), dev((2,), np.int32))
 
 
-@pytest.mark.parametrize("combine", ["separate", "fused"])
-def test_attention_decode_launch_and_checks(launches, combine):
+def test_attention_decode_launch_and_checks(launches):
     from nanoqwen_kernels.attention import AttentionKernels, decode_splits
 
     d = QWEN25_7B
-    ak = AttentionKernels(d, load, sms=132, combine=combine)
+    ak = AttentionKernels(d, load, sms=132)
     W, P, B = d.n_heads * 128, 9, 3
     q, out = dev((B, W), np.float16), dev((B, W), np.float16)
     k, v = dev((2, 40, d.n_kv_heads, 16, 128), np.float16), dev((2, 40, d.n_kv_heads, 16, 128), np.float16)
@@ -318,17 +317,14 @@ def test_attention_decode_launch_and_checks(launches, combine):
     ak.attention_decode(q, k, v, table, lens, 1, out, ws)
     splits = decode_splits(d, B, 132)
     assert splits == 11  # ceil(132 / (4 KV heads x 3 sequences))
-    if combine == "fused":  # one launch: the split kernel with the tickets and the output
-        fn, grid, args = launches[-1]
-        assert (fn, grid) == ("nq_attention_decode_split", (4, splits, B)) and args[-1] is out
-        assert args[-2] is not checks.NULL
-    else:
-        (fn1, grid1, args1), (fn2, grid2, args2) = launches[-2:]
-        assert (fn1, grid1, fn2, grid2) == ("nq_attention_decode_split", (4, splits, B),
-                                           "nq_attention_decode_combine", (d.n_heads, B, 1))
-        assert args1[-2] is checks.NULL and args2[-1] is out
-    ak.attention_decode(dev((W,), np.float16), k, v, dev((P,), np.int32), dev((1,), np.int32),
-                        1, dev((W,), np.float16), ws)  # the batch of one: 1-D q, out and table
+    (fn1, grid1, args1), (fn2, grid2, args2) = launches[-2:]
+    assert (fn1, grid1, fn2, grid2) == ("nq_attention_decode_split", (4, splits, B),
+                                       "nq_attention_decode_combine", (d.n_heads, B, 1))
+    assert args1[-1] is ws and args2[-1] is out and int(args1[-2]) == splits
+    # the batch of one: 1-D q, out and table
+    ak.attention_decode(dev((W,), np.float16), k, v, dev((P,), np.int32), dev((1,), np.int32), 1,
+                        dev((W,), np.float16), ws)
+    assert launches[-2][1] == (4, 33, 1)
     bad = dict(
         page_table=(dev((2, P), np.int32), "page_table"),
         seq_len_dev=(dev((2,), np.int32), "seq_len_dev"),
@@ -340,8 +336,6 @@ def test_attention_decode_launch_and_checks(launches, combine):
     for name, (value, word) in bad.items():
         with pytest.raises(KernelError, match=word):
             ak.attention_decode(**{**args, name: value})
-    with pytest.raises(KernelError, match="combine"):
-        AttentionKernels(d, load, sms=132, combine="both")
 
 
 def test_kernelset_exposes_the_interface(monkeypatch, launches):

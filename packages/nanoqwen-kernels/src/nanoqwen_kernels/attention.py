@@ -1,11 +1,10 @@
 """Paged decode attention over a batch: launcher for cuda/attention_decode.cu (split kernel + combine).
 
 `AttentionKernels(dims, load_module).attention_decode(q[B, n_heads*128], k_cache, v_cache,
-page_table[B, max_pages], seq_len_dev[B], layer, out[B, n_heads*128], workspace)` launches the split
-kernel and the combine (a second kernel, or folded into the first: `combine`) on the current CuPy stream
-and never synchronises; lengths and page tables are read on the device, so a
-captured CUDA graph serves every token of a batch of that size. A 1-D q/out is the batch of one. Every
-bad argument is one KernelError naming it (checks.py), before anything reaches the GPU.
+page_table[B, max_pages], seq_len_dev[B], layer, out[B, n_heads*128], workspace)` launches two kernels
+(split, combine) on the current CuPy stream and never synchronises; lengths and page tables are read on
+the device, so a captured CUDA graph serves every token of a batch of that size. A 1-D q/out is the
+batch of one. Every bad argument is one KernelError naming it (checks.py), before anything reaches the GPU.
 """
 
 from __future__ import annotations
@@ -17,12 +16,6 @@ from .dims import HEAD_DIM, PAGE_TOKENS, ModelDims
 from .errors import KernelError
 
 MAX_BATCH = 64  # the largest batch a default workspace serves (the engine's max_batch)
-MAX_ROWS = 512  # sequences one launch takes at most (the fused combine's ticket array)
-# How the splits' partials become the output (attention_decode.cu): "separate" = a second kernel,
-# "fused" = the last split block of each (sequence, KV head) combines. Default "separate" until the
-# fused path is measured faster on the H200 (bench_attention.py prints both).
-COMBINES = ("separate", "fused")
-DEFAULT_COMBINE = "separate"
 DECODE_SOURCES = ["attention_decode.cu"]
 DECODE_STAGES = 8  # ring slots of 8 KiB (K+V page): 64 KiB in flight per SM (Little's law needs ~32 KB)
 # Consumer variants: "fma" = fp32 dot products on CUDA cores, 4 consumer warps; "mma" = mma.sync m16n8k16
@@ -77,18 +70,13 @@ class AttentionKernels:
     """The decode attention build for one ModelDims. `load_module(sources, defines)` is the loader's;
     `sms` the device's SM count (asked of the current device when None)."""
 
-    def __init__(self, dims: ModelDims, load_module, variant: str = DEFAULT_VARIANT, sms: int | None = None,
-                 combine: str = DEFAULT_COMBINE):
+    def __init__(self, dims: ModelDims, load_module, variant: str = DEFAULT_VARIANT, sms: int | None = None):
         if dims.n_heads // dims.n_kv_heads > 8:
             raise KernelError(
                 f"unsupported GQA group {dims.n_heads // dims.n_kv_heads}: attention_decode handles <= 8"
             )
-        if combine not in COMBINES:
-            raise KernelError(f"unknown attention_decode combine {combine!r}; one of {COMBINES}")
         self.dims = dims
         self.variant = variant
-        self.combine = combine
-        self._counters = None  # the fused combine's tickets, allocated (zeroed) at its first launch
         self.threads = 32 * (1 + _variant(variant)[1])  # 1 producer warp + the consumer warps
         self.smem_bytes = decode_smem_bytes(dims, variant)
         self._sms = sms
@@ -140,11 +128,8 @@ class AttentionKernels:
                     min_size=decode_workspace_floats(d, B, self.sms))
         if max_pages * PAGE_TOKENS >= 2**31:
             raise KernelError(f"page_table has {max_pages} pages per sequence: too many for int32 positions")
-        if B > MAX_ROWS:
-            raise KernelError(f"q has {B} rows; at most {MAX_ROWS} sequences per launch")
-        fused = self.combine == "fused"
-        if fused and self._counters is None:
-            self._counters = ck.cupy_module().zeros(MAX_ROWS * d.n_kv_heads, dtype=np.uint32)
+        if B > 65535:
+            raise KernelError(f"q has {B} rows; a launch takes at most 65535 sequences (grid.z)")
         ck.launch(
             self._split,
             (d.n_kv_heads, splits, B),
@@ -160,13 +145,9 @@ class AttentionKernels:
                 np.int32(max_pages),
                 np.int32(splits),
                 workspace,
-                self._counters if fused else ck.NULL,
-                out,
             ),
             shared_mem=self.smem_bytes,
         )
-        if fused:
-            return
         ck.launch(
             self._combine,
             (d.n_heads, B, 1),

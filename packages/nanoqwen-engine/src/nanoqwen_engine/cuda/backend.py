@@ -31,9 +31,9 @@ from ..errors import (
     NoGPUError,
     PromptTooLongError,
 )
-from ..kv_pages import PAGE_TOKENS, PagePool, SequenceState, kv_cache_shape, pages_for
+from ..kv_pages import PAGE_TOKENS, PagePool, SequenceState, kv_cache_shape
 from ..sampler import SamplerState
-from .decode import DecodeStep, Row
+from .decode import DecodeStep
 from .device import CupyDevice, Timer
 from .errors import GPUBackendError, GPUOutOfMemoryError, WrongGPUError
 from .plan import build_upload_plan, size_pool
@@ -218,32 +218,36 @@ class CudaBackend:
     def decode(self, seqs: Sequence[SequenceState], token_ids: Sequence[int],
                samplers: Sequence[SamplerState]) -> list[int]:
         """One batched step: row b feeds token_ids[b] at position seqs[b].length and samples with
-        samplers[b]. Every sequence grows by one token first, all of them or none."""
+        samplers[b]. Every sequence grows by one token first, all of them or none.
+
+        Host work per step is kept to a few vectorised operations and one pass over the rows (it adds
+        to every token's latency: the step is launched and waited for): a steady batch re-sends nothing
+        (decode.py) and re-observes nothing (a fed token the device itself drew is already in both the
+        host's and the device's seen-ids sets)."""
         toks_in = self._check_batch(seqs, token_ids, samplers)
         if not toks_in:
             return []
         self._grow_all(seqs)
-        for s, t in zip(samplers, toks_in, strict=True):
-            s.observe([t])
         rows, bucket, moved = self.rows.assign([s.seq_id for s in seqs])
         mode = batch_mode(samplers)
+        fresh = set(moved)
         with self._guard(), self.dev.use():
-            moved_rows = set(moved)
-            fed_changed = self.step.write_rows(
-                [Row(r, t, s.length, s.page_table) for r, t, s in zip(rows, toks_in, seqs, strict=True)], bucket,
-                fresh=moved_rows)
+            fed_changed = self.step.write_rows(rows, toks_in, [s.length for s in seqs],
+                                               [s.page_table for s in seqs], bucket, fresh=fresh)
             for r, t, s, samp in zip(rows, toks_in, seqs, samplers, strict=True):
-                if r in moved_rows:  # a sequence new to this row: its whole sampler state
+                if r in fresh:  # a sequence new to this row: its whole sampler state
+                    samp.observe([t])
                     self.sampler_dev.load(r, samp, step=s.length + 1)
-                elif r in fed_changed and samp.params.repetition_penalty != 1.0:
-                    self.sampler_dev.mark(r, t)
+                elif r in fed_changed:  # a token the device did not draw
+                    samp.observe([t])
+                    if samp.params.repetition_penalty != 1.0:
+                        self.sampler_dev.mark(r, t)
             out = self.step.run(bucket, mode, eager=self.decode_mode == "eager")
         self._count_launches()
-        for s in seqs:
+        toks = out[rows].tolist()
+        for s, samp, t in zip(seqs, samplers, toks, strict=True):
             s.length += 1
-        toks = [int(out[r]) for r in rows]
-        for samp, t in zip(samplers, toks, strict=True):
-            samp.observe([t])
+            samp.seen[t] = True  # what observe([t]) does, for an id the device drew (in range by construction)
         self._last = ("decode", bucket, rows)
         return toks
 
@@ -307,19 +311,18 @@ class CudaBackend:
         return out
 
     def _grow_all(self, seqs: Sequence[SequenceState]) -> None:
-        """One more token for every sequence, or (PromptTooLongError / KVPagesExhaustedError) for none."""
-        need = 0
-        for s in seqs:
-            pages = pages_for(s.length + 1)
-            if pages > self.pool.max_pages_per_seq:
+        """One more token for every sequence, or (PromptTooLongError / KVPagesExhaustedError) for none.
+        Only a sequence whose pages are full needs one (one in 16 steps)."""
+        full = [s for s in seqs if s.length >= s.capacity]
+        for s in full:
+            if s.n_pages + 1 > self.pool.max_pages_per_seq:
                 raise PromptTooLongError(
                     f"sequence {s.seq_id} is full: {s.length} tokens, the limit is {self.pool.max_tokens_per_seq}")
-            need += max(0, pages - s.n_pages)
-        if need > self.pool.n_free:
+        if len(full) > self.pool.n_free:
             raise KVPagesExhaustedError(
-                f"KV cache full: this decode step needs {need} more pages of {PAGE_TOKENS} tokens, "
+                f"KV cache full: this decode step needs {len(full)} more pages of {PAGE_TOKENS} tokens, "
                 f"{self.pool.n_free} of {self.pool.n_pages} free")
-        for s in seqs:
+        for s in full:
             self.pool.grow(s, s.length + 1)
 
     def _count_launches(self) -> None:

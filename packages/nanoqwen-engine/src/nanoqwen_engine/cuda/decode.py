@@ -35,6 +35,7 @@ Buffers (per backend, [R, ...] allocated once at load; H hidden, I intermediate,
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,16 +103,6 @@ class CtrlLayout:
     @property
     def size(self) -> int:
         return self.table + self.rows * self.max_pages
-
-
-@dataclass(frozen=True)
-class Row:
-    """What one active row of a step holds: the fed token, its position, the sequence's page table."""
-
-    row: int
-    token: int
-    pos: int
-    page_table: np.ndarray  # int32 [P]
 
 
 @dataclass(frozen=True)
@@ -202,29 +193,33 @@ class DecodeStep:
         return counting.calls
 
     # ------------------------------------------------------------------ host side
-    def write_rows(self, rows: list[Row], bucket: int, fresh: set[int] | None = None) -> set[int]:
-        """Make ctrl describe this step: `rows` active, every other row below `bucket` idle; `fresh` are the
-        rows that hold a different sequence than in the previous step (their whole page table is written;
-        None: every row).
-        Copies to the device only the entries that differ from what it holds: one H2D copy of that span
-        (several when the changed entries lie far apart in a large table; none when nothing changed).
+    def write_rows(self, rows: Sequence[int], tokens: Sequence[int], positions: Sequence[int],
+                   tables: Sequence[np.ndarray], bucket: int, fresh: set[int] | None = None) -> set[int]:
+        """Make ctrl describe this step: row rows[i] feeds tokens[i] at positions[i] of the sequence whose
+        page table is tables[i]; every other row below `bucket` is idle. `fresh` are the rows that hold a
+        different sequence than in the previous step (their whole page table is written; None: every
+        row). Copies to the device only the entries that differ from what it holds: one H2D copy of
+        that span (several when the changed entries lie far apart in a large table; none when nothing
+        changed).
 
         A row's page-table entries past the page of its position are never read (attention reads pages
         < ceil(SEQ_LEN / 16), the K/V write goes to page POS // 16), so a continuing row can only change
         in its last entry: the host compares one entry per row per step, not whole tables.
 
-        Returns the active rows whose fed token differs from the one the device holds there (the device
-        did not draw it: its seen-ids mask needs it)."""
+        Returns the rows whose fed token differs from the one the device holds there (the device did not
+        draw it: its seen-ids mask needs it)."""
         lay, P = self.layout, self.layout.max_pages
         full = self.shadow is None
         if full:
             self.shadow = np.zeros(lay.size, dtype=np.int32)
         sh = self.shadow
-        idx = np.fromiter((r.row for r in rows), dtype=np.int64, count=len(rows))
-        tok = np.fromiter((r.token for r in rows), dtype=np.int32, count=len(rows))
-        pos = np.fromiter((r.pos for r in rows), dtype=np.int32, count=len(rows))
+        idx = np.asarray(rows, dtype=np.int64)
+        tok = np.asarray(tokens, dtype=np.int32)
+        pos = np.asarray(positions, dtype=np.int32)
         fed_changed = set(idx[sh[idx] != tok].tolist())
-        idle = np.setdiff1d(np.arange(bucket), idx)
+        idle = np.ones(bucket, dtype=bool)
+        idle[idx] = False
+        idle = np.flatnonzero(idle)
         # the header of rows [0, bucket): tokens, positions, lengths (idle rows: 0, 0)
         want = np.empty((3, bucket), dtype=np.int32)
         want[0] = sh[0:bucket]
@@ -235,19 +230,17 @@ class DecodeStep:
             ne = np.flatnonzero(sh[base:base + bucket] != want[k])
             sh[base + ne] = want[k, ne]
             changed.append(base + ne)
-        # page tables: idle rows' first entry is the scratch page; a fresh row's entries up to its
-        # position's page; a continuing row's last entry
-        cells, vals = [lay.table + idle * P], [np.full(idle.size, self.scratch_page, dtype=np.int32)]
-        for r in rows:
-            n = r.pos // 16 + 1
-            t0 = lay.table + r.row * P
-            if full or fresh is None or r.row in fresh:
-                cells.append(np.arange(t0, t0 + n))
-                vals.append(r.page_table[:n].astype(np.int32))
-            else:
-                cells.append(np.array([t0 + n - 1]))
-                vals.append(r.page_table[n - 1:n].astype(np.int32))
-        c, v = np.concatenate(cells), np.concatenate(vals)
+        # page tables: an idle row's first entry is the scratch page; a continuing row's last entry (the
+        # page of its position); a fresh row's entries up to that page
+        last = pos // 16
+        cells = [lay.table + idle * P, lay.table + idx * P + last]
+        vals = [np.full(idle.size, self.scratch_page, dtype=np.int32),
+                np.fromiter((t[n] for t, n in zip(tables, last.tolist(), strict=True)), np.int32, idx.size)]
+        for i, r in enumerate(idx.tolist()):
+            if full or fresh is None or r in fresh:
+                cells.append(np.arange(lay.table + r * P, lay.table + r * P + last[i]))
+                vals.append(tables[i][: last[i]])
+        c, v = np.concatenate(cells), np.concatenate(vals).astype(np.int32, copy=False)
         ne = sh[c] != v
         sh[c[ne]] = v[ne]
         changed.append(c[ne])

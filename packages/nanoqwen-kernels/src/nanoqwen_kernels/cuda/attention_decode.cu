@@ -13,14 +13,14 @@
 //   workspace    fp32, two arrays back to back (one pointer, so the launcher passes no views):
 //     ws_acc     [B, n_splits, NQ_NHEADS, 128]   unnormalised partial outputs
 //     ws_ml      [B, n_splits, NQ_NHEADS, 2]     partial (max, sum) in the log2 domain
-//   counters     uint32 [B, NQ_NKV], zero between launches: the fused combine's tickets (null: separate)
 // Launch: nq_attention_decode_split  grid (NQ_NKV, n_splits, B), 32 * (1 + NQ_DECODE_CONSUMERS) threads,
-//         kSmemBytes dynamic smem; then, unless it was given counters,
+//         kSmemBytes dynamic smem;
 //         nq_attention_decode_combine grid (NQ_NHEADS, B), 128 threads.
-//   Two ways to combine the splits' partials (attention.py's `combine`): a second kernel, or fused into
-//   the split kernel: the last block of each (sequence, KV head) to finish (an atomic ticket per pair,
-//   re-armed by that block) combines the G heads of that KV head. Fused saves one graph node and one
-//   launch gap per layer; the separate kernel spreads the combine over NQ_NHEADS x B blocks.
+//   The combine is a kernel of its own: folding it into the split kernel (the last split block of each
+//   (sequence, KV head) combining, through an atomic ticket) measured 29.4 us per call against 11.3 us
+//   for split + combine at batch 1, context 640 on the H200 (docs/PERF.md): one block then combines
+//   all G heads' 128 dims over every split alone, where the combine kernel spreads that over
+//   NQ_NHEADS x B blocks.
 //   n_splits is a launch argument chosen by the launcher (attention.py) from B so that
 //   NQ_NKV * n_splits * B blocks fill the SMs: at batch 1 and 7B, 33 splits per KV head (a single KV
 //   head's 32k context is 512 KiB x 2 and one SM cannot stream it fast enough alone); at batch 64 one
@@ -408,19 +408,18 @@ __device__ __forceinline__ SplitRange split_range(int seq_len_raw, int max_pages
 }
 
 // out[b, h, d] = sum_s 2^(m_s - M) acc_s[h, d] / sum_s 2^(m_s - M) l_s   (M = max_s m_s) over the
-// `used` splits of sequence b (the others hold no page: neutral, not read). Loads through L2 (.cg): in
-// the fused combine the partials were written by other blocks of the same launch.
+// `used` splits of sequence b (the others hold no page: neutral, not read).
 __device__ __forceinline__ float combine_one(const float* ws_acc, const float* ws_ml, size_t base, int used,
                                              int h, int d) {
   float mx = neg_inf();
-  for (int s = 0; s < used; ++s) mx = fmaxf(mx, __ldcg(ws_ml + ((base + s) * nq::kHeads + h) * 2));
+  for (int s = 0; s < used; ++s) mx = fmaxf(mx, ws_ml[((base + s) * nq::kHeads + h) * 2]);
   float a = 0.f, sum = 0.f;
   for (int s = 0; s < used; ++s) {
-    const float ms = __ldcg(ws_ml + ((base + s) * nq::kHeads + h) * 2);
+    const float ms = ws_ml[((base + s) * nq::kHeads + h) * 2];
     if (ms != neg_inf()) {
       const float f = exp2f(ms - mx);
-      a += f * __ldcg(ws_acc + ((base + s) * nq::kHeads + h) * 128 + d);
-      sum += f * __ldcg(ws_ml + ((base + s) * nq::kHeads + h) * 2 + 1);
+      a += f * ws_acc[((base + s) * nq::kHeads + h) * 128 + d];
+      sum += f * ws_ml[((base + s) * nq::kHeads + h) * 2 + 1];
     }
   }
   return sum > 0.f ? a / sum : 0.f;  // seq_len 0 (an idle row) has no split: defined output 0, not 0/0
@@ -435,9 +434,7 @@ extern "C" __global__ void __launch_bounds__(nq_dec::kThreads, 1)
                               const int* __restrict__ page_table,          // [B, max_pages]
                               const int* __restrict__ seq_len_dev,         // [B]
                               int layer, int n_pages, int max_pages, int n_splits,
-                              float* __restrict__ workspace,               // ws_acc, then ws_ml (header)
-                              unsigned int* __restrict__ counters,         // [B, NQ_NKV] or null (header)
-                              nq::uint16_t* __restrict__ out) {            // [B, NQ_NHEADS*128] (fused)
+                              float* __restrict__ workspace) {             // ws_acc, then ws_ml (header)
   using namespace nq_dec;
   float* ws_acc = workspace;
   float* ws_ml = workspace + static_cast<size_t>(gridDim.z) * n_splits * nq::kHeads * 128;
@@ -529,28 +526,9 @@ extern "C" __global__ void __launch_bounds__(nq_dec::kThreads, 1)
       ws_ml[(part * nq::kHeads + h) * 2 + 1] = sum;
     }
   }
-  if (counters == nullptr) return;  // the combine kernel follows
-
-  // Fused combine: the last of the n_splits blocks of (b, kvh) to get here combines their partials for
-  // the G heads of kvh. Each thread fences its own partial writes before the block's one atomic ticket
-  // (threadFenceReduction's pattern); the last block fences again before reading the others' writes.
-  __shared__ bool last;
-  __threadfence();
-  __syncthreads();  // every thread's writes fenced before thread 0 takes the ticket
-  unsigned int* ticket = counters + b * nq::kKvHeads + kvh;
-  if (threadIdx.x == 0) last = atomicAdd(ticket, 1u) == static_cast<unsigned int>(n_splits - 1);
-  __syncthreads();  // `last` visible to the block
-  if (!last) return;  // block-uniform exit
-  __threadfence();
-  const size_t base = static_cast<size_t>(b) * n_splits;
-  for (int idx = threadIdx.x; idx < kG * 128; idx += kThreads) {
-    const int h = kvh * kG + (idx >> 7), d = idx & 127;
-    out[static_cast<size_t>(b) * nq::kQDim + h * 128 + d] = nq::f2h(combine_one(ws_acc, ws_ml, base, r.used, h, d));
-  }
-  if (threadIdx.x == 0) *ticket = 0;  // re-armed for the next launch (graph replay)
 }
 
-// The separate combine (when the split kernel gets no counters): one block per (head, sequence).
+// The combine: one block per (head, sequence).
 extern "C" __global__ void __launch_bounds__(128)
     nq_attention_decode_combine(const float* __restrict__ workspace,   // the split kernel's partials
                                 const int* __restrict__ seq_len_dev,   // [B]
