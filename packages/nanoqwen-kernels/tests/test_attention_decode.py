@@ -278,3 +278,16 @@ def test_decode_rejects_bad_arguments(kernels, rng):
     for name, value in bad.items():
         with pytest.raises(KernelError, match=name):
             ak.attention_decode(**{**args, name: value})
+
+
+def test_page_layout_of_the_test_cache(rng):
+    """The helper that builds the tests' pages (no GPU): token t of a sequence lands at page t // 16, slot
+    t % 16 of every KV head, K and V from their own arrays, the tail slots NaN."""
+    k = rng.standard_normal((37, 4, 128)).astype(np.float16)
+    v = rng.standard_normal((37, 4, 128)).astype(np.float16)
+    kp, vp = to_pages(k, 3), to_pages(v, 3)
+    assert kp.shape == (3, 4, 16, 128)
+    for t in range(37):
+        np.testing.assert_array_equal(kp[t // 16, :, t % 16], k[t])
+        np.testing.assert_array_equal(vp[t // 16, :, t % 16], v[t])
+    assert np.isnan(kp[2, :, 5:]).all() and np.isnan(vp[2, :, 5:]).all()
