@@ -172,10 +172,11 @@ def test_graph_and_eager_give_the_same_tokens(tied_path, kind, rng):
         assert nodes is None or nodes >= calls
 
 
-def test_each_row_of_a_batch_gets_its_tokens_alone(tied_path, kind, rng):
+def test_each_row_of_a_batch_gets_its_tokens_alone(model_path, kind, rng):
     """6 sequences of mixed prompt lengths decode together: page boundaries fall at different steps for
-    different rows (steps 0, 1, 8, ...); each row's greedy tokens are the ones it gets alone."""
-    be = _backend(tied_path, kind, max_context=96, n_pages=64)
+    different rows (steps 0, 1, 8, ...); each row's greedy tokens are the ones it gets alone. Both test
+    models: the tied one (4 heads / 2 KV heads, vocab 4096) and the tiny one (GQA 2, vocab 152064)."""
+    be = _backend(model_path, kind, max_context=96, n_pages=64)
     lengths = [1, 15, 16, 17, 31, 40]
     prompts = [rng.integers(0, be.config.vocab, size=n) for n in lengths]
     n = 12
