@@ -1,35 +1,37 @@
-"""GEMV microbenchmark: the part-A decode kernels at the 7B's shapes, against the copy bandwidth and
-a cuBLAS peer (CuPy's own fp16 matrix-vector product on the same shapes).
+"""GEMV microbenchmark: the decode GEMVs at a model's shapes for B sequences at once, against the copy
+bandwidth, with cuBLAS (cupy.matmul, fp16 out) as the lm_head's peer.
 
-    PYTHONPATH=packages/nanoqwen-kernels/src python packages/nanoqwen-kernels/bench/bench_gemv.py
+    PYTHONPATH=packages/nanoqwen-kernels/src python packages/nanoqwen-kernels/bench/bench_gemv.py \\
+        --batch 1,8,32,64 [--dims 7b] [--sweep] [--json out.json]
 
-Method (DESIGN.md, Performance): each kernel is launched `PER_GRAPH` times inside one captured CUDA
-graph, cycling through enough copies of its weights that the bytes between two reads of the same copy
-exceed the L2 (so every launch streams from HBM, as in a decode step); the graph is timed with CUDA
-events `reps` times and the median / PER_GRAPH is the per-launch time. In-graph timing is how the
-kernels run in the engine (one graph per token), and it excludes the ~5 us of an eager Python launch.
-Bytes = everything the kernel must read or write once (weights + scales + activations + outputs).
+Method: each kernel is launched PER_GRAPH times inside one captured CUDA graph, cycling through enough
+copies of its weights that the bytes between two reads of the same copy exceed the L2 (so every launch
+streams from HBM, as in a decode step); the graph is timed with CUDA events `reps` times and the median /
+PER_GRAPH is the per-launch time. In-graph timing is how the kernels run in the engine (one graph per
+step), and it excludes the ~5 us of an eager Python launch. GB/s = weight bytes (INT4 words + scales, or
+fp16 rows) / time: what a GEMV must stream once per step whatever B is; % is of the H200's measured copy
+bandwidth. "step" sums one decode step's GEMVs (layers x (qkv + o + gate/up + down) + lm_head).
 A timing is printed, never asserted.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
 
 import numpy as np
 
-COPY_BW = 4.19e12  # B/s, measured copy bandwidth of the H200 here (DESIGN.md)
+COPY_BW = 4.19e12  # B/s: device-to-device copy measured on the H200 here (docs/PERF.md)
 ROTATE_BYTES = 256 << 20  # weights cycled per graph: > 4x the 50-60 MB L2
 PER_GRAPH = 20
 
 
 def _time_graph(cp, launches, reps: int) -> tuple[float, str]:
-    """Median seconds per launch of `launches` (a list of callables) replayed in one graph, and how it
-    was timed: "graph", or "eager" when the launches could not be captured (then Python's launch cost
-    is in the figure)."""
+    """Median seconds per launch of `launches` (callables) replayed in one graph, and how it was timed:
+    "graph", or "eager" when the launches could not be captured (Python's launch cost is then in it)."""
     stream = cp.cuda.Stream(non_blocking=True)
     with stream:
         for f in launches[:2]:  # warm up (module load, cuBLAS handle) outside the capture
@@ -42,7 +44,7 @@ def _time_graph(cp, launches, reps: int) -> tuple[float, str]:
             graph = stream.end_capture()
             run = lambda: graph.launch(stream)  # noqa: E731
             mode = "graph"
-        except Exception:  # a peer that cannot be captured is timed eagerly instead
+        except Exception:
             try:
                 stream.end_capture()
             except Exception:
@@ -68,176 +70,110 @@ def _copies(nbytes: int) -> int:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--batch", default="1", help="comma-separated batch sizes, e.g. 1,8,32,64")
+    ap.add_argument("--dims", default="7b", help="a key of nanoqwen_kernels.dims.PRESETS")
+    ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--json", help="also write the rows here")
-    ap.add_argument("--no-peer", action="store_true", help="skip the cuBLAS peer")
-    ap.add_argument("--sweep", action="store_true", help="also time the INT4 GEMVs' tensor-core variants")
+    ap.add_argument("--no-peer", action="store_true", help="skip the cuBLAS lm_head peer")
+    ap.add_argument("--sweep", action="store_true", help="B = 1 on every GEMV variant, not just the default")
     args = ap.parse_args(argv)
+    batches = [int(b) for b in args.batch.split(",")]
 
     import cupy as cp
     from nanoqwen_kernels import gpu_status, loader
-    from nanoqwen_kernels.dims import QWEN25_7B as D
-    from nanoqwen_kernels.gemv import GemvKernels
+    from nanoqwen_kernels.dims import PRESETS
+    from nanoqwen_kernels.gemv import DEFAULT_GEMV_VARIANT, GEMV_VARIANTS, GemvKernels
 
     ok, why = gpu_status()
     if not ok:
         print(f"bench_gemv: no usable GPU ({why})", file=sys.stderr)
         return 2
-    g = GemvKernels(D, lambda s, defs: loader.load_module(s, defs))
+    D = PRESETS[args.dims]
+    variants = sorted(GEMV_VARIANTS) if args.sweep else [DEFAULT_GEMV_VARIANT]
+    kern = {v: GemvKernels(D, lambda s, defs: loader.load_module(s, defs), v) for v in variants}
     rng = np.random.default_rng(0)
-    H, inter = D.hidden, D.intermediate
-    eps = 1e-6
-
-    def int4_set(n, k):
-        one = n * k // 2 + n * (k // 128) * 2
-        c = _copies(one)
-        qw = [
-            cp.random.randint(0, 2**31, size=(n, k // 8), dtype=np.int64).astype(np.uint32) for _ in range(c)
-        ]
-        sc = [
-            cp.asarray((rng.uniform(0.5, 1.5, size=(n, k // 128)) * 0.003).astype(np.float16))
-            for _ in range(c)
-        ]
-        return qw, sc, one
-
-    x_h = cp.asarray(rng.standard_normal(H).astype(np.float16))
-    x_i = cp.asarray(rng.standard_normal(inter).astype(np.float16))
-    nw = cp.asarray(np.ones(H, np.float16))
-    rows = []
-
-    def bench(name, n, k, launches_of, nbytes, target):
-        t, mode = _time_graph(cp, [launches_of(i) for i in range(PER_GRAPH)], args.reps)
-        rows.append(
-            dict(
-                kernel=name,
-                shape=f"{n}x{k}",
-                us=t * 1e6,
-                gbs=nbytes / t / 1e9,
-                pct=100 * nbytes / t / COPY_BW,
-                target=target,
-                mode=mode,
-            )
-        )
+    H, inter, eps = D.hidden, D.intermediate, 1e-6
+    bmax = max(batches)
 
     sets = {}
 
-    def cached_set(n, k):
+    def int4_set(n, k):
         if (n, k) not in sets:
-            sets[(n, k)] = int4_set(n, k)
+            one = n * k // 2 + n * (k // 128) * 2
+            c = _copies(one)
+            qw = [cp.random.randint(0, 2**31, size=(n, k // 8), dtype=np.int64).astype(np.uint32) for _ in range(c)]
+            sc = [cp.asarray((rng.uniform(0.5, 1.5, size=(n, k // 128)) * 0.003).astype(np.float16)) for _ in range(c)]
+            sets[(n, k)] = (qw, sc, one)
         return sets[(n, k)]
 
-    def int4_rows(g, label=""):
-        for n, k, what in [(H, H, "o_proj"), (D.kv_dim, H, "k/v_proj"), (H, inter, "down+residual")]:
-            qw, sc, one = cached_set(n, k)
-            x = x_h if k == H else x_i
-            out = cp.zeros(n, dtype=np.float16)
-            res = out if what.endswith("residual") else None
-            bench(
-                f"gemv_int4 ({what}){label}",
-                n,
-                k,
-                lambda i, qw=qw, sc=sc, x=x, out=out, res=res: (
-                    lambda: g.gemv_int4(qw[i % len(qw)], sc[i % len(sc)], x, out, residual=res)
-                ),
-                one + 2 * k + 2 * n * (2 if res is not None else 1),
-                85,
-            )
+    x_h = cp.asarray((rng.standard_normal((bmax, H)) * 0.5).astype(np.float16))
+    x_i = cp.asarray((rng.standard_normal((bmax, inter)) * 0.1).astype(np.float16))
+    nw = cp.asarray(np.ones(H, np.float16))
+    rows = []
 
-        qw, sc, one = cached_set(D.qkv_rows, H)
-        bias = cp.zeros(D.qkv_rows, dtype=np.float16)
-        pos = cp.asarray([1000], dtype=np.int32)
-        pt = cp.arange(64, dtype=np.int32)
-        kc = cp.zeros((1, 64, D.n_kv_heads, 16, 128), dtype=np.float16)
-        vc = cp.zeros_like(kc)
-        q = cp.zeros(D.q_dim, dtype=np.float16)
-        bench(
-            f"qkv_rope_kv (norm+qkv+rope+kv){label}",
-            D.qkv_rows,
-            H,
-            lambda i: (
-                lambda: g.qkv_rope_kv(
-                    qw[i % len(qw)], sc[i % len(sc)], bias, x_h, nw, eps, pos, pt, kc, vc, 0, q
-                )
-            ),
-            one + 6 * H + 2 * D.qkv_rows,
-            85,
-        )
+    def bench(name, part, b, variant, n, k, call, weights, weight_bytes):
+        """Time call(*weights[i % copies]) for i < PER_GRAPH. part: "layer" (once per layer), "head"
+        (once per step) or "peer" (not in the step's sum)."""
+        launches = [functools.partial(call, *weights[i % len(weights)]) for i in range(PER_GRAPH)]
+        t, mode = _time_graph(cp, launches, args.reps)
+        rows.append(dict(kernel=name, part=part, batch=b, variant=variant, shape=f"{n}x{k}", us=t * 1e6,
+                         gbs=weight_bytes / t / 1e9, pct=100 * weight_bytes / t / COPY_BW, mode=mode))
 
-        qg, sg, oneg = cached_set(2 * inter, H)
-        act = cp.zeros(inter, dtype=np.float16)
-        bench(
-            f"gate_up_silu (norm+gate/up+silu){label}",
-            2 * inter,
-            H,
-            lambda i: lambda: g.gate_up_silu(qg[i % len(qg)], sg[i % len(sg)], x_h, nw, eps, act),
-            oneg + 4 * H + 2 * inter,
-            85,
-        )
-
-    int4_rows(g)
-    if args.sweep:  # the opt-in tensor-core variants of gemv_int4_mma.cuh
-        for label, tuning in (
-            (" [mma]", {"NQ_GEMV_MMA": 1}),
-            (" [mma+off]", {"NQ_GEMV_MMA": 1, "NQ_GEMV_MMA_OFFSET": 1}),
-        ):
-            gs = GemvKernels(D, lambda s, defs: loader.load_module(s, defs), tuning)
-            int4_rows(gs, label)
-    sets.clear()
+    def rows_of(x, b):
+        return x[:b] if b > 1 else x[0]
 
     V = D.vocab
-    lm = [(0.02 * cp.random.standard_normal((V, H), dtype=np.float32)).astype(np.float16) for _ in range(2)]
-    logits = cp.zeros(V, dtype=np.float32)
-    bench(
-        "gemv_fp16 (lm_head)",
-        V,
-        H,
-        lambda i: lambda: g.gemv_fp16(lm[i % 2], x_h, logits),
-        V * H * 2 + 2 * H + 4 * V,
-        90,
-    )
-    lm.clear()  # free 2.2 GB before the peers
-
-    peers = []
-    if not args.no_peer:
-        for n, k in [(H, H), (D.kv_dim, H), (2 * inter, H), (H, inter), (V, H)]:
-            one = n * k * 2
-            c = _copies(one)
-            ws = [cp.random.standard_normal((n, k), dtype=np.float32).astype(np.float16) for _ in range(c)]
-            x = x_h if k == H else x_i
-            o = cp.zeros(n, dtype=np.float16)
-            t, mode = _time_graph(
-                cp,
-                [(lambda w=ws[i % c], x=x, o=o: cp.matmul(w, x, out=o)) for i in range(PER_GRAPH)],
-                args.reps,
+    lm = [((0.02 * cp.random.standard_normal((V, H), dtype=np.float32)).astype(np.float16),) for _ in range(2)]
+    for b in batches:
+        lead = (b,) if b > 1 else ()
+        xh, xi = rows_of(x_h, b), rows_of(x_i, b)
+        pos = cp.asarray((1000 + 37 * np.arange(b)).astype(np.int32))
+        max_pages = 256  # covers positions up to 4095
+        pt = cp.asarray(np.arange(b * max_pages, dtype=np.int32).reshape(b, max_pages) % (64 * b))
+        kc = cp.zeros((1, 64 * b, D.n_kv_heads, 16, 128), dtype=np.float16)
+        vc = cp.zeros_like(kc)
+        for variant in variants if b == 1 else [DEFAULT_GEMV_VARIANT]:
+            g = kern[variant]
+            for n, k, what in [(H, H, "o_proj+residual"), (H, inter, "down+residual")]:
+                qw, sc, one = int4_set(n, k)
+                out = cp.zeros((*lead, n), dtype=np.float16)
+                call = functools.partial(g.gemv_int4, x=xh if k == H else xi, out=out, residual=out)
+                bench(f"gemv_int4 ({what})", "layer", b, variant, n, k, call, list(zip(qw, sc, strict=True)), one)
+            qw, sc, one = int4_set(D.qkv_rows, H)
+            call = functools.partial(
+                g.qkv_rope_kv, bias=cp.zeros(D.qkv_rows, dtype=np.float16), x=xh, norm_w=nw, eps=eps, pos_dev=pos,
+                page_table=pt if b > 1 else pt[0], k_cache=kc, v_cache=vc, layer=0,
+                q_out=cp.zeros((*lead, D.q_dim), dtype=np.float16),
             )
-            peers.append(
-                dict(
-                    kernel="cuBLAS fp16 (cupy.matmul)",
-                    shape=f"{n}x{k}",
-                    us=t * 1e6,
-                    gbs=(one + 2 * k + 2 * n) / t / 1e9,
-                    pct=100 * (one + 2 * k + 2 * n) / t / COPY_BW,
-                    target=None,
-                    mode=mode,
-                )
-            )
-            del ws
+            bench("qkv_rope_kv (norm+qkv+rope+kv)", "layer", b, variant, D.qkv_rows, H, call, list(zip(qw, sc, strict=True)), one)
+            qw, sc, one = int4_set(2 * inter, H)
+            call = functools.partial(g.gate_up_silu, x=xh, norm_w=nw, eps=eps,
+                                     out=cp.zeros((*lead, inter), dtype=np.float16))
+            bench("gate_up_silu (norm+gate/up+silu)", "layer", b, variant, 2 * inter, H, call, list(zip(qw, sc, strict=True)), one)
+            call = functools.partial(g.gemv_fp16, x=xh, out=cp.zeros((*lead, V), dtype=np.float32))
+            bench("gemv_fp16 (lm_head)", "head", b, variant, V, H, call, lm, V * H * 2)
+        if not args.no_peer:
+            call = functools.partial(cp.matmul, x_h[:b], out=cp.zeros((b, V), dtype=np.float16))
+            bench("cuBLAS fp16 out (lm_head peer)", "peer", b, "-", V, H, call, [(w.T,) for (w,) in lm], V * H * 2)
 
     dev = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"].decode()
-    print(
-        f"\nbench_gemv on {dev}: median of {args.reps} graph replays x {PER_GRAPH} launches, rotating weights "
-        f"> L2; % of {COPY_BW / 1e12:.2f} TB/s"
-    )
-    print(f"{'kernel':36s} {'shape':>13s} {'us':>8s} {'GB/s':>7s} {'%copy':>6s} {'target':>6s} timed")
-    for r in rows + peers:
-        tgt = f">={r['target']}" if r["target"] else ""
-        print(
-            f"{r['kernel']:36s} {r['shape']:>13s} {r['us']:8.2f} {r['gbs']:7.0f} {r['pct']:6.1f} {tgt:>6s} "
-            f"{r['mode']}"
-        )
+    print(f"\nbench_gemv {args.dims} on {dev}: median of {args.reps} graph replays x {PER_GRAPH} launches, "
+          f"rotating weights > L2; GB/s = weight bytes / time; % of {COPY_BW / 1e12:.2f} TB/s")
+    print(f"{'kernel':34s} {'B':>3s} {'variant':>8s} {'shape':>13s} {'us':>9s} {'GB/s':>7s} {'%copy':>6s} timed")
+    for r in rows:
+        print(f"{r['kernel']:34s} {r['batch']:3d} {r['variant']:>8s} {r['shape']:>13s} {r['us']:9.2f} "
+              f"{r['gbs']:7.0f} {r['pct']:6.1f} {r['mode']}")
+    steps = []
+    for b in batches:
+        mine = [r for r in rows if r["batch"] == b and r["variant"] == DEFAULT_GEMV_VARIANT]
+        layer = sum(r["us"] for r in mine if r["part"] == "layer")
+        step = D.n_layers * layer + sum(r["us"] for r in mine if r["part"] == "head")
+        steps.append(dict(batch=b, step_us=step, tok_s=b / step * 1e6))
+        print(f"step GEMVs at B={b:3d}: {step:8.1f} us ({D.n_layers} layers x {layer:.1f} us + lm_head) "
+              f"-> {b / step * 1e6:9.0f} tok/s bound from the GEMVs alone")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(device=dev, rows=rows, peers=peers), f, indent=1)
+            json.dump(dict(device=dev, dims=args.dims, rows=rows, steps=steps), f, indent=1)
     return 0
 
 

@@ -1,4 +1,4 @@
-"""numpy references and packers for the part-A kernel tests (kept beside the tests, not in the package).
+"""numpy references and packers for the kernel tests (kept beside the tests, not in the package).
 
 Written from the contracts (docs/INTERFACES.md sections 2-4) and HF Qwen2's math, independently of the
 kernels: the ValueShuffle packer below is checked against the contract's worked example on the CPU.
@@ -43,9 +43,10 @@ def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
 
 def gemv_tolerance(wd: np.ndarray, xin: np.ndarray, ref: np.ndarray) -> np.ndarray:
     """Per-row bound for the INT4 GEMV: products and 4-term partial sums are fp16 (rel. 2^-11 each), so
-    the error scales with sqrt(sum (w x)^2); the fp16 output adds 2^-11 |ref|. 8x headroom over that."""
+    the error scales with sqrt(sum (w x)^2); the fp16 output adds 2^-11 |ref|. 8x headroom over that.
+    xin [K] with ref [N], or a batch: xin [B, K] with ref [B, N]."""
     xf = xin.astype(np.float32)
-    spread = np.sqrt((wd * wd) @ (xf * xf)).astype(np.float64)
+    spread = np.sqrt(np.square(xf) @ np.square(wd).T).astype(np.float64)
     return 8 * 2.0**-11 * (np.abs(ref) + 3 * spread) + 1e-6
 
 

@@ -1,47 +1,44 @@
-"""GPU: the INT4 GEMV family and the fp16 lm_head GEMV against numpy references (refs.py).
+"""GPU: the INT4 GEMV family and the fp16 lm_head for B sequences at once, against numpy (refs.py).
 
-Fresh random weights/activations each run; outputs poisoned with NaN before every launch. Tolerances:
-the INT4 GEMV's products and 4-term partial sums are fp16 (refs.gemv_tolerance derives the bound);
-RoPE'd q/k and silu*up are compared at 8 fp16 ulps of their own magnitude plus that bound; the fp16
-lm_head accumulates in fp32 (4e-5 of the row's sqrt(sum (w x)^2) plus 1e-5 |ref|).
+Fresh random weights/activations each test (the seeded `rng` fixture); outputs poisoned with NaN before
+every launch. B runs over 1, 2, 3, 5, 8 (one pass of the 8-column build), 9, 16 (the 32-column build),
+33, 64 (several passes), at the 7B, 1.5B and tiny shapes; B = 1 also on each GEMV variant's bodies.
+Tolerances: the INT4 GEMV's products and 4-term partial sums are fp16 on the half2 loop (refs.gemv_tolerance
+derives the bound; the tensor-core core is tighter); RoPE'd q/k and silu*up are compared at 8 fp16 ulps of
+their own magnitude plus that bound; the fp16 lm_head accumulates in fp32 (4e-5 of the row's
+sqrt(sum (w x)^2) plus 1e-5 |ref|).
 """
 
 import numpy as np
 import pytest
 from nanoqwen_kernels import loader
-from nanoqwen_kernels.dims import QWEN25_7B, TINY, ModelDims
-from nanoqwen_kernels.gemv import GemvKernels
+from nanoqwen_kernels.dims import PRESETS
+from nanoqwen_kernels.gemv import GEMV_VARIANTS, GemvKernels
 from refs import dequant, gemv_tolerance, matvec, pack_valueshuffle, random_int4, rmsnorm, rope
 
 pytestmark = pytest.mark.gpu
 EPS = 1e-6
-# an awkward shape too: 1.5B-like dims with more KV heads and odd head counts
-ODD = ModelDims(
-    hidden=1536, intermediate=8960, n_heads=12, n_kv_heads=2, head_dim=128, vocab=1000, n_layers=2
-)
-DIMS = {"tiny": TINY, "7b": QWEN25_7B, "odd": ODD}
+BATCHES = [1, 2, 3, 5, 8, 9, 16, 33, 64]
 
 
-# the default loop, and the opt-in tensor-core variant (gemv_int4_mma.cuh) exact and with the folded offset
-VARIANTS = {"default": {}, "mma": {"NQ_GEMV_MMA": 1}, "mmaoff": {"NQ_GEMV_MMA": 1, "NQ_GEMV_MMA_OFFSET": 1}}
+def _load(sources, defines):
+    return loader.load_module(sources, defines)
 
 
-@pytest.fixture(scope="module", params=[(d, v) for d in sorted(DIMS) for v in VARIANTS], ids="-".join)
-def kern(request, gpu):
-    dname, vname = request.param
-    d = DIMS[dname]
-    return d, GemvKernels(d, lambda s, defs: loader.load_module(s, defs), VARIANTS[vname])
+@pytest.fixture(scope="module", params=sorted(PRESETS))
+def dims(request):
+    return PRESETS[request.param]
 
 
-@pytest.fixture(scope="module", params=sorted(DIMS))
-def kern16(request, gpu):
-    """The lm_head GEMV does not depend on the INT4 variant: once per dims."""
-    d = DIMS[request.param]
-    return d, GemvKernels(d, lambda s, defs: loader.load_module(s, defs))
+@pytest.fixture(scope="module")
+def kernels(dims, gpu):
+    """GemvKernels per variant (B > 1 runs the same tensor-core entries in every variant)."""
+    return {v: GemvKernels(dims, _load, v) for v in GEMV_VARIANTS}
 
 
-def _upload(cp, u, s):
-    return cp.asarray(pack_valueshuffle(u)), cp.asarray(s)
+def _runs(b):
+    """(variant) pairs to run at batch b: every variant at B = 1, the default one beyond."""
+    return sorted(GEMV_VARIANTS) if b == 1 else ["mixed"]
 
 
 def _check(got, ref, tol, what):
@@ -52,145 +49,166 @@ def _check(got, ref, tol, what):
     assert not bad.any(), f"{what}: {bad.sum()} of {bad.size} beyond tolerance, worst err {err.max():.3g}"
 
 
-def _shapes(d):
-    h, i = d.hidden, d.intermediate
-    return [(h, h), (d.kv_dim, h), (h, i), (1, h), (3, h), (17, i), (2 * d.kv_dim + 1, h)]
+def _batch(b, a):
+    """The launch shape of a batch: [B, ...], or the row itself at B = 1 (the 1-D form)."""
+    return a if b > 1 else a[0]
 
 
-@pytest.mark.parametrize("mode", ["plain", "residual", "norm", "norm_residual_inplace"])
-def test_gemv_int4(kern, mode):
+@pytest.mark.parametrize("b", BATCHES)
+@pytest.mark.parametrize("mode", ["plain", "norm_residual_inplace"])
+def test_gemv_int4(kernels, dims, rng, b, mode):
     import cupy as cp
 
-    d, g = kern
-    rng = np.random.default_rng()
-    for n, k in _shapes(d):
+    h, i = dims.hidden, dims.intermediate
+    for n, k in [(h, h), (h, i), (2 * dims.kv_dim + 1, h)]:  # o_proj, down_proj, an odd N
         u, s = random_int4(rng, n, k)
-        x = rng.standard_normal(k).astype(np.float16)
-        w = (1 + 0.1 * rng.standard_normal(k)).astype(np.float16)
-        res = rng.standard_normal(n).astype(np.float16)
-        xin = rmsnorm(x, w, EPS) if "norm" in mode else x
         wd = dequant(u, s)
-        ref = matvec(wd, xin)
+        x = rng.standard_normal((b, k)).astype(np.float16)
+        w = (1 + 0.1 * rng.standard_normal(k)).astype(np.float16)
+        res = rng.standard_normal((b, n)).astype(np.float16)
+        xin = rmsnorm(x, w, EPS) if "norm" in mode else x
+        ref = matvec(wd, xin.T).T  # [B, N]
         tol = gemv_tolerance(wd, xin, ref)
         if "residual" in mode:
             ref = ref + res.astype(np.float64)
             tol = tol + 2.0**-10 * np.abs(ref)
-        qw, sc = _upload(cp, u, s)
-        xd = cp.asarray(x)
-        if mode == "norm_residual_inplace":
-            out = cp.asarray(res)  # out is the residual: x_new = x + W.norm(h)
-            g.gemv_int4(qw, sc, xd, out, residual=out, norm_w=cp.asarray(w), eps=EPS)
-        else:
-            out = cp.full(n, np.nan, dtype=np.float16)
-            g.gemv_int4(
-                qw,
-                sc,
-                xd,
-                out,
-                residual=cp.asarray(res) if "residual" in mode else None,
-                norm_w=cp.asarray(w) if "norm" in mode else None,
-                eps=EPS,
-            )
-        _check(out.get(), ref, tol, f"{mode} N={n} K={k}")
+        qw, sc = cp.asarray(pack_valueshuffle(u)), cp.asarray(s)
+        for variant in _runs(b):
+            g = kernels[variant]
+            if mode == "plain":
+                out = cp.full((b, n), np.nan, dtype=np.float16)
+                g.gemv_int4(qw, sc, _batch(b, cp.asarray(x)), _batch(b, out))
+            else:  # out is the residual: x_new = x + W.norm(h)
+                out = cp.asarray(res)
+                g.gemv_int4(qw, sc, _batch(b, cp.asarray(x)), _batch(b, out), residual=_batch(b, out),
+                            norm_w=cp.asarray(w), eps=EPS)
+            _check(out.get(), ref, tol, f"{variant} {mode} B={b} N={n} K={k}")
 
 
-@pytest.mark.parametrize("pos", [0, 1, 15, 16, 17, 4095, 32767])
-def test_qkv_rope_kv(kern, pos):
+def _positions(rng, b):
+    """Positions of B sequences at mixed lengths, page boundaries among them."""
+    edge = np.array([0, 1, 15, 16, 17, 31, 32, 4095, 32767])
+    pos = rng.integers(0, 3000, size=b)
+    pos[: min(b, len(edge))] = rng.permutation(edge)[: min(b, len(edge))]
+    return rng.permutation(pos).astype(np.int32)
+
+
+@pytest.mark.parametrize("b", BATCHES)
+def test_qkv_rope_kv(kernels, dims, rng, b):
     import cupy as cp
 
-    d, g = kern
-    rng = np.random.default_rng()
+    d = dims
     rows, H = d.qkv_rows, d.hidden
     u, s = random_int4(rng, rows, H)
     bias = (0.5 * rng.standard_normal(rows)).astype(np.float16)
-    x = rng.standard_normal(H).astype(np.float16)
+    x = rng.standard_normal((b, H)).astype(np.float16)
     w = (1 + 0.1 * rng.standard_normal(H)).astype(np.float16)
-    n_layers, n_pages, layer = 3, 9, 1
-    max_pages = pos // 16 + 2
-    page_table = rng.integers(0, n_pages, size=max_pages).astype(np.int32)
-    page_table[pos // 16] = rng.integers(0, n_pages)
-    kc = cp.full((n_layers, n_pages, d.n_kv_heads, 16, 128), np.nan, dtype=np.float16)
-    vc = cp.full_like(kc, np.nan)
-    q_out = cp.full(d.q_dim, np.nan, dtype=np.float16)
-    qw, sc = _upload(cp, u, s)
-    g.qkv_rope_kv(
-        qw,
-        sc,
-        cp.asarray(bias),
-        cp.asarray(x),
-        cp.asarray(w),
-        EPS,
-        cp.asarray([pos], dtype=np.int32),
-        cp.asarray(page_table),
-        kc,
-        vc,
-        layer,
-        q_out,
-    )
-
+    pos = _positions(rng, b)
+    max_pages = int(pos.max()) // 16 + 2
+    n_layers, layer = 2, 1
+    n_pages = b + 8
+    # every sequence's page of its position is its own (distinct pages), the rest of its table random
+    table = rng.integers(0, n_pages, size=(b, max_pages)).astype(np.int32)
+    mine = rng.permutation(n_pages)[:b]
+    table[np.arange(b), pos // 16] = mine
+    pad = b >= 3  # a padding row: its table holds no page; it must write nothing and get NaN q
+    if pad:
+        table[b - 1] = -1
     xin = rmsnorm(x, w, EPS)
     wd = dequant(u, s)
-    lin = matvec(wd, xin) + bias.astype(np.float64)
-    tol = gemv_tolerance(wd, xin, lin)
-    q, k, v = np.split(lin, [d.q_dim, d.q_dim + d.kv_dim])
-    tq, tk, tv = np.split(tol, [d.q_dim, d.q_dim + d.kv_dim])
-    qr = rope(q.reshape(d.n_heads, 128), pos, d.rope_theta).reshape(-1)
-    kr = rope(k.reshape(d.n_kv_heads, 128), pos, d.rope_theta)
-    # RoPE mixes d and d+64: either one's error can land on both
-    halves = tq.reshape(-1, 2, 64)
-    m = 2 * np.maximum(halves[:, 0], halves[:, 1])  # [heads, 64]
-    tq = np.concatenate([m, m], axis=1).reshape(-1)
-    _check(q_out.get(), qr, tq + 8 * 2.0**-11 * np.abs(qr), f"q pos={pos}")
-    page, slot = page_table[pos // 16], pos % 16
-    kh, vh = kc.get(), vc.get()
-    tk2 = np.max(tk.reshape(d.n_kv_heads, 128), axis=1, keepdims=True) * 2 + 8 * 2.0**-11 * np.abs(kr)
-    _check(kh[layer, page, :, slot], kr, tk2, f"k pos={pos}")
-    _check(
-        vh[layer, page, :, slot], v.reshape(d.n_kv_heads, 128), tv.reshape(d.n_kv_heads, 128), f"v pos={pos}"
-    )
-    # nothing else in either cache was written
-    mask = np.ones(kh.shape, dtype=bool)
-    mask[layer, page, :, slot] = False
-    assert np.isnan(kh[mask]).all() and np.isnan(vh[mask]).all(), "a write outside the token's slot"
+    lin = matvec(wd, xin.T).T + bias.astype(np.float64)  # [B, rows]
+    tols = gemv_tolerance(wd, xin, lin)
+    qw, sc = cp.asarray(pack_valueshuffle(u)), cp.asarray(s)
+    for variant in _runs(b):
+        kc = cp.full((n_layers, n_pages, d.n_kv_heads, 16, 128), np.nan, dtype=np.float16)
+        vc = cp.full_like(kc, np.nan)
+        q_out = cp.full((b, d.q_dim), np.nan, dtype=np.float16)
+        kernels[variant].qkv_rope_kv(
+            qw, sc, cp.asarray(bias), _batch(b, cp.asarray(x)), cp.asarray(w), EPS, cp.asarray(pos),
+            cp.asarray(table) if b > 1 else cp.asarray(table[0]), kc, vc, layer, _batch(b, q_out),
+        )
+        kh, vh, qh = kc.get(), vc.get(), q_out.get()
+        written = np.zeros(kh.shape, dtype=bool)
+        for j in range(b):
+            what = f"{variant} B={b} row {j} pos={pos[j]}"
+            if pad and j == b - 1:
+                assert np.isnan(qh[j]).all(), f"{what}: a row without a page must get NaN q"
+                continue
+            tol = tols[j]
+            q, k, v = np.split(lin[j], [d.q_dim, d.q_dim + d.kv_dim])
+            tq, tk, tv = np.split(tol, [d.q_dim, d.q_dim + d.kv_dim])
+            qr = rope(q.reshape(d.n_heads, 128), int(pos[j]), d.rope_theta).reshape(-1)
+            kr = rope(k.reshape(d.n_kv_heads, 128), int(pos[j]), d.rope_theta)
+            # RoPE mixes d and d+64: either one's error can land on both
+            halves = tq.reshape(-1, 2, 64)
+            m = 2 * np.maximum(halves[:, 0], halves[:, 1])
+            tq = np.concatenate([m, m], axis=1).reshape(-1)
+            _check(qh[j], qr, tq + 8 * 2.0**-11 * np.abs(qr), f"q {what}")
+            page, slot = table[j, pos[j] // 16], pos[j] % 16
+            tk2 = np.max(tk.reshape(d.n_kv_heads, 128), axis=1, keepdims=True) * 2 + 8 * 2.0**-11 * np.abs(kr)
+            _check(kh[layer, page, :, slot], kr, tk2, f"k {what}")
+            _check(vh[layer, page, :, slot], v.reshape(d.n_kv_heads, 128), tv.reshape(d.n_kv_heads, 128),
+                   f"v {what}")
+            written[layer, page, :, slot] = True
+        # nothing else in either cache was written
+        assert np.isnan(kh[~written]).all() and np.isnan(vh[~written]).all(), "a write outside the slots"
 
 
-def test_gate_up_silu(kern):
+@pytest.mark.parametrize("b", BATCHES)
+def test_gate_up_silu(kernels, dims, rng, b):
     import cupy as cp
 
-    d, g = kern
-    rng = np.random.default_rng()
-    H, inter = d.hidden, d.intermediate
+    H, inter = dims.hidden, dims.intermediate
     u, s = random_int4(rng, 2 * inter, H)
-    x = rng.standard_normal(H).astype(np.float16)
+    x = rng.standard_normal((b, H)).astype(np.float16)
     w = (1 + 0.1 * rng.standard_normal(H)).astype(np.float16)
-    out = cp.full(inter, np.nan, dtype=np.float16)
-    qw, sc = _upload(cp, u, s)
-    g.gate_up_silu(qw, sc, cp.asarray(x), cp.asarray(w), EPS, out)
     xin = rmsnorm(x, w, EPS)
     wd = dequant(u, s)
-    lin = matvec(wd, xin)
+    lin = matvec(wd, xin.T).T
     tol = gemv_tolerance(wd, xin, lin)
-    gate, up = lin[:inter], lin[inter:]
+    gate, up = lin[:, :inter], lin[:, inter:]
     silu = gate / (1 + np.exp(-gate))
     ref = silu * up
     # d(silu*up) = silu' up dgate + silu dup, |silu'| <= 1.1
-    t = 1.1 * np.abs(up) * tol[:inter] + np.abs(silu) * tol[inter:] + 8 * 2.0**-11 * np.abs(ref) + 1e-6
-    _check(out.get(), ref, t, "gate_up_silu")
+    t = 1.1 * np.abs(up) * tol[:, :inter] + np.abs(silu) * tol[:, inter:] + 8 * 2.0**-11 * np.abs(ref) + 1e-6
+    qw, sc = cp.asarray(pack_valueshuffle(u)), cp.asarray(s)
+    for variant in _runs(b):
+        out = cp.full((b, inter), np.nan, dtype=np.float16)
+        kernels[variant].gate_up_silu(qw, sc, _batch(b, cp.asarray(x)), cp.asarray(w), EPS, _batch(b, out))
+        _check(out.get(), ref, t, f"{variant} gate_up_silu B={b}")
 
 
-@pytest.mark.parametrize("n", ["vocab", 1, 3, 1001])
-def test_gemv_fp16(kern16, n):
+@pytest.mark.parametrize("b", BATCHES)
+def test_gemv_fp16(kernels, dims, rng, b):
     import cupy as cp
 
-    d, g = kern16
-    rng = np.random.default_rng()
-    n = d.vocab if n == "vocab" else n
-    w = (0.02 * rng.standard_normal((n, d.hidden), dtype=np.float32)).astype(np.float16)
-    x = rng.standard_normal(d.hidden).astype(np.float16)
-    out = cp.full(n, np.nan, dtype=np.float32)
-    g.gemv_fp16(cp.asarray(w), cp.asarray(x), out)
+    # the full vocab where the plan differs (many tiles: passes) and at B = 1; an odd N otherwise
+    n = dims.vocab if b in (1, 33, 64) else 1001
+    w = (0.02 * rng.standard_normal((n, dims.hidden), dtype=np.float32)).astype(np.float16)
+    x = rng.standard_normal((b, dims.hidden)).astype(np.float16)
+    out = cp.full((b, n), np.nan, dtype=np.float32)
+    kernels["mixed"].gemv_fp16(cp.asarray(w), _batch(b, cp.asarray(x)), _batch(b, out))
     wf, xf = w.astype(np.float32), x.astype(np.float32)
-    ref = matvec(wf, xf)
-    spread = np.sqrt((wf * wf) @ (xf * xf)).astype(np.float64)
+    ref = matvec(wf, xf.T).T
+    spread = np.sqrt(np.square(xf) @ np.square(wf, out=wf).T).astype(np.float64)  # wf squared in place
     tol = 4e-5 * spread + 1e-5 * np.abs(ref) + 1e-7
-    _check(out.get(), ref, tol, f"gemv_fp16 N={n}")
+    _check(out.get(), ref, tol, f"gemv_fp16 B={b} N={n}")
+
+
+def test_a_row_gets_the_same_bits_at_any_batch_size(kernels, dims, rng):
+    """On the tensor-core core a sequence's result does not depend on its batch: B = 1 on the "mma"
+    variant, a row of B = 5 and a row of B = 40 (two passes) agree bit for bit."""
+    import cupy as cp
+
+    h = dims.hidden
+    u, s = random_int4(rng, 2 * dims.intermediate, h)
+    qw, sc = cp.asarray(pack_valueshuffle(u)), cp.asarray(s)
+    x = cp.asarray(rng.standard_normal((40, h)).astype(np.float16))
+    w = cp.asarray((1 + 0.1 * rng.standard_normal(h)).astype(np.float16))
+    outs = {}
+    for b in (1, 5, 40):
+        out = cp.full((b, dims.intermediate), np.nan, dtype=np.float16)
+        kernels["mma"].gate_up_silu(qw, sc, _batch(b, x[:b]), w, EPS, _batch(b, out))
+        outs[b] = out.get()
+    assert np.array_equal(outs[1][0].view(np.uint16), outs[5][0].view(np.uint16))
+    assert np.array_equal(outs[5].view(np.uint16), outs[40][:5].view(np.uint16))

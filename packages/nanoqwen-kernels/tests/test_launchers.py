@@ -40,7 +40,7 @@ def load(sources, defines):
 
 def test_gemv_int4_good_call_and_residual_alias(launches):
     d = TINY
-    g = GemvKernels(d, load)  # variant "mixed": at B = 1, K = H on the half2 loop, K = I on tensor cores
+    g = GemvKernels(d, load, "mixed")  # at B = 1: K = H on the half2 loop, K = I on tensor cores
     qw, sc = dev((300, d.hidden // 8), np.uint32), dev((300, d.hidden // 128), np.float16)
     x, out = dev((d.hidden,), np.float16), dev((300,), np.float16)
     g.gemv_int4(qw, sc, x, out, residual=out)  # in-place residual is allowed
@@ -195,7 +195,7 @@ def test_qkv_rope_kv_batched_checks(launches):
 
 def test_gate_up_and_fp16_checks(launches):
     d = TINY
-    g = GemvKernels(d, load)
+    g = GemvKernels(d, load, "mixed")
     qw, sc = dev((2 * d.intermediate, d.hidden // 8), np.uint32), dev((2 * d.intermediate, 2), np.float16)
     g.gate_up_silu(
         qw,

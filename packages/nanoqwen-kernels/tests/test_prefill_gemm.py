@@ -1,6 +1,6 @@
 """Prefill INT4 GEMM on the GPU: the dequantizer bit-exact, the GEMM against a float64 reference.
 
-The ValueShuffle-v1 packer below is written from docs/INTERFACES.md section 2 (kernels never import
+The ValueShuffle-v1 packer (refs.py) is written from docs/INTERFACES.md section 2 (kernels never import
 format), so these tests also check that the kernel reads the contract, not a private convention.
 Tolerances: dequantize_int4 is exact (one rounding of an exact product, as numpy's float64 -> fp16);
 gemm_int4 (fp16 output, fp32 accumulate): |out - ref| <= 2e-3 |ref| + 2e-3 rms(ref).
@@ -10,21 +10,10 @@ import numpy as np
 import pytest
 from nanoqwen_kernels import KernelError, gpu_status
 from nanoqwen_kernels.dims import QWEN25_7B, TINY
+from refs import pack_valueshuffle
 
 OK, REASON = gpu_status()
 gpu = pytest.mark.skipif(not OK, reason=REASON)
-
-
-def pack_valueshuffle(u: np.ndarray) -> np.ndarray:
-    """u uint8 [N, K] in 0..15 -> uint32 [N, K/8]; byte i of word w = u[8w+i] | u[8w+4+i] << 4."""
-    n, k = u.shape
-    u8 = u.reshape(n, k // 8, 8).astype(np.uint8)
-    b = np.ascontiguousarray(u8[..., :4] | (u8[..., 4:] << 4))
-    return b.view("<u4").reshape(n, k // 8).astype(np.uint32)
-
-
-def test_packer_matches_the_worked_example():
-    assert pack_valueshuffle(np.arange(8, dtype=np.uint8)[None])[0, 0] == 0x73625140
 
 
 def random_int4(rng, n, k):
@@ -45,10 +34,10 @@ def kernels():
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k", [(512, 3584), (3584, 3584), (3, 128), (512, 256)])
-def test_dequantize_is_exact(kernels, n, k):
+def test_dequantize_is_exact(kernels, rng, n, k):
     import cupy as cp
 
-    qw, sc, w = random_int4(np.random.default_rng(), n, k)
+    qw, sc, w = random_int4(rng, n, k)
     out = cp.full((n, k), np.nan, dtype=cp.float16)
     kernels["7b"].dequantize_int4(cp.asarray(qw), cp.asarray(sc), out)
     got = cp.asnumpy(out)
@@ -61,10 +50,9 @@ def test_dequantize_is_exact(kernels, n, k):
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 15, 16, 17, 100, 513])
 @pytest.mark.parametrize("name,n,k", [("7b", 512, 3584), ("7b", 3584, 3584), ("tiny", 1024, 256)])
-def test_gemm_matches_reference(kernels, T, name, n, k):
+def test_gemm_matches_reference(kernels, rng, T, name, n, k):
     import cupy as cp
 
-    rng = np.random.default_rng()
     qw, sc, w = random_int4(rng, n, k)
     x = rng.standard_normal((T, k)).astype(np.float16)
     out = cp.full((T, n), np.nan, dtype=cp.float16)
@@ -79,10 +67,10 @@ def test_gemm_matches_reference(kernels, T, name, n, k):
 
 @gpu
 @pytest.mark.gpu
-def test_gemm_rejects_bad_arguments(kernels):
+def test_gemm_rejects_bad_arguments(kernels, rng):
     import cupy as cp
 
-    qw, sc, _ = random_int4(np.random.default_rng(), 8, 256)
+    qw, sc, _ = random_int4(rng, 8, 256)
     qw, sc = cp.asarray(qw), cp.asarray(sc)
     x = cp.zeros((4, 256), cp.float16)
     out = cp.zeros((4, 8), cp.float16)

@@ -38,11 +38,10 @@ def rope_ref(x, pos, theta):
 @pytest.mark.parametrize("name", ["7b", "tiny"])
 @pytest.mark.parametrize("start_pos", [0, 37])
 @pytest.mark.parametrize("T", [1, 15, 16, 17, 100, 513])
-def test_rope_kv_prefill(kernels, name, start_pos, T):
+def test_rope_kv_prefill(kernels, rng, name, start_pos, T):
     import cupy as cp
 
     d = DIMS[name]
-    rng = np.random.default_rng()
     n_logical = (start_pos + T + 15) // 16
     n_pages = n_logical + 5
     table = rng.permutation(n_pages)[:n_logical].astype(np.int32)

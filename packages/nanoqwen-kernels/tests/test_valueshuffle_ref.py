@@ -15,8 +15,7 @@ def _prmt(a: int, b: int, sel: int) -> int:
     return sum(src[(sel >> (4 * i)) & 0x7] << (8 * i) for i in range(4))
 
 
-def test_prmt_unpack_recovers_values():
-    rng = np.random.default_rng()
+def test_prmt_unpack_recovers_values(rng):
     u = rng.integers(0, 16, size=(1, 64), dtype=np.uint8)
     words = pack_valueshuffle(u)[0]
     out = []

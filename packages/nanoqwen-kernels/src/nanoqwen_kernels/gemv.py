@@ -27,16 +27,21 @@ WARPS = THREADS // 32
 TILE_ROWS = 16  # rows per tile of the tensor-core core (8 units of 2 rows)
 MMA_BUILDS = (8, 32)  # columns per pass each tensor-core entry is built for (suffix _mma8, _mma32)
 X_PAD = 16  # halves of padding per staged x row (gemv_mma.cuh kXPad)
-X_SMEM_BUDGET = 200 * 1024  # dynamic shared memory for staged x; + <= 17.5 KB static stays under 227 KB
+X_SMEM_BUDGET = 200 * 1024  # dynamic shared memory for staged x; + <= 18.5 KB static stays under 227 KB
+# With few tiles (about one per block) a block restages x per tile anyway: x then goes in slices small
+# enough for two blocks per SM (the builds are register-bounded for two), so one block's staging overlaps
+# the other's multiply
+X_SMEM_FEW_TILES = 90 * 1024
 
 # The GEMV variant: which matrices run on the tensor-core core at B = 1 (B > 1 always does).
 #   "h" o_proj (K = H), "i" down_proj (K = I), "qkv" the fused q/k/v, "gu" the fused gate/up.
-#   default : the half2 loop everywhere;
+#   default : the half2 loop everywhere (the default: the fastest at B = 1 as measured);
 #   mma     : the tensor-core core everywhere (B = 1 then gives the same bits as a row of any batch);
-#   mixed   : each matrix on the body measured faster at B = 1. H200, 2026-11-30 (bench_gemv.py --sweep,
-#             docs/PERF.md): half2/mma us: o 4.91/5.71, qkv 7.39/7.86, gate_up 25.56/24.60,
-#             down 16.53/14.81. The tensor cores pay off where K or N is long enough to hide their
-#             per-tile fixed cost (16-row tiles, a shared-memory reduction across the 8 warps).
+#   mixed   : down and gate/up on the tensor-core core, o_proj and q/k/v on the half2 loop.
+# H200, 2026-11-30, commit 04608fd (bench_gemv.py --batch 1 --sweep, docs/PERF.md), us at B = 1,
+# half2 loop / tensor-core core: o_proj 5.02 / 7.19, q/k/v 7.38 / 12.68, gate/up 25.61 / 41.05,
+# down 15.35 / 21.51. The core is built for batches (x of up to 32 sequences in shared memory, two
+# batches of loads in flight per warp); at B = 1 it keeps too few bytes in flight (docs/PERF.md).
 # KernelSet picks one (argument, or $NANOQWEN_GEMV_VARIANT); all pass the same GPU tests.
 GEMV_KINDS = ("h", "i", "qkv", "gu")
 GEMV_VARIANTS: dict[str, frozenset[str]] = {
@@ -44,7 +49,7 @@ GEMV_VARIANTS: dict[str, frozenset[str]] = {
     "mma": frozenset(GEMV_KINDS),
     "mixed": frozenset({"i", "gu"}),
 }
-DEFAULT_GEMV_VARIANT = "mixed"
+DEFAULT_GEMV_VARIANT = "default"
 
 
 @dataclass(frozen=True)
@@ -72,16 +77,18 @@ def plan_gemv(b: int, k: int, n_tiles: int, sm_count: int) -> GemvPlan:
     (from L2, mostly: the passes' blocks run side by side over the same tiles).
     """
     groups = k // GROUP
+    few = n_tiles <= 2 * sm_count
+    budget = X_SMEM_FEW_TILES if few else X_SMEM_BUDGET
     want = min(b, MMA_BUILDS[-1])
     passes = -(-b // want)
-    if _x_bytes(want, groups) > X_SMEM_BUDGET and n_tiles > 2 * sm_count:
-        cap = max(1, X_SMEM_BUDGET // _x_bytes(1, groups))
+    if not few and _x_bytes(want, groups) > budget:
+        cap = max(1, budget // _x_bytes(1, groups))
         passes = -(-b // min(cap, want))
     pass_cols = -(-b // passes)
-    if _x_bytes(pass_cols, groups) <= X_SMEM_BUDGET:
+    if _x_bytes(pass_cols, groups) <= budget:
         slice_groups = groups
     else:  # a multiple of 8 groups (the warp of a group stays g % 8: the same sums as unsliced)
-        fit = (X_SMEM_BUDGET // (2 * pass_cols) - X_PAD) // GROUP
+        fit = (budget // (2 * pass_cols) - X_PAD) // GROUP
         slice_groups = max(8, fit // 8 * 8)
     build = next(c for c in MMA_BUILDS if c >= pass_cols)
     return GemvPlan(build, pass_cols, passes, slice_groups, _x_bytes(pass_cols, slice_groups))

@@ -39,6 +39,14 @@ def _check_positions(page_table, start_pos, t: int) -> int:
     return start_pos
 
 
+def _check_pages(dims, k_cache, v_cache, layer, page_table, start_pos, t: int) -> tuple[int, int, int]:
+    """The caches, the layer, the page table and the position range of T tokens written or read from
+    start_pos: (layer, n_pages, start_pos)."""
+    layer, n_pages = check_kv_cache(dims, k_cache, v_cache, layer)
+    check_page_table(page_table)
+    return layer, n_pages, _check_positions(page_table, start_pos, t)
+
+
 class PrefillKernels:
     """The prefill build for one ModelDims. `load_module(sources, defines)` is the loader's."""
 
@@ -118,9 +126,7 @@ class PrefillKernels:
             raise KernelError(f"qkv must be fp16 [T, {d.qkv_rows}], got shape {tuple(qkv.shape)}")
         t = int(qkv.shape[0])
         check_array("q_out", q_out, np.float16, shape=(t, d.q_dim))
-        layer, n_pages = check_kv_cache(d, k_cache, v_cache, layer)
-        check_page_table(page_table)
-        start_pos = _check_positions(page_table, start_pos, t)
+        layer, n_pages, start_pos = _check_pages(d, k_cache, v_cache, layer, page_table, start_pos, t)
         launch(
             self._rope,
             (t, d.n_heads + 2 * d.n_kv_heads, 1),
@@ -151,9 +157,7 @@ class PrefillKernels:
             raise KernelError(f"q has {q.shape[0]} rows but T = {T}")
         check_array("q", q, np.float16, shape=(T, d.q_dim))
         check_array("out", out, np.float16, shape=(T, d.q_dim))
-        layer, n_pages = check_kv_cache(d, k_cache, v_cache, layer)
-        check_page_table(page_table)
-        start_pos = _check_positions(page_table, start_pos, T)
+        layer, n_pages, start_pos = _check_pages(d, k_cache, v_cache, layer, page_table, start_pos, T)
         launch(
             self._attn,
             ((T + self._attn_rows - 1) // self._attn_rows, d.n_heads, 1),

@@ -101,13 +101,13 @@ extern "C" __global__ void __launch_bounds__(kThreads) nq_gemv_fp16(
 
 // B columns: x [B, H], out [B, N]; n_cols = B, pass_cols, slice_groups and grid.y as gemv_int4.cu's
 // tensor-core entries (gemv.py plans them).
-#define NQ_FP16_MMA_ENTRY(COLS)                                                                          \
-  extern "C" __global__ void __launch_bounds__(kThreads) nq_gemv_fp16_mma##COLS(                         \
+#define NQ_FP16_MMA_ENTRY(COLS, MIN_BLOCKS)                                                                        \
+  extern "C" __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) nq_gemv_fp16_mma##COLS(                         \
       const uint16_t* __restrict__ w, const uint16_t* __restrict__ x, float* __restrict__ out, int n_rows,  \
       int n_cols, int pass_cols, int slice_groups) {                                                   \
     gemv_mma<kHidden, COLS / 8>(Fp16Weights{w}, x, nullptr, 0.f, (n_rows + 1) / 2, n_cols, pass_cols,   \
                                 slice_groups, PlainRows{n_rows}, F32Epi{out, n_rows});                 \
   }
 
-NQ_FP16_MMA_ENTRY(8)
-NQ_FP16_MMA_ENTRY(32)
+NQ_FP16_MMA_ENTRY(8, 2)
+NQ_FP16_MMA_ENTRY(32, 1)

@@ -37,11 +37,11 @@
 // Why it is issue-bound (docs/PERF.md has the figures): each 8 weights cost ~18 instructions (2 LOP3,
 //   4 PRMT, 4 HSUB2, 4 HMUL2/HFMA2, 2 cvt, adds); the fp16 lm_head with the same load structure streams
 //   at 99% of copy bandwidth with 4x fewer weights per byte. The tensor-core core drops the products,
-//   the fp16 partial sums and their conversions (~10.5 instructions per word) and wins on the long
-//   matrices (gate/up, down); this loop stays the faster one for o_proj and q/k/v at B = 1, which is
-//   what the default variant "mixed" (gemv.py) runs. A software-pipelined version of this loop (next
-//   stage issued before the current one is used; 90-120 registers, 2 blocks/SM) measured slower and
-//   is not kept: with fewer warps the dependent half2 chains are hidden worse.
+//   the fp16 partial sums and their conversions (~10.5 instructions per word), but as built for batches
+//   it keeps fewer bytes in flight at B = 1, and this loop is the faster body for every matrix at B = 1
+//   (the default GEMV variant, gemv.py; figures in docs/PERF.md). A software-pipelined version of this
+//   loop (next stage issued before the current one is used; 90-120 registers, 2 blocks/SM) measured
+//   slower and is not kept: with fewer warps the dependent half2 chains are hidden worse.
 //
 // Activation in shared memory, transposed so that the 16-byte reads of a warp hit 32 distinct banks:
 //
@@ -346,5 +346,5 @@ extern "C" __global__ void __launch_bounds__(kThreads) nq_gate_up_silu(
                                 slice_groups, GateUpRows{}, GateUpEpi{out});                               \
   }
 
-NQ_INT4_MMA_ENTRIES(8, 3)
-NQ_INT4_MMA_ENTRIES(32, 1)
+NQ_INT4_MMA_ENTRIES(8, 2)
+NQ_INT4_MMA_ENTRIES(32, 2)

@@ -57,9 +57,8 @@ struct PlainRows {  // rows (2p, 2p+1); odd N: the last unit recomputes row N-1 
 struct Int4Weights {  // ValueShuffle-v1 words (docs/INTERFACES.md section 2) and fp16 group scales
   const uint32_t* __restrict__ qweight;  // [N, K/8]
   const uint16_t* __restrict__ scales;   // [N, K/128]
-  // groups whose loads are issued before the first is used: 3 keeps the 8-column build at 80 registers
-  // (3 blocks per SM), the 32-column build (1-2 blocks per SM) takes 4
-  __device__ static constexpr int in_flight(int nt) { return nt == 1 ? 3 : 4; }
+  // groups per load batch; two batches are in flight (the loop is software-pipelined)
+  __device__ static constexpr int in_flight(int) { return 2; }
   static constexpr bool kScaled = true;
   struct Piece {
     uint4 v;     // 4 words = the lane's 32 k
@@ -81,8 +80,8 @@ struct Int4Weights {  // ValueShuffle-v1 words (docs/INTERFACES.md section 2) an
 
 struct Fp16Weights {  // dense fp16 rows (the lm_head)
   const uint16_t* __restrict__ w;  // [N, K]
-  // 4 x 16 B per row per group already; 1 group at 32 columns keeps the build free of spills
-  __device__ static constexpr int in_flight(int nt) { return nt == 1 ? 2 : 1; }
+  // 4 x 16 B per row per group already: one group per batch, two batches in flight
+  __device__ static constexpr int in_flight(int) { return 1; }
   static constexpr bool kScaled = false;
   struct Piece {
     uint4 v[4];  // k = 32c + 8wd .. +7 for wd = 0..3
@@ -173,6 +172,63 @@ __device__ __forceinline__ void stage_slice(const uint16_t* __restrict__ x, cons
   }
 }
 
+// Load batch i0 .. i0+kIF-1 of this warp's groups in the slice (group g_lo + warp + 8 i) of rows r0, r1.
+template <int K, int kIF, class W>
+__device__ __forceinline__ void load_batch(const W& wsrc, typename W::Piece (&p0)[kIF], typename W::Piece (&p1)[kIF],
+                                           int i0, int n_i, int g_lo, int r0, int r1, int c) {
+  const int warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int f = 0; f < kIF; ++f) {
+    if (i0 + f < n_i) {  // warp-uniform
+      const int gg = g_lo + warp + kWarps * (i0 + f);
+      p0[f] = wsrc.template load<K>(r0, gg, c);
+      p1[f] = wsrc.template load<K>(r1, gg, c);
+    }
+  }
+}
+
+// Multiply batch i0 of loaded pieces with the staged x: acc[nt] += (A B)_group * scale, group by group.
+template <int NT, int kIF, class W>
+__device__ __forceinline__ void mma_batch(const typename W::Piece (&p0)[kIF], const typename W::Piece (&p1)[kIF],
+                                          int i0, int n_i, const uint4* xs, int row_chunks, int ncols,
+                                          float (&acc)[NT][4]) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, c = lane & 3;
+#pragma unroll
+  for (int f = 0; f < kIF; ++f) {
+    if (i0 + f < n_i) {  // warp-uniform: mma.sync needs the whole warp
+      const int gl = warp + kWarps * (i0 + f);  // the group's index inside the slice
+      float d[NT][4];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) d[nt][0] = d[nt][1] = d[nt][2] = d[nt][3] = 0.f;
+#pragma unroll
+      for (int wd = 0; wd < 4; ++wd) {
+        uint32_t q0[4], q1[4];
+        W::word(p0[f], wd, q0);
+        W::word(p1[f], wd, q1);
+        const int slot = xs_slot(gl * 16 + 4 * c + wd);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          if (8 * nt >= ncols) break;  // block-uniform: an n-tile with no column costs nothing
+          const int col = 8 * nt + g;
+          const uint4 xv = col < ncols ? xs[col * row_chunks + slot] : make_uint4(0u, 0u, 0u, 0u);
+          // A regs {r0, r1, r0, r1}: half2 0 in k-slots 2c, 2c+1, half2 1 in slots 2c+8, 2c+9
+          mma16816(d[nt], q0[0], q1[0], q0[1], q1[1], xv.x, xv.y);
+          mma16816(d[nt], q0[2], q1[2], q0[3], q1[3], xv.z, xv.w);
+        }
+      }
+      const float s0 = W::scale(p0[f]), s1 = W::scale(p1[f]);
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        acc[nt][0] = fmaf(d[nt][0], s0, acc[nt][0]);
+        acc[nt][1] = fmaf(d[nt][1], s0, acc[nt][1]);
+        acc[nt][2] = fmaf(d[nt][2], s1, acc[nt][2]);
+        acc[nt][3] = fmaf(d[nt][3], s1, acc[nt][3]);
+      }
+    }
+  }
+}
+
 // n_cols = B; pass_cols (<= 8 NT) = columns per pass (pass y: columns pass_cols * y ..); slice_groups =
 // 128-k groups of x staged at a time (all of K, or a multiple of 8). Every thread calls it.
 template <int K, int NT, class W, class Map, class Epi>
@@ -196,12 +252,9 @@ __device__ __forceinline__ void gemv_mma(const W& wsrc, const uint16_t* __restri
   const int n_slices = (kG + slice_groups - 1) / slice_groups;
 
   if (norm_w != nullptr) column_rms<K, kCols>(xp, ncols, eps, rs, red);  // block-uniform branch
-  if (n_slices == 1) {
-    __syncthreads();  // rs visible
-    stage_slice<K>(xp, norm_w, rs, ncols, 0, slice_k, xs);
-  }
   // block-uniform loop (t depends on the block only): the barriers inside are reached by every thread
   const int tiles = (units + 7) / 8;
+  bool staged = false;  // block-uniform
   for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
     int r0, r1;
     map(min(t * 8 + g, units - 1), r0, r1);  // a tail tile recomputes the last unit; only real units written
@@ -209,55 +262,23 @@ __device__ __forceinline__ void gemv_mma(const W& wsrc, const uint16_t* __restri
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
     for (int s = 0; s < n_slices; ++s) {
-      if (n_slices > 1) {
-        __syncthreads();  // the previous slice's reads are done (and rs is visible)
-        stage_slice<K>(xp, norm_w, rs, ncols, s, slice_k, xs);
-      }
-      if (n_slices > 1 || t == blockIdx.x) __syncthreads();  // xs complete
       const int g_lo = s * slice_groups, g_hi = min(kG, g_lo + slice_groups);
-      for (int gb = g_lo + warp; gb < g_hi; gb += kWarps * kIF) {
-        typename W::Piece p0[kIF], p1[kIF];
-#pragma unroll
-        for (int f = 0; f < kIF; ++f) {  // every load of the batch first
-          const int gg = gb + kWarps * f;
-          if (gg < g_hi) {  // warp-uniform
-            p0[f] = wsrc.template load<K>(r0, gg, c);
-            p1[f] = wsrc.template load<K>(r1, gg, c);
-          }
-        }
-#pragma unroll
-        for (int f = 0; f < kIF; ++f) {
-          const int gg = gb + kWarps * f;
-          if (gg < g_hi) {  // warp-uniform: mma.sync needs the whole warp
-            float d[NT][4];
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt) d[nt][0] = d[nt][1] = d[nt][2] = d[nt][3] = 0.f;
-#pragma unroll
-            for (int wd = 0; wd < 4; ++wd) {
-              uint32_t q0[4], q1[4];
-              W::word(p0[f], wd, q0);
-              W::word(p1[f], wd, q1);
-              const int slot = xs_slot((gg - g_lo) * 16 + 4 * c + wd);
-#pragma unroll
-              for (int nt = 0; nt < NT; ++nt) {
-                if (8 * nt >= ncols) break;  // block-uniform: an n-tile with no column costs nothing
-                const int col = 8 * nt + g;
-                const uint4 xv = col < ncols ? xs[col * row_chunks + slot] : make_uint4(0u, 0u, 0u, 0u);
-                // A regs {r0, r1, r0, r1}: half2 0 in k-slots 2c, 2c+1, half2 1 in slots 2c+8, 2c+9
-                mma16816(d[nt], q0[0], q1[0], q0[1], q1[1], xv.x, xv.y);
-                mma16816(d[nt], q0[2], q1[2], q0[3], q1[3], xv.z, xv.w);
-              }
-            }
-            const float s0 = W::scale(p0[f]), s1 = W::scale(p1[f]);
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-              acc[nt][0] = fmaf(d[nt][0], s0, acc[nt][0]);
-              acc[nt][1] = fmaf(d[nt][1], s0, acc[nt][1]);
-              acc[nt][2] = fmaf(d[nt][2], s1, acc[nt][2]);
-              acc[nt][3] = fmaf(d[nt][3], s1, acc[nt][3]);
-            }
-          }
-        }
+      const int n_i = (g_hi - g_lo - warp + kWarps - 1) / kWarps;  // this warp's groups in the slice
+      // Software pipeline over batches of kIF groups: batch b+1's weight loads are in flight while batch b
+      // is multiplied, and the first batch's while x is (re)staged (weights do not depend on x).
+      typename W::Piece a0[kIF], a1[kIF], b0[kIF], b1[kIF];
+      load_batch<K, kIF>(wsrc, a0, a1, 0, n_i, g_lo, r0, r1, c);
+      if (n_slices > 1 || !staged) {
+        __syncthreads();  // the previous slice's reads of xs are done; rs is visible
+        stage_slice<K>(xp, norm_w, rs, ncols, s, slice_k, xs);
+        __syncthreads();  // xs complete
+        staged = true;
+      }
+      for (int i0 = 0; i0 < n_i; i0 += 2 * kIF) {
+        load_batch<K, kIF>(wsrc, b0, b1, i0 + kIF, n_i, g_lo, r0, r1, c);
+        mma_batch<NT, kIF, W>(a0, a1, i0, n_i, xs, row_chunks, ncols, acc);
+        load_batch<K, kIF>(wsrc, a0, a1, i0 + 2 * kIF, n_i, g_lo, r0, r1, c);
+        mma_batch<NT, kIF, W>(b0, b1, i0 + kIF, n_i, xs, row_chunks, ncols, acc);
       }
     }
     // C fragment: acc[nt][0..1] = row r0 of unit g, columns 8nt + 2c, +1; acc[nt][2..3] = row r1

@@ -1,0 +1,82 @@
+"""Compile every kernel build the launchers load for the given shapes into the disk cache, without a GPU:
+
+    NANOQWEN_KERNEL_CACHE=dir python packages/nanoqwen-kernels/bench/precompile.py [7b 1.5b tiny] [-j N]
+
+The builds are found by constructing each launcher class with a loader that compiles instead of loading,
+so the list is the launchers' own (every variant included). Run it with the NVRTC major.minor of the GPU
+machine (the cache key holds it) and carry the directory there: the GPU runs then spend no time compiling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+
+
+class _Unloaded:
+    def get_function(self, name, max_dynamic_smem=0):
+        return name
+
+
+def builds(dims_names: list[str]) -> list[tuple[tuple[str, ...], tuple]]:
+    from nanoqwen_kernels.attention import VARIANTS as DECODE_VARIANTS
+    from nanoqwen_kernels.attention import AttentionKernels
+    from nanoqwen_kernels.dims import PRESETS
+    from nanoqwen_kernels.embed import EmbedKernels
+    from nanoqwen_kernels.gemv import GemvKernels
+    from nanoqwen_kernels.norm import NormKernels
+    from nanoqwen_kernels.prefill import ATTENTION_VARIANTS, PrefillKernels
+    from nanoqwen_kernels.sampling import SamplingKernels
+
+    found = set()
+
+    def record(sources, defines):
+        found.add((tuple(sources), tuple(sorted(defines.items()))))
+        return _Unloaded()
+
+    for name in dims_names:
+        d = PRESETS[name]
+        GemvKernels(d, record)
+        NormKernels(d, record)
+        EmbedKernels(d, record)
+        try:  # it allocates device scratch after loading its module: the build is recorded by then
+            SamplingKernels(d, record)
+        except Exception:
+            pass
+        for v in DECODE_VARIANTS:
+            AttentionKernels(d, record, v)
+        for v in ATTENTION_VARIANTS:
+            PrefillKernels(d, record, v)
+    return sorted(found)
+
+
+def _compile(build) -> tuple[str, float]:
+    from nanoqwen_kernels.loader import compile_cubin
+
+    sources, defines = build
+    t = time.perf_counter()
+    compile_cubin(list(sources), dict(defines))
+    return f"{'+'.join(sources)} H={dict(defines)['NQ_HIDDEN']}", time.perf_counter() - t
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("dims", nargs="*", default=["7b", "1.5b", "tiny"])
+    ap.add_argument("-j", type=int, default=2, help="parallel compiles")
+    args = ap.parse_args(argv)
+    from nanoqwen_kernels.loader import cache_dir, nvrtc_version
+
+    todo = builds(args.dims)
+    print(f"{len(todo)} builds, NVRTC {nvrtc_version()}, cache {cache_dir()}", flush=True)
+    # the slowest builds first, so the pool ends together
+    todo.sort(key=lambda b: "gemv_int4.cu" not in b[0])
+    with ProcessPoolExecutor(args.j) as pool:
+        for what, secs in pool.map(_compile, todo):
+            print(f"  {what}: {secs:.1f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
