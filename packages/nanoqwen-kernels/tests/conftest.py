@@ -62,4 +62,3 @@ def gpu():
     import cupy
 
     return cupy
-
