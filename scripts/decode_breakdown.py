@@ -1,13 +1,13 @@
-"""Where a decode token's time goes: each kernel family of the decode step timed on its own, against its
-byte floor, beside the whole step (issue 7's per-token breakdown).
+"""Where a decode step's time goes: each kernel family of the batched decode step timed on its own, against
+its byte floor, beside the whole step (the per-token breakdown; --batch B for a step of B sequences).
 
 Each family (e.g. the 28 fused q/k/v launches of one token, each layer with its own weights) is captured
 into a CUDA graph of its own and replayed many times between CUDA events, so a family's time includes
 the gaps between graph nodes, as in the real step. The whole step (the graph the engine replays per
-token) is timed the same way. Floors: the bytes a family must read (its weights, scales, and the KV
-bytes at the context) over the measured copy bandwidth.
+step) is timed the same way. Floors: the bytes a family must read (its weights and scales once per
+step, whatever B; the KV bytes of every sequence at the context) over the measured copy bandwidth.
 
-    python3 scripts/decode_breakdown.py MODEL.nanoqwen [--context 640] [--json out.json]
+    python3 scripts/decode_breakdown.py MODEL.nanoqwen [--context 640] [--batch 1] [--json out.json]
 
 Needs a GPU (CuPy). Run by scripts/gpu_all.sh (section `breakdown`).
 """
@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-COPY_BW = 4.19e12  # B/s, measured device-to-device copy on the H200 here (../shared/DESIGN.md)
+COPY_BW = 4.19e12  # B/s, device-to-device copy measured on the H200 (docs/PERF.md)
 
 
 def main() -> int:
@@ -29,66 +29,79 @@ def main() -> int:
     ap.add_argument("model")
     ap.add_argument("--context", type=int, default=640, help="tokens in the KV cache (512 prompt + 128)")
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--batch", type=int, default=1, help="sequences in the step, each at --context tokens")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    B = args.batch
 
     import cupy as cp
     from nanoqwen_engine import Engine
+    from nanoqwen_engine.kv_pages import pages_for
+    from nanoqwen_engine.params import SamplingParams
+    from nanoqwen_engine.sampler import SamplerState
 
-    eng = Engine.load(args.model, device="cuda", max_context=max(4096, args.context + 16), progress=False)
+    ctx = max(4096, args.context + 16)
+    eng = Engine.load(args.model, device="cuda", max_context=ctx, kv_pages=B * pages_for(ctx) + 16,
+                      progress=False)
     be = eng.backend
     dev, ks, w, cfg, step = be.dev, be.ks, be.w, be.config, be.step
     L = cfg.n_layers
 
-    # A sequence of `context` tokens in the cache (K/V written by a real prefill), and a page for the
-    # token the step decodes at position `context`.
-    from nanoqwen_engine.params import SamplingParams
-    from nanoqwen_engine.sampler import SamplerState
-
-    seq = be.pool.new_sequence()
-    ids = np.random.default_rng(0).integers(0, 150000, size=args.context).astype(np.int32)
-    sampler = SamplerState(SamplingParams(temperature=0.0, max_tokens=1).resolve(eng.generation_config),
-                           cfg.vocab)
-    tok = be.prefill(seq, ids, sampler)
-    be.pool.grow(seq, args.context + 1)
+    # B sequences of `context` tokens in the cache (K/V written by real prefills), each with a page for
+    # the token the step decodes at position `context`; the step's rows 0..B-1 hold them.
+    rng = np.random.default_rng(0)
+    greedy = SamplingParams(temperature=0.0).resolve({})
+    seqs, toks = [], []
+    for _ in range(B):
+        seq = be.pool.new_sequence()
+        ids = rng.integers(0, cfg.vocab, size=args.context).astype(np.int32)
+        tok = be.prefill(seq, ids, SamplerState(greedy, cfg.vocab))
+        be.pool.grow(seq, args.context + 1)
+        seqs.append(seq)
+        toks.append(tok)
+    bucket = be.rows.bucket(B)
     with dev.use():
-        step.sync_ctrl(seq, tok)  # ctrl: token, POS = context, SEQ_LEN = context + 1, the page table
+        # rows 0..B-1: the tokens, POS = context, SEQ_LEN = context + 1, the page tables
+        step.write_rows(list(range(B)), toks, [args.context] * B, [s.page_table for s in seqs], bucket)
     dev.synchronize()
+    v = step.views(bucket)
 
-    def nbytes(*names):
-        return sum(int(w[n].nbytes) for n in names)
+    def nbytes(*arrays):
+        return sum(int(a.nbytes) for a in arrays)
 
-    kv_bytes = 2 * (args.context + 1) * cfg.n_kv_heads * cfg.head_dim * 2  # K and V, fp16, one layer
+    kv_bytes = B * 2 * (args.context + 1) * cfg.n_kv_heads * cfg.head_dim * 2  # K and V, fp16, one layer
+    eps = cfg.rms_eps
     fams = {
         "qkv_rope_kv": (
-            lambda i: ks.qkv_rope_kv(w[f"{i}.qkv.w"], w[f"{i}.qkv.s"], w[f"{i}.qkv.b"], step.x, w[f"{i}.ln1"],
-                                     cfg.rms_eps, step.pos, step.page_table, step.k_cache, step.v_cache, i, step.q),
-            lambda i: nbytes(f"{i}.qkv.w", f"{i}.qkv.s", f"{i}.qkv.b"),
+            lambda i: ks.qkv_rope_kv(w.layers[i].qkv.qweight, w.layers[i].qkv.scales, w.layers[i].qkv_bias, v.x,
+                                     w.layers[i].in_norm, eps, v.pos, v.table, step.k_cache, step.v_cache, i, v.q),
+            lambda i: w.layers[i].qkv.nbytes + nbytes(w.layers[i].qkv_bias),
         ),
         "attention_decode": (
-            lambda i: ks.attention_decode(step.q, step.k_cache, step.v_cache, step.page_table, step.seq_len, i,
-                                          step.attn, step.attn_ws),
+            lambda i: ks.attention_decode(v.q, step.k_cache, step.v_cache, v.table, v.seq_len, i, v.attn,
+                                          step.attn_ws),
             lambda i: kv_bytes,
         ),
         "o_proj+residual": (
-            lambda i: ks.gemv_int4(w[f"{i}.o.w"], w[f"{i}.o.s"], step.attn, step.y, residual=step.x),
-            lambda i: nbytes(f"{i}.o.w", f"{i}.o.s"),
+            lambda i: ks.gemv_int4(w.layers[i].o.qweight, w.layers[i].o.scales, v.attn, v.y, residual=v.x),
+            lambda i: w.layers[i].o.nbytes,
         ),
         "gate_up_silu": (
-            lambda i: ks.gate_up_silu(w[f"{i}.gu.w"], w[f"{i}.gu.s"], step.y, w[f"{i}.ln2"], cfg.rms_eps, step.act),
-            lambda i: nbytes(f"{i}.gu.w", f"{i}.gu.s"),
+            lambda i: ks.gate_up_silu(w.layers[i].gate_up.qweight, w.layers[i].gate_up.scales, v.y,
+                                      w.layers[i].post_norm, eps, v.act),
+            lambda i: w.layers[i].gate_up.nbytes,
         ),
         "down+residual": (
-            lambda i: ks.gemv_int4(w[f"{i}.down.w"], w[f"{i}.down.s"], step.act, step.x, residual=step.y),
-            lambda i: nbytes(f"{i}.down.w", f"{i}.down.s"),
+            lambda i: ks.gemv_int4(w.layers[i].down.qweight, w.layers[i].down.scales, v.act, v.x, residual=v.y),
+            lambda i: w.layers[i].down.nbytes,
         ),
     }
     head = {
-        "final_norm+lm_head": (lambda: step.launch_head(ks, step.x), nbytes("lm_head", "norm")),
+        "final_norm+lm_head": (lambda: step.launch_head(ks, v.x, v.xn, v.logits), nbytes(w.lm_head, w.final_norm)),
         "embed+argmax": (
-            lambda: (ks.embed(w["embed"], step.token, step.x), step.sampler.launch(ks, "greedy", step.logits,
-                                                                                  step.token)),
-            cfg.hidden * 2,
+            lambda: (ks.embed(w.embed, v.tokens, v.x), step.sampler.launch(ks, "greedy", v.logits, v.tokens, 0,
+                                                                           bucket)),
+            B * cfg.hidden * 2,
         ),
     }
 
@@ -116,26 +129,26 @@ def main() -> int:
         rows.append((name, 1, time_graph(launch, args.reps), b))
 
     # The whole step without `advance` (which would move POS on every replay): what the engine replays
-    # per token, minus one tiny kernel.
+    # per step, minus one tiny kernel.
     def body():
-        ks.embed(w["embed"], step.token, step.x)
+        ks.embed(w.embed, v.tokens, v.x)
         for i in range(L):
-            step.launch_layer(ks, i)
-        step.launch_head(ks, step.x)
-        step.sampler.launch(ks, "greedy", step.logits, step.token)
+            step.launch_layer(ks, i, v)
+        step.launch_head(ks, v.x, v.xn, v.logits)
+        step.sampler.launch(ks, "greedy", v.logits, v.tokens, 0, bucket)
 
     t_step = time_graph(body, args.reps)
     total_b = sum(r[3] for r in rows)
     gpu = dev.name
-    print(f"decode step breakdown, {gpu}, context {args.context}, {time.strftime('%Y-%m-%d')}")
-    print(f"{'family':22s} {'launches':>8s} {'us/token':>9s} {'us/launch':>9s} {'MB':>8s} {'floor us':>9s} "
+    print(f"decode step breakdown, {gpu}, batch {B}, context {args.context}, {time.strftime('%Y-%m-%d')}")
+    print(f"{'family':22s} {'launches':>8s} {'us/step':>9s} {'us/launch':>9s} {'MB':>8s} {'floor us':>9s} "
           f"{'% of bw':>7s}")
     recs = []
     for name, n, t, b in rows:
         floor = b / COPY_BW
         print(f"{name:22s} {n:8d} {t * 1e6:9.1f} {t * 1e6 / n:9.2f} {b / 1e6:8.1f} {floor * 1e6:9.1f} "
               f"{100 * floor / t:6.1f}%")
-        recs.append({"family": name, "launches": n, "us_per_token": t * 1e6, "bytes": b,
+        recs.append({"family": name, "launches": n, "us_per_step": t * 1e6, "bytes": b,
                      "floor_us": floor * 1e6})
     s = sum(r[2] for r in rows)
     print(f"{'sum of families':22s} {sum(r[1] for r in rows):8d} {s * 1e6:9.1f} {'':9s} {total_b / 1e6:8.1f} "
@@ -146,10 +159,11 @@ def main() -> int:
           f"graph kernel nodes: {be.info.get('graph_kernel_nodes_greedy')}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"gpu_name": gpu, "context": args.context, "families": recs, "sum_us": s * 1e6,
-                       "step_us": t_step * 1e6, "bytes_per_token": total_b,
+            json.dump({"gpu_name": gpu, "batch": B, "context": args.context, "families": recs, "sum_us": s * 1e6,
+                       "step_us": t_step * 1e6, "bytes_per_step": total_b,
                        "date": time.strftime("%Y-%m-%d")}, f, indent=2)
-    be.pool.free(seq)
+    for seq in seqs:
+        be.pool.free(seq)
     return 0
 
 

@@ -10,12 +10,15 @@
 #
 # Sections: info, model7b (writes the 7B-shaped synthetic file once, shared by the ladder and the bench),
 # kernels / engine / ladder / cli (pytest -m gpu of each suite; cli = tests/test_cli_gpu.py), kbench (packages/nanoqwen-kernels/bench/*.py),
-# clibench (nanoqwen-cli bench --synthetic 7b --json, graph then eager), breakdown (scripts/decode_breakdown.py:
-# the decode step's time per kernel family vs its byte floor), peer (scripts/peer_transformers.py: HF
-# transformers bf16 eager, same shape and protocol; needs torch). Each section runs under its own
+# clibench (nanoqwen-cli bench --synthetic 7b --json, graph then eager), batchbench (scripts/bench_batch.py:
+# batched decode throughput, B = 1, 8, 32, 64 requests of 128 + 256 tokens at once), breakdown
+# (scripts/decode_breakdown.py: the decode step's time per kernel family vs its byte floor, batch 1 at
+# context 640, then batch 32 at context 384), peer (scripts/peer_transformers.py: HF transformers bf16
+# eager, same shape and protocol; needs torch). Each section runs under its own
 # timeout (SECTION_TIMEOUT_<name>, seconds), so one hang costs one section, not the call.
 # Files back from $OUT (the device tool returns at most 8): gpu_all.log (everything), summary.txt,
-# bench_7b_graph.json, bench_7b_eager.json, breakdown_7b.json, peer_transformers.json, details.tar.gz (per-section logs, ladder JSON reports).
+# bench_7b_graph.json, bench_7b_eager.json, bench_batch_7b.json, breakdown_7b.json, peer_transformers.json,
+# details.tar.gz (per-section logs, ladder JSON reports, the batch-32 breakdown JSON).
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}
@@ -36,7 +39,7 @@ if [ "${GPU_ALL_QUICK:-0}" = 1 ]; then
   export NANOQWEN_LADDER_PROMPTS=${NANOQWEN_LADDER_PROMPTS:-30} NANOQWEN_LADDER_TOKENS=${NANOQWEN_LADDER_TOKENS:-32}
   export NANOQWEN_LADDER_7B_PROMPTS=${NANOQWEN_LADDER_7B_PROMPTS:-1} NANOQWEN_LADDER_7B_TOKENS=${NANOQWEN_LADDER_7B_TOKENS:-4}
 fi
-SECTIONS=${GPU_ALL_SECTIONS:-info model7b kernels engine ladder cli kbench clibench breakdown peer}
+SECTIONS=${GPU_ALL_SECTIONS:-info model7b kernels engine ladder cli kbench clibench batchbench breakdown peer}
 TABLE=$WORK/sections.tsv
 : >"$TABLE"
 LOG=$OUT/gpu_all.log
@@ -103,8 +106,15 @@ if want clibench || want clibench_graph; then
   fi
 fi
 
-# Issue 7's evidence: the per-token breakdown by kernel family, and the transformers peer in the same call.
-want breakdown && run breakdown 120 $PY scripts/decode_breakdown.py "$NANOQWEN_LADDER_7B" --json "$OUT/breakdown_7b.json"
+# Issue 13's protocol at the backend level (aggregate tok/s, inter-token latency, TTFT per batch size).
+want batchbench && run batchbench 300 $PY scripts/bench_batch.py "$NANOQWEN_LADDER_7B" --json "$OUT/bench_batch_7b.json"
+# The per-step breakdown by kernel family (batch 1, and batch 32: where a batched step's time goes), and the
+# transformers peer in the same call.
+if want breakdown; then
+  run breakdown 120 $PY scripts/decode_breakdown.py "$NANOQWEN_LADDER_7B" --json "$OUT/breakdown_7b.json"
+  run breakdown_b32 180 $PY scripts/decode_breakdown.py "$NANOQWEN_LADDER_7B" --batch 32 --context 384 \
+    --json "$WORK/logs/breakdown_7b_b32.json"
+fi
 want peer && run peer 180 $PY scripts/peer_transformers.py --out "$OUT/peer_transformers.json"
 
 tar -czf "$OUT/details.tar.gz" -C "$WORK" logs ladder 2>/dev/null

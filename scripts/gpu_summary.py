@@ -94,6 +94,11 @@ def bench(out_dir: Path) -> list[str]:
         shown = ", ".join(f"{k}={b[k]:.4g}" if isinstance(b.get(k), float) else f"{k}={b[k]}"
                           for k in keys if k in b)
         out.append(f"cli bench 7b {mode}: {shown or json.dumps(b)[:200]}")
+    bb = _load(out_dir / "bench_batch_7b.json")
+    for r in (bb or {}).get("results", []):
+        out.append(f"batch bench 7b B={r['batch']:2d}: {r['decode_tok_s']:7.0f} tok/s decode, step "
+                   f"{r['step_ms_mean']:.3f} ms, itl p50/p99 {r['itl_ms_p50']:.3f}/{r['itl_ms_p99']:.3f} ms, "
+                   f"ttft p50 {r['ttft_ms_p50']:.1f} ms")
     return out
 
 

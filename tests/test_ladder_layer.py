@@ -57,39 +57,42 @@ def _layer_tier(path, name, T, rng):
     seq = be.pool.new_sequence()
     be.pool.grow(seq, T)
     with be.dev.use():
-        be.step.sync_ctrl(seq, 0)
+        be.dev.h2d(be.pf_table, seq.page_table)
         bufs = be.prefill_pass.buffers(T)
         for b in bufs.values():
             b.fill(np.nan)
         x = xp.array(x0)  # a copy (layer() updates it in place)
-        be.prefill_pass.layer(0, x, 0, be.step.page_table, bufs)
+        be.prefill_pass.layer(0, x, 0, be.pf_table, bufs)
         got_prefill = d2h(x)
     be.pool.free(seq)
 
-    # decode path: prefill the first T-1 rows of layer 0 (their K/V), then the last row alone
+    # decode path: prefill the first T-1 rows of layer 0 (their K/V), then the last row alone as a
+    # decode step's row 0 (batch of one)
     seq = be.pool.new_sequence()
     be.pool.grow(seq, T)
+    step = be.step
     with be.dev.use():
-        be.step.sync_ctrl(seq, 0)
+        be.dev.h2d(be.pf_table, seq.page_table)
         if T > 1:
             bufs = be.prefill_pass.buffers(T - 1)
-            be.prefill_pass.layer(0, xp.array(x0[: T - 1]), 0, be.step.page_table, bufs)
-        seq.length = T - 1
-        be.step.sync_ctrl(seq, 0)  # POS = T-1, SEQ_LEN = T
-        for b in (be.step.q, be.step.attn, be.step.y, be.step.act):
+            be.prefill_pass.layer(0, xp.array(x0[: T - 1]), 0, be.pf_table, bufs)
+        step.write_rows([0], [0], [T - 1], [seq.page_table], 1)  # row 0: POS = T-1, SEQ_LEN = T
+        v = step.views(1)
+        for b in (v.q, v.attn, v.y, v.act):
             b.fill(np.nan)
-        be.dev.h2d(be.step.x, x0[T - 1])
-        be.step.launch_layer(be.ks, 0)
-        got_decode = d2h(be.step.x)
-    be.step.invalidate()
+        be.dev.h2d(v.x, x0[T - 1 : T])
+        step.launch_layer(be.ks, 0, v)
+        got_decode = d2h(v.x)[0]
+    step.invalidate()
     be.pool.free(seq)
 
     # lm_head on a random hidden row of a realistic scale (the block output's)
     h = (want[-1] * rng.uniform(0.5, 2.0)).astype(np.float16)
     with be.dev.use():
-        be.step.logits.fill(np.nan)
-        be.step.launch_head(be.ks, xp.asarray(h))
-        got_logits = d2h(be.step.logits)
+        v = step.views(1)
+        v.logits.fill(np.nan)
+        step.launch_head(be.ks, xp.asarray(h[None, :]), v.xn, v.logits)
+        got_logits = d2h(v.logits)[0]
     want_logits = reference_head(ref, h)
 
     figures = {

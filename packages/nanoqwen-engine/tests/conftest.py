@@ -55,3 +55,4 @@ def open_file():
         return opened[path]
 
     return get
+

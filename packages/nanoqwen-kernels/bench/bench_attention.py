@@ -1,6 +1,8 @@
-"""Paged decode attention benchmark (7B dims): time per call and K+V bandwidth vs the H200's copy rate.
+"""Paged decode attention benchmark (7B dims, batch 1 and batched): time per call and K+V bandwidth vs the
+H200's copy rate.
 
-    PYTHONPATH=packages/nanoqwen-kernels/src python packages/nanoqwen-kernels/bench/bench_attention.py
+    PYTHONPATH=packages/nanoqwen-kernels/src python packages/nanoqwen-kernels/bench/bench_attention.py \
+        [--variants fma,mma]    # default: every consumer variant
 
 Method: R calls (split + combine kernels each) captured in one CUDA graph, each call on the next layer
 of a cache whose layers together exceed twice the 60 MB L2, so every call streams its K/V from HBM;
@@ -46,24 +48,27 @@ def time_graph(fn_per_rep, reps_in_graph: int, launches: int = 30) -> float:
     return float(np.median(times))
 
 
-def bench_decode(ctx: int, variant: str) -> dict:
+def bench_decode(ctx: int, variant: str, batch: int = 1) -> dict:
+    """`batch` sequences of `ctx` tokens each, pages scattered through one pool."""
     d = QWEN25_7B
     ak = AttentionKernels(d, load_module, variant)
-    kv_bytes = ctx * d.n_kv_heads * 128 * 2 * 2  # K + V read per call
+    kv_bytes = batch * ctx * d.n_kv_heads * 128 * 2 * 2  # K + V read per call
     n_layers = max(2, -(-2 * L2_BYTES // kv_bytes))
-    n_pages = (ctx + 15) // 16
+    per_seq = (ctx + 15) // 16
+    n_pages = batch * per_seq
     shape = (n_layers, n_pages, d.n_kv_heads, 16, 128)
     k = cp.random.standard_normal(shape, dtype=cp.float32).astype(cp.float16)
     v = cp.random.standard_normal(shape, dtype=cp.float32).astype(cp.float16)
-    table = cp.asarray(np.random.default_rng(0).permutation(n_pages).astype(np.int32))
-    seq = cp.asarray(np.array([ctx], np.int32))
-    q = cp.random.standard_normal(d.n_heads * 128, dtype=cp.float32).astype(cp.float16)
-    out = cp.empty(d.n_heads * 128, cp.float16)
-    ws = ak.new_workspace()
+    perm = np.random.default_rng(0).permutation(n_pages).astype(np.int32)
+    table = cp.asarray(perm.reshape(batch, per_seq))
+    seq = cp.asarray(np.full(batch, ctx, np.int32))
+    q = cp.random.standard_normal((batch, d.n_heads * 128), dtype=cp.float32).astype(cp.float16)
+    out = cp.empty((batch, d.n_heads * 128), cp.float16)
+    ws = ak.new_workspace(max_batch=batch)
     t = time_graph(lambda i: ak.attention_decode(q, k, v, table, seq, i % n_layers, out, ws), 4 * n_layers)
     gbs = kv_bytes / t / 1e9
     return dict(
-        name=f"attention_decode[{variant}] 7B ctx {ctx}",
+        name=f"attention_decode[{variant}] 7B B={batch} ctx {ctx}",
         us=t * 1e6,
         gbs=gbs,
         pct=100 * gbs / (COPY_TBS * 1e3),
@@ -71,7 +76,7 @@ def bench_decode(ctx: int, variant: str) -> dict:
 
 
 def smoke() -> int:
-    """Every part-B kernel (every variant) once on small shapes, pool allocator off so each array is its
+    """Every attention and prefill kernel (every variant) once on small shapes, pool allocator off so each array is its
     own cudaMalloc (compute-sanitizer memcheck then sees any out-of-bounds access)."""
     from nanoqwen_kernels.dims import TINY
     from nanoqwen_kernels.prefill import ATTENTION_VARIANTS, PrefillKernels
@@ -100,7 +105,7 @@ def smoke() -> int:
             for dv in VARIANTS:
                 ak = AttentionKernels(d, load_module, dv)
                 o1 = cp.empty(d.q_dim, cp.float16)
-                ak.attention_decode(q[-1].copy(), kc, vc, table, seq, 1, o1, ak.new_workspace())
+                ak.attention_decode(q[-1].copy(), kc, vc, table, seq, 1, o1, ak.new_workspace(max_batch=1))
                 cp.cuda.Device().synchronize()
                 # the last prefill row and a decode step at the same position see the same keys
                 diff = float(cp.abs(out[-1].astype(cp.float32) - o1.astype(cp.float32)).max())
@@ -116,20 +121,23 @@ def main() -> int:
         return smoke()
     if "--variant" in sys.argv:  # one variant in this process (main() runs each in its own)
         v = sys.argv[sys.argv.index("--variant") + 1]
-        for ctx in (4096, 32768):
-            r = bench_decode(ctx, v)
+        # batch 1 at a long context (issue 15's case), and the batched protocol's contexts (128 prompt +
+        # up to 256 generated tokens) at the batch sizes the engine runs
+        for batch, ctx in ((1, 640), (1, 4096), (1, 32768), (8, 384), (32, 384), (64, 384)):
+            r = bench_decode(ctx, v, batch)
             print(f"| {r['name']} | {r['us']:.2f} | {r['gbs']:.0f} | {r['pct']:.1f}% |", flush=True)
         return 0
-    # Each variant in its own process: GPU run 2 died with an illegal address somewhere in this loop
-    # and a sticky CUDA error takes the whole context (and every later row) with it.
+    # Each variant in its own process: a sticky CUDA error (an illegal address) takes the whole context,
+    # and every later row, with it; in a process of its own it costs only its variant's rows.
     print("| kernel | time (us) | K+V GB/s | % of 4.19 TB/s |")
     print("| --- | --- | --- | --- |", flush=True)
     worst = 0
-    for v in VARIANTS:
+    for v in sys.argv[sys.argv.index("--variants") + 1].split(",") if "--variants" in sys.argv else VARIANTS:
         p = subprocess.run([sys.executable, __file__, "--variant", v], capture_output=True, text=True)
         rows = [ln for ln in p.stdout.splitlines() if ln.startswith("|")]
         print("\n".join(rows), flush=True)
         if p.returncode:
+            print(p.stderr[-3000:], file=sys.stderr)  # the whole traceback, for the log
             tail = (p.stderr.strip().splitlines() or ["?"])[-1]
             print(
                 f"| attention_decode[{v}] | FAILED (rc {p.returncode}) after {len(rows)} rows: {tail} | | |"

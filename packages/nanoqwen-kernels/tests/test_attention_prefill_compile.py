@@ -43,7 +43,7 @@ def sass(cubin: bytes, tmp_path: Path) -> str:
 @pytest.mark.parametrize("dims", DIMS)
 def test_decode_compiles_with_bulk_copy_and_mbarriers(dims, variant, tmp_path):
     text = sass(loader.compile_cubin(DECODE_SOURCES, decode_defines(dims, variant), "sm_90a"), tmp_path)
-    for kernel in ("attention_decode_split", "attention_decode_combine"):
+    for kernel in ("nq_attention_decode_split", "nq_attention_decode_combine"):
         assert f"Function : {kernel}" in text
     # cp.async.bulk global->shared assembles to UBLKCP; mbarrier init/arrive/try_wait to SYNCS.*
     assert "UBLKCP" in text, "the K/V ring is not filled by the bulk copy engine"
@@ -66,8 +66,13 @@ def test_prefill_sources_compile(dims, tmp_path):
 
 
 def test_splits_fill_the_gpu():
-    assert decode_splits(QWEN25_7B) * QWEN25_7B.n_kv_heads == 132
-    assert decode_splits(TINY) * TINY.n_kv_heads == 132
+    # batch 1: one block per SM (7B: 4 KV heads x 33 splits on 132 SMs), as the design wants
+    assert decode_splits(QWEN25_7B, 1, 132) * QWEN25_7B.n_kv_heads == 132
+    assert decode_splits(TINY, 1, 132) * TINY.n_kv_heads == 132
+    for b in (2, 3, 8, 33, 64):  # every batch covers the SMs, and no split more than it must
+        s = decode_splits(QWEN25_7B, b, 132)
+        assert s * 4 * b >= 132 and (s == 1 or (s - 1) * 4 * b < 132), (b, s)
+    assert decode_splits(QWEN25_7B, 64, 132) == 1
 
 
 class _NoGpuModule:
@@ -83,7 +88,7 @@ def _no_gpu_loader(sources, defines, arch=None):
 
 def test_unknown_variant_is_refused():
     with pytest.raises(KernelError, match="variant"):
-        AttentionKernels(TINY, _no_gpu_loader, "wgmma")
+        AttentionKernels(TINY, _no_gpu_loader, "wgmma", sms=132)
     with pytest.raises(KernelError, match="variant"):
         PrefillKernels(TINY, _no_gpu_loader, "wgmma")
 
@@ -93,11 +98,11 @@ def test_gqa_above_8_is_refused():
         hidden=1280, intermediate=256, n_heads=10, n_kv_heads=1, head_dim=128, vocab=10, n_layers=1, rope_theta=1e6
     )
     with pytest.raises(KernelError, match="GQA"):
-        AttentionKernels(d, _no_gpu_loader)
+        AttentionKernels(d, _no_gpu_loader, sms=132)
 
 
 def test_launchers_refuse_host_arrays():
-    ak = AttentionKernels(TINY, _no_gpu_loader)
+    ak = AttentionKernels(TINY, _no_gpu_loader, sms=132)
     pk = PrefillKernels(TINY, _no_gpu_loader)
     q = np.zeros(TINY.n_heads * 128, np.float16)
     with pytest.raises(KernelError, match="q must be a CuPy array"):

@@ -12,7 +12,7 @@ from nanoqwen_kernels.dims import QWEN25_7B, TINY
 from nanoqwen_kernels.embed import EmbedKernels
 from nanoqwen_kernels.gemv import GemvKernels
 from nanoqwen_kernels.norm import NormKernels
-from nanoqwen_kernels.sampling import SamplingKernels
+from nanoqwen_kernels.sampling import SamplingKernels, pack_params, pack_rng
 
 
 class Loaded:
@@ -256,33 +256,86 @@ def test_sampling_checks(launches):
     s = SamplingKernels(TINY, load)
     logits, tok = dev((1000,), np.float32), dev((1,), np.int32)
     s.argmax(logits, tok)
-    assert launches[-1][0] == "nq_argmax"
-    params, rng = dev((5,), np.float32), dev((2,), np.uint64)
-    s.sample(logits, params, rng, dev((1000,), np.uint8), tok)
-    assert launches[-1][0] == "nq_sample"
+    fn, grid, _ = launches[-1]
+    assert fn == "nq_argmax" and grid == (128, 1, 1)  # batch 1: 128 blocks on the one row
+    s.argmax(dev((64, 1000), np.float32), dev((64,), np.int32))
+    assert launches[-1][1] == (8, 64, 1)  # 64 rows: 8 blocks each, 512 in all (the workspace's slots)
+    with pytest.raises(KernelError, match="token_out must have shape"):
+        s.argmax(dev((3, 1000), np.float32), tok)
+    with pytest.raises(KernelError, match="at most 512"):
+        s.argmax(dev((513, 8), np.float32), dev((513,), np.int32))
+    params, rng = dev((1, 5), np.float32), dev((1, 2), np.uint64)
+    s.sample(logits, params, rng, dev((1, 1000), np.uint8), tok)
+    assert launches[-1][0] == "nq_sample" and launches[-1][1] == 1
+    s.sample(dev((3, 1000), np.float32), dev((3, 5), np.float32), dev((3, 2), np.uint64),
+             dev((3, 1000), np.uint8), dev((3,), np.int32))
+    assert launches[-1][1] == 3  # one block per row
     with pytest.raises(KernelError, match="history must have shape"):
-        s.sample(logits, params, rng, dev((999,), np.uint8), tok)
+        s.sample(logits, params, rng, dev((1, 999), np.uint8), tok)
+    with pytest.raises(KernelError, match="params must have shape"):
+        s.sample(dev((2, 1000), np.float32), params, rng, dev((2, 1000), np.uint8), dev((2,), np.int32))
     with pytest.raises(KernelError, match="logits must be float32"):
         s.argmax(dev((1000,), np.float16), tok)
     with pytest.raises(KernelError, match="rng_state"):
-        s.sample(logits, params, dev((2,), np.int64), dev((1000,), np.uint8), tok)
+        s.sample(logits, params, dev((1, 2), np.int64), dev((1, 1000), np.uint8), tok)
     for kw, word in [
         (dict(top_p=0.0), "top_p"),
         (dict(temperature=-1.0), "temperature"),
         (dict(top_k=-3), "top_k"),
         (dict(min_p=2.0), "min_p"),
         (dict(repetition_penalty=0.0), "repetition_penalty"),
-        (dict(seed=-1), "seed"),
         (dict(temperature=float("nan")), "temperature"),
     ]:
-        p = dict(temperature=0.7, top_k=0, top_p=0.9, min_p=0.0, repetition_penalty=1.0, seed=1)
+        p = dict(temperature=0.7, top_k=0, top_p=0.9, min_p=0.0, repetition_penalty=1.0)
         p.update(kw)
         with pytest.raises(KernelError, match=word):
-            s.set_sampler_params(params, rng, **p)
+            pack_params(**p)
+    np.testing.assert_array_equal(
+        pack_params(temperature=0.5, top_k=10**9, top_p=0.9, min_p=0.05, repetition_penalty=1.1),
+        np.array([0.5, 2**24, 0.9, 0.05, 1.1], np.float32))
+    with pytest.raises(KernelError, match="seed"):
+        pack_rng(-1)
+    assert pack_rng(2**70 + 5, 9).tolist() == [5, 9]  # seeds wrap mod 2^64
     s.advance(dev((1,), np.int32), dev((1,), np.int32))
     assert launches[-1][0] == "nq_advance"
+    s.advance(dev((300,), np.int32), dev((300,), np.int32))
+    assert launches[-1][1] == 3 and int(launches[-1][2][2]) == 300  # ceil(300 / 128) blocks, rows = 300
     with pytest.raises(KernelError, match="seq_len_dev"):
         s.advance(dev((1,), np.int32), dev((2,), np.int32))
+
+
+def test_attention_decode_launch_and_checks(launches):
+    from nanoqwen_kernels.attention import AttentionKernels, decode_splits
+
+    d = QWEN25_7B
+    ak = AttentionKernels(d, load, sms=132)
+    W, P, B = d.n_heads * 128, 9, 3
+    q, out = dev((B, W), np.float16), dev((B, W), np.float16)
+    k, v = dev((2, 40, d.n_kv_heads, 16, 128), np.float16), dev((2, 40, d.n_kv_heads, 16, 128), np.float16)
+    table, lens = dev((B, P), np.int32), dev((B,), np.int32)
+    ws = dev((ak.workspace_floats(B),), np.float32)
+    ak.attention_decode(q, k, v, table, lens, 1, out, ws)
+    splits = decode_splits(d, B, 132)
+    assert splits == 11  # ceil(132 / (4 KV heads x 3 sequences))
+    (fn1, grid1, args1), (fn2, grid2, args2) = launches[-2:]
+    assert (fn1, grid1, fn2, grid2) == ("nq_attention_decode_split", (4, splits, B),
+                                       "nq_attention_decode_combine", (d.n_heads, B, 1))
+    assert args1[-1] is ws and args2[-1] is out and int(args1[-2]) == splits
+    # the batch of one: 1-D q, out and table
+    ak.attention_decode(dev((W,), np.float16), k, v, dev((P,), np.int32), dev((1,), np.int32), 1,
+                        dev((W,), np.float16), ws)
+    assert launches[-2][1] == (4, 33, 1)
+    bad = dict(
+        page_table=(dev((2, P), np.int32), "page_table"),
+        seq_len_dev=(dev((2,), np.int32), "seq_len_dev"),
+        workspace=(dev((ak.workspace_floats(1) // 2,), np.float32), "workspace"),
+        out=(dev((B, W - 1), np.float16), "out"),
+        layer=(2, "layer"),
+    )
+    args = dict(q=q, k_cache=k, v_cache=v, page_table=table, seq_len_dev=lens, layer=1, out=out, workspace=ws)
+    for name, (value, word) in bad.items():
+        with pytest.raises(KernelError, match=word):
+            ak.attention_decode(**{**args, name: value})
 
 
 def test_kernelset_exposes_the_interface(monkeypatch, launches):

@@ -131,7 +131,7 @@ class Engine:
                 backend = ReferenceBackend.create(nq, config, max_context=max_context, n_pages=kv_pages)
             else:
                 extra = {"n_pages": kv_pages} if kv_pages is not None else {}
-                backend = cls._cuda_backend(nq, config, max_context, progress, {**extra, "decode_mode": decode_mode})
+                backend = cls._cuda_backend(nq, config, max_context, progress, {**extra, "decode_mode": decode_mode, "max_batch": max_batch})
         except NanoqwenFormatError as e:
             raise ModelFormatError(f"{path}: {e}") from e
         return cls(backend, tokenizer, nq, path, time.perf_counter() - t0, max_batch=max_batch,

@@ -1,35 +1,37 @@
-"""Paged decode attention: launcher for cuda/attention_decode.cu (split kernel + combine).
+"""Paged decode attention over a batch: launcher for cuda/attention_decode.cu (split kernel + combine).
 
-`AttentionKernels(dims, load_module).attention_decode(q, k_cache, v_cache, page_table, seq_len_dev,
-layer, out, workspace)` launches two kernels on the current CuPy stream and never synchronises; the
-sequence length is read on the device, so a captured CUDA graph serves every token. Every bad argument
-is one KernelError naming it (checks.py), before anything reaches the GPU.
+`AttentionKernels(dims, load_module).attention_decode(q[B, n_heads*128], k_cache, v_cache,
+page_table[B, max_pages], seq_len_dev[B], layer, out[B, n_heads*128], workspace)` launches two kernels
+(split, combine) on the current CuPy stream and never synchronises; lengths and page tables are read on
+the device, so a captured CUDA graph serves every token of a batch of that size. A 1-D q/out is the
+batch of one. Every bad argument is one KernelError naming it (checks.py), before anything reaches the GPU.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from .checks import check_array, check_kv_cache, check_page_table, cupy_module, launch
+from . import checks as ck
 from .dims import HEAD_DIM, PAGE_TOKENS, ModelDims
 from .errors import KernelError
 
-SM_COUNT = 132  # H100/H200 SXM; the split count is baked into the build to fill them
+MAX_BATCH = 64  # the largest batch a default workspace serves (the engine's max_batch)
 DECODE_SOURCES = ["attention_decode.cu"]
 DECODE_STAGES = 8  # ring slots of 8 KiB (K+V page): 64 KiB in flight per SM (Little's law needs ~32 KB)
-# Consumer variants: "fma" = fp32 dot products on CUDA cores, 4 consumer warps (8 spill registers);
-# "mma" = mma.sync m16n8k16 on tensor cores (fp16 in, fp32 accumulate), 4 or 8 consumer warps.
-# Default "fma": its SASS is the one GPU run 1 benchmarked (thousands of graph-replayed launches) and
-# run 2 tested. "mma"/"mma8" pass every GPU test of run 2 and the sanitizers, but run 2's benchmark loop
-# over the variants died with an illegal address that was not attributed to a variant (the loop now
-# runs each variant in its own process); until a run clears them they stay opt-in.
+# Consumer variants: "fma" = fp32 dot products on CUDA cores, 4 consumer warps; "mma" = mma.sync m16n8k16
+# on tensor cores (fp16 in, fp32 accumulate), 4 or 8 consumer warps. Default "fma": the body measured and
+# validated on the H200 (docs/PERF.md, docs/VALIDATION.md). "mma"/"mma8" pass the same GPU tests and the
+# sanitizers; they stay opt-in until a benchmark shows them faster (bench_attention.py runs each variant in
+# its own process, so a fault in one cannot hide the others' figures).
 VARIANTS = {"fma": (0, 4), "mma": (1, 4), "mma8": (1, 8)}
 DEFAULT_VARIANT = "fma"
 
 
-def decode_splits(dims: ModelDims, sm_count: int = SM_COUNT) -> int:
-    """Splits over pages per KV head so that n_kv_heads x splits blocks fill the GPU (one block per SM)."""
-    return max(1, sm_count // dims.n_kv_heads)
+def decode_splits(dims: ModelDims, batch: int, sms: int) -> int:
+    """Splits over pages per (sequence, KV head) so that n_kv_heads x splits x batch blocks cover the `sms`
+    SMs at least once: at batch 1 every SM streams one slice of the one sequence (7B on 132 SMs: 33
+    splits per KV head); a large batch has blocks enough with one split each."""
+    return max(1, -(-sms // (dims.n_kv_heads * batch)))
 
 
 def _variant(variant: str) -> tuple[int, int]:
@@ -42,7 +44,6 @@ def decode_defines(dims: ModelDims, variant: str = DEFAULT_VARIANT) -> dict[str,
     mma, consumers = _variant(variant)
     return {
         **dims.defines(),
-        "NQ_DECODE_SPLITS": decode_splits(dims),
         "NQ_DECODE_STAGES": DECODE_STAGES,
         "NQ_DECODE_MMA": mma,
         "NQ_DECODE_CONSUMERS": consumers,
@@ -59,15 +60,17 @@ def decode_smem_bytes(dims: ModelDims, variant: str = DEFAULT_VARIANT) -> int:
     return ring + merge + pbuf + 2 * DECODE_STAGES * 8  # + full/empty mbarriers
 
 
-def decode_workspace_floats(dims: ModelDims) -> int:
-    """float32 elements the decode workspace needs: partial acc [splits, heads, 128] + (m, l) [splits, heads, 2]."""
-    return decode_splits(dims) * dims.n_heads * (HEAD_DIM + 2)
+def decode_workspace_floats(dims: ModelDims, batch: int, sms: int) -> int:
+    """float32 elements a batch of `batch` needs: partial acc [B, splits, heads, 128] + (m, l)
+    [B, splits, heads, 2]."""
+    return batch * decode_splits(dims, batch, sms) * dims.n_heads * (HEAD_DIM + 2)
 
 
 class AttentionKernels:
-    """The decode attention build for one ModelDims. `load_module(sources, defines)` is the loader's."""
+    """The decode attention build for one ModelDims. `load_module(sources, defines)` is the loader's;
+    `sms` the device's SM count (asked of the current device when None)."""
 
-    def __init__(self, dims: ModelDims, load_module, variant: str = DEFAULT_VARIANT):
+    def __init__(self, dims: ModelDims, load_module, variant: str = DEFAULT_VARIANT, sms: int | None = None):
         if dims.n_heads // dims.n_kv_heads > 8:
             raise KernelError(
                 f"unsupported GQA group {dims.n_heads // dims.n_kv_heads}: attention_decode handles <= 8"
@@ -75,36 +78,61 @@ class AttentionKernels:
         self.dims = dims
         self.variant = variant
         self.threads = 32 * (1 + _variant(variant)[1])  # 1 producer warp + the consumer warps
-        self.splits = decode_splits(dims)
         self.smem_bytes = decode_smem_bytes(dims, variant)
-        self.workspace_floats = decode_workspace_floats(dims)
+        self._sms = sms
         mod = load_module(DECODE_SOURCES, decode_defines(dims, variant))
-        self._split = mod.get_function("attention_decode_split", max_dynamic_smem=self.smem_bytes)
-        self._combine = mod.get_function("attention_decode_combine")
+        self._split = mod.get_function("nq_attention_decode_split", max_dynamic_smem=self.smem_bytes)
+        self._combine = mod.get_function("nq_attention_decode_combine")
 
-    def new_workspace(self):
-        """A float32 workspace of the size attention_decode needs (allocate once, reuse every token)."""
-        return cupy_module().empty(self.workspace_floats, dtype=np.float32)
+    @property
+    def sms(self) -> int:
+        """SMs the split counts are sized for (asked of the device on first use, so a CPU can build the
+        launcher for its argument checks)."""
+        if self._sms is None:
+            self._sms = ck.sm_count()
+        return self._sms
+
+    def splits(self, batch: int) -> int:
+        """The split count a batch of `batch` sequences launches with."""
+        return decode_splits(self.dims, batch, self.sms)
+
+    def workspace_floats(self, max_batch: int = MAX_BATCH) -> int:
+        """float32 elements a workspace needs to serve every batch size 1..max_batch."""
+        return max(decode_workspace_floats(self.dims, b, self.sms) for b in range(1, max_batch + 1))
+
+    def new_workspace(self, max_batch: int = MAX_BATCH):
+        """A float32 workspace for batches of up to max_batch sequences (allocate once, reuse every token)."""
+        return ck.cupy_module().empty(self.workspace_floats(max_batch), dtype=np.float32)
 
     def attention_decode(self, q, k_cache, v_cache, page_table, seq_len_dev, layer, out, workspace) -> None:
-        """out[h] = softmax(q[h] K^T / sqrt(128)) V over positions < seq_len_dev[0] of one layer's pages.
+        """out[b, h] = softmax(q[b, h] K_b^T / sqrt(128)) V_b over positions < seq_len_dev[b] of sequence
+        b's pages (page_table[b]) in one layer; a row with seq_len 0 (padding) gives 0.
 
-        q, out: fp16 [n_heads*128]; k/v_cache: fp16 [n_layers, n_pages, n_kv, 16, 128];
-        page_table: int32 [max_pages]; seq_len_dev: int32 [>=1] (device); workspace: float32
-        [>= workspace_floats] (see new_workspace). seq_len is clamped to max_pages*16 on the device.
+        q, out: fp16 [B, n_heads*128] (or [n_heads*128], B = 1); k/v_cache: fp16 [n_layers, n_pages,
+        n_kv, 16, 128]; page_table: int32 [B, max_pages] (or [max_pages] for B = 1); seq_len_dev: int32
+        [B] (device); workspace: float32 of at least B x splits(B) x n_heads x 130 elements (new_workspace).
+        seq_len is clamped to max_pages*16 on the device.
         """
         d = self.dims
-        check_array("q", q, np.float16, shape=(d.n_heads * HEAD_DIM,))
-        check_array("out", out, np.float16, shape=(d.n_heads * HEAD_DIM,))
-        layer, n_pages = check_kv_cache(d, k_cache, v_cache, layer)
-        check_page_table(page_table)
-        check_array("seq_len_dev", seq_len_dev, np.int32, min_size=1)
-        check_array("workspace", workspace, np.float32, min_size=self.workspace_floats)
-        ws_acc = workspace  # [splits, heads, 128] at the front, then (m, l) [splits, heads, 2]
-        ws_ml = workspace[self.splits * d.n_heads * HEAD_DIM :]
-        launch(
+        ck.check_array("q", q, np.float16)
+        width = d.n_heads * HEAD_DIM
+        B = ck.batch_rows("q", q, width)
+        ck.check_array("out", out, np.float16, shape=tuple(q.shape))
+        layer, n_pages = ck.check_kv_cache(d, k_cache, v_cache, layer)
+        one_table = B == 1 and getattr(page_table, "ndim", None) == 1  # batch of one: a 1-D table too
+        ck.check_page_table(page_table, rows=None if one_table else B)
+        max_pages = int(page_table.shape[-1])
+        ck.check_array("seq_len_dev", seq_len_dev, np.int32, shape=(B,))
+        splits = self.splits(B)
+        ck.check_array("workspace", workspace, np.float32,
+                    min_size=decode_workspace_floats(d, B, self.sms))
+        if max_pages * PAGE_TOKENS >= 2**31:
+            raise KernelError(f"page_table has {max_pages} pages per sequence: too many for int32 positions")
+        if B > 65535:
+            raise KernelError(f"q has {B} rows; a launch takes at most 65535 sequences (grid.z)")
+        ck.launch(
             self._split,
-            (d.n_kv_heads, self.splits, 1),
+            (d.n_kv_heads, splits, B),
             (self.threads, 1, 1),
             (
                 q,
@@ -114,10 +142,15 @@ class AttentionKernels:
                 seq_len_dev,
                 np.int32(layer),
                 np.int32(n_pages),
-                np.int32(page_table.size),
-                ws_acc,
-                ws_ml,
+                np.int32(max_pages),
+                np.int32(splits),
+                workspace,
             ),
             shared_mem=self.smem_bytes,
         )
-        launch(self._combine, (d.n_heads, 1, 1), (HEAD_DIM, 1, 1), (ws_acc, ws_ml, out))
+        ck.launch(
+            self._combine,
+            (d.n_heads, B, 1),
+            (HEAD_DIM, 1, 1),
+            (workspace, seq_len_dev, np.int32(max_pages), np.int32(splits), out),
+        )

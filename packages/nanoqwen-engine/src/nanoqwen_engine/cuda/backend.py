@@ -1,36 +1,52 @@
-"""CudaBackend: the Backend protocol (docs/INTERFACES.md section 5) on an sm_90 GPU.
+"""CudaBackend: the batched Backend protocol (docs/INTERFACES.md section 6) on an sm_90 GPU.
 
-    create: check the GPU -> build the KernelSet for the model's dims -> upload the weights (pinned,
-            chunked, q|k|v and gate|up stacked: plan.py) -> size and allocate the KV pool -> buffers
-    prefill: the prompt through the GEMM path (prefill.py), last row -> lm_head -> on-device sampler
-    decode:  one CUDA graph replay per token (decode.py); the host reads back only the sampled id
+    create:  check the GPU -> build the KernelSet for the model's dims -> upload the weights (pinned,
+             chunked, q|k|v and gate|up stacked: plan.py; typed records: weights.py) -> size and allocate
+             the KV pool (plus one scratch page for idle rows) -> the decode step's buffers for max_batch
+    prefill: a prompt, or one chunk of it starting at seq.length, through the GEMM path (prefill.py);
+             when a sampler is given, the last row -> lm_head -> the on-device sampler (its prefill row)
+    decode:  one batched step of B sequences: rows assigned (rows.py), ctrl written where it changed,
+             one CUDA graph replay for the batch's bucket (decode.py); the host reads back B ids
     score:   teacher-forced logits of every position, in a temporary sequence
 
 Failures are NanoqwenError subclasses: NoGPUError / WrongGPUError (no usable GPU), GPUOutOfMemoryError
-(load or request), KVPagesExhaustedError (from the shared PagePool, raised before any GPU work). After a
-failed request the device state this file caches (ctrl, the sampler's buffers) is marked stale, so the
-next request re-uploads it and the loaded model stays usable.
+(load or request), KVPagesExhaustedError / PromptTooLongError (from the shared PagePool, raised before
+any GPU work; a decode step grows all its sequences or none), InvalidRequestError (bad ids, a malformed
+batch). After a failed request the device state this file caches (ctrl, the sampler rows) is marked
+stale, so the next step uploads it again and the loaded model stays usable.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 import numpy as np
 
-from ..errors import InvalidRequestError, ModelFormatError, NoGPUError
-from ..kv_pages import PagePool, kv_cache_shape
+from ..config import ModelConfig
+from ..errors import (
+    InvalidRequestError,
+    KVPagesExhaustedError,
+    ModelFormatError,
+    NoGPUError,
+    PromptTooLongError,
+)
+from ..kv_pages import PAGE_TOKENS, PagePool, SequenceState, kv_cache_shape
+from ..sampler import SamplerState
 from .decode import DecodeStep
 from .device import CupyDevice, Timer
 from .errors import GPUBackendError, GPUOutOfMemoryError, WrongGPUError
 from .plan import build_upload_plan, size_pool
 from .prefill import PrefillPass
-from .sampling import DeviceSampler, mode_of
+from .rows import RowAssignment
+from .sampling import DeviceSampler, batch_mode, mode_of
+from .weights import GpuWeights, gpu_weights
 
 DECODE_MODES = ("graph", "eager")
+MAX_BATCH = 64  # decode rows the buffers are sized for unless create() is given max_batch
 
 
-def _dims_of(config):
+def _dims_of(config: ModelConfig):
     from nanoqwen_kernels.dims import ModelDims
 
     return ModelDims(hidden=config.hidden, intermediate=config.intermediate, n_heads=config.n_heads,
@@ -52,16 +68,28 @@ def _check_gpu() -> None:
 
 
 class CudaBackend:
-    def __init__(self, dev, ks, weights: dict, config, pool: PagePool, k_cache, v_cache, decode_mode: str,
-                 info: dict):
+    def __init__(self, dev, ks, weights: GpuWeights, config: ModelConfig, pool: PagePool, k_cache, v_cache,
+                 decode_mode: str, max_batch: int, info: dict):
         self.dev, self.ks, self.w, self.config, self.pool = dev, ks, weights, config, pool
-        self.k_cache, self.v_cache = k_cache, v_cache  # f16 [L, n_pages, n_kv, 16, 128] each
+        self.k_cache, self.v_cache = k_cache, v_cache  # f16 [L, n_pages + 1, n_kv, 16, 128] each
         self.decode_mode = decode_mode
-        self.sampler_dev = DeviceSampler(dev, ks, config.vocab)
-        self.step = DecodeStep(dev, ks, weights, config, k_cache, v_cache, pool.max_pages_per_seq,
-                               self.sampler_dev)
+        self.max_batch = max_batch
+        self.max_context = pool.max_tokens_per_seq
+        xp, P = dev.xp, pool.max_pages_per_seq
+        self.sampler_dev = DeviceSampler(dev, ks, config.vocab, max_batch)
+        # the page after the pool's: written by idle rows, owned by no sequence (decode.py)
+        self.step = DecodeStep(dev, ks, weights, config, k_cache, v_cache, P, max_batch, self.sampler_dev,
+                               scratch_page=pool.n_pages)
+        self.rows = RowAssignment(max_batch)
         self.prefill_pass = PrefillPass(dev, ks, weights, config, k_cache, v_cache)
+        # prefill's own page table and head buffers, so a prefill leaves the decode rows' state alone
+        self.pf_table = xp.full(P, -1, dtype=np.int32)  # int32 [P]
+        self.pf_xn = xp.zeros((1, config.hidden), dtype=np.float16)
+        self.pf_logits = xp.zeros((1, config.vocab), dtype=np.float32)
+        self.pf_token = xp.zeros(1, dtype=np.int32)
+        self._last: tuple = ()  # what last_logits() reads: ("prefill",) or ("decode", bucket, rows)
         self.info = info
+        self.info["max_batch"] = max_batch
         self.info["workspace_bytes"] = self.step.workspace_bytes
         self.info["launcher_calls_per_token"] = self.step.count_launcher_calls()
 
@@ -72,12 +100,16 @@ class CudaBackend:
         """Load nqfile (an open NanoqwenFile) onto the GPU.
 
         kwargs: decode_mode "graph" (default) or "eager"; n_pages (pool size, overriding the sizing from
-        max_context / free memory). Test hooks: `device` (a HostDevice) and
-        `kernels` (a KernelSet stand-in) replace the GPU and the compiled kernels.
+        max_context / free memory); max_batch (decode rows, default 64). Test hooks: `device` (a
+        HostDevice) and `kernels` (a KernelSet stand-in) replace the GPU and the compiled kernels.
         """
         decode_mode = kwargs.pop("decode_mode", None) or "graph"
         if decode_mode not in DECODE_MODES:
             raise InvalidRequestError(f"decode_mode must be one of {DECODE_MODES}, got {decode_mode!r}")
+        max_batch = kwargs.pop("max_batch", None)
+        max_batch = MAX_BATCH if max_batch is None else max_batch
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or not 1 <= max_batch <= 512:
+            raise InvalidRequestError(f"max_batch must be an int in 1..512, got {max_batch!r}")
         n_pages = kwargs.pop("n_pages", None)
         dev = kwargs.pop("device", None)
         ks = kwargs.pop("kernels", None)
@@ -105,7 +137,7 @@ class CudaBackend:
             )
         try:
             with Timer() as tu:
-                weights = dev.upload(plan, nqfile.tensor, progress)
+                weights = gpu_weights(dev.upload(plan, nqfile.tensor, progress), config.n_layers)
             free, total = dev.mem_info()
             try:
                 ps = size_pool(n_layers=config.n_layers, n_kv_heads=config.n_kv_heads,
@@ -114,7 +146,8 @@ class CudaBackend:
                                n_pages=n_pages)
             except ValueError as e:
                 raise GPUOutOfMemoryError(f"KV cache: {e}") from None
-            shape = kv_cache_shape(config.n_layers, ps.n_pages, config.n_kv_heads, config.head_dim)
+            # one page more than the pool hands out: the scratch page of idle decode rows
+            shape = kv_cache_shape(config.n_layers, ps.n_pages + 1, config.n_kv_heads, config.head_dim)
             # Zeroed, not empty: a never-written slot read by a buggy mask would then give 0, not NaN
             # garbage that hides where it came from.
             with dev.use():
@@ -135,7 +168,7 @@ class CudaBackend:
         )
         pool = PagePool(ps.n_pages, ps.max_pages_per_seq)
         with dev.use():  # buffers zeroed on the backend's stream, ordered before its first launch
-            be = cls(dev, ks, weights, config, pool, k_cache, v_cache, decode_mode, info)
+            be = cls(dev, ks, weights, config, pool, k_cache, v_cache, decode_mode, max_batch, info)
         dev.synchronize()
         info["load_s"] = time.perf_counter() - t_all
         return be
@@ -153,45 +186,70 @@ class CudaBackend:
             raise GPUBackendError(f"cannot build the kernels for this model: {e}") from None
 
     # ------------------------------------------------------------------ protocol
-    def prefill(self, seq, token_ids: np.ndarray, sampler) -> int:
+    def prefill(self, seq: SequenceState, token_ids: np.ndarray, sampler: SamplerState | None) -> int | None:
+        """K/V of token_ids at positions seq.length.. (a prompt, or one chunk of it); the next id sampled
+        from the last position when `sampler` is given, else None."""
         ids = self._check_ids(token_ids)
         start, T = seq.length, int(ids.shape[0])
         self.pool.grow(seq, start + T)  # raises before any GPU work; pool and seq unchanged then
-        sampler.observe(ids)
-        mode = mode_of(sampler.params)
+        # the sequence's decode row (if it had one) no longer describes it
+        self.rows.release(seq.seq_id)
+        tok = None
         with self._guard(), self.dev.use():
-            self.step.sync_ctrl(seq, 0)  # puts seq's page table on the device
-            x = self.prefill_pass.hidden(ids, start, self.step.page_table)
-            self.step.launch_head(self.ks, x[T - 1])
-            self.sampler_dev.invalidate()
-            self.sampler_dev.load((seq.seq_id, id(sampler)), sampler)
-            self.sampler_dev.launch(self.ks, mode, self.step.logits, self.step.token)
-            tok = int(self.dev.d2h(self.step.token)[0])
-            # ctrl now holds (tok, start, start+1): stale for the next decode, which re-syncs it.
-            self.step.invalidate()
+            self.dev.h2d(self.pf_table, seq.page_table)
+            x = self.prefill_pass.hidden(ids, start, self.pf_table)
+            if sampler is not None:
+                sampler.observe(ids)
+                self.step.launch_head(self.ks, x[T - 1:T], self.pf_xn, self.pf_logits)
+                row = self.sampler_dev.prefill_row
+                # the draw counter is the drawn token's position (sampling.py)
+                self.sampler_dev.load(row, sampler, step=start + T)
+                self.sampler_dev.launch(self.ks, mode_of(sampler.params), self.pf_logits, self.pf_token,
+                                        row, row + 1)
+                tok = int(self.dev.d2h(self.pf_token)[0])
+                self._last = ("prefill",)
+            else:
+                self.dev.synchronize()  # a chunk's failure surfaces here, inside the guard
         seq.length = start + T
-        sampler.observe([tok])
+        if sampler is not None:
+            sampler.observe([tok])
         return tok
 
-    def decode(self, seq, token_id: int, sampler) -> int:
-        token_id = int(token_id)
-        if not 0 <= token_id < self.config.vocab:
-            raise InvalidRequestError(f"token id {token_id} outside the vocabulary 0..{self.config.vocab - 1}")
-        pos = seq.length
-        self.pool.grow(seq, pos + 1)  # a new page at a boundary: the next sync_ctrl copies its id over
-        sampler.observe([token_id])
-        mode = mode_of(sampler.params)
+    def decode(self, seqs: Sequence[SequenceState], token_ids: Sequence[int],
+               samplers: Sequence[SamplerState]) -> list[int]:
+        """One batched step: row b feeds token_ids[b] at position seqs[b].length and samples with
+        samplers[b]. Every sequence grows by one token first, all of them or none.
+
+        Host work per step is kept to a few vectorised operations and one pass over the rows (it adds
+        to every token's latency: the step is launched and waited for): a steady batch re-sends nothing
+        (decode.py) and re-observes nothing (a fed token the device itself drew is already in both the
+        host's and the device's seen-ids sets)."""
+        toks_in = self._check_batch(seqs, token_ids, samplers)
+        if not toks_in:
+            return []
+        self._grow_all(seqs)
+        rows, bucket, moved = self.rows.assign([s.seq_id for s in seqs])
+        mode = batch_mode(samplers)
+        fresh = set(moved)
         with self._guard(), self.dev.use():
-            if self.step.sync_ctrl(seq, token_id):
-                # Another sequence or a token the device did not sample: its seen-mask must be re-sent.
-                self.sampler_dev.invalidate()
-            if mode != "greedy":
-                self.sampler_dev.load((seq.seq_id, id(sampler)), sampler)
-            tok = self.step.step(mode, eager=self.decode_mode == "eager")
+            fed_changed = self.step.write_rows(rows, toks_in, [s.length for s in seqs],
+                                               [s.page_table for s in seqs], bucket, fresh=fresh)
+            for r, t, s, samp in zip(rows, toks_in, seqs, samplers, strict=True):
+                if r in fresh:  # a sequence new to this row: its whole sampler state
+                    samp.observe([t])
+                    self.sampler_dev.load(r, samp, step=s.length + 1)
+                elif r in fed_changed:  # a token the device did not draw
+                    samp.observe([t])
+                    if samp.params.repetition_penalty != 1.0:
+                        self.sampler_dev.mark(r, t)
+            out = self.step.run(bucket, mode, eager=self.decode_mode == "eager")
         self._count_launches()
-        seq.length = pos + 1
-        sampler.observe([tok])
-        return tok
+        toks = out[rows].tolist()
+        for s, samp, t in zip(seqs, samplers, toks, strict=True):
+            s.length += 1
+            samp.seen[t] = True  # what observe([t]) does, for an id the device drew (in range by construction)
+        self._last = ("decode", bucket, rows)
+        return toks
 
     def score(self, token_ids: np.ndarray) -> np.ndarray:
         """float32 [T, V]: the logits after each prefix, teacher-forced, in a temporary sequence freed
@@ -202,33 +260,76 @@ class CudaBackend:
         try:
             self.pool.grow(seq, int(ids.shape[0]))
             with self._guard(), self.dev.use():
-                self.step.sync_ctrl(seq, 0)
-                x = self.prefill_pass.hidden(ids, 0, self.step.page_table)
-                out = self.prefill_pass.all_logits(x)
-                self.step.invalidate()
-            return out
+                self.dev.h2d(self.pf_table, seq.page_table)
+                x = self.prefill_pass.hidden(ids, 0, self.pf_table)
+                return self.prefill_pass.all_logits(x)
         finally:
             self.pool.free(seq)
 
     def last_logits(self) -> np.ndarray:
-        """float32 [V] of the last prefill/decode (a D2H copy; for debugging and the ladder)."""
+        """float32 [B, V] of the last decode step (rows in the order its sequences were given), [1, V]
+        after a prefill that sampled; a D2H copy, for debugging and the ladder."""
         with self.dev.use():
-            return self.dev.d2h(self.step.logits)
+            if not self._last:
+                return np.zeros((0, self.config.vocab), dtype=np.float32)
+            if self._last[0] == "prefill":
+                return self.dev.d2h(self.pf_logits)
+            _, bucket, rows = self._last
+            return self.dev.d2h(self.step.logits[:bucket])[rows]
 
     # ------------------------------------------------------------------ helpers
     def _check_ids(self, token_ids) -> np.ndarray:
         ids = np.asarray(token_ids).reshape(-1)
         if ids.shape[0] == 0:
             raise InvalidRequestError("at least one token id is needed")
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise InvalidRequestError(f"token ids must be integers, got {ids.dtype}")
         if ids.min() < 0 or ids.max() >= self.config.vocab:
             raise InvalidRequestError(f"token id out of range 0..{self.config.vocab - 1}")
         return ids.astype(np.int32)
 
+    def _check_batch(self, seqs, token_ids, samplers) -> list[int]:
+        B = len(seqs)
+        if len(token_ids) != B or len(samplers) != B:
+            raise InvalidRequestError(
+                f"decode needs one token id and one sampler per sequence: {B} sequences, "
+                f"{len(token_ids)} ids, {len(samplers)} samplers")
+        if B > self.max_batch:
+            raise InvalidRequestError(f"a batch of {B} sequences exceeds max_batch {self.max_batch}")
+        if len({s.seq_id for s in seqs}) != B:
+            raise InvalidRequestError("a sequence appears twice in one decode batch")
+        live = {s.seq_id for s in self.pool.sequences}
+        out = []
+        for s, t in zip(seqs, token_ids, strict=True):
+            if s.seq_id not in live:
+                raise InvalidRequestError(f"sequence {s.seq_id} is not live in this backend's pool")
+            if isinstance(t, bool) or not isinstance(t, int | np.integer) or not 0 <= int(t) < self.config.vocab:
+                raise InvalidRequestError(f"token id {t!r} outside the vocabulary 0..{self.config.vocab - 1}")
+            if s.length < 1:
+                raise InvalidRequestError(f"sequence {s.seq_id} has no prefilled tokens to decode after")
+            out.append(int(t))
+        return out
+
+    def _grow_all(self, seqs: Sequence[SequenceState]) -> None:
+        """One more token for every sequence, or (PromptTooLongError / KVPagesExhaustedError) for none.
+        Only a sequence whose pages are full needs one (one in 16 steps)."""
+        full = [s for s in seqs if s.length >= s.capacity]
+        for s in full:
+            if s.n_pages + 1 > self.pool.max_pages_per_seq:
+                raise PromptTooLongError(
+                    f"sequence {s.seq_id} is full: {s.length} tokens, the limit is {self.pool.max_tokens_per_seq}")
+        if len(full) > self.pool.n_free:
+            raise KVPagesExhaustedError(
+                f"KV cache full: this decode step needs {len(full)} more pages of {PAGE_TOKENS} tokens, "
+                f"{self.pool.n_free} of {self.pool.n_pages} free")
+        for s in full:
+            self.pool.grow(s, s.length + 1)
+
     def _count_launches(self) -> None:
         if self.step.launcher_calls is not None:
             self.info["launcher_calls_per_token"] = self.step.launcher_calls
-        for mode, n in self.step.graph_nodes.items():
-            self.info[f"graph_kernel_nodes_{mode}"] = n
+        for (bucket, mode), n in self.step.graph_nodes.items():
+            self.info[f"graph_kernel_nodes_{mode}" + ("" if bucket == 1 else f"_b{bucket}")] = n
 
     def _guard(self):
         return _RequestGuard(self)
@@ -254,7 +355,8 @@ class _RequestGuard:
             return False
         be = self.be
         be.step.invalidate()
-        be.sampler_dev.invalidate()
+        be.rows.clear()  # every row's sampler state is uploaded again when next used
+        be._last = ()
         if be.dev.is_oom(e):
             be.dev.release_cached()
             raise GPUOutOfMemoryError(f"out of GPU memory during the request: {e}") from None

@@ -1,38 +1,61 @@
-"""One decode step on the GPU: its device buffers, its launch sequence, and the CUDA graph that replays it.
+"""One batched decode step on the GPU: its device buffers, its launch sequence, and the CUDA graphs that
+replay it (one per batch bucket and sampling mode, captured on first use).
 
-A step turns the token in `ctrl[TOKEN]` at position `ctrl[POS]` into the next token id, written back
-into `ctrl[TOKEN]` by the sampler inside the same graph; `advance` then moves POS and SEQ_LEN on the
-device. The host only reads the sampled id (4 bytes) to stream it.
+A step turns the token in row b of `ctrl` at row b's position into row b's next token, for rows
+[0, bucket): the sampler writes the new ids back into ctrl's token rows inside the same graph, and
+`advance` moves every active row's position and length on the device. The host reads back only the
+bucket's token ids (4 bytes a row) to stream them.
 
-    ctrl: int32 [4 + max_pages_per_seq]       (one buffer so a sequence switch is one H2D copy)
-      [0] TOKEN     the token fed into the step; the sampler overwrites it with the next one
-      [1] POS       its position; the K/V of this token go to page_table[POS // 16], slot POS % 16
-      [2] SEQ_LEN   POS + 1: attention reads positions [0, SEQ_LEN)
-      [3] (pad: keeps the page table 16-byte aligned)
-      [4:] page table of the active sequence (logical block -> page id; -1 past its pages)
+    ctrl: int32, one buffer so that whatever changed between two steps is one H2D copy
+      [0, R)                  TOKEN    row b's token fed into the step (the sampler overwrites it)
+      [Rp, Rp + R)            POS      its position: its K/V go to page table[POS // 16], slot POS % 16
+      [2 Rp, 2 Rp + R)        SEQ_LEN  POS + 1: attention reads positions [0, SEQ_LEN); 0 = idle row
+      [3 Rp, 3 Rp + R * P)    TABLE    [R, P] page table of row b's sequence (-1 past its pages)
+    R = max_batch rows, Rp = R rounded up to 4 (each section 16-byte aligned), P = max pages per sequence.
+    The kernels of bucket B get the first B entries of each section: contiguous views.
 
-Why one graph serves every token (the seed captured two graphs, one for steps that cross into a new page
-and one for the rest, and picked one with a modulo): there, the page and slot of the new K/V were
-computed on the host and baked into the captured kernel arguments. Here no kernel argument depends on the
-step: every kernel reads POS, SEQ_LEN and the page table from `ctrl` at run time, so a page boundary is
-just another value of POS. The only host work at a boundary is writing the new page id into ctrl's page
-table (an H2D copy before the replay, ordered on the same stream), and a sequence switch is a copy of
-that sequence's whole table. The graph's pointers (weights, cache, buffers) never change after load.
+Why one graph per bucket serves every step: no kernel argument depends on the step. Every kernel reads
+positions, lengths and page tables from `ctrl` at run time, so a page boundary is just another value of
+POS, and a row changing hands is a different page table in ctrl; the graph's pointers (weights, cache,
+buffers) never change after load. The host keeps a shadow of ctrl as it stands on the device (advanced
+the way `advance` advances it) and copies only the span of entries that differ (write_rows): for a steady
+batch that is nothing, or the new page ids of the rows that crossed into a page.
 
-Buffers (per backend, allocated once at load; H = hidden, I = intermediate, Q = n_heads*128, V = vocab):
-    x, y    f16 [H]   residual stream, ping-pong (o_proj: x -> y, down_proj: y -> x; no in-place aliasing)
-    q, attn f16 [Q]   roped query / attention output
-    act     f16 [I]   silu(gate) * up
-    xn      f16 [H]   final-normed hidden state
-    logits  f32 [V]   lm_head output (fp32 so the sampler and the ladder see unrounded logits)
+Idle rows (inside the bucket, held by no sequence) run with POS 0, SEQ_LEN 0 and TABLE[b][0] = the
+scratch page, a page of the cache outside the pool that no sequence owns: their K/V write lands there,
+their attention reads nothing, and their sampled ids are dropped. `advance` leaves them idle.
+
+Buffers (per backend, [R, ...] allocated once at load; H hidden, I intermediate, Q = n_heads*128, V vocab):
+    x, y    f16 [R, H]  residual stream, ping-pong (o_proj: x -> y, down_proj: y -> x; no in-place aliasing)
+    q, attn f16 [R, Q]  roped queries / attention outputs
+    act     f16 [R, I]  silu(gate) * up
+    xn      f16 [R, H]  final-normed hidden states
+    logits  f32 [R, V]  lm_head outputs (fp32 so the sampler and the ladder see unrounded logits)
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
 import numpy as np
 
-TOKEN, POS, SEQ_LEN = 0, 1, 2
-CTRL_HEADER = 4
+from .sampling import DeviceSampler
+from .weights import GpuWeights
+
+SPAN_GAP = 16384  # entries (64 KiB): changed entries closer than this go to the device in one copy
+
+
+def _spans(cells: np.ndarray) -> list[tuple[int, int]]:
+    """[lo, hi) spans covering the changed entries `cells`; two are merged when less than SPAN_GAP apart."""
+    if cells.size == 0:
+        return []
+    cells = np.unique(cells)
+    cuts = np.flatnonzero(np.diff(cells) > SPAN_GAP)
+    starts = np.concatenate([[0], cuts + 1])
+    ends = np.concatenate([cuts, [cells.size - 1]])
+    return [(int(cells[a]), int(cells[b]) + 1) for a, b in zip(starts, ends, strict=True)]
 
 
 class CountingKernels:
@@ -56,115 +79,208 @@ class CountingKernels:
         return counted
 
 
+@dataclass(frozen=True)
+class CtrlLayout:
+    rows: int  # R
+    max_pages: int  # P
+
+    @property
+    def stride(self) -> int:  # Rp
+        return -(-self.rows // 4) * 4
+
+    @property
+    def pos(self) -> int:
+        return self.stride
+
+    @property
+    def seq_len(self) -> int:
+        return 2 * self.stride
+
+    @property
+    def table(self) -> int:
+        return 3 * self.stride
+
+    @property
+    def size(self) -> int:
+        return self.table + self.rows * self.max_pages
+
+
+@dataclass(frozen=True)
+class BucketViews:
+    """The first B rows of every buffer: what the kernels of bucket B read and write."""
+
+    tokens: Any
+    pos: Any
+    seq_len: Any
+    table: Any
+    x: Any
+    y: Any
+    q: Any
+    attn: Any
+    act: Any
+    xn: Any
+    logits: Any
+
+
 class DecodeStep:
-    def __init__(self, dev, ks, weights: dict, cfg, k_cache, v_cache, max_pages: int, sampler_dev):
+    def __init__(self, dev, ks, weights: GpuWeights, cfg, k_cache, v_cache, max_pages: int, max_batch: int,
+                 sampler: DeviceSampler, scratch_page: int):
         xp = dev.xp
         self.dev, self.ks, self.w, self.cfg = dev, ks, weights, cfg
         self.k_cache, self.v_cache = k_cache, v_cache
+        self.max_batch, self.scratch_page = max_batch, scratch_page
+        R = max_batch
+        self.layout = lay = CtrlLayout(R, max_pages)
+        self.ctrl = xp.zeros(lay.size, dtype=np.int32)
         H, Q, Im, V = cfg.hidden, cfg.q_dim, cfg.intermediate, cfg.vocab
-        self.ctrl = xp.zeros(CTRL_HEADER + max_pages, dtype=np.int32)  # int32 [4 + max_pages]
-        self.token = self.ctrl[TOKEN:TOKEN + 1]  # int32 [1]
-        self.pos = self.ctrl[POS:POS + 1]  # int32 [1]
-        self.seq_len = self.ctrl[SEQ_LEN:SEQ_LEN + 1]  # int32 [1]
-        self.page_table = self.ctrl[CTRL_HEADER:]  # int32 [max_pages]
-        self.x = xp.zeros(H, dtype=np.float16)
-        self.y = xp.zeros(H, dtype=np.float16)
-        self.q = xp.zeros(Q, dtype=np.float16)
-        self.attn = xp.zeros(Q, dtype=np.float16)
-        self.act = xp.zeros(Im, dtype=np.float16)
-        self.xn = xp.zeros(H, dtype=np.float16)
-        self.logits = xp.zeros(V, dtype=np.float32)
-        self.attn_ws = ks.attention_workspace() if hasattr(ks, "attention_workspace") else None
-        self.sampler = sampler_dev
-        self.graphs: dict[str, object] = {}
-        self.launcher_calls: int | None = None  # per token, counted on the first eager step
-        self.graph_nodes: dict[str, int | None] = {}
-        self.ctrl_shadow: np.ndarray | None = None  # host copy of what ctrl holds on the device
+        self.x = xp.zeros((R, H), dtype=np.float16)
+        self.y = xp.zeros((R, H), dtype=np.float16)
+        self.q = xp.zeros((R, Q), dtype=np.float16)
+        self.attn = xp.zeros((R, Q), dtype=np.float16)
+        self.act = xp.zeros((R, Im), dtype=np.float16)
+        self.xn = xp.zeros((R, H), dtype=np.float16)
+        self.logits = xp.zeros((R, V), dtype=np.float32)
+        self.attn_ws = ks.attention_workspace(R)
+        self.sampler = sampler
+        self.graphs: dict[tuple[int, str], Any] = {}  # (bucket, mode) -> graph, or "pending"
+        self.graph_nodes: dict[tuple[int, str], int | None] = {}
+        self.launcher_calls: int | None = None  # per step, counted on the first eager step
+        self.shadow: np.ndarray | None = None  # host copy of ctrl as it stands on the device
 
     @property
     def workspace_bytes(self) -> int:
-        arrs = [self.ctrl, self.x, self.y, self.q, self.attn, self.act, self.xn, self.logits]
-        n = sum(int(a.nbytes) for a in arrs)
-        if self.attn_ws is not None:
-            n += int(getattr(self.attn_ws, "nbytes", 0))
-        return n + self.sampler.nbytes
+        arrs = [self.ctrl, self.x, self.y, self.q, self.attn, self.act, self.xn, self.logits, self.attn_ws]
+        return sum(int(a.nbytes) for a in arrs) + self.sampler.nbytes
+
+    def views(self, B: int) -> BucketViews:
+        lay, c = self.layout, self.ctrl
+        return BucketViews(
+            tokens=c[0:B], pos=c[lay.pos:lay.pos + B], seq_len=c[lay.seq_len:lay.seq_len + B],
+            table=c[lay.table:lay.table + B * lay.max_pages].reshape(B, lay.max_pages),
+            x=self.x[:B], y=self.y[:B], q=self.q[:B], attn=self.attn[:B], act=self.act[:B], xn=self.xn[:B],
+            logits=self.logits[:B])
 
     # ------------------------------------------------------------------ launches
-    def launch_body(self, ks, mode: str) -> None:
-        """Every launch of one token from embedding to sampled id (captured as one graph)."""
-        ks.embed(self.w["embed"], self.token, self.x)
+    def launch_body(self, ks, B: int, mode: str) -> None:
+        """Every launch of one step of rows [0, B) from embedding to sampled ids (captured as one graph)."""
+        v = self.views(B)
+        ks.embed(self.w.embed, v.tokens, v.x)
         for i in range(self.cfg.n_layers):
-            self.launch_layer(ks, i)
-        self.launch_head(ks, self.x)
-        self.sampler.launch(ks, mode, self.logits, self.token)
-        ks.advance(self.pos, self.seq_len)
+            self.launch_layer(ks, i, v)
+        self.launch_head(ks, v.x, v.xn, v.logits)
+        self.sampler.launch(ks, mode, v.logits, v.tokens, 0, B)
+        ks.advance(v.pos, v.seq_len)
 
-    def launch_layer(self, ks, i: int) -> None:
-        """Decoder layer i on self.x (in place, through y) for the token at POS."""
-        w, eps = self.w, self.cfg.rms_eps
-        ks.qkv_rope_kv(w[f"{i}.qkv.w"], w[f"{i}.qkv.s"], w[f"{i}.qkv.b"], self.x, w[f"{i}.ln1"], eps,
-                       self.pos, self.page_table, self.k_cache, self.v_cache, i, self.q)
-        ks.attention_decode(self.q, self.k_cache, self.v_cache, self.page_table, self.seq_len, i,
-                            self.attn, self.attn_ws)
-        ks.gemv_int4(w[f"{i}.o.w"], w[f"{i}.o.s"], self.attn, self.y, residual=self.x)
-        ks.gate_up_silu(w[f"{i}.gu.w"], w[f"{i}.gu.s"], self.y, w[f"{i}.ln2"], eps, self.act)
-        ks.gemv_int4(w[f"{i}.down.w"], w[f"{i}.down.s"], self.act, self.x, residual=self.y)
+    def launch_layer(self, ks, i: int, v: BucketViews) -> None:
+        """Decoder layer i on v.x (in place, through v.y) for each row's token at its POS."""
+        lw, eps = self.w.layers[i], self.cfg.rms_eps
+        ks.qkv_rope_kv(lw.qkv.qweight, lw.qkv.scales, lw.qkv_bias, v.x, lw.in_norm, eps, v.pos, v.table,
+                       self.k_cache, self.v_cache, i, v.q)
+        ks.attention_decode(v.q, self.k_cache, self.v_cache, v.table, v.seq_len, i, v.attn, self.attn_ws)
+        ks.gemv_int4(lw.o.qweight, lw.o.scales, v.attn, v.y, residual=v.x)
+        ks.gate_up_silu(lw.gate_up.qweight, lw.gate_up.scales, v.y, lw.post_norm, eps, v.act)
+        ks.gemv_int4(lw.down.qweight, lw.down.scales, v.act, v.x, residual=v.y)
 
-    def launch_head(self, ks, x_row) -> None:
-        """Final RMSNorm + lm_head of one hidden row into self.logits (decode and prefill's last row)."""
-        ks.rmsnorm(x_row, self.w["norm"], self.xn, self.cfg.rms_eps)
-        ks.gemv_fp16(self.w["lm_head"], self.xn, self.logits)
+    def launch_head(self, ks, x_rows, xn_rows, logits_rows) -> None:
+        """Final RMSNorm + lm_head of hidden rows [B, H] into logits [B, V] (decode, and prefill's last row)."""
+        ks.rmsnorm(x_rows, self.w.final_norm, xn_rows, self.cfg.rms_eps)
+        ks.gemv_fp16(self.w.lm_head, xn_rows, logits_rows)
 
     def count_launcher_calls(self) -> int:
-        """Launcher calls of one greedy token, counted without launching anything."""
+        """Launcher calls of one greedy step, counted without launching anything (the same for every B)."""
         counting = CountingKernels(self.ks, dry=True)
-        self.launch_body(counting, "greedy")
+        self.launch_body(counting, 1, "greedy")
         return counting.calls
 
     # ------------------------------------------------------------------ host side
-    def sync_ctrl(self, seq, token_id: int) -> bool:
-        """Make ctrl describe (seq, token_id at position seq.length); copy only when it differs.
+    def write_rows(self, rows: Sequence[int], tokens: Sequence[int], positions: Sequence[int],
+                   tables: Sequence[np.ndarray], bucket: int, fresh: set[int] | None = None) -> set[int]:
+        """Make ctrl describe this step: row rows[i] feeds tokens[i] at positions[i] of the sequence whose
+        page table is tables[i]; every other row below `bucket` is idle. `fresh` are the rows that hold a
+        different sequence than in the previous step (their whole page table is written; None: every
+        row). Copies to the device only the entries that differ from what it holds: one H2D copy of
+        that span (several when the changed entries lie far apart in a large table; none when nothing
+        changed).
 
-        Returns whether the header (token, position) changed, i.e. not only a new page id: another
-        sequence, or a token the device did not sample itself."""
-        want = np.empty(self.ctrl.shape[0], dtype=np.int32)
-        want[TOKEN], want[POS], want[SEQ_LEN], want[3] = token_id, seq.length, seq.length + 1, 0
-        want[CTRL_HEADER:] = seq.page_table[: want.shape[0] - CTRL_HEADER]
-        old = self.ctrl_shadow
-        if old is not None and np.array_equal(want, old):
-            return False
-        self.dev.h2d(self.ctrl, want)
-        self.ctrl_shadow = want
-        return old is None or not np.array_equal(want[:CTRL_HEADER], old[:CTRL_HEADER])
+        A row's page-table entries past the page of its position are never read (attention reads pages
+        < ceil(SEQ_LEN / 16), the K/V write goes to page POS // 16), so a continuing row can only change
+        in its last entry: the host compares one entry per row per step, not whole tables.
+
+        Returns the rows whose fed token differs from the one the device holds there (the device did not
+        draw it: its seen-ids mask needs it)."""
+        lay, P = self.layout, self.layout.max_pages
+        full = self.shadow is None
+        if full:
+            self.shadow = np.zeros(lay.size, dtype=np.int32)
+        sh = self.shadow
+        idx = np.asarray(rows, dtype=np.int64)
+        tok = np.asarray(tokens, dtype=np.int32)
+        pos = np.asarray(positions, dtype=np.int32)
+        fed_changed = set(idx[sh[idx] != tok].tolist())
+        idle = np.ones(bucket, dtype=bool)
+        idle[idx] = False
+        idle = np.flatnonzero(idle)
+        # the header of rows [0, bucket): tokens, positions, lengths (idle rows: 0, 0)
+        want = np.empty((3, bucket), dtype=np.int32)
+        want[0] = sh[0:bucket]
+        want[1:, idle] = 0
+        want[0, idx], want[1, idx], want[2, idx] = tok, pos, pos + 1
+        changed = []
+        for k, base in enumerate((0, lay.pos, lay.seq_len)):
+            ne = np.flatnonzero(sh[base:base + bucket] != want[k])
+            sh[base + ne] = want[k, ne]
+            changed.append(base + ne)
+        # page tables: an idle row's first entry is the scratch page; a continuing row's last entry (the
+        # page of its position); a fresh row's entries up to that page
+        last = pos // 16
+        cells = [lay.table + idle * P, lay.table + idx * P + last]
+        vals = [np.full(idle.size, self.scratch_page, dtype=np.int32),
+                np.fromiter((t[n] for t, n in zip(tables, last.tolist(), strict=True)), np.int32, idx.size)]
+        for i, r in enumerate(idx.tolist()):
+            if full or fresh is None or r in fresh:
+                cells.append(np.arange(lay.table + r * P, lay.table + r * P + last[i]))
+                vals.append(tables[i][: last[i]])
+        c, v = np.concatenate(cells), np.concatenate(vals).astype(np.int32, copy=False)
+        ne = sh[c] != v
+        sh[c[ne]] = v[ne]
+        changed.append(c[ne])
+        if full:
+            self.dev.h2d(self.ctrl, sh)
+        else:
+            for lo, hi in _spans(np.concatenate(changed)):
+                self.dev.h2d(self.ctrl[lo:hi], sh[lo:hi])
+        return fed_changed
 
     def invalidate(self) -> None:
-        """Forget what ctrl holds (after prefill/score wrote it, or after an error)."""
-        self.ctrl_shadow = None
+        """Forget what ctrl holds (after an error): the next step copies all of it."""
+        self.shadow = None
 
-    def step(self, mode: str, eager: bool) -> int:
-        """Run one token (ctrl already synced); returns the sampled id."""
-        dev = self.dev
+    def run(self, bucket: int, mode: str, eager: bool) -> np.ndarray:
+        """Run one step of rows [0, bucket) (ctrl already written); returns their sampled ids, int32 [bucket]."""
+        dev, key = self.dev, (bucket, mode)
         with dev.use():
-            if eager or mode not in self.graphs:
-                # The first step of each sampling mode runs eagerly: it loads every kernel module and
-                # counts the launches; capturing happens on the next step (nothing is executed while a
-                # stream is capturing, so the capture itself must not be the first use of a kernel).
+            if eager or key not in self.graphs:
+                # The first step of each (bucket, mode) runs eagerly: it loads every kernel it needs and
+                # counts the launches; capturing happens on the next step (nothing executes while a
+                # stream is capturing, so the capture must not be the first use of a kernel).
                 counting = CountingKernels(self.ks)
-                self.launch_body(counting, mode)
+                self.launch_body(counting, bucket, mode)
                 self.launcher_calls = counting.calls
                 if not eager:
-                    self.graphs[mode] = "pending"
-            elif self.graphs[mode] == "pending":
-                graph = dev.capture(lambda: self.launch_body(self.ks, mode))
-                self.graphs[mode] = graph
-                self.graph_nodes[mode] = dev.graph_kernel_nodes(graph)
+                    self.graphs[key] = "pending"
+            elif self.graphs[key] == "pending":
+                graph = dev.capture(lambda: self.launch_body(self.ks, bucket, mode))
+                self.graphs[key] = graph
+                self.graph_nodes[key] = dev.graph_kernel_nodes(graph)
                 dev.replay(graph)
             else:
-                dev.replay(self.graphs[mode])
-            tok = int(dev.d2h(self.token)[0])
-        shadow = self.ctrl_shadow
-        if shadow is not None:
-            shadow[TOKEN] = tok
-            shadow[POS] += 1
-            shadow[SEQ_LEN] += 1
-        return tok
+                dev.replay(self.graphs[key])
+            toks = dev.d2h(self.ctrl[0:bucket])
+        s = self.shadow
+        if s is not None:  # mirror what the step did on the device
+            lay = self.layout
+            s[0:bucket] = toks
+            act = s[lay.seq_len:lay.seq_len + bucket] > 0
+            s[lay.pos:lay.pos + bucket][act] += 1
+            s[lay.seq_len:lay.seq_len + bucket][act] += 1
+        return toks

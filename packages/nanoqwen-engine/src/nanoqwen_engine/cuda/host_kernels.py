@@ -1,4 +1,5 @@
-"""HostKernels: numpy launchers with the KernelSet's names and signatures (docs/INTERFACES.md section 4).
+"""HostKernels: numpy launchers with the KernelSet's names and batched signatures (docs/INTERFACES.md
+section 4; activations [B, ...], a 1-D activation being B = 1).
 
 Not a second reference model: a stand-in that lets the backend's plumbing run on a CPU (with
 device.HostDevice), so CI can check that CudaBackend feeds each launcher the right buffers, positions,
@@ -29,6 +30,17 @@ def _launcher(fn):
             fn(self, *args, **kwargs)
 
     return wrapper
+
+
+def _rows(a: np.ndarray) -> np.ndarray:
+    """[B, n] view of a batch-shaped array (a 1-D one is B = 1); writes through it land in `a`."""
+    return a.reshape(-1, a.shape[-1])
+
+
+def _mm(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """x [B, K] @ w[N, K].T; one row through gemv (OpenBLAS's threaded gemm with one row is ~10x slower
+    on a busy 2-core machine: the same choice as reference/backend.py's `linear`)."""
+    return (w @ x[0])[None, :] if x.shape[0] == 1 else x @ w.T
 
 
 def _rms(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
@@ -85,14 +97,14 @@ class HostKernels:
         p /= p.sum(-1, keepdims=True)
         return np.einsum("kgts,skd->tkgd", p, vals).reshape(q.shape[0], c.q_dim)
 
-    # --- decode launchers ---
+    # --- decode launchers (batched) ---
     @_launcher
     def embed(self, table, token_dev, out):
-        out[...] = table[int(token_dev[0])]
+        _rows(out)[...] = table[np.asarray(token_dev, dtype=np.int64)]
 
     @_launcher
     def rmsnorm(self, x, w, out, eps):
-        out[...] = _rms(x, w, eps).astype(out.dtype)
+        _rows(out)[...] = _rms(_rows(x), w, eps).astype(out.dtype)
 
     @_launcher
     def rmsnorm_rows(self, x, w, out, eps):
@@ -100,21 +112,24 @@ class HostKernels:
 
     @_launcher
     def gemv_int4(self, qweight, scales, x, out, residual=None, norm_w=None, eps=1e-6):
-        xin = _rms(x, norm_w, eps) if norm_w is not None else x.astype(np.float32)
+        xr = _rows(x)
+        xin = _rms(xr, norm_w, eps) if norm_w is not None else xr.astype(np.float32)
         xin = xin.astype(np.float16).astype(np.float32)
-        y = self._w(qweight, scales) @ xin
+        y = _mm(xin, self._w(qweight, scales))
         if residual is not None:
-            y = y + residual.astype(np.float32)
-        out[...] = y.astype(out.dtype)
+            y = y + _rows(residual).astype(np.float32)
+        _rows(out)[...] = y.astype(out.dtype)
 
     @_launcher
     def qkv_rope_kv(self, qweight, scales, bias, x, norm_w, eps, pos_dev, page_table, k_cache, v_cache,
                     layer, q_out):
         c = self.cfg
-        h = _rms(x, norm_w, eps).astype(np.float16).astype(np.float32)
-        y = self._w(qweight, scales) @ h + bias.astype(np.float32)
-        self._rope_kv(y[None, :], np.array([int(pos_dev[0])]), page_table, k_cache, v_cache, layer,
-                      q_out[None, :], c)
+        h = _rms(_rows(x), norm_w, eps).astype(np.float16).astype(np.float32)
+        y = _mm(h, self._w(qweight, scales)) + bias.astype(np.float32)  # [B, R]
+        tables = _rows(page_table)
+        for b in range(y.shape[0]):  # each row at its own position, into its own sequence's pages
+            self._rope_kv(y[b:b + 1], np.array([int(pos_dev[b])]), tables[b], k_cache, v_cache, layer,
+                          _rows(q_out)[b:b + 1], c)
 
     def _rope_kv(self, qkv, pos, page_table, k_cache, v_cache, layer, q_out, c):
         T, Q, KV = qkv.shape[0], c.q_dim, c.kv_dim
@@ -126,16 +141,25 @@ class HostKernels:
 
     @_launcher
     def gate_up_silu(self, qweight, scales, x, norm_w, eps, out):
-        h = _rms(x, norm_w, eps).astype(np.float16).astype(np.float32)
-        gu = self._w(qweight, scales) @ h
-        g, u = gu[: out.shape[0]], gu[out.shape[0]:]
-        out[...] = (g / (1.0 + np.exp(-g)) * u).astype(out.dtype)
+        h = _rms(_rows(x), norm_w, eps).astype(np.float16).astype(np.float32)
+        gu = _mm(h, self._w(qweight, scales))
+        n = out.shape[-1]
+        g, u = gu[:, :n], gu[:, n:]
+        _rows(out)[...] = (g / (1.0 + np.exp(-g)) * u).astype(out.dtype)
 
     @_launcher
-    def attention_decode(self, q, k_cache, v_cache, page_table, seq_len_dev, layer, out, workspace=None):
-        n = int(seq_len_dev[0])
-        qh = q.astype(np.float32).reshape(1, self.cfg.n_heads, self.cfg.head_dim)
-        out[...] = self._attend(qh, k_cache, v_cache, page_table, layer, np.array([n - 1]), n)[0].astype(out.dtype)
+    def attention_decode(self, q, k_cache, v_cache, page_table, seq_len_dev, layer, out, workspace):
+        qr, o, tables = _rows(q), _rows(out), _rows(page_table)
+        for b in range(qr.shape[0]):
+            n = int(seq_len_dev[b])
+            if n == 0:  # an idle row reads nothing and gives 0, as the kernel does
+                o[b] = 0
+                continue
+            qh = qr[b].astype(np.float32).reshape(1, self.cfg.n_heads, self.cfg.head_dim)
+            o[b] = self._attend(qh, k_cache, v_cache, tables[b], layer, np.array([n - 1]), n)[0].astype(out.dtype)
+
+    def attention_workspace(self, max_batch: int = 64):
+        return np.zeros(1, dtype=np.float32)  # the numpy attention needs none; a buffer of the right kind
 
     @_launcher
     def gemv_fp16(self, w, x, out):
@@ -143,42 +167,41 @@ class HostKernels:
         wf = self._deq.get(key)
         if wf is None:
             wf = self._deq[key] = w.astype(np.float32)
-        out[...] = wf @ x.astype(np.float32)
+        _rows(out)[...] = _mm(_rows(x).astype(np.float32), wf)
 
     @_launcher
     def argmax(self, logits, token_out):
-        token_out[0] = int(np.argmax(logits))
+        token_out[...] = np.argmax(_rows(logits), axis=1)
 
-    def make_sampler_state(self):
-        # params f32 [5]: temperature, top_k, top_p, min_p, repetition penalty; rng uint64 [2]: seed, step
-        return np.zeros(5, dtype=np.float32), np.zeros(2, dtype=np.uint64)
-
-    def set_sampler_params(self, params, rng, *, temperature, top_k, top_p, min_p, repetition_penalty, seed):
-        params[...] = (temperature, top_k, top_p, min_p, repetition_penalty)
-        rng[...] = (seed % 2**63, 0)
+    def make_sampler_state(self, rows: int = 1):
+        # params f32 [rows, 5]: temperature, top_k, top_p, min_p, repetition penalty; rng u64 [rows, 2]
+        return np.zeros((rows, 5), dtype=np.float32), np.zeros((rows, 2), dtype=np.uint64)
 
     @_launcher
     def sample(self, logits, params, rng_state, history, token_out):
         from ..params import SamplingParams
         from ..sampler import _softmax, processed_logits
 
-        t, k, p, mp, rp = (float(v) for v in params)
-        sp = SamplingParams(temperature=t, top_k=int(k), top_p=p, min_p=mp, repetition_penalty=rp)
-        x = processed_logits(np.asarray(logits, np.float32), sp, history.astype(bool))
-        if t == 0:
-            tok = int(np.argmax(x))
-        else:
-            gen = np.random.default_rng([int(rng_state[0]), int(rng_state[1])])
-            probs = _softmax(x)
-            tok = int(gen.choice(len(probs), p=probs / probs.sum()))
-        rng_state[1] += 1
-        history[tok] = 1
-        token_out[0] = tok
+        lr = _rows(logits)
+        for b in range(lr.shape[0]):
+            t, k, p, mp, rp = (float(v) for v in params[b])
+            sp = SamplingParams(temperature=t, top_k=int(k), top_p=p, min_p=mp, repetition_penalty=rp)
+            x = processed_logits(np.asarray(lr[b], np.float32), sp, history[b].astype(bool))
+            if t == 0:
+                tok = int(np.argmax(x))
+            else:  # a counter-based draw: (seed, step) alone decide it, as on the device
+                gen = np.random.default_rng([int(rng_state[b, 0]), int(rng_state[b, 1])])
+                probs = _softmax(x)
+                tok = int(gen.choice(len(probs), p=probs / probs.sum()))
+            rng_state[b, 1] += 1
+            history[b, tok] = 1
+            token_out[b] = tok
 
     @_launcher
     def advance(self, pos_dev, seq_len_dev):
-        pos_dev[0] += 1
-        seq_len_dev[0] += 1
+        act = seq_len_dev > 0  # idle rows stay idle
+        pos_dev[act] += 1
+        seq_len_dev[act] += 1
 
     # --- prefill launchers ---
     @_launcher

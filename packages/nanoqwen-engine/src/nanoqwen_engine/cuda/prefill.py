@@ -20,6 +20,8 @@ import functools
 
 import numpy as np
 
+from .weights import GpuWeights
+
 PREFILL_CHUNK = 4096
 VOCAB_CHUNK = 16384  # score(): lm_head rows per fp32 matmul (7B: 16384 x 3584 x 4 B = 235 MB temporary)
 
@@ -47,7 +49,7 @@ def silu_mul(xp, gu, inter: int, out) -> None:
 
 
 class PrefillPass:
-    def __init__(self, dev, ks, weights: dict, cfg, k_cache, v_cache):
+    def __init__(self, dev, ks, weights: GpuWeights, cfg, k_cache, v_cache):
         self.dev, self.ks, self.w, self.cfg = dev, ks, weights, cfg
         self.k_cache, self.v_cache = k_cache, v_cache
         self._ws = None
@@ -66,7 +68,7 @@ class PrefillPass:
         dev = self.dev
         ids = dev.xp.empty(int(ids_host.shape[0]), dtype=np.int32)
         dev.h2d(ids, ids_host.astype(np.int32))
-        x = self.w["embed"][ids]  # f16 [T,H] (row gather)
+        x = self.w.embed[ids]  # f16 [T,H] (row gather)
         bufs = self.buffers(int(ids_host.shape[0]))
         for i in range(self.cfg.n_layers):
             self.layer(i, x, start, page_table, bufs)
@@ -95,19 +97,19 @@ class PrefillPass:
 
     def layer(self, i: int, x, start: int, page_table, b: dict) -> None:
         """Decoder layer i over the rows of x [T,H] (updated in place) at positions start..start+T-1."""
-        ks, w, eps, T = self.ks, self.w, self.cfg.rms_eps, int(x.shape[0])
+        ks, lw, eps, T = self.ks, self.w.layers[i], self.cfg.rms_eps, int(x.shape[0])
         ws = self._gemm_workspace()
-        ks.rmsnorm_rows(x, w[f"{i}.ln1"], b["h"], eps)
-        ks.gemm_int4(w[f"{i}.qkv.w"], w[f"{i}.qkv.s"], b["h"], b["qkv"], ws)
-        b["qkv"] += w[f"{i}.qkv.b"]
+        ks.rmsnorm_rows(x, lw.in_norm, b["h"], eps)
+        ks.gemm_int4(lw.qkv.qweight, lw.qkv.scales, b["h"], b["qkv"], ws)
+        b["qkv"] += lw.qkv_bias
         ks.rope_kv_prefill(b["qkv"], start, page_table, self.k_cache, self.v_cache, i, b["q"])
         ks.attention_prefill(b["q"], self.k_cache, self.v_cache, page_table, start, T, i, b["a"])
-        ks.gemm_int4(w[f"{i}.o.w"], w[f"{i}.o.s"], b["a"], b["o"], ws)
+        ks.gemm_int4(lw.o.qweight, lw.o.scales, b["a"], b["o"], ws)
         x += b["o"]
-        ks.rmsnorm_rows(x, w[f"{i}.ln2"], b["h"], eps)
-        ks.gemm_int4(w[f"{i}.gu.w"], w[f"{i}.gu.s"], b["h"], b["gu"], ws)
+        ks.rmsnorm_rows(x, lw.post_norm, b["h"], eps)
+        ks.gemm_int4(lw.gate_up.qweight, lw.gate_up.scales, b["h"], b["gu"], ws)
         silu_mul(self.dev.xp, b["gu"], self.cfg.intermediate, b["act"])
-        ks.gemm_int4(w[f"{i}.down.w"], w[f"{i}.down.s"], b["act"], b["o"], ws)
+        ks.gemm_int4(lw.down.qweight, lw.down.scales, b["act"], b["o"], ws)
         x += b["o"]
 
     def all_logits(self, x):
@@ -115,10 +117,10 @@ class PrefillPass:
         xp, c = self.dev.xp, self.cfg
         T = int(x.shape[0])
         h = xp.empty((T, c.hidden), dtype=np.float16)
-        self.ks.rmsnorm_rows(x, self.w["norm"], h, c.rms_eps)
+        self.ks.rmsnorm_rows(x, self.w.final_norm, h, c.rms_eps)
         hf = h.astype(np.float32)
         out = np.empty((T, c.vocab), dtype=np.float32)
-        lm = self.w["lm_head"]
+        lm = self.w.lm_head
         for v0 in range(0, c.vocab, VOCAB_CHUNK):
             v1 = min(c.vocab, v0 + VOCAB_CHUNK)
             out[:, v0:v1] = self.dev.d2h(hf @ lm[v0:v1].astype(np.float32).T)

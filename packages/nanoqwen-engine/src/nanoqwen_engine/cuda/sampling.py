@@ -1,63 +1,83 @@
-"""The sampler's device state: which kernel picks the next id, and the buffers it reads.
+"""The sampler's device state, one row per row of the batched decode step (plus one for prefill), and
+which kernel picks the next ids.
 
-Two modes, one captured graph each (the mode decides which kernel is in the graph; everything else a
-request can change lives in device buffers, so one graph per mode serves every request):
-  "greedy"  argmax of the logits (temperature 0 and no repetition penalty): one small kernel.
-  "sample"  the full pipeline of the engine's numpy sampler (repetition penalty over a device presence
-            mask of seen ids, temperature, top-k, top-p, min-p, a counter-based device RNG), the same
-            semantics as nanoqwen_engine.sampler; the kernel marks the id it picks as seen.
+    params   f32   [R, 5]  temperature, top_k, top_p, min_p, repetition_penalty of the row's request
+    rng      u64   [R, 2]  its seed and draw counter (the kernel advances the counter per draw)
+    history  uint8 [R, V]  1 where the row's sequence has seen the id (the repetition-penalty set)
+    R = max_batch + 1: rows 0..max_batch-1 are the decode rows, row max_batch the prefill's.
 
-    history  uint8 [V]  1 where the active sequence has seen the id (uploaded at prefill / switch)
-    params   the kernel set's packed parameter buffer (temperature, top_k, top_p, min_p, penalty, seed)
-    rng      the kernel set's RNG state (seed + step counter advanced on the device)
+A row's state is uploaded when a sequence takes the row (rows.py) and then lives on the device: the
+kernel marks each id it draws and advances the counter, as the host's SamplerState observes the same
+ids. The draw counter of a row is the position of the token being drawn (prefill of a sequence of n
+tokens draws the token at position n; a decode step feeding position p draws p + 1), so a sequence's
+random stream is the same whichever rows and batches it ran in.
+
+Two modes, one captured graph each per batch bucket (the mode decides which kernel is in the graph;
+everything a request can change lives in the buffers above):
+  "greedy"  every row is temperature 0 without repetition penalty: the batched argmax, a small kernel.
+  "sample"  any other mix: nq_sample, one block per row, each row with its own parameters. A greedy row
+            in it is the argmax of its (penalised) logits, so greedy and sampled requests share a step.
+The history of a row is uploaded only when its request has a repetition penalty: no other step reads it.
 """
 
 from __future__ import annotations
 
 import numpy as np
+from nanoqwen_kernels.sampling import pack_params, pack_rng
+
+from ..sampler import SamplerState
+
+GREEDY, SAMPLE = "greedy", "sample"
 
 
 def mode_of(params) -> str:
-    """Which graph a request uses."""
+    """Which kernel a request's rows need."""
     if params.temperature == 0 and params.repetition_penalty == 1.0:
-        return "greedy"
-    return "sample"
+        return GREEDY
+    return SAMPLE
+
+
+def batch_mode(samplers) -> str:
+    """One mode for a step: greedy only when every row is."""
+    return GREEDY if all(mode_of(s.params) == GREEDY for s in samplers) else SAMPLE
 
 
 class DeviceSampler:
-    def __init__(self, dev, ks, vocab: int):
-        self.dev, self.ks, self.vocab = dev, ks, vocab
-        xp = dev.xp
-        self.history = xp.zeros(vocab, dtype=np.uint8)  # uint8 [V]
-        make = getattr(ks, "make_sampler_state", None)
-        # params / rng buffers come from the kernel set (their layout is the kernel's business)
-        self.params, self.rng = make() if make is not None else (None, None)
-        self.owner = None  # (seq_id, request id) whose history/params are on the device
+    def __init__(self, dev, ks, vocab: int, max_batch: int):
+        self.dev, self.vocab = dev, vocab
+        self.prefill_row = max_batch
+        rows = max_batch + 1
+        self.params, self.rng = ks.make_sampler_state(rows)  # f32 [R, 5], u64 [R, 2]
+        # every row starts as a valid greedy request: idle rows of a "sample" step run with it
+        greedy = pack_params(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0)
+        dev.h2d(self.params, np.tile(greedy, (rows, 1)))
+        self.history = dev.xp.zeros((rows, vocab), dtype=np.uint8)  # uint8 [R, V]
+        self._one = np.ones(1, dtype=np.uint8)
 
     @property
     def nbytes(self) -> int:
-        n = int(self.history.nbytes)
-        for b in (self.params, self.rng):
-            n += int(getattr(b, "nbytes", 0))
-        return n
+        return int(self.history.nbytes) + int(self.params.nbytes) + int(self.rng.nbytes)
 
-    def load(self, owner, sampler) -> None:
-        """Upload one request's history, params and seed (prefill, or switching sequences)."""
-        if self.owner == owner:
-            return
-        self.dev.h2d(self.history, sampler.seen.astype(np.uint8))
+    def load(self, row: int, sampler: SamplerState, step: int) -> None:
+        """Upload one request's parameters, seed (draw counter at `step`) and, when it has a repetition
+        penalty, its seen-ids mask into `row`."""
         p = sampler.params
-        set_params = getattr(self.ks, "set_sampler_params", None)
-        if set_params is not None:
-            set_params(self.params, self.rng, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
-                       min_p=p.min_p, repetition_penalty=p.repetition_penalty, seed=sampler.seed)
-        self.owner = owner
+        dev = self.dev
+        dev.h2d(self.params[row:row + 1], pack_params(
+            temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
+            repetition_penalty=p.repetition_penalty)[None, :])
+        dev.h2d(self.rng[row:row + 1], pack_rng(sampler.seed, step)[None, :])
+        if p.repetition_penalty != 1.0:
+            dev.h2d(self.history[row:row + 1], sampler.seen.astype(np.uint8)[None, :])
 
-    def invalidate(self) -> None:
-        self.owner = None
+    def mark(self, row: int, token: int) -> None:
+        """Add one id fed from the host (not drawn on the device) to the row's seen-ids mask."""
+        self.dev.h2d(self.history[row, token:token + 1], self._one)
 
-    def launch(self, ks, mode: str, logits, token_out) -> None:
-        if mode == "greedy":
+    def launch(self, ks, mode: str, logits, token_out, lo: int, hi: int) -> None:
+        """Pick token_out[b] from logits[b] for the rows lo..hi-1 of the state (logits/token_out have
+        hi - lo rows)."""
+        if mode == GREEDY:
             ks.argmax(logits, token_out)
         else:
-            ks.sample(logits, self.params, self.rng, self.history, token_out)
+            ks.sample(logits, self.params[lo:hi], self.rng[lo:hi], self.history[lo:hi], token_out)

@@ -1,21 +1,33 @@
-// attention_decode.cu: paged decode attention (batch 1), warp-specialised, split over pages + combine.
+// attention_decode.cu: paged decode attention over a batch of sequences of different lengths,
+// warp-specialised, split over pages + combine.
 //
-// What: out[h, :] = softmax_t(q[h] . K[t] / sqrt(128)) . V[t] over the sequence's positions t < seq_len,
-//   for every query head h; query head h reads KV head h / G (GQA, G = NQ_NHEADS / NQ_NKV: 7 for 7B).
+// What: for every sequence b of the batch and every query head h,
+//   out[b, h, :] = softmax_t(q[b, h] . K_b[t] / sqrt(128)) . V_b[t] over b's positions t < seq_len[b];
+//   query head h reads KV head h / G (GQA, G = NQ_NHEADS / NQ_NKV: 7 for 7B).
 // Shapes (docs/INTERFACES.md section 3, byte for byte):
-//   q, out       fp16 [NQ_NHEADS * 128]
+//   q, out       fp16 [B, NQ_NHEADS * 128]
 //   k/v_cache    fp16 [n_layers, n_pages, NQ_NKV, 16, 128]; one (page, KV head) slice = 4 KiB contiguous
-//   page_table   int32 [max_pages]: logical block b (tokens 16b..16b+15) -> page id
-//   seq_len_dev  int32 [1], read on the device (the decode step is one CUDA graph replayed every token)
-//   ws_acc       fp32 [NQ_DECODE_SPLITS, NQ_NHEADS, 128]   unnormalised partial outputs
-//   ws_ml        fp32 [NQ_DECODE_SPLITS, NQ_NHEADS, 2]     partial (max, sum) in the log2 domain
-// Launch: attention_decode_split  grid (NQ_NKV, NQ_DECODE_SPLITS), 32 * (1 + NQ_DECODE_CONSUMERS) threads,
+//   page_table   int32 [B, max_pages]: row b maps b's logical block (tokens 16j..16j+15) -> page id
+//   seq_len_dev  int32 [B], read on the device (a decode step is one CUDA graph replayed every token);
+//                a row with seq_len 0 is an idle (padding) row: it reads nothing and its output is 0
+//   workspace    fp32, two arrays back to back (one pointer, so the launcher passes no views):
+//     ws_acc     [B, n_splits, NQ_NHEADS, 128]   unnormalised partial outputs
+//     ws_ml      [B, n_splits, NQ_NHEADS, 2]     partial (max, sum) in the log2 domain
+// Launch: nq_attention_decode_split  grid (NQ_NKV, n_splits, B), 32 * (1 + NQ_DECODE_CONSUMERS) threads,
 //         kSmemBytes dynamic smem;
-//         attention_decode_combine grid (NQ_NHEADS), 128 threads.
-//   NQ_DECODE_SPLITS is chosen at build (attention.py) so NQ_NKV * splits fills the 132 SMs: at 7B a
-//   single KV head's 32k context is 512 KiB x 2 and one SM cannot stream it fast enough alone.
-//   Each split takes a contiguous run of pages; the device-side seq_len decides the runs, so one
-//   graph serves every length. A split with no pages writes a neutral partial (m = -inf, l = 0, acc = 0).
+//         nq_attention_decode_combine grid (NQ_NHEADS, B), 128 threads.
+//   The combine is a kernel of its own: folding it into the split kernel (the last split block of each
+//   (sequence, KV head) combining, through an atomic ticket) measured 29.4 us per call against 11.3 us
+//   for split + combine at batch 1, context 640 on the H200 (docs/PERF.md): one block then combines
+//   all G heads' 128 dims over every split alone, where the combine kernel spreads that over
+//   NQ_NHEADS x B blocks.
+//   n_splits is a launch argument chosen by the launcher (attention.py) from B so that
+//   NQ_NKV * n_splits * B blocks fill the SMs: at batch 1 and 7B, 33 splits per KV head (a single KV
+//   head's 32k context is 512 KiB x 2 and one SM cannot stream it fast enough alone); at batch 64 one
+//   split per (sequence, KV head) already gives 256 blocks. Each split takes a contiguous run of its
+//   sequence's pages; the device-side seq_len decides the runs (split_range below), so one graph serves
+//   every length. A split with no pages writes a neutral partial (m = -inf, l = 0, acc = 0), and the
+//   combine reads only the splits that can hold pages.
 //
 // Why this design: decode attention is a stream of K/V bytes (56 KiB per token of context at 7B) with
 // little arithmetic, so what matters is keeping bytes in flight. One producer warp (one lane of it)
@@ -26,8 +38,8 @@
 // back through its "empty" mbarrier. Consumers never wait for each other inside the loop; their states
 // merge once at the end. Two consumer bodies (NQ_DECODE_MMA): fp32 FMAs on CUDA cores, or mma.sync on
 // tensor cores (fp16 operands as stored, fp32 accumulate, P rounded to fp16 as FlashAttention does).
-// Run 1 (docs/PERF.md) measured the CUDA-core body at 41% of the copy rate at 32k: instruction-bound
-// (~1700 instructions per page per warp), which is why the tensor-core body exists.
+// The CUDA-core body runs at ~41% of the copy rate at 32k context (docs/PERF.md): it is
+// instruction-bound (~1700 instructions per page per warp), which is why the tensor-core body exists.
 //
 // Shared-memory ring (dynamic smem, kStages = NQ_DECODE_STAGES slots of 8 KiB):
 //
@@ -43,13 +55,11 @@
 //   page i of the split -> slot i % kStages, use u = i / kStages:
 //     producer waits empty[slot] parity (u-1)&1 (u > 0), consumer waits full[slot] parity u&1.
 //
-// Tested: tests/test_attention_decode.py (numpy float64 reference; contexts 1..32768, pages scattered;
-// SASS holds UBLKCP and SYNCS); measured: bench/bench_attention.py.
+// Tested: tests/test_attention_decode.py (numpy float64 reference; batches of mixed lengths 1..32768,
+// pages scattered, every unread slot NaN; SASS holds UBLKCP and SYNCS); measured: bench/bench_attention.py.
 #include "common.cuh"
+#include "mma.cuh"
 
-#ifndef NQ_DECODE_SPLITS
-#error "NQ_DECODE_SPLITS not defined: build through nanoqwen_kernels.attention"
-#endif
 #ifndef NQ_DECODE_STAGES
 #define NQ_DECODE_STAGES 8
 #endif
@@ -65,8 +75,10 @@ namespace nq_dec {
 using nq::uint16_t;
 using nq::uint32_t;
 using nq::uint64_t;
-// -inf without <math.h> (NVRTC wheels ship no headers)
-__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000u); }
+using nq::kScaleLog2;  // scores in the log2 domain (common.cuh)
+using nq::neg_inf;
+using nq::pack_h2;
+using nq::smem_u32;
 
 constexpr int kG = nq::kHeads / nq::kKvHeads;  // query heads per KV head
 constexpr int kGPad = 8;                        // p-buffer row width (two float4 reads per token)
@@ -74,7 +86,6 @@ static_assert(kG >= 1 && kG <= kGPad, "GQA group above 8 is not supported by the
 constexpr int kConsumers = NQ_DECODE_CONSUMERS;  // consumer warps; + 1 producer warp
 constexpr int kThreads = 32 * (1 + kConsumers);
 constexpr int kStages = NQ_DECODE_STAGES;
-constexpr int kSplits = NQ_DECODE_SPLITS;
 constexpr int kPageElems = nq::kPageTokens * nq::kHeadDim;  // 2048 halves
 constexpr int kPageBytes = kPageElems * 2;                     // 4096
 constexpr int kSlotBytes = 2 * kPageBytes;                     // K + V
@@ -85,13 +96,6 @@ constexpr int kPBufBytes = kConsumers * 16 * kGPad * 4;
 constexpr int kBarOffset = kRingBytes + kMergeAccBytes + kMergeMlBytes + kPBufBytes;
 constexpr int kSmemBytes = kBarOffset + 2 * kStages * 8;
 static_assert(kBarOffset % 8 == 0, "mbarriers need 8-byte alignment");
-
-// log2(e) / sqrt(128): scores live in the log2 domain so exp2f (one MUFU) replaces expf
-constexpr float kScaleLog2 = 1.4426950408889634f * 0.08838834764831845f;
-
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
 
 __device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count) : "memory");
@@ -270,20 +274,9 @@ __device__ __forceinline__ void consume_fma(int c, int lane, const unsigned char
 // register reuse). For P.V, B = V[tokens][dims]: lane needs tokens 2t, 2t+1, 2t+8, 2t+9 at one dim
 // per tile; dim tile n2, column g <-> dim 16 g + n2, so a lane loads 32 contiguous bytes of each of its
 // 4 V rows and pairs rows with one PRMT per register. Output: lane holds O[g][32t + 16j + n2].
-__device__ __forceinline__ void mma16816(float (&d)[4], uint32_t a0, uint32_t a2, uint32_t b0, uint32_t b1) {
-  // a1 = a3 = 0: rows 8..15 of A (heads 8..15) do not exist for G <= 8
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1));
-}
-
-// (lo, hi) floats -> half2 with lo in the low half (the lower k index)
-__device__ __forceinline__ uint32_t pack_h2(float lo, float hi) {
-  uint32_t d;
-  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
-  return d;
+// A's rows 8..15 (heads 8..15) do not exist for G <= 8: a1 = a3 = 0
+__device__ __forceinline__ void mma_heads(float (&d)[4], uint32_t a0, uint32_t a2, uint32_t b0, uint32_t b1) {
+  nq::mma16816(d, a0, 0u, a2, 0u, b0, b1);
 }
 
 __device__ __forceinline__ void consume_mma(int c, int lane, const unsigned char* ring, uint64_t* full,
@@ -316,8 +309,8 @@ __device__ __forceinline__ void consume_mma(int c, int lane, const unsigned char
 #pragma unroll
       for (int m = 0; m < 4; ++m) {
         const uint4 kb = *reinterpret_cast<const uint4*>(ks + (8 * nt + g) * 128 + 8 * (4 * m + t));
-        mma16816(s[nt], qa[m].x, qa[m].y, kb.x, kb.y);
-        mma16816(s[nt], qa[m].z, qa[m].w, kb.z, kb.w);
+        mma_heads(s[nt], qa[m].x, qa[m].y, kb.x, kb.y);
+        mma_heads(s[nt], qa[m].z, qa[m].w, kb.z, kb.w);
       }
     }
     // V rows 2t, 2t+1, 2t+8, 2t+9, dims 16g .. 16g+15 (issued before the softmax math to hide latency)
@@ -373,7 +366,7 @@ __device__ __forceinline__ void consume_mma(int c, int lane, const unsigned char
       const uint32_t sel = (n2 & 1) ? 0x7632u : 0x5410u;  // high or low halves of the two rows
       const uint32_t b0 = nq::prmt(v0[n2 >> 1], v1[n2 >> 1], sel);
       const uint32_t b1 = nq::prmt(v2[n2 >> 1], v3[n2 >> 1], sel);
-      mma16816(acc[n2], pa0, pa2, b0, b1);
+      mma_heads(acc[n2], pa0, pa2, b0, b1);
     }
     __syncwarp();  // every lane done with the slot before it is handed back
     if (lane == 0) mbar_arrive(&empty[slot]);
@@ -396,18 +389,55 @@ __device__ __forceinline__ void consume_mma(int c, int lane, const unsigned char
   }
 }
 
+// The pages of one split: a sequence of seq_len tokens (clamped to what its page-table row can address,
+// so a corrupt length cannot walk off the table) has n_seq_pages pages, dealt to n_splits splits in
+// contiguous runs of per_split pages. Both kernels derive the same runs from the same device values.
+struct SplitRange {
+  int seq_len;    // clamped
+  int per_split;  // pages per split (0 for an empty sequence)
+  int used;       // splits that hold at least one page
+};
+
+__device__ __forceinline__ SplitRange split_range(int seq_len_raw, int max_pages, int n_splits) {
+  SplitRange r;
+  r.seq_len = min(max(seq_len_raw, 0), max_pages * nq::kPageTokens);
+  const int n_seq_pages = (r.seq_len + nq::kPageTokens - 1) / nq::kPageTokens;
+  r.per_split = (n_seq_pages + n_splits - 1) / n_splits;
+  r.used = r.per_split > 0 ? (n_seq_pages + r.per_split - 1) / r.per_split : 0;
+  return r;
+}
+
+// out[b, h, d] = sum_s 2^(m_s - M) acc_s[h, d] / sum_s 2^(m_s - M) l_s   (M = max_s m_s) over the
+// `used` splits of sequence b (the others hold no page: neutral, not read).
+__device__ __forceinline__ float combine_one(const float* ws_acc, const float* ws_ml, size_t base, int used,
+                                             int h, int d) {
+  float mx = neg_inf();
+  for (int s = 0; s < used; ++s) mx = fmaxf(mx, ws_ml[((base + s) * nq::kHeads + h) * 2]);
+  float a = 0.f, sum = 0.f;
+  for (int s = 0; s < used; ++s) {
+    const float ms = ws_ml[((base + s) * nq::kHeads + h) * 2];
+    if (ms != neg_inf()) {
+      const float f = exp2f(ms - mx);
+      a += f * ws_acc[((base + s) * nq::kHeads + h) * 128 + d];
+      sum += f * ws_ml[((base + s) * nq::kHeads + h) * 2 + 1];
+    }
+  }
+  return sum > 0.f ? a / sum : 0.f;  // seq_len 0 (an idle row) has no split: defined output 0, not 0/0
+}
+
 }  // namespace nq_dec
 
 extern "C" __global__ void __launch_bounds__(nq_dec::kThreads, 1)
-    attention_decode_split(const nq::uint16_t* __restrict__ q,            // [NQ_NHEADS*128]
-                           const nq::uint16_t* __restrict__ k_cache,      // [L, n_pages, NQ_NKV, 16, 128]
-                           const nq::uint16_t* __restrict__ v_cache,      // same
-                           const int* __restrict__ page_table,    // [max_pages]
-                           const int* __restrict__ seq_len_dev,   // [1]
-                           int layer, int n_pages, int max_pages,
-                           float* __restrict__ ws_acc,            // [splits, NQ_NHEADS, 128]
-                           float* __restrict__ ws_ml) {           // [splits, NQ_NHEADS, 2]
+    nq_attention_decode_split(const nq::uint16_t* __restrict__ q,          // [B, NQ_NHEADS*128]
+                              const nq::uint16_t* __restrict__ k_cache,    // [L, n_pages, NQ_NKV, 16, 128]
+                              const nq::uint16_t* __restrict__ v_cache,    // same
+                              const int* __restrict__ page_table,          // [B, max_pages]
+                              const int* __restrict__ seq_len_dev,         // [B]
+                              int layer, int n_pages, int max_pages, int n_splits,
+                              float* __restrict__ workspace) {             // ws_acc, then ws_ml (header)
   using namespace nq_dec;
+  float* ws_acc = workspace;
+  float* ws_ml = workspace + static_cast<size_t>(gridDim.z) * n_splits * nq::kHeads * 128;
   extern __shared__ __align__(128) unsigned char smem[];
   unsigned char* ring = smem;                                              // [kStages][2][4096 B]
   float* merge_acc = reinterpret_cast<float*>(smem + kRingBytes);          // [kConsumers][kG][128]
@@ -419,15 +449,17 @@ extern "C" __global__ void __launch_bounds__(nq_dec::kThreads, 1)
 
   const int kvh = blockIdx.x;
   const int split = blockIdx.y;
+  const int b = blockIdx.z;  // sequence of the batch
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
+  const int* table = page_table + static_cast<size_t>(b) * max_pages;
+  const uint16_t* qb = q + static_cast<size_t>(b) * nq::kQDim;
 
-  // clamp to what the page table can address: a corrupt length must not walk off the table
-  const int seq_len = min(max(*seq_len_dev, 0), max_pages * nq::kPageTokens);
+  const SplitRange r = split_range(seq_len_dev[b], max_pages, n_splits);
+  const int seq_len = r.seq_len;
+  const int p0 = split * r.per_split;
   const int n_seq_pages = (seq_len + nq::kPageTokens - 1) / nq::kPageTokens;
-  const int per_split = (n_seq_pages + kSplits - 1) / kSplits;
-  const int p0 = split * per_split;
-  const int count = max(0, min(p0 + per_split, n_seq_pages) - p0);  // pages of this split
+  const int count = max(0, min(p0 + r.per_split, n_seq_pages) - p0);  // pages of this split
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
@@ -440,11 +472,10 @@ extern "C" __global__ void __launch_bounds__(nq_dec::kThreads, 1)
   __syncthreads();  // every role sees initialised barriers; outside any role branch
 
   // ---- role branches ----------------------------------------------------------------------------
-  // NO __syncthreads() (or any block-wide barrier) may appear inside either branch. The seed runtime
-  // had one inside the producer-only branch: only that warp reached it, the consumer warps did not,
-  // behaviour was undefined and consumers read stale ring slots on tail pages (SEED.md, war story 1).
-  // Here every hand-off is an mbarrier (full/empty per slot) and the only block barriers are the one
-  // above and the one after both branches.
+  // NO __syncthreads() (or any block-wide barrier) may appear inside either branch: only the threads of
+  // one role would reach it, which is undefined behaviour (in practice consumers then read ring slots
+  // before their copies land). Every hand-off is an mbarrier (full/empty per slot); the only block
+  // barriers are the one above and the one after both branches.
   if (warp == 0) {
     // producer: one lane issues everything; the other 31 lanes go straight to the final barrier
     if (lane == 0) {
@@ -452,7 +483,7 @@ extern "C" __global__ void __launch_bounds__(nq_dec::kThreads, 1)
         const int slot = i % kStages;
         const int use = i / kStages;
         if (use > 0) mbar_wait(&empty[slot], (use - 1) & 1);  // the consumer of use-1 is done
-        const int page = page_table[p0 + i];
+        const int page = table[p0 + i];
         const size_t off = ((static_cast<size_t>(layer) * n_pages + page) * nq::kKvHeads + kvh) *
                            static_cast<size_t>(kPageElems);
         unsigned char* dst = ring + slot * kSlotBytes;
@@ -463,15 +494,16 @@ extern "C" __global__ void __launch_bounds__(nq_dec::kThreads, 1)
     }
   } else {
 #if NQ_DECODE_MMA
-    consume_mma(warp - 1, lane, ring, full, empty, q, kvh, p0, count, seq_len, merge_acc, merge_m, merge_l);
+    consume_mma(warp - 1, lane, ring, full, empty, qb, kvh, p0, count, seq_len, merge_acc, merge_m, merge_l);
 #else
-    consume_fma(warp - 1, lane, ring, full, empty, q, kvh, p0, count, seq_len, merge_acc, merge_m, merge_l,
+    consume_fma(warp - 1, lane, ring, full, empty, qb, kvh, p0, count, seq_len, merge_acc, merge_m, merge_l,
                 pbuf_all);
 #endif
   }
   __syncthreads();  // both roles done; the one block-wide barrier after the role branches
 
-  // merge the 4 consumer states into this split's partial (all 160 threads)
+  // merge the consumer states into this split's partial (all threads)
+  const size_t part = static_cast<size_t>(b) * n_splits + split;  // (sequence, split) partial index
   for (int idx = threadIdx.x; idx < kG * 128; idx += kThreads) {
     const int g = idx >> 7, d = idx & 127;
     float mx = neg_inf();
@@ -488,32 +520,25 @@ extern "C" __global__ void __launch_bounds__(nq_dec::kThreads, 1)
       }
     }
     const int h = kvh * kG + g;
-    ws_acc[(static_cast<size_t>(split) * nq::kHeads + h) * 128 + d] = a;
+    ws_acc[(part * nq::kHeads + h) * 128 + d] = a;
     if (d == 0) {
-      ws_ml[(split * nq::kHeads + h) * 2 + 0] = mx;  // -inf for an empty split: neutral in combine
-      ws_ml[(split * nq::kHeads + h) * 2 + 1] = sum;
+      ws_ml[(part * nq::kHeads + h) * 2 + 0] = mx;  // -inf for an empty split: neutral in combine
+      ws_ml[(part * nq::kHeads + h) * 2 + 1] = sum;
     }
   }
 }
 
-// out[h, d] = sum_s 2^(m_s - M) acc_s[h, d] / sum_s 2^(m_s - M) l_s   (M = max_s m_s)
+// The combine: one block per (head, sequence).
 extern "C" __global__ void __launch_bounds__(128)
-    attention_decode_combine(const float* __restrict__ ws_acc,  // [splits, NQ_NHEADS, 128]
-                             const float* __restrict__ ws_ml,   // [splits, NQ_NHEADS, 2]
-                             nq::uint16_t* __restrict__ out) {          // [NQ_NHEADS*128]
+    nq_attention_decode_combine(const float* __restrict__ workspace,   // the split kernel's partials
+                                const int* __restrict__ seq_len_dev,   // [B]
+                                int max_pages, int n_splits,
+                                nq::uint16_t* __restrict__ out) {      // [B, NQ_NHEADS*128]
   using namespace nq_dec;
-  const int h = blockIdx.x, d = threadIdx.x;
-  float mx = neg_inf();
-  for (int s = 0; s < kSplits; ++s) mx = fmaxf(mx, ws_ml[(s * nq::kHeads + h) * 2]);
-  float a = 0.f, sum = 0.f;
-  for (int s = 0; s < kSplits; ++s) {
-    const float ms = ws_ml[(s * nq::kHeads + h) * 2];
-    if (ms != neg_inf()) {
-      const float f = exp2f(ms - mx);
-      a += f * ws_acc[(static_cast<size_t>(s) * nq::kHeads + h) * 128 + d];
-      sum += f * ws_ml[(s * nq::kHeads + h) * 2 + 1];
-    }
-  }
-  // seq_len 0 leaves every split empty: defined output 0 rather than 0/0
-  out[h * 128 + d] = nq::f2h(sum > 0.f ? a / sum : 0.f);
+  const float* ws_acc = workspace;
+  const float* ws_ml = workspace + static_cast<size_t>(gridDim.y) * n_splits * nq::kHeads * 128;
+  const int h = blockIdx.x, b = blockIdx.y, d = threadIdx.x;
+  const int used = split_range(seq_len_dev[b], max_pages, n_splits).used;
+  out[static_cast<size_t>(b) * nq::kQDim + h * 128 + d] =
+      nq::f2h(combine_one(ws_acc, ws_ml, static_cast<size_t>(b) * n_splits, used, h, d));
 }

@@ -1,22 +1,27 @@
-// sampling.cu: picking the next token on the device (no host sync: a decode step stays one CUDA graph).
+// sampling.cu: picking the next token of every row of a batch on the device (no host sync: a decode
+// step stays one CUDA graph).
 //
-// What:
-//   nq_argmax   token_out = argmax(logits), the lowest id on ties (numpy's rule). NaN logits are skipped.
-//   nq_sample   the engine's sampler pipeline (nanoqwen_engine.sampler, transformers' order):
-//               repetition penalty over a presence mask -> temperature -> top-k -> top-p -> min-p ->
-//               softmax -> one draw from a counter-based RNG; temperature 0 is the argmax of the
-//               penalised logits. It marks the drawn id in the presence mask and advances the RNG step.
-//   nq_advance  pos += 1, seq_len += 1 (the decode step's device counters).
-// Shapes/dtypes: logits fp32 [V]; token_out int32 [1]; history uint8 [V] (1 = id seen in the sequence);
-//   params fp32 [5] = temperature, top_k, top_p, min_p, repetition_penalty (device memory, so one captured
-//   graph serves every request); rng uint64 [2] = seed, step.
-// Launch: nq_argmax: kArgBlocks x 256, the last block to finish (atomic ticket) reduces the per-block
-//   winners and re-arms the ticket, so the kernel replays in a graph. nq_sample: one block of 1024
-//   threads (V = 152064 is 149 logits per thread; it runs only in sampling mode, where ~10 us is <1% of
-//   a decode step). nq_advance: 1 thread.
+// What (row b of a batch of B; logits row b = logits + b * n):
+//   nq_argmax   token_out[b] = argmax(logits[b]), the lowest id on ties (numpy's rule). NaN logits are
+//               skipped.
+//   nq_sample   the engine's sampler pipeline (nanoqwen_engine.sampler, transformers' order) with row b's
+//               own parameters, RNG stream and presence mask: repetition penalty over the mask ->
+//               temperature -> top-k -> top-p -> min-p -> softmax -> one draw from a counter-based RNG;
+//               temperature 0 is the argmax of the penalised logits, so greedy and sampled rows mix in
+//               one launch. It marks the drawn id in row b's mask and advances row b's RNG step.
+//   nq_advance  pos[b] += 1, seq_len[b] += 1 for every active row (seq_len > 0); idle (padding) rows,
+//               seq_len 0, stay idle.
+// Shapes/dtypes: logits fp32 [B, n]; token_out int32 [B]; history uint8 [B, n] (1 = id seen in row b's
+//   sequence); params fp32 [B, 5] = temperature, top_k, top_p, min_p, repetition_penalty; rng uint64
+//   [B, 2] = seed, step. All in device memory, so one captured graph serves every request mix.
+// Launch: nq_argmax: grid (blocks_per_row, B) x 256 threads; in each row the last block to finish (an
+//   atomic ticket per row) reduces the row's per-block winners and re-arms its ticket, so the kernel
+//   replays in a graph. blocks_per_row is a launch argument (sampling.py: 128 at B = 1, fewer per row
+//   as B grows, so the grid stays a few hundred blocks). nq_sample: grid (B) x 1024 threads, one block
+//   per row (V = 152064 is 149 logits per thread). nq_advance: ceil(B / 128) x 128.
 //
-// nq_sample, step by step (x_i = processed logit of id i, key_i = x_i's bits mapped to an unsigned
-//   integer of the same order):
+// nq_sample, step by step for one row (x_i = processed logit of id i, key_i = x_i's bits mapped to an
+//   unsigned integer of the same order):
 //   1. M = max x_i (and the argmax, which is the answer when temperature == 0).
 //   2. K = top_k when 0 < top_k < V, else V; capped at kCand = 1024. Radix select (4 passes of 8 bits,
 //      shared-memory histograms) finds the K-th largest key; the ids at or above it are gathered (ties
@@ -32,16 +37,18 @@
 //   is usually far smaller than 1024 anyway; the draw is then renormalised over the kept candidates, so
 //   the result is a proper distribution. The same seed does not reproduce the numpy sampler's ids (a
 //   different RNG and cumulative order); the distribution is the same (tested empirically).
-// RNG: splitmix64 of (seed, step) -> 53-bit uniform; counter-based, so replaying step s gives the same
-//   draw, and no state but the step counter lives on the device.
-// Tested: tests/test_sampling_gpu.py (argmax exact incl. ties, masks respected, seeded reproducible,
-//   empirical distribution vs the expected one by a chi-square bound).
+// RNG: splitmix64 of (seed, step) -> 53-bit uniform; counter-based, so a row's draw depends only on its
+//   seed, its step and its logits, never on which row of which batch it ran in; no state but the step
+//   counter lives on the device. The engine sets step = the position of the token being drawn, so a
+//   sequence's stream survives moving between rows.
+// Tested: tests/test_sampling_gpu.py (argmax exact incl. ties, per row; masks respected, seeded
+//   reproducible, rows independent of their batch, empirical distribution vs the expected one by a
+//   chi-square bound).
 #include "common.cuh"
 
 namespace nq {
 
 constexpr int kArgThreads = 256;
-constexpr int kArgBlocks = 128;
 constexpr int kSampThreads = 1024;
 constexpr int kCand = 1024;  // candidate cap (see header)
 
@@ -102,49 +109,57 @@ __device__ __forceinline__ float processed(const float* logits, const uint8_t* h
 using namespace nq;
 
 extern "C" __global__ void __launch_bounds__(kArgThreads) nq_argmax(
-    const float* __restrict__ logits,  // [V] fp32
+    const float* __restrict__ logits,  // [B, n] fp32
     int n,                             // V
-    float* part_v, int* part_i,        // [kArgBlocks] workspace: per-block winners
-    unsigned int* ticket,              // [1] workspace, 0 between launches
-    int32_t* __restrict__ token_out) { // [1]
+    float* part_v, int* part_i,        // [B, gridDim.x] workspace: per-block winners
+    unsigned int* ticket,              // [B] workspace, 0 between launches
+    int32_t* __restrict__ token_out) { // [B]
   __shared__ float sv[32];
   __shared__ int si[32];
   __shared__ bool last;
+  const int row = blockIdx.y, nblk = gridDim.x;
+  const float* x = logits + static_cast<size_t>(row) * n;
   float v = -NQ_INF;
   int idx = 0x7fffffff;
-  for (int i = blockIdx.x * kArgThreads + threadIdx.x; i < n; i += kArgBlocks * kArgThreads)
-    better(v, idx, logits[i], i);
+  for (int i = blockIdx.x * kArgThreads + threadIdx.x; i < n; i += nblk * kArgThreads) better(v, idx, x[i], i);
   block_argmax<kArgThreads>(v, idx, sv, si);
   if (threadIdx.x == 0) {
-    part_v[blockIdx.x] = v;
-    part_i[blockIdx.x] = idx;
+    part_v[row * nblk + blockIdx.x] = v;
+    part_i[row * nblk + blockIdx.x] = idx;
     __threadfence();  // winner visible device-wide before the ticket says so
-    last = atomicAdd(ticket, 1u) == kArgBlocks - 1;
+    last = atomicAdd(&ticket[row], 1u) == static_cast<unsigned int>(nblk - 1);
   }
   __syncthreads();  // `last` visible to the block
   if (!last) return;  // block-uniform exit: no barrier is skipped by part of a block
   __threadfence();    // pairs with the writers' fence: read the other blocks' winners fresh
   v = -NQ_INF;
   idx = 0x7fffffff;
-  for (int b = threadIdx.x; b < kArgBlocks; b += kArgThreads) {
-    const float pv = *reinterpret_cast<volatile float*>(part_v + b);
-    const int pi = *reinterpret_cast<volatile int*>(part_i + b);
+  for (int b = threadIdx.x; b < nblk; b += kArgThreads) {
+    const float pv = *reinterpret_cast<volatile float*>(part_v + row * nblk + b);
+    const int pi = *reinterpret_cast<volatile int*>(part_i + row * nblk + b);
     better(v, idx, pv, pi);
   }
   block_argmax<kArgThreads>(v, idx, sv, si);
   if (threadIdx.x == 0) {
-    token_out[0] = idx == 0x7fffffff ? 0 : idx;  // all-NaN logits: id 0 rather than garbage
-    *ticket = 0;  // re-arm for the next launch (graph replay)
+    token_out[row] = idx == 0x7fffffff ? 0 : idx;  // all-NaN logits: id 0 rather than garbage
+    ticket[row] = 0;  // re-arm for the next launch (graph replay)
   }
 }
 
 extern "C" __global__ void __launch_bounds__(kSampThreads) nq_sample(
-    const float* __restrict__ logits,   // [V] fp32
-    int n,                              // V
-    const float* __restrict__ params,   // [5] temperature, top_k, top_p, min_p, repetition_penalty
-    uint64_t* __restrict__ rng,         // [2] seed, step (step += 1 here)
-    uint8_t* __restrict__ history,      // [V] presence mask; the drawn id is marked
-    int32_t* __restrict__ token_out) {  // [1]
+    const float* __restrict__ logits_all,   // [B, n] fp32
+    int n,                                  // V
+    const float* __restrict__ params_all,   // [B, 5] temperature, top_k, top_p, min_p, repetition_penalty
+    uint64_t* __restrict__ rng_all,         // [B, 2] seed, step (step += 1 here)
+    uint8_t* __restrict__ history_all,      // [B, n] presence masks; the drawn id is marked
+    int32_t* __restrict__ token_all) {      // [B]
+  // one block per row: everything below is row b's
+  const int row = blockIdx.x;
+  const float* logits = logits_all + static_cast<size_t>(row) * n;
+  const float* params = params_all + row * 5;
+  uint64_t* rng = rng_all + row * 2;
+  uint8_t* history = history_all + static_cast<size_t>(row) * n;
+  int32_t* token_out = token_all + row;
   __shared__ float sv[32];
   __shared__ int si[32];
   __shared__ float sred[32];
@@ -331,7 +346,10 @@ extern "C" __global__ void __launch_bounds__(kSampThreads) nq_sample(
   }
 }
 
-extern "C" __global__ void nq_advance(int32_t* pos_dev, int32_t* seq_len_dev) {
-  pos_dev[0] += 1;
-  seq_len_dev[0] += 1;
+extern "C" __global__ void nq_advance(int32_t* pos_dev, int32_t* seq_len_dev, int rows) {
+  const int b = blockIdx.x * blockDim.x + threadIdx.x;
+  if (b < rows && seq_len_dev[b] > 0) {  // idle rows (seq_len 0) stay idle
+    pos_dev[b] += 1;
+    seq_len_dev[b] += 1;
+  }
 }

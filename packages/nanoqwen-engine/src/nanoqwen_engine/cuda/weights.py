@@ -1,0 +1,59 @@
+"""The GPU weights as typed records, named like the reference backend's (reference/weights.py).
+
+The upload (plan.py, device.py) fills one device buffer per plan key; `gpu_weights` groups them into
+records, so the decode and prefill code names `layer.qkv.qweight` instead of `w[f"{i}.qkv.w"]`. The fused
+matrices are the reference's projections stacked by rows (plan.py): `qkv` = q|k|v, `gate_up` = gate|up.
+
+    GpuWeights: embed [V, H] f16, lm_head [V, H] f16 (the embed buffer itself when tied),
+                final_norm [H] f16, layers: list[GpuLayer]
+    GpuLayer:   in_norm, post_norm [H] f16; qkv, o, gate_up, down: Int4Weight; qkv_bias [Nq + 2 Nkv] f16
+    Int4Weight: qweight uint32 [N, K/8] (ValueShuffle words), scales f16 [N, K/128]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Int4Weight:
+    qweight: Any  # uint32 [N, K/8]
+    scales: Any  # f16 [N, K/128]
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.qweight.nbytes) + int(self.scales.nbytes)
+
+
+@dataclass(frozen=True)
+class GpuLayer:
+    in_norm: Any  # f16 [H] (input_layernorm)
+    qkv: Int4Weight  # rows q | k | v
+    qkv_bias: Any  # f16 [Nq + 2 Nkv]
+    o: Int4Weight
+    post_norm: Any  # f16 [H] (post_attention_layernorm)
+    gate_up: Int4Weight  # rows gate | up
+    down: Int4Weight
+
+
+@dataclass(frozen=True)
+class GpuWeights:
+    embed: Any  # f16 [V, H]
+    lm_head: Any  # f16 [V, H]
+    final_norm: Any  # f16 [H]
+    layers: list[GpuLayer]
+
+
+def gpu_weights(bufs: dict[str, Any], n_layers: int) -> GpuWeights:
+    """Records over the uploaded buffers (keys of plan.build_upload_plan)."""
+
+    def int4(i: int, key: str) -> Int4Weight:
+        return Int4Weight(bufs[f"{i}.{key}.w"], bufs[f"{i}.{key}.s"])
+
+    layers = [
+        GpuLayer(in_norm=bufs[f"{i}.ln1"], qkv=int4(i, "qkv"), qkv_bias=bufs[f"{i}.qkv.b"], o=int4(i, "o"),
+                 post_norm=bufs[f"{i}.ln2"], gate_up=int4(i, "gu"), down=int4(i, "down"))
+        for i in range(n_layers)
+    ]
+    return GpuWeights(embed=bufs["embed"], lm_head=bufs["lm_head"], final_norm=bufs["norm"], layers=layers)
