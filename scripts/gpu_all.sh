@@ -8,7 +8,8 @@
 #   GPU_ALL_QUICK=1 bash scripts/gpu_all.sh       # a reduced ladder (30 prompts x 32 tokens, 7B 1 x 4)
 #   GPU_ALL_SECTIONS="kernels ladder" bash ...    # some sections only (clibench_graph: graph mode only)
 #
-# Sections: info, model7b (writes the 7B-shaped synthetic file once, shared by the ladder and the bench),
+# Sections (real, serve and llamacpp need $NQ_REAL_GGUF / the carried .whl and .peer; see their comments):
+# info, model7b (writes the 7B-shaped synthetic file once, shared by the ladder and the bench),
 # kernels / engine / ladder / cli (pytest -m gpu of each suite; cli = tests/test_cli_gpu.py), kbench (packages/nanoqwen-kernels/bench/*.py),
 # clibench (nanoqwen-cli bench --synthetic 7b --json, graph then eager), batchbench (scripts/bench_batch.py:
 # batched decode throughput, B = 1, 8, 32, 64 requests of 128 + 256 tokens at once), breakdown
@@ -39,7 +40,7 @@ if [ "${GPU_ALL_QUICK:-0}" = 1 ]; then
   export NANOQWEN_LADDER_PROMPTS=${NANOQWEN_LADDER_PROMPTS:-30} NANOQWEN_LADDER_TOKENS=${NANOQWEN_LADDER_TOKENS:-32}
   export NANOQWEN_LADDER_7B_PROMPTS=${NANOQWEN_LADDER_7B_PROMPTS:-1} NANOQWEN_LADDER_7B_TOKENS=${NANOQWEN_LADDER_7B_TOKENS:-4}
 fi
-SECTIONS=${GPU_ALL_SECTIONS:-info model7b kernels engine ladder cli kbench clibench batchbench breakdown peer}
+SECTIONS=${GPU_ALL_SECTIONS:-info model7b kernels engine ladder cli kbench clibench batchbench breakdown peer real serve llamacpp}
 TABLE=$WORK/sections.tsv
 : >"$TABLE"
 LOG=$OUT/gpu_all.log
@@ -116,6 +117,33 @@ if want breakdown; then
     --json "$WORK/logs/breakdown_7b_b32.json"
 fi
 want peer && run peer 180 $PY scripts/peer_transformers.py --out "$OUT/peer_transformers.json"
+
+# The real Qwen2.5-Coder-1.5B-Instruct (issue 12): $NQ_REAL_GGUF is the GGUF moved over in pieces (see
+# docs/VALIDATION.md); converted here once, then the real tier against transformers fp32, our bench and the
+# perplexity of the interpreter's own standard library source.
+REAL_NQ=$NANOQWEN_CACHE/qwen2.5-coder-1.5b-instruct.nanoqwen
+if want real && [ -n "${NQ_REAL_GGUF:-}" ]; then
+  [ -f "$REAL_NQ" ] || run real_convert 240 $PY -c "import sys; from nanoqwen_format import convert; \
+print(convert(sys.argv[1], sys.argv[2], progress=False))" "$NQ_REAL_GGUF" "$REAL_NQ"
+  run real_tier 420 $PY scripts/real_vs_transformers.py "$REAL_NQ" --out "$OUT/real_vs_transformers.json"
+  run real_bench 120 bash -c "$PY -m nanoqwen_cli bench --model '$REAL_NQ' --json > '$WORK/logs/bench_real_1.5b.json'; \
+    rc=\$?; cat '$WORK/logs/bench_real_1.5b.json'; exit \$rc"
+fi
+# The OpenAI-compatible server under load (issue 14): needs the wheels in .whl (starlette, uvicorn, openai).
+if want serve; then
+  SERVE_MODEL=${SERVE_MODEL:-$NANOQWEN_LADDER_7B}
+  run serve_load 300 bash -c "$PY -m nanoqwen_cli serve --model '$SERVE_MODEL' --port 8765 >'$WORK/logs/serve_server.log' 2>&1 & \
+    pid=\$!; for i in \$(seq 120); do curl -sf http://127.0.0.1:8765/health >/dev/null && break; sleep 1; done; \
+    $PY scripts/load_openai.py --base-url http://127.0.0.1:8765/v1 --concurrency 1,8,32,64 --requests 64 \
+      --out '$OUT/serve_load.json'; rc=\$?; \
+    $PY scripts/load_openai.py --base-url http://127.0.0.1:8765/v1 --concurrency 1 --requests 4 --prompt-tokens 512 \
+      --max-tokens 128 --out '$WORK/logs/serve_c1_protocol.json'; kill -TERM \$pid; wait \$pid; exit \$rc"
+fi
+# llama.cpp in the same call (issue 18): scripts/peer_llamacpp.sh build must have run earlier in the lease.
+if want llamacpp && [ -n "${NQ_REAL_GGUF:-}" ]; then
+  run llamacpp_wait 540 bash scripts/peer_llamacpp.sh wait 530
+  OUT=$OUT run llamacpp_real 240 bash scripts/peer_llamacpp.sh bench real-1.5b "$NQ_REAL_GGUF"
+fi
 
 tar -czf "$OUT/details.tar.gz" -C "$WORK" logs ladder 2>/dev/null
 $PY scripts/gpu_summary.py "$TABLE" "$NANOQWEN_LADDER_OUT" "$OUT" | tee "$OUT/summary.txt"
