@@ -133,7 +133,7 @@ fi
 if want serve; then
   SERVE_MODEL=${SERVE_MODEL:-$NANOQWEN_LADDER_7B}
   run serve_load 300 bash -c "$PY -m nanoqwen_cli serve --model '$SERVE_MODEL' --port 8765 >'$WORK/logs/serve_server.log' 2>&1 & \
-    pid=\$!; for i in \$(seq 120); do curl -sf http://127.0.0.1:8765/health >/dev/null && break; sleep 1; done; \
+    pid=\$!; for i in \$(seq 120); do $PY -c 'import urllib.request as u; u.urlopen(\"http://127.0.0.1:8765/health\", timeout=2)' 2>/dev/null && break; sleep 1; done; \
     $PY scripts/load_openai.py --base-url http://127.0.0.1:8765/v1 --concurrency 1,8,32,64 --requests 64 \
       --out '$OUT/serve_load.json'; rc=\$?; \
     $PY scripts/load_openai.py --base-url http://127.0.0.1:8765/v1 --concurrency 1 --requests 4 --prompt-tokens 512 \
