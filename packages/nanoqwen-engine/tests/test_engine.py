@@ -125,16 +125,17 @@ def test_prompt_too_long_allocates_nothing(tiny_engine):
     assert exact.finish_reason == "context" and len(exact.token_ids) == 1
 
 
-def test_pool_exhausted_mid_request_then_engine_still_works(tiny_path):
+def test_request_that_can_never_fit_the_pool_is_refused_at_submit(tiny_path):
     engine = Engine.load(tiny_path, device="cpu", max_context=96, kv_pages=3, progress=False)
-    text = _ids_text(engine, 40)  # 3 pages; token 49 needs a 4th
-    with pytest.raises(KVPagesExhaustedError, match="KV cache full"):
-        engine.complete(text, SamplingParams(temperature=0, max_tokens=30))
+    text = _ids_text(engine, 40)  # 3 pages; 40 + 30 - 1 cached tokens would need 5
+    with pytest.raises(KVPagesExhaustedError, match="KV cache too small for this request.*whole pool has 3"):
+        engine.submit(text, SamplingParams(temperature=0, max_tokens=30))
+    with pytest.raises(KVPagesExhaustedError):  # the prompt alone needs 4 pages
+        engine.complete(_ids_text(engine, 60), SamplingParams(temperature=0, max_tokens=1))
+    assert pool_idle(engine) and engine.stats()["waiting"] == 0
+    c = engine.complete(text, SamplingParams(temperature=0, max_tokens=9))  # 48 tokens: exactly 3 pages
+    assert c.finish_reason == "length" and len(c.token_ids) == 9
     assert pool_idle(engine)
-    with pytest.raises(KVPagesExhaustedError):  # at prefill: the prompt alone needs 4 pages
-        engine.complete(_ids_text(engine, 60), GREEDY)
-    assert pool_idle(engine)
-    assert engine.complete("def fib(n):", SamplingParams(temperature=0, max_tokens=5)).finish_reason == "length"
 
 
 def test_closing_the_stream_frees_the_sequence(tiny_engine):
@@ -203,30 +204,30 @@ def test_fim_prompt_is_raw_text_with_special_tokens(tiny_engine):
 
 
 def test_decode_time_excludes_the_callers_time(tiny_engine):
+    """The engine runs ahead of a slow consumer (events are buffered), so decode_s is the engine's time
+    from the first to the last token, not the caller's sleeps between events."""
     import time
 
-    t0 = time.perf_counter()
     events = []
     for ev in tiny_engine.generate("x", SamplingParams(temperature=0, max_tokens=3)):
         events.append(ev)
-        time.sleep(0.2)
-    wall = time.perf_counter() - t0
+        time.sleep(0.5)
     stats = events[-1].stats
     assert stats["generated_tokens"] == 3 and stats["decode_s"] > 0
-    assert stats["prefill_s"] + stats["decode_s"] <= wall - 3 * 0.2 + 1e-3
+    assert stats["decode_s"] < 2 * 0.5 and stats["ttft_s"] >= stats["prefill_s"]
 
 
-def test_failed_request_leaves_a_live_sequence_intact(tiny_path):
-    """A request that finds the pool full fails alone: a stream already running continues with exactly
-    the tokens it would have produced by itself."""
+def test_request_waits_for_pages_then_both_give_their_solo_tokens(tiny_path):
+    """A request whose prompt finds too few free pages waits in the queue (it is not failed) while the
+    running one continues; both end with exactly the tokens each produces alone."""
     engine = Engine.load(tiny_path, device="cpu", max_context=96, kv_pages=4, progress=False)
-    text = _ids_text(engine, 40)  # 3 pages, room to 48 tokens
+    text_a, text_b = _ids_text(engine, 40), _ids_text(engine, 30)  # 3 pages (to 46 tokens), 2 pages
     params = SamplingParams(temperature=0, max_tokens=6)
-    solo = engine.complete(text, params).token_ids
-    running = engine.generate(text, params)
-    first = [next(running).token_id, next(running).token_id]
-    with pytest.raises(KVPagesExhaustedError):
-        engine.complete(_ids_text(engine, 30), GREEDY)  # needs 2 pages, 1 free
-    assert engine.backend.pool.n_free == 1 and len(engine.backend.pool.sequences) == 1
-    assert first + [e.token_id for e in running] == solo
+    solo_a = engine.complete(text_a, params).token_ids
+    solo_b = engine.complete(text_b, params).token_ids
+    running = engine.generate(text_a, params)
+    first = [next(running).token_id]
+    other = engine.submit(text_b, params)
+    assert first + [e.token_id for e in running] == solo_a
+    assert other.result().token_ids == solo_b
     assert pool_idle(engine)

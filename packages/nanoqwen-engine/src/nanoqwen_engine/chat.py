@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from jinja2 import TemplateError as _JinjaTemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from .errors import InvalidRequestError, TemplateError
+from .errors import InvalidRequestError, ModelFormatError, TemplateError
 
 # Used when a checkpoint ships no template (base models): plain ChatML, which every Qwen2.5 model reads.
 CHATML_FALLBACK = (
@@ -41,10 +41,17 @@ class ChatTemplate:
 
     @classmethod
     def from_tokenizer_config(cls, tokenizer_config: dict) -> ChatTemplate:
+        if not isinstance(tokenizer_config, dict):
+            raise ModelFormatError(f"tokenizer_config must be a JSON object, got {type(tokenizer_config).__name__}")
         src = tokenizer_config.get("chat_template") or CHATML_FALLBACK
         if isinstance(src, list):  # newer configs: [{"name": "default", "template": ...}, ...]
+            if not all(isinstance(t, dict) for t in src):
+                raise ModelFormatError("tokenizer_config.chat_template: a list must hold {name, template} objects")
             named = {t.get("name"): t.get("template") for t in src}
             src = named.get("default") or next(iter(named.values()))
+        if not isinstance(src, str):
+            raise ModelFormatError(f"tokenizer_config.chat_template must be a string (Jinja source), got "
+                                   f"{type(src).__name__}")
         special = {
             k: v for k in ("bos_token", "eos_token", "pad_token", "unk_token")
             if isinstance(v := tokenizer_config.get(k), str)

@@ -1,83 +1,102 @@
-"""Engine: load a model, turn prompts into token streams.
+"""Engine: load a model, serve many requests at once through one engine thread.
 
-  prompt / messages --chat template, tokenizer--> ids --backend.prefill--> first id
-     --(stop checks, detokenizer)--> event --backend.decode--> next id --> ... --> finish_reason
+  caller threads / asyncio                         engine thread (owns the backend, so the GPU)
+  ------------------------------------             ------------------------------------------------
+  submit(prompt, params)                           loop:
+    encode, validate (raise here)                    run queued calls (score)
+    waiting.append(Request) ---- lock + notify --->  schedule()   cancellations, preemption, admission
+    -> RequestHandle                                 execute()    one batched decode + prefill chunks
+  for ev in handle / async for ev in handle  <----   update       ids -> events -> handles
+  handle.cancel() ------------ lock + notify --->    (freed at the next step boundary)
 
-One request at a time per Engine. Each request takes a sequence from the backend's page pool and gives it
-back when it ends: normally, on an error, or when the caller stops iterating (generator close), so the
-engine stays usable after any failed request.
+`generate`, `complete` and `score` are built on `submit`: a single request is a batch of one. The engine
+thread starts with the first request and stops in `close()`; it is a daemon, so a program that forgets
+close() still exits. The scheduling policy (chunked prefill, admission, preemption) is scheduler.py's.
 """
 
 from __future__ import annotations
 
+import itertools
+import threading
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
+from typing import Any, TypeVar
 
 import numpy as np
 
+from .argcheck import check_bool, check_int, is_int
+from .backend import Backend
 from .config import ModelConfig
 from .errors import (
+    ConfigError,
+    EngineClosedError,
     InvalidRequestError,
+    KVPagesExhaustedError,
     ModelFormatError,
     NanoqwenError,
     NoGPUError,
     PromptTooLongError,
+    QueueFullError,
 )
+from .kv_pages import pages_for
 from .model_source import resolve_model
 from .params import SamplingParams
+from .request import Completion, GenerationEvent, Request, RequestHandle
 from .sampler import SamplerState
-from .stops import StopStrings
+from .scheduler import Scheduler
 from .tokenizer import Tokenizer
 
+T = TypeVar("T")
 
-@dataclass
-class GenerationEvent:
-    token_id: int  # the token just generated
-    text: str  # text completed by it ('' while a character or a possible stop string is held back)
-    finish_reason: str | None = None  # None until the last event: "stop", "length" or "context"
-    stats: dict | None = None  # on the last event only: the request's numbers (see Completion.stats)
-
-
-@dataclass
-class Completion:
-    text: str
-    token_ids: list[int]  # every generated id, the eos id included when one ended the request
-    finish_reason: str
-    prompt_tokens: int
-    # prompt_tokens, generated_tokens, prefill_s (prompt -> first token), decode_s (time inside the
-    # generated_tokens - 1 decode steps, not counting the caller's time between events), seed
-    stats: dict = field(default_factory=dict)
+DEFAULT_MAX_BATCH = 64
+DEFAULT_PREFILL_CHUNK = 512
+DEFAULT_MAX_QUEUE = 256
 
 
 class Engine:
-    def __init__(self, backend, tokenizer: Tokenizer, nqfile, path, load_s: float):
+    def __init__(self, backend: Backend, tokenizer: Tokenizer, nqfile, path, load_s: float,
+                 max_batch: int = DEFAULT_MAX_BATCH, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+                 max_queue: int = DEFAULT_MAX_QUEUE):
+        _check_serving_args(max_batch, prefill_chunk, max_queue)
         self.backend = backend
         self.tokenizer = tokenizer
         self.config: ModelConfig = backend.config
         self.generation_config: dict = dict(nqfile.generation_config or {})
         self.path = path
         self._file = nqfile  # keeps the mmap alive while backends hold views of it
-        ctx = getattr(backend, "max_context", None) or backend.pool.max_tokens_per_seq
-        self.max_context = min(int(ctx), backend.pool.max_tokens_per_seq)
-        self._info = {"model": str(path), "load_s": load_s, "max_context": self.max_context}
+        self.max_context = min(int(backend.max_context), backend.pool.max_tokens_per_seq)
+        self.max_batch, self.prefill_chunk, self.max_queue = max_batch, prefill_chunk, max_queue
+        self._info = {"model": str(path), "load_s": load_s, "max_context": self.max_context,
+                      "max_batch": max_batch, "prefill_chunk": prefill_chunk, "max_queue": max_queue}
+        self._cv = threading.Condition()  # guards the waiting queue, cancellations, calls, closing
+        self._scheduler = Scheduler(backend, max_batch, prefill_chunk)
+        self._calls: list[tuple[Callable[[], Any], Future]] = []
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._closing = False
+        self._closed_error: EngineClosedError | None = None
 
     @property
     def info(self) -> dict:
         """What the load took and what the backend reports; read live, because some figures (the decode
         graph's kernel-node count) exist only after the first decode step."""
-        return {**getattr(self.backend, "info", {}), **self._info}
+        return {**self.backend.info, **self._info}
 
     @classmethod
     def load(cls, path_or_hf_id, device: str = "cuda", max_context: int | None = None, progress: bool = True,
-             kv_pages: int | None = None, decode_mode: str = "graph") -> Engine:
+             kv_pages: int | None = None, decode_mode: str = "graph", max_batch: int = DEFAULT_MAX_BATCH,
+             prefill_chunk: int = DEFAULT_PREFILL_CHUNK, max_queue: int = DEFAULT_MAX_QUEUE) -> Engine:
         """Open a .nanoqwen file (an HF folder or hub id is converted into the cache first).
 
         device: "cuda" (nanoqwen_engine.cuda.CudaBackend) or "cpu" (the numpy reference backend).
         max_context: tokens per sequence (default: the backend's choice). kv_pages: page-pool size.
-        decode_mode: "graph" (one CUDA graph replay per token) or "eager" (the same launches one by one,
-        for debugging and the seed's eager-vs-graph comparison); the CPU backend has only one mode.
-        Format errors from nanoqwen_format are wrapped in ModelFormatError (original as __cause__).
+        decode_mode: "graph" (CUDA graph replays) or "eager" (the same launches one by one, for
+        debugging); the CPU backend has only one mode. max_batch: running sequences at most;
+        prefill_chunk: prompt tokens prefilled per step at most; max_queue: waiting requests at most.
+        Every argument is checked before the model is touched (InvalidRequestError). Format errors from
+        nanoqwen_format are wrapped in ModelFormatError (original as __cause__); a config or
+        generation_config value of the wrong type or range is a ConfigError (a ModelFormatError).
         """
         t0 = time.perf_counter()
         if device not in ("cuda", "cpu"):
@@ -87,18 +106,26 @@ class Engine:
         if device == "cpu" and decode_mode != "graph":
             raise InvalidRequestError("decode_mode='eager' applies to device='cuda' only (the CPU reference "
                                       "backend has no graphs)")
-        if max_context is not None and max_context < 1:
-            raise InvalidRequestError(f"max_context must be >= 1, got {max_context}")
+        if max_context is not None:
+            check_int("max_context", max_context, InvalidRequestError, lo=1)
+        if kv_pages is not None:
+            check_int("kv_pages", kv_pages, InvalidRequestError, lo=1)
+        check_bool("progress", progress, InvalidRequestError)
+        _check_serving_args(max_batch, prefill_chunk, max_queue)
         path = resolve_model(path_or_hf_id, progress=progress)
         from nanoqwen_format import NanoqwenFormatError, open_model
 
         try:
             nq = open_model(path)
             config = ModelConfig.from_hf(nq.config, nq.generation_config)
+            _check_generation_config(nq.generation_config)
             tokenizer = Tokenizer(nq.tokenizer_json, nq.tokenizer_config)
         except NanoqwenFormatError as e:
             raise ModelFormatError(f"{path}: {e}") from e
+        except ModelFormatError as e:  # ConfigError included: say which file
+            raise type(e)(f"{path}: {e}") from e
         extra = {"n_pages": kv_pages} if kv_pages is not None else {}
+        backend: Backend
         try:
             if device == "cpu":
                 from .reference import ReferenceBackend
@@ -108,10 +135,11 @@ class Engine:
                 backend = cls._cuda_backend(nq, config, max_context, progress, {**extra, "decode_mode": decode_mode})
         except NanoqwenFormatError as e:
             raise ModelFormatError(f"{path}: {e}") from e
-        return cls(backend, tokenizer, nq, path, time.perf_counter() - t0)
+        return cls(backend, tokenizer, nq, path, time.perf_counter() - t0, max_batch=max_batch,
+                   prefill_chunk=prefill_chunk, max_queue=max_queue)
 
     @staticmethod
-    def _cuda_backend(nq, config, max_context, progress, extra):
+    def _cuda_backend(nq, config, max_context, progress, extra) -> Backend:
         try:
             from .cuda import CudaBackend
         except ImportError as e:  # CuPy (or the kernels package) missing: no GPU path on this install
@@ -123,92 +151,224 @@ class Engine:
     # -- requests --
 
     def encode_prompt(self, prompt_or_messages) -> list[int]:
-        """A str is raw text (special-token markup parsed); a list of messages goes through the template."""
-        if isinstance(prompt_or_messages, str):
-            text = prompt_or_messages
-        elif isinstance(prompt_or_messages, Sequence):
-            text = self.tokenizer.apply_chat_template(prompt_or_messages, add_generation_prompt=True)
+        """A str is raw text (special-token markup parsed); a list of token ids (ints) is taken as is; a
+        list of messages ({"role", "content"} dicts) goes through the chat template."""
+        p = prompt_or_messages
+        if isinstance(p, str):
+            ids = self.tokenizer.encode(p)
+        elif isinstance(p, np.ndarray) or (isinstance(p, Sequence) and len(p) > 0 and is_int(p[0])):
+            return token_ids_arg(p, self.config.vocab, "prompt").tolist()
+        elif isinstance(p, Sequence):
+            ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(p, add_generation_prompt=True))
         else:
-            raise InvalidRequestError(f"prompt must be a str or a list of messages, got {type(prompt_or_messages).__name__}")
-        ids = self.tokenizer.encode(text)
+            raise InvalidRequestError(f"prompt must be a str, a list of token ids or a list of messages, got "
+                                      f"{type(p).__name__}")
         if not ids:
             raise InvalidRequestError("the prompt is empty")
         if max(ids) >= self.config.vocab:
             raise InvalidRequestError(f"prompt token id {max(ids)} is outside the model's vocabulary of {self.config.vocab}")
         return ids
 
-    def generate(self, prompt_or_messages, params: SamplingParams | None = None) -> Iterator[GenerationEvent]:
-        """Yield one GenerationEvent per generated token; the last one carries finish_reason and stats.
+    def submit(self, prompt_or_messages, params: SamplingParams | None = None) -> RequestHandle:
+        """Queue a request; returns its handle at once. Thread-safe.
 
-        Validation (prompt, params, length) happens here, before the first event is requested, so a bad
-        request raises at the call, not later inside a loop.
+        prompt_or_messages: raw text, a list of token ids, or a list of chat messages (encode_prompt).
+
+        Raises here, with nothing queued: InvalidRequestError (prompt, params), PromptTooLongError (the
+        prompt exceeds the context), KVPagesExhaustedError (the request could never fit the whole page
+        pool: its prompt + max_tokens - 1 tokens, capped at the context, need more pages than exist),
+        QueueFullError (`max_queue` requests already wait), EngineClosedError.
         """
+        if params is not None and not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
         ids = self.encode_prompt(prompt_or_messages)
         p = (params or SamplingParams()).resolve(self.generation_config)
         if len(ids) > self.max_context:
             raise PromptTooLongError(f"prompt is {len(ids)} tokens, the context holds {self.max_context}")
-        return self._run(ids, p)
-
-    def _run(self, ids: list[int], p: SamplingParams) -> Iterator[GenerationEvent]:
+        worst = min(len(ids) + p.max_tokens - 1, self.max_context)  # type: ignore[operator]  # resolved
         pool = self.backend.pool
-        sampler = SamplerState(p, self.config.vocab)
-        eos = set() if p.ignore_eos else set(self.config.eos_ids)
-        stream = self.tokenizer.stream()
-        stops = StopStrings(p.stop)
-        seq = pool.new_sequence()
-        n_gen = 0
-        decode_s = 0.0
-        t0 = time.perf_counter()
+        if pages_for(worst) > pool.n_pages:
+            raise KVPagesExhaustedError(
+                f"KV cache too small for this request: prompt {len(ids)} + max_tokens {p.max_tokens} needs up "
+                f"to {pages_for(worst)} pages of 16 tokens, the whole pool has {pool.n_pages} (lower max_tokens "
+                f"or load with more kv_pages)")
+        rid = next(self._ids)
+        handle = RequestHandle(rid, len(ids), lambda: self._cancel(req))
+        req = Request(rid, ids, p, SamplerState(p, self.config.vocab), self.tokenizer.stream(),
+                      self.config.eos_ids, self.max_context, handle)
+        with self._cv:
+            self._check_open()
+            if len(self._scheduler.waiting) >= self.max_queue:
+                raise QueueFullError(f"{len(self._scheduler.waiting)} requests are waiting (max_queue "
+                                     f"{self.max_queue}); retry later")
+            self._scheduler.waiting.append(req)
+            self._start()
+            self._cv.notify_all()
+        return handle
+
+    def generate(self, prompt_or_messages, params: SamplingParams | None = None) -> Iterator[GenerationEvent]:
+        """Yield one GenerationEvent per generated token; the last one carries finish_reason and stats.
+
+        The request is submitted (and validated: errors raise here) at the call; closing the iterator
+        before the end cancels it and returns once its pages are back in the pool.
+        """
+        return self._stream(self.submit(prompt_or_messages, params))
+
+    @staticmethod
+    def _stream(handle: RequestHandle) -> Iterator[GenerationEvent]:
         try:
-            tok = self.backend.prefill(seq, np.asarray(ids, dtype=np.int32), sampler)
-            prefill_s = time.perf_counter() - t0
-            while True:
-                n_gen += 1
-                finish = None
-                if tok in eos:
-                    finish, delta = "stop", stops.flush() + stream.flush()
-                else:
-                    delta = stops.push(stream.push(tok))
-                    if stops.stopped:
-                        finish = "stop"
-                    elif n_gen >= p.max_tokens:
-                        finish = "length"
-                    elif seq.length >= self.max_context:
-                        finish = "context"
-                    if finish and not stops.stopped:
-                        delta += stops.flush() + stream.flush()
-                if finish:
-                    stats = {"prompt_tokens": len(ids), "generated_tokens": n_gen, "prefill_s": prefill_s,
-                             "decode_s": decode_s, "seed": sampler.seed}
-                    yield GenerationEvent(tok, delta, finish, stats)
-                    return
-                yield GenerationEvent(tok, delta)
-                t = time.perf_counter()
-                tok = self.backend.decode(seq, tok, sampler)
-                decode_s += time.perf_counter() - t
+            yield from handle
         finally:
-            pool.free(seq)
+            if not handle.done:
+                handle.cancel()
+                handle.wait()
 
     def complete(self, prompt_or_messages, params: SamplingParams | None = None) -> Completion:
-        ids, parts, last = [], [], None
-        gen = self.generate(prompt_or_messages, params)
-        for ev in gen:
-            ids.append(ev.token_id)
-            parts.append(ev.text)
-            last = ev
-        stats = last.stats
-        return Completion("".join(parts), ids, last.finish_reason, stats["prompt_tokens"], stats)
+        handle = self.submit(prompt_or_messages, params)
+        try:
+            return handle.result()
+        except BaseException:  # KeyboardInterrupt while waiting included: the request must not linger
+            handle.cancel()
+            raise
 
     def score(self, token_ids) -> np.ndarray:
-        """float32 [len, vocab]: row i is the logits after token_ids[:i+1], teacher-forced."""
-        ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
-        if ids.size == 0:
-            raise InvalidRequestError("score needs at least one token")
-        if ids.min() < 0 or ids.max() >= self.config.vocab:
-            raise InvalidRequestError(f"token ids must be in 0..{self.config.vocab - 1}")
+        """float32 [len, vocab]: row i is the logits after token_ids[:i+1], teacher-forced.
+
+        token_ids: a 1-D sequence of Python or numpy integers in 0..vocab-1 (no floats, no nesting).
+        Runs on the engine thread between steps, in a temporary sequence; KVPagesExhaustedError when the
+        running requests leave too few free pages for it.
+        """
+        ids = token_ids_arg(token_ids, self.config.vocab, "score")
         if ids.size > self.max_context:
             raise PromptTooLongError(f"{ids.size} tokens to score, the context holds {self.max_context}")
-        return self.backend.score(ids)
+        return self._call(lambda: self.backend.score(ids))
+
+    # -- the engine thread --
+
+    def _call(self, fn: Callable[[], T]) -> T:
+        """Run fn on the engine thread at the next step boundary; its result or exception here."""
+        fut: Future = Future()
+        with self._cv:
+            self._check_open()
+            self._calls.append((fn, fut))
+            self._start()
+            self._cv.notify_all()
+        return fut.result()
+
+    def _cancel(self, req: Request) -> None:
+        with self._cv:
+            if not req.finished:
+                req.cancel_requested = True
+                self._cv.notify_all()
+
+    def _check_open(self) -> None:
+        if self._closing:
+            raise EngineClosedError("the engine is closed")
+
+    def _start(self) -> None:
+        """Start the engine thread if it is not running (caller holds _cv)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="nanoqwen-engine", daemon=True)
+            self._thread.start()
+
+    def _loop(self) -> None:
+        sched = self._scheduler
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._closing or self._calls or sched.has_work())
+                if self._closing:
+                    break
+                calls, self._calls = self._calls, []
+            for fn, fut in calls:
+                try:
+                    fut.set_result(fn())
+                except BaseException as e:
+                    fut.set_exception(e)
+            try:
+                with self._cv:
+                    plan = sched.schedule()
+                sched.execute(plan)
+            except Exception as e:  # a bug in a step: fail what is in flight, keep serving
+                with self._cv:
+                    sched.fail_all(NanoqwenError(f"internal error in an engine step: {type(e).__name__}: {e}")
+                                   .with_traceback(e.__traceback__))
+        with self._cv:
+            err = EngineClosedError("the engine was closed before this request finished")
+            sched.fail_all(err)
+            for _, fut in self._calls:
+                fut.set_exception(err)
+            self._calls = []
+
+    def stats(self) -> dict:
+        """A snapshot of the scheduler and the KV pool (any thread)."""
+        s = self._scheduler
+        pool = self.backend.pool
+        with self._cv:
+            c = s.counters
+            return {
+                "waiting": len(s.waiting), "running": len(s.running),
+                "kv_pages_used": pool.n_used, "kv_pages_free": pool.n_free, "kv_pages_total": pool.n_pages,
+                "steps": c.steps, "decode_rows": c.decode_rows, "prefill_tokens": c.prefill_tokens,
+                "tokens_generated": c.tokens_generated, "preemptions": c.preemptions,
+                "requests_finished": c.requests_finished, "requests_cancelled": c.requests_cancelled,
+                "requests_failed": c.requests_failed, "max_batch": self.max_batch,
+                "prefill_chunk": self.prefill_chunk, "max_queue": self.max_queue,
+                "closed": self._closing,
+            }
+
+    def close(self) -> None:
+        """Stop the engine thread after its current step; requests still waiting or running end with
+        EngineClosedError and their pages return to the pool. Idempotent; later submits raise
+        EngineClosedError."""
+        with self._cv:
+            self._closing = True
+            self._cv.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
-__all__ = ["Engine", "GenerationEvent", "Completion", "NanoqwenError"]
+def _check_serving_args(max_batch, prefill_chunk, max_queue) -> None:
+    check_int("max_batch", max_batch, InvalidRequestError, lo=1)
+    check_int("prefill_chunk", prefill_chunk, InvalidRequestError, lo=1)
+    check_int("max_queue", max_queue, InvalidRequestError, lo=1)
+
+
+def _check_generation_config(gc: dict | None) -> None:
+    """Every sampling default the file carries, checked once at load (ConfigError naming the key)."""
+    if gc is not None and not isinstance(gc, dict):
+        raise ConfigError(f"generation_config must be a JSON object, got {type(gc).__name__}")
+    SamplingParams(temperature=1.0).resolve(gc)  # reads every knob
+    SamplingParams().resolve(gc)  # reads do_sample and temperature
+
+
+def token_ids_arg(token_ids, vocab: int, what: str) -> np.ndarray:
+    """int64 [T] from a non-empty 1-D sequence of Python or numpy integers in 0..vocab-1, or
+    InvalidRequestError naming what is wrong (no float truncation, no flattening of nested lists)."""
+    if isinstance(token_ids, np.ndarray):
+        if token_ids.ndim != 1:
+            raise InvalidRequestError(f"{what} takes a 1-D sequence of token ids, got an array of shape {token_ids.shape}")
+        if not np.issubdtype(token_ids.dtype, np.integer):
+            raise InvalidRequestError(f"{what} takes integer token ids, got dtype {token_ids.dtype}")
+        items = token_ids.tolist()
+    elif isinstance(token_ids, Sequence) and not isinstance(token_ids, str | bytes):
+        items = list(token_ids)
+    else:
+        raise InvalidRequestError(f"{what} takes a 1-D sequence of token ids, got {type(token_ids).__name__}")
+    if not items:
+        raise InvalidRequestError(f"{what} needs at least one token")
+    for i, t in enumerate(items):
+        if not is_int(t):
+            raise InvalidRequestError(f"token ids must be integers, got {t!r} ({type(t).__name__}) at index {i}")
+        if not 0 <= int(t) < vocab:
+            raise InvalidRequestError(f"token ids must be in 0..{vocab - 1}, got {t} at index {i}")
+    return np.asarray([int(t) for t in items], dtype=np.int64)
+
+
+__all__ = ["Engine", "GenerationEvent", "Completion", "RequestHandle", "NanoqwenError"]

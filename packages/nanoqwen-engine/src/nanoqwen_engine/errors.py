@@ -20,8 +20,9 @@ class ModelFormatError(NanoqwenError):
     """The model file or checkpoint is unreadable or has a shape the engine does not support."""
 
 
-class ConfigError(NanoqwenError):
-    """The model config lacks a key the engine needs, or has an inconsistent value."""
+class ConfigError(ModelFormatError):
+    """The model config lacks a key the engine needs, or has a value of the wrong type, out of range or
+    inconsistent with another: a kind of ModelFormatError (the file is what is wrong)."""
 
 
 class PromptTooLongError(NanoqwenError):
@@ -42,3 +43,11 @@ class InvalidRequestError(NanoqwenError):
 
 class TemplateError(NanoqwenError):
     """The model's chat template is missing or failed to render the messages."""
+
+
+class QueueFullError(NanoqwenError):
+    """Engine.submit found `max_queue` requests already waiting; nothing was queued (retry later)."""
+
+
+class EngineClosedError(NanoqwenError):
+    """The Engine was closed: new requests are refused and requests still pending end with this error."""

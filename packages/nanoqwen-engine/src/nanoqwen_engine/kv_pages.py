@@ -146,6 +146,16 @@ class PagePool:
             seq.page_table[seq.n_pages] = self._free.pop()
             seq.n_pages += 1
 
+    def shrink(self, seq: SequenceState, n_pages: int) -> None:
+        """Give back seq's pages past its first n_pages (undoes a `grow`; the tokens they held are gone,
+        so `length` is capped at what the remaining pages hold)."""
+        self._check_live(seq)
+        while seq.n_pages > max(n_pages, 0):
+            seq.n_pages -= 1
+            self._free.append(int(seq.page_table[seq.n_pages]))
+            seq.page_table[seq.n_pages] = -1
+        seq.length = min(seq.length, seq.capacity)
+
     def free(self, seq: SequenceState) -> None:
         """Return seq's pages to the pool; the sequence is dead afterwards. Freeing twice is a no-op."""
         if self._seqs.pop(seq.seq_id, None) is None:

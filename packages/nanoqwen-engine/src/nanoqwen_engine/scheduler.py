@@ -1,0 +1,215 @@
+"""The scheduler: which sequences run in the next step, and what happens when the KV pool runs dry.
+
+The loop has the shape of vLLM v1's engine core, one iteration per step:
+
+    schedule()  (under the engine's lock; waiting is shared with submitting threads)
+      1. drop cancelled requests (waiting or running): pages freed, last event "cancelled"
+      2. reserve this step's decode pages: every running request that has finished its prompt feeds one
+         token; if the pages those rows need exceed the free pages, PREEMPT the most recently admitted
+         running request and try again
+      3. prefill budget `prefill_chunk` tokens: running requests still prefilling take the next chunk of
+         their prompt, in admission order
+      4. admit from the head of the waiting queue (FIFO, no overtaking) while the budget lasts, fewer than
+         `max_batch` run, and the pages of the request's WHOLE prompt can be had beside step 2's reserve;
+         those pages are allocated at admission, so a prompt is never caught half-prefilled by a dry pool
+    execute(plan)  (no lock)
+      one batched backend.decode(seqs, ids, samplers) for all decode rows, then one
+      backend.prefill(seq, chunk, sampler or None) per prefill chunk (the sampler only with a prompt's
+      last chunk, whose logits give the first token)
+    update
+      each sampled id goes through the request's detokenizer and stop logic and out as an event; a
+      finished request's pages go back to the pool at once
+
+Pool exhaustion policy: preempt by recompute. The victim (most recently admitted, as in vLLM) loses its
+pages and goes back to the HEAD of the waiting queue, keeping everything else: its generated tokens,
+its sampler (seen-token set and RNG stream), its detokenizer and stop state. When re-admitted, its prompt
+and all its generated tokens but the last are prefilled again (no sampling: those tokens are already
+out), then it decodes on from its last token; nothing is emitted twice and a seeded request draws the
+same random stream as it would have without the interruption. Waiting instead (a running request that
+cannot grow simply sits out steps) would hold pages that nobody uses and can deadlock when every running
+request needs a page; recompute always frees pages, and it keeps the oldest request moving.
+
+Why nothing livelocks: Engine.submit refuses a request whose worst case (prompt + max_tokens - 1 cached
+tokens, capped by the context) needs more pages than the whole pool, so any request alone fits. The
+oldest running request is never the victim while a younger one runs, so it always progresses and ends;
+then the next oldest does.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .backend import Backend
+from .errors import NanoqwenError
+from .kv_pages import pages_for
+from .request import Request
+
+
+@dataclass
+class StepPlan:
+    decode: list[Request] = field(default_factory=list)  # rows of the batched decode, in running order
+    prefill: list[tuple[Request, int]] = field(default_factory=list)  # (request, tokens this step)
+
+    def __bool__(self) -> bool:
+        return bool(self.decode or self.prefill)
+
+
+@dataclass
+class Counters:
+    steps: int = 0
+    decode_rows: int = 0  # sum of batch sizes over the decode calls
+    prefill_tokens: int = 0
+    tokens_generated: int = 0
+    preemptions: int = 0
+    requests_finished: int = 0  # ended normally: stop, length, context
+    requests_cancelled: int = 0
+    requests_failed: int = 0
+
+
+class Scheduler:
+    """Owns the waiting queue and the running set. `schedule` must be called under the lock that guards
+    `waiting` (Engine's); `execute` runs on the engine thread alone. `step()` does both, for callers that
+    drive the scheduler directly from one thread (tests)."""
+
+    def __init__(self, backend: Backend, max_batch: int, prefill_chunk: int,
+                 on_finished: Callable[[Request], None] | None = None):
+        self.backend = backend
+        self.pool = backend.pool
+        self.max_batch = max_batch
+        self.prefill_chunk = prefill_chunk
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order: running[-1] is the preemption victim
+        self.counters = Counters()
+        self._on_finished = on_finished
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- schedule --
+
+    def schedule(self) -> StepPlan:
+        self._drop_cancelled()
+        while True:
+            decode = [r for r in self.running if r.decoding]
+            need = sum(pages_for(r.seq.length + 1) - r.seq.n_pages for r in decode)  # type: ignore[union-attr]
+            if need <= self.pool.n_free:
+                break
+            self._preempt(self.running[-1])
+        plan = StepPlan(decode=decode)
+        budget = self.prefill_chunk
+        for r in self.running:
+            if budget > 0 and not r.decoding:
+                n = min(r.prefill_remaining, budget)
+                plan.prefill.append((r, n))
+                budget -= n
+        free = self.pool.n_free - need
+        while self.waiting and budget > 0 and len(self.running) < self.max_batch:
+            r = self.waiting[0]
+            pages = pages_for(r.prefill_target)
+            if pages > free:
+                break  # head-of-line: the queue waits for pages rather than letting later requests overtake
+            self.waiting.popleft()
+            r.seq = self.pool.new_sequence()
+            self.pool.grow(r.seq, r.prefill_target)
+            free -= pages
+            if r.t_admit is None:
+                r.t_admit = time.perf_counter()
+            self.running.append(r)
+            n = min(r.prefill_target, budget)
+            plan.prefill.append((r, n))
+            budget -= n
+        return plan
+
+    def _drop_cancelled(self) -> None:
+        for r in [r for r in self.waiting if r.cancel_requested]:
+            self.waiting.remove(r)
+            self._end(r, cancelled=True)
+        for r in [r for r in self.running if r.cancel_requested]:
+            self._end(r, cancelled=True)
+
+    def _preempt(self, r: Request) -> None:
+        assert r.seq is not None
+        self.pool.free(r.seq)
+        r.seq = None
+        self.running.remove(r)
+        self.waiting.appendleft(r)
+        r.preemptions += 1
+        self.counters.preemptions += 1
+
+    # -- execute + update --
+
+    def execute(self, plan: StepPlan) -> None:
+        if not plan:
+            return
+        self.counters.steps += 1
+        if plan.decode:
+            rows = plan.decode
+            try:
+                toks = self.backend.decode([r.seq for r in rows], [r.output[-1] for r in rows],  # type: ignore[misc]
+                                           [r.sampler for r in rows])
+            except Exception as e:  # the batch is one call: every row shares its failure
+                for r in rows:
+                    self._end(r, error=e)
+            else:
+                self.counters.decode_rows += len(rows)
+                for r, tok in zip(rows, toks, strict=True):
+                    self._token(r, tok)
+        for r, n in plan.prefill:
+            if r.finished or r.seq is None:
+                continue
+            last = r.seq.length + n == r.prefill_target
+            sample = last and not r.output
+            try:
+                tok = self.backend.prefill(r.seq, np.asarray(r.prefill_ids(n), dtype=np.int32),
+                                           r.sampler if sample else None)
+            except Exception as e:
+                self._end(r, error=e)
+                continue
+            self.counters.prefill_tokens += n
+            if sample:
+                assert tok is not None
+                self._token(r, tok)
+
+    def step(self) -> StepPlan:
+        plan = self.schedule()
+        self.execute(plan)
+        return plan
+
+    def _token(self, r: Request, tok: int) -> None:
+        self.counters.tokens_generated += 1
+        if r.on_token(int(tok)):
+            self._release(r)
+            self.counters.requests_finished += 1
+            if self._on_finished is not None:
+                self._on_finished(r)
+
+    def _end(self, r: Request, cancelled: bool = False, error: BaseException | None = None) -> None:
+        """A request ends other than by its own tokens: cancelled, or failed with `error`."""
+        self._release(r)
+        if cancelled:
+            self.counters.requests_cancelled += 1
+            r.on_cancel()
+        else:
+            self.counters.requests_failed += 1
+            r.on_error(error if error is not None else NanoqwenError("request ended"))
+        if self._on_finished is not None:
+            self._on_finished(r)
+
+    def _release(self, r: Request) -> None:
+        if r.seq is not None:
+            self.pool.free(r.seq)
+            r.seq = None
+        if r in self.running:
+            self.running.remove(r)
+
+    def fail_all(self, error: BaseException) -> None:
+        """End every waiting and running request with `error` (engine shutdown, or a bug in a step)."""
+        while self.waiting:
+            self._end(self.waiting.popleft(), error=error)
+        for r in list(self.running):
+            self._end(r, error=error)
