@@ -36,11 +36,11 @@ def test_inspect_a_bad_file_is_one_error_line(invoke, tmp_path):
     result = invoke(["inspect", bogus])
     assert result.exit_code == 1
     assert "Traceback" not in result.output
-    assert result.stderr.strip().startswith("Error:") and len(result.stderr.strip().splitlines()) == 1
+    assert result.stderr.strip().startswith(f"error: {bogus}: ") and len(result.stderr.strip().splitlines()) == 1
 
 
 def test_help_has_examples(invoke):
-    for command in ("run", "chat", "convert", "inspect", "bench", "verify"):
+    for command in ("run", "chat", "convert", "inspect", "bench", "verify", "models", "pull", "rm"):
         result = invoke([command, "--help"])
         assert result.exit_code == 0
         assert "Example" in result.stdout and f"nanoqwen-cli {command}" in result.stdout, command

@@ -106,7 +106,9 @@ def bench(
     engine = loaded.engine
     prompt = bench_prompt(engine, prompt_tokens)
     # ignore_eos: the protocol times exactly gen_tokens decode steps, whatever the (random) model says.
-    params = session.make_params({"temperature": 0.0, "max_tokens": gen_tokens, "stop": None, "ignore_eos": True})
+    params = session.make_params(
+        {"temperature": 0.0, "max_tokens": gen_tokens, "stop": None, "ignore_eos": True}
+    )
 
     for _ in range(warmup):
         session.complete(engine, prompt, params)

@@ -88,9 +88,25 @@ CPU_MODEL = "Qwen/Qwen2.5-Coder-1.5B-Instruct"
 
 def cpu_hint() -> str:
     return (
-        f'without a GPU, the CPU reference backend runs a small model, slowly: nanoqwen-cli run --device cpu '
+        f"without a GPU, the CPU reference backend runs a small model, slowly: nanoqwen-cli run --device cpu "
         f'--model {CPU_MODEL} "..."'
     )
+
+
+def show_click_error(exc) -> None:
+    """Print a click.ClickException as click does (usage and hint for a usage error), but with the last
+    line in the one style, `error: <message>`, instead of click's `Error: <message>`."""
+    import io
+
+    import click
+
+    buf = io.StringIO()
+    exc.show(file=buf)
+    text = buf.getvalue()
+    click_line = f"Error: {exc.format_message()}\n"
+    if text.endswith(click_line):
+        text = text[: -len(click_line)] + f"error: {exc.format_message()}\n"
+    click.echo(text, err=True, nl=False)
 
 
 def _first_line(exc: BaseException) -> str:

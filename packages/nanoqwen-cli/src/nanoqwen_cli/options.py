@@ -57,7 +57,9 @@ SAMPLING = (
         FiniteFloatRange(0.0, 1.0, min_open=True),
         "Nucleus sampling: keep the smallest set of tokens with this much probability.",
     ),
-    Setting("min_p", ("--min-p",), FiniteFloatRange(0.0, 1.0), "Drop tokens below min_p x the top probability."),
+    Setting(
+        "min_p", ("--min-p",), FiniteFloatRange(0.0, 1.0), "Drop tokens below min_p x the top probability."
+    ),
     Setting(
         "repetition_penalty",
         ("--repetition-penalty",),

@@ -63,7 +63,18 @@ def _default_eps() -> float:
     help="On this many prompts, also compare score() logits over prompt + reference tokens.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON record instead of the table.")
-def verify(model, device, max_context, n_prompts, max_tokens, max_prompt_tokens, eps, score_prompts, as_json):
+def verify(
+    model,
+    device,
+    max_context,
+    no_verify,
+    n_prompts,
+    max_tokens,
+    max_prompt_tokens,
+    eps,
+    score_prompts,
+    as_json,
+):
     """Check greedy generation on --device against the CPU reference backend on the same model.
 
     Both engines decode each prompt greedily. Reported: matching tokens, the first divergence, the
@@ -83,7 +94,7 @@ def verify(model, device, max_context, n_prompts, max_tokens, max_prompt_tokens,
     if device == "cuda":
         session.require_gpu()  # before minutes of loading the reference
     progress = not as_json
-    reference = session.load(model, "cpu", max_context, progress=progress)
+    reference = session.load(model, "cpu", max_context, progress=progress, verify=not no_verify)
     b = reference.engine
     limit = b.max_context - max_tokens  # longest prompt that leaves room for the answer
     if limit < 1:
@@ -97,7 +108,9 @@ def verify(model, device, max_context, n_prompts, max_tokens, max_prompt_tokens,
     if not prompts:
         raise click.UsageError(f"no prompt of the set fits a context of {b.max_context} tokens")
     needed = max(n for n in lengths if n <= limit) + max_tokens
-    under_test = session.load(str(reference.path), device, max_context or needed, progress=progress)
+    under_test = session.load(
+        str(reference.path), device, max_context or needed, progress=progress, verify=not no_verify
+    )
     under_test.model = reference.model
     a = under_test.engine
     if skipped and progress:
