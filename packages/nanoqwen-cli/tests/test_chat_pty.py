@@ -45,7 +45,9 @@ class Terminal:
         deadline = time.monotonic() + TIMEOUT
         while len(pattern.findall(self.seen)) < count:
             left = deadline - time.monotonic()
-            assert left > 0, f"timed out waiting for {pattern.pattern!r}; screen:\n{self.seen.decode(errors='replace')}"
+            assert left > 0, (
+                f"timed out waiting for {pattern.pattern!r}; screen:\n{self.seen.decode(errors='replace')}"
+            )
             ready, _, _ = select.select([self.fd], [], [], left)
             if ready:
                 try:
@@ -78,7 +80,9 @@ class Terminal:
 @pytest.fixture
 def term_env(tmp_path):
     e = dict(os.environ)
-    e.update(NANOQWEN_CACHE=str(tmp_path / "cache"), HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1", TERM="dumb")
+    e.update(
+        NANOQWEN_CACHE=str(tmp_path / "cache"), HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1", TERM="dumb"
+    )
     for name in ("NANOQWEN_MODEL", "NANOQWEN_DEBUG"):
         e.pop(name, None)
     return e
@@ -91,7 +95,11 @@ def _tokens(model, messages) -> int:
 
 
 def test_paste_is_one_turn_typed_lines_are_two_and_ctrl_d_ends_the_line(tiny_model, term_env, rng):
-    lines = [f"def f{rng.integers(1000)}(xs):", f"    return sorted(xs)[:{rng.integers(1, 9)}]", "print(f([3, 1]))"]
+    lines = [
+        f"def f{rng.integers(1000)}(xs):",
+        f"    return sorted(xs)[:{rng.integers(1, 9)}]",
+        "print(f([3, 1]))",
+    ]
     t = Terminal(["chat", "--model", tiny_model, "--device", "cpu", "-t", "0", "-n", 4], term_env)
     t.read_until(re.compile(rb">>> "))
     t.type(("\n".join(lines) + "\n").encode())  # one write: what a terminal sends for a paste
@@ -104,7 +112,9 @@ def test_paste_is_one_turn_typed_lines_are_two_and_ctrl_d_ends_the_line(tiny_mod
     screen = t.seen
     assert rc == 0, screen.decode(errors="replace")
     counts = [int(n) for n in STATS.findall(screen)]
-    assert len(counts) == 2, f"a 3-line paste and a typed line are two turns: {screen.decode(errors='replace')}"
+    assert len(counts) == 2, (
+        f"a 3-line paste and a typed line are two turns: {screen.decode(errors='replace')}"
+    )
     assert counts[0] == _tokens(tiny_model, [{"role": "user", "content": "\n".join(lines)}])
     assert b"... " in screen, "the paste's later lines are shown as continuation lines"
     assert screen.endswith(b">>> \r\n"), f"Ctrl-D leaves the cursor on a new line: {screen[-40:]!r}"

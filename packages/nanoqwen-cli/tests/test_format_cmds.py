@@ -36,7 +36,9 @@ def test_inspect_a_bad_file_is_one_error_line(invoke, tmp_path):
     result = invoke(["inspect", bogus])
     assert result.exit_code == 1
     assert "Traceback" not in result.output
-    assert result.stderr.strip().startswith(f"error: {bogus}: ") and len(result.stderr.strip().splitlines()) == 1
+    assert (
+        result.stderr.strip().startswith(f"error: {bogus}: ") and len(result.stderr.strip().splitlines()) == 1
+    )
 
 
 def test_help_has_examples(invoke):
