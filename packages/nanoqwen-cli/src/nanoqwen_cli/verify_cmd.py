@@ -1,6 +1,6 @@
 """`nanoqwen-cli verify`: greedy decoding on a device checked token by token against the CPU reference.
 
-The graph tier of the validation ladder (DESIGN.md) at the command line. The ladder itself (the prompt
+The graph tier of the validation ladder (docs/VALIDATION.md) at the command line. The ladder itself (the prompt
 set, the greedy comparison, the near-tie rule and its calibrated epsilon) lives in
 `nanoqwen_engine.validation`, shared with the ladder tests; this command loads the two engines, adds the
 score() logit error, prints, and sets the exit status.
