@@ -98,7 +98,7 @@ class IntList(click.ParamType):
 )
 @click.option("--json", "as_json", is_flag=True, help="Same as --format json.")
 @click.pass_context
-def bench(ctx, model, device, max_context, no_verify, synthetic, prompt_tokens, gen_tokens, concurrency, runs,
+def bench(ctx, model, device, max_context, synthetic, prompt_tokens, gen_tokens, concurrency, runs,
           warmup, eager, copy_bw, fmt, as_json):  # fmt: skip
     """Measure prefill and decode speed, achieved GB/s and peak memory; or, with --concurrency, the
     throughput and latencies of many requests at once.
@@ -144,9 +144,7 @@ def bench(ctx, model, device, max_context, no_verify, synthetic, prompt_tokens, 
             max_batch=max(concurrency), kv_pages=max(concurrency) * pages_for(max_context) + 1
         )
 
-    loaded = session.load(
-        model, device, max_context, progress=not quiet, verify=not no_verify, **engine_kwargs
-    )
+    loaded = session.load(model, device, max_context, progress=not quiet, **engine_kwargs)
     if synthetic is not None:
         loaded.model = f"synthetic {synthetic} (random weights, seed 0)"
     engine = loaded.engine

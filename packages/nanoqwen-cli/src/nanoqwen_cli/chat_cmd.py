@@ -40,7 +40,7 @@ QUIT = ("/bye", "/exit", "/quit")
     "--system", default=None, help="System message for the chat template (default: the model's own)."
 )
 @click.option("--quiet", "-q", is_flag=True, help="No banner, notes, or timing lines on stderr.")
-def chat(model, device, max_context, no_verify, system, quiet, **sampling):
+def chat(model, device, max_context, system, quiet, **sampling):
     """Talk with the model; each message is answered with the whole conversation in context.
 
     On a terminal, lines that arrive together (a paste) are one message, and \"\"\" ... \"\"\" spans
@@ -57,7 +57,7 @@ def chat(model, device, max_context, no_verify, system, quiet, **sampling):
     """
     overrides = sampling_overrides(sampling)
     session.make_params(overrides)  # bad values fail before a load
-    loaded = session.load(model, device, max_context, progress=not quiet, verify=not no_verify)
+    loaded = session.load(model, device, max_context, progress=not quiet)
     _Chat(loaded, Conversation(system, overrides), TurnReader(), quiet).loop()
 
 

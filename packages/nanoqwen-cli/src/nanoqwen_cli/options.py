@@ -96,6 +96,20 @@ def find_setting(name: str) -> Setting | None:
     return None
 
 
+NO_VERIFY = "nanoqwen.no_verify"  # click context meta key: --no-verify, read by session.load
+
+
+def _remember_no_verify(ctx: click.Context, param, value: bool) -> None:
+    # Kept in the context rather than passed to the command: every command that loads a model honours it
+    # through session.load, without a parameter of its own to thread through.
+    ctx.meta[NO_VERIFY] = value
+
+
+def no_verify_given() -> bool:
+    ctx = click.get_current_context(silent=True)
+    return bool(ctx is not None and ctx.meta.get(NO_VERIFY))
+
+
 def model_options(func):
     """--model, --device, --max-context, --no-verify."""
 
@@ -125,6 +139,8 @@ def model_options(func):
     @click.option(
         "--no-verify",
         is_flag=True,
+        expose_value=False,
+        callback=_remember_no_verify,
         help="Skip the CRC check of the model file (done once per file; its result is remembered).",
     )
     @functools.wraps(func)

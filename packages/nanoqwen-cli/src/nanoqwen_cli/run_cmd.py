@@ -30,7 +30,7 @@ from nanoqwen_cli.options import model_options, sampling_options, sampling_overr
     help="Print one JSON record (text, token counts, timings, finish_reason, model, device) at the end "
     "instead of streaming.",
 )
-def run(prompt, model, device, max_context, no_verify, system, raw, quiet, as_json, **sampling):
+def run(prompt, model, device, max_context, system, raw, quiet, as_json, **sampling):
     """Generate an answer to PROMPT (an argument, or stdin when absent or `-`, less one trailing newline),
     streamed to stdout.
 
@@ -51,7 +51,7 @@ def run(prompt, model, device, max_context, no_verify, system, raw, quiet, as_js
         raise click.UsageError("--system applies to the chat template; it has no meaning with --raw")
     request = text if raw else session.messages_for(text, system)
 
-    loaded = session.load(model, device, max_context, progress=not (quiet or as_json), verify=not no_verify)
+    loaded = session.load(model, device, max_context, progress=not (quiet or as_json))
     engine = loaded.engine
     n_prompt = len(engine.encode_prompt(request))
     params, note = session.fit_max_tokens(engine, n_prompt, params)

@@ -37,10 +37,12 @@ def load(
     max_context: int | None,
     *,
     progress: bool = True,
-    verify: bool = True,
+    verify: bool | None = None,
     **engine_kwargs,
 ) -> Loaded:
-    """Resolve `model` (file, cache name, HF folder, hub id) to a .nanoqwen file, then load it on `device`."""
+    """Resolve `model` (file, cache name, HF folder, hub id) to a .nanoqwen file, then load it on `device`.
+
+    verify: check the file's CRCs unless a record says they passed before; None: unless --no-verify."""
     from nanoqwen_engine import Engine, model_source
 
     if device == "cuda":
@@ -51,6 +53,10 @@ def load(
         note_download(resolved.meta)
     config, file_bytes = read_header(path)
     check_max_context(max_context, config, device, file_bytes)
+    if verify is None:
+        from nanoqwen_cli.options import no_verify_given
+
+        verify = not no_verify_given()
     check = _Verification(path) if verify else None
     t0 = time.perf_counter()
     engine = Engine.load(path, device=device, max_context=max_context, progress=progress, **engine_kwargs)

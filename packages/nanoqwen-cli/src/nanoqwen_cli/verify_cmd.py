@@ -67,7 +67,6 @@ def verify(
     model,
     device,
     max_context,
-    no_verify,
     n_prompts,
     max_tokens,
     max_prompt_tokens,
@@ -94,7 +93,7 @@ def verify(
     if device == "cuda":
         session.require_gpu()  # before minutes of loading the reference
     progress = not as_json
-    reference = session.load(model, "cpu", max_context, progress=progress, verify=not no_verify)
+    reference = session.load(model, "cpu", max_context, progress=progress)
     b = reference.engine
     limit = b.max_context - max_tokens  # longest prompt that leaves room for the answer
     if limit < 1:
@@ -108,9 +107,7 @@ def verify(
     if not prompts:
         raise click.UsageError(f"no prompt of the set fits a context of {b.max_context} tokens")
     needed = max(n for n in lengths if n <= limit) + max_tokens
-    under_test = session.load(
-        str(reference.path), device, max_context or needed, progress=progress, verify=not no_verify
-    )
+    under_test = session.load(str(reference.path), device, max_context or needed, progress=progress)
     under_test.model = reference.model
     a = under_test.engine
     if skipped and progress:
