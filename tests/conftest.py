@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from nanoqwen_engine.testing import pytest_addoption, rng, seed  # noqa: F401  (the seeded `rng` fixture)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/ladder/ helpers
 

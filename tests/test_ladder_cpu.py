@@ -76,8 +76,7 @@ def test_first_divergence():
     assert first_divergence([], [4]) is None
 
 
-def test_margins_and_judging():
-    rng = np.random.default_rng()
+def test_margins_and_judging(rng):
     logits = rng.normal(size=50).astype(np.float32)
     order = np.argsort(logits)[::-1]
     top, second, far = int(order[0]), int(order[1]), int(order[10])
@@ -168,8 +167,7 @@ def test_reference_tokens_parallel_equals_sequential(ladder_tiny_path):
     assert par == [greedy_tokens(e, p.payload, 4) for p in ps]
 
 
-def test_logit_error():
-    rng = np.random.default_rng()
+def test_logit_error(rng):
     b = rng.normal(size=(3, 10))
     e = logit_error(b + 1e-3, b)
     assert e["max_abs"] == pytest.approx(1e-3) and e["argmax_agree"] == 1.0 and e["finite"]

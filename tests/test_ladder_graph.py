@@ -77,7 +77,7 @@ def test_graph_tier_tiny(gpu, ladder_tiny_path):
 
 
 def test_graph_and_eager_agree_tiny(gpu, ladder_tiny_path):
-    """The seed's eager-vs-graph comparison: the same launches, with and without the graph."""
+    """The eager-vs-graph comparison: the same launches, with and without the graph."""
     gr = gpu_engine(ladder_tiny_path, max_context=512)
     ea = gpu_engine(ladder_tiny_path, max_context=512, decode_mode="eager")
     p = SamplingParams(temperature=0, max_tokens=40)
@@ -116,7 +116,7 @@ def test_engine_load_7b_streams(gpu, ladder_7b_path):
 
 
 def test_decode_speed_7b_graph_vs_eager(gpu, ladder_7b_path):
-    """The seed's protocol (512-token prompt, 128 greedy tokens), graph and eager decode: a measurement
+    """The decode benchmark protocol (512-token prompt, 128 greedy tokens), graph and eager decode: a measurement
     recorded for docs/VALIDATION.md and issue 7, never a timing assertion; the two modes' tokens must be
     identical (the same launches, with and without the graph)."""
     from nanoqwen_engine.validation import corpus, text_of_length

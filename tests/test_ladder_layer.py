@@ -44,12 +44,11 @@ def _record(name: str, figures: dict) -> None:
                                                for k, v in figures.items()))
 
 
-def _layer_tier(path, name, T):
+def _layer_tier(path, name, T, rng):
     g = gpu_engine(path, max_context=max(64, T + 16))
     r = cpu_engine(path, max_context=max(64, T + 16), budget=4 << 30)  # lazy: only layer 0 dequantized
     be, ref, cfg = g.backend, r.backend, g.config
     xp, d2h = be.dev.xp, be.dev.d2h  # CuPy on the GPU (numpy with the host stand-in, for debugging)
-    rng = np.random.default_rng()
     ids = rng.integers(0, cfg.vocab, size=T)
     x0 = ref.weights.embed_rows(ids).astype(np.float16)  # fp16 [T,H], both sides start here
     want = reference_block(ref, 0, x0.astype(np.float32))  # f32 [T,H]
@@ -109,9 +108,9 @@ def _layer_tier(path, name, T):
     assert figures["head_rel"] < HEAD_BOUND
 
 
-def test_layer_tier_tiny(gpu, ladder_tiny_path):
-    _layer_tier(ladder_tiny_path, "tiny", T=45)  # 3 pages, the last one partial
+def test_layer_tier_tiny(gpu, ladder_tiny_path, rng):
+    _layer_tier(ladder_tiny_path, "tiny", T=45, rng=rng)  # 3 pages, the last one partial
 
 
-def test_layer_tier_7b(gpu, ladder_7b_path):
-    _layer_tier(ladder_7b_path, "7b", T=33)
+def test_layer_tier_7b(gpu, ladder_7b_path, rng):
+    _layer_tier(ladder_7b_path, "7b", T=33, rng=rng)

@@ -8,6 +8,7 @@ from nanoqwen_engine.config import ModelConfig
 from nanoqwen_engine.testing import pytest_addoption, rng, seed  # noqa: F401  (the seeded `rng` fixture)
 from nanoqwen_engine.tokenizer import Tokenizer
 from nanoqwen_format import open_model, tiny_config, write_synthetic
+from nanoqwen_format.synthetic import shipped_tokenizer
 
 
 @pytest.fixture(scope="session")
@@ -36,9 +37,10 @@ def tiny_engine(tiny_path):
 
 
 @pytest.fixture(scope="session")
-def tokenizer(tiny_path):
-    nq = open_model(tiny_path)
-    return Tokenizer(nq.tokenizer_json, nq.tokenizer_config)
+def tokenizer():
+    """The Qwen2.5-Coder tokenizer every synthetic model here embeds (no model file needed)."""
+    tok_json, tok_config, _ = shipped_tokenizer()
+    return Tokenizer(tok_json, tok_config)
 
 
 @pytest.fixture(scope="session")

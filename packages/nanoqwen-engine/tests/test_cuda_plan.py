@@ -66,7 +66,7 @@ def test_chunks_cover_exactly():
 
 def test_pool_sizing():
     seven = dict(n_layers=28, n_kv_heads=4, head_dim=128, max_position=32768)
-    assert kv_page_bytes(28, 4, 128) == 917504  # 56 KiB per token, DESIGN.md
+    assert kv_page_bytes(28, 4, 128) == 917504  # 56 KiB per token: 28 layers x 4 KV heads x 128 x fp16 x (K, V)
     gib = 1 << 30
     p = size_pool(**seven, max_context=4096, free_bytes=100 * gib, total_bytes=140 * gib)
     assert (p.n_pages, p.max_pages_per_seq) == (512, 256)  # two sequences of 4096 tokens

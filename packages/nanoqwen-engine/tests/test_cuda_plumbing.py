@@ -63,7 +63,10 @@ def _generate(be, ids, n, params=GREEDY, seq=None):
     st = SamplerState(params, be.config.vocab)
     out = [be.prefill(seq, np.asarray(ids), st)]
     for _ in range(n - 1):
-        out.append(be.decode(seq, out[-1], st))
+        if isinstance(be, ReferenceBackend):  # already on the batched protocol (docs/INTERFACES.md 6)
+            out.append(be.decode([seq], [out[-1]], [st])[0])
+        else:
+            out.append(be.decode(seq, out[-1], st))
     return out, seq
 
 

@@ -25,9 +25,9 @@ def pool_idle(engine) -> bool:
     return pool.n_free == pool.n_pages and not pool.sequences
 
 
-def random_prompt_ids(engine, n):
+def random_prompt_ids(rng, n):
     """n ids of ordinary (non-special) tokens."""
-    return np.random.default_rng().integers(0, 151643, size=n).tolist()
+    return rng.integers(0, 151643, size=n).tolist()
 
 
 def test_issue_example_greedy_completion(tiny_path):
@@ -96,42 +96,42 @@ def test_eos_ends_with_stop_and_no_eos_text(tiny_engine, monkeypatch):
     assert c.text == tiny_engine.tokenizer.decode(full.token_ids[:k])
 
 
-def test_context_limit_finishes_with_context(tiny_engine):
+def test_context_limit_finishes_with_context(tiny_engine, rng):
     n = tiny_engine.max_context - 6
-    c = tiny_engine.complete(_ids_text(tiny_engine, n), SamplingParams(temperature=0, max_tokens=50))
+    c = tiny_engine.complete(_ids_text(tiny_engine, n, rng), SamplingParams(temperature=0, max_tokens=50))
     assert c.prompt_tokens == n
     # every generated token but the last is fed back; the cache ends exactly full
     assert c.finish_reason == "context" and len(c.token_ids) == tiny_engine.max_context - n + 1
     assert pool_idle(tiny_engine)
 
 
-def _ids_text(engine, n):
+def _ids_text(engine, n, rng):
     """A text that encodes to exactly n tokens (found by trimming a random token run)."""
-    ids = random_prompt_ids(engine, n + 10)
+    ids = random_prompt_ids(rng, n + 10)
     while True:
         text = engine.tokenizer.decode(ids)
         got = len(engine.tokenizer.encode(text))
         if got == n:
             return text
-        ids = ids[: len(ids) - max(1, (got - n) // 2)] if got > n else ids + random_prompt_ids(engine, n - got)
+        ids = ids[: len(ids) - max(1, (got - n) // 2)] if got > n else ids + random_prompt_ids(rng, n - got)
 
 
-def test_prompt_too_long_allocates_nothing(tiny_engine):
-    text = _ids_text(tiny_engine, tiny_engine.max_context + 1)
+def test_prompt_too_long_allocates_nothing(tiny_engine, rng):
+    text = _ids_text(tiny_engine, tiny_engine.max_context + 1, rng)
     with pytest.raises(PromptTooLongError, match=f"context holds {tiny_engine.max_context}"):
         tiny_engine.generate(text, GREEDY)
     assert pool_idle(tiny_engine)
-    exact = tiny_engine.complete(_ids_text(tiny_engine, tiny_engine.max_context), GREEDY)
+    exact = tiny_engine.complete(_ids_text(tiny_engine, tiny_engine.max_context, rng), GREEDY)
     assert exact.finish_reason == "context" and len(exact.token_ids) == 1
 
 
-def test_request_that_can_never_fit_the_pool_is_refused_at_submit(tiny_path):
+def test_request_that_can_never_fit_the_pool_is_refused_at_submit(tiny_path, rng):
     engine = Engine.load(tiny_path, device="cpu", max_context=96, kv_pages=3, progress=False)
-    text = _ids_text(engine, 40)  # 3 pages; 40 + 30 - 1 cached tokens would need 5
+    text = _ids_text(engine, 40, rng)  # 3 pages; 40 + 30 - 1 cached tokens would need 5
     with pytest.raises(KVPagesExhaustedError, match="KV cache too small for this request.*whole pool has 3"):
         engine.submit(text, SamplingParams(temperature=0, max_tokens=30))
     with pytest.raises(KVPagesExhaustedError):  # the prompt alone needs 4 pages
-        engine.complete(_ids_text(engine, 60), SamplingParams(temperature=0, max_tokens=1))
+        engine.complete(_ids_text(engine, 60, rng), SamplingParams(temperature=0, max_tokens=1))
     assert pool_idle(engine) and engine.stats()["waiting"] == 0
     c = engine.complete(text, SamplingParams(temperature=0, max_tokens=9))  # 48 tokens: exactly 3 pages
     assert c.finish_reason == "length" and len(c.token_ids) == 9
@@ -150,15 +150,15 @@ def test_closing_the_stream_frees_the_sequence(tiny_engine):
 def test_bad_requests_are_clear_errors(tiny_engine):
     with pytest.raises(InvalidRequestError, match="empty"):
         tiny_engine.complete("", GREEDY)
-    with pytest.raises(InvalidRequestError, match="str or a list"):
+    with pytest.raises(InvalidRequestError, match="a str, a list of token ids or a list of messages"):
         tiny_engine.complete(42, GREEDY)
     with pytest.raises(InvalidRequestError, match="token ids"):
         tiny_engine.score([0, tiny_engine.config.vocab])
     assert pool_idle(tiny_engine)
 
 
-def test_score_is_the_backend_forward(tiny_engine):
-    ids = random_prompt_ids(tiny_engine, 18)
+def test_score_is_the_backend_forward(tiny_engine, rng):
+    ids = random_prompt_ids(rng, 18)
     s = tiny_engine.score(ids)
     assert s.shape == (18, tiny_engine.config.vocab) and s.dtype == np.float32
     # causal: a prefix's logits do not depend on what follows (BLAS blocking differs with T: ~1e-6)
@@ -203,25 +203,29 @@ def test_fim_prompt_is_raw_text_with_special_tokens(tiny_engine):
     assert c.prompt_tokens == len(ids) and len(c.token_ids) == 4
 
 
-def test_decode_time_excludes_the_callers_time(tiny_engine):
-    """The engine runs ahead of a slow consumer (events are buffered), so decode_s is the engine's time
-    from the first to the last token, not the caller's sleeps between events."""
+def test_request_times_are_the_engines_not_the_callers(tiny_engine):
+    """The engine runs ahead of a slow consumer (events are buffered): the stats are fixed when the
+    request ends, so a caller that reads the events later does not stretch decode_s."""
     import time
 
-    events = []
-    for ev in tiny_engine.generate("x", SamplingParams(temperature=0, max_tokens=3)):
-        events.append(ev)
-        time.sleep(0.5)
+    t0 = time.perf_counter()
+    h = tiny_engine.submit("x", SamplingParams(temperature=0, max_tokens=3))
+    assert h.wait()
+    ended = time.perf_counter() - t0
+    time.sleep(0.3)
+    events = list(h)
     stats = events[-1].stats
+    assert [e.finish_reason for e in events] == [None, None, "length"]
     assert stats["generated_tokens"] == 3 and stats["decode_s"] > 0
-    assert stats["decode_s"] < 2 * 0.5 and stats["ttft_s"] >= stats["prefill_s"]
+    assert stats["queue_s"] + stats["prefill_s"] + stats["decode_s"] <= ended
+    assert stats["ttft_s"] == pytest.approx(stats["queue_s"] + stats["prefill_s"])
 
 
-def test_request_waits_for_pages_then_both_give_their_solo_tokens(tiny_path):
+def test_request_waits_for_pages_then_both_give_their_solo_tokens(tiny_path, rng):
     """A request whose prompt finds too few free pages waits in the queue (it is not failed) while the
     running one continues; both end with exactly the tokens each produces alone."""
     engine = Engine.load(tiny_path, device="cpu", max_context=96, kv_pages=4, progress=False)
-    text_a, text_b = _ids_text(engine, 40), _ids_text(engine, 30)  # 3 pages (to 46 tokens), 2 pages
+    text_a, text_b = _ids_text(engine, 40, rng), _ids_text(engine, 30, rng)  # 3 pages (to 46 tokens), 2 pages
     params = SamplingParams(temperature=0, max_tokens=6)
     solo_a = engine.complete(text_a, params).token_ids
     solo_b = engine.complete(text_b, params).token_ids
@@ -231,3 +235,47 @@ def test_request_waits_for_pages_then_both_give_their_solo_tokens(tiny_path):
     assert first + [e.token_id for e in running] == solo_a
     assert other.result().token_ids == solo_b
     assert pool_idle(engine)
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"kv_pages": 0}, "kv_pages"), ({"kv_pages": 2.5}, "kv_pages"), ({"max_context": 2.5}, "max_context"),
+    ({"max_context": 0}, "max_context"), ({"max_context": "96"}, "max_context"), ({"max_batch": 0}, "max_batch"),
+    ({"prefill_chunk": 0}, "prefill_chunk"), ({"max_queue": -1}, "max_queue"), ({"max_batch": True}, "max_batch"),
+    ({"progress": "no"}, "progress"),
+])
+def test_load_arguments_are_checked_before_the_model_is_opened(tmp_path, kw, match):
+    """A missing model would raise ModelNotFoundError: the argument error comes first."""
+    with pytest.raises(InvalidRequestError, match=match):
+        Engine.load(tmp_path / "missing.nanoqwen", device="cpu", **kw)
+
+
+class _Patched:
+    """A NanoqwenFile whose config dicts are replaced: what a file the reader accepts may hold."""
+
+    def __init__(self, nq, **dicts):
+        self._nq, self._dicts = nq, dicts
+
+    def __getattr__(self, name):
+        return self._dicts[name] if name in self._dicts else getattr(self._nq, name)
+
+
+@pytest.mark.parametrize("field, change, match", [
+    ("config", {"eos_token_id": "abc"}, "eos_token_id"), ("config", {"eos_token_id": [None]}, "eos_token_id"),
+    ("config", {"max_position_embeddings": "x"}, "max_position_embeddings"),
+    ("config", {"max_position_embeddings": 0}, "max_position_embeddings"),
+    ("tokenizer_config", {"chat_template": 5}, "chat_template"),
+    ("generation_config", {"temperature": float("nan")}, "generation_config.temperature"),
+    ("generation_config", {"top_k": "20"}, "generation_config.top_k"),
+])
+def test_bad_values_in_an_accepted_file_are_model_format_errors(tiny_path, monkeypatch, field, change, match):
+    import nanoqwen_format
+
+    real = nanoqwen_format.open_model
+
+    def patched(path, *a, **kw):
+        nq = real(path, *a, **kw)
+        return _Patched(nq, **{field: {**(getattr(nq, field) or {}), **change}})
+
+    monkeypatch.setattr(nanoqwen_format, "open_model", patched)
+    with pytest.raises(ModelFormatError, match=match):
+        Engine.load(tiny_path, device="cpu", progress=False)

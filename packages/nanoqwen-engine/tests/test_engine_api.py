@@ -26,7 +26,7 @@ def pool_idle(engine) -> bool:
     return pool.n_free == pool.n_pages and not pool.sequences
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def tied_engine(tied_path):
     engine = Engine.load(tied_path, device="cpu", max_context=256, kv_pages=64, progress=False)
     yield engine

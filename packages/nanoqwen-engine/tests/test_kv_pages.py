@@ -70,8 +70,7 @@ def test_free_returns_pages_for_reuse():
         pool.grow(a, 1)
 
 
-def test_many_sequences_get_disjoint_pages():
-    rng = np.random.default_rng()
+def test_many_sequences_get_disjoint_pages(rng):
     pool = PagePool(200, 16)
     seqs = [pool.new_sequence() for _ in range(30)]
     for s in seqs:

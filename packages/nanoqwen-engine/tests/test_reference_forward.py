@@ -98,9 +98,8 @@ def tied_backend(tied_path, open_file):
     assert backend.pool.n_free == backend.pool.n_pages
 
 
-def test_reference_matches_naive_float64(model_path, open_file, naive_cache):
+def test_reference_matches_naive_float64(model_path, open_file, naive_cache, rng):
     nq, cfg = open_file(model_path)
-    rng = np.random.default_rng()
     ids = rng.integers(0, cfg.vocab, size=21)
     backend = ReferenceBackend.create(nq, cfg, max_context=64)
     got = backend.score(ids)
@@ -112,21 +111,20 @@ def test_reference_matches_naive_float64(model_path, open_file, naive_cache):
 
 
 @pytest.mark.parametrize("n_prompt", [1, 15, 16, 17, 31, 32, 33])
-def test_prefill_then_decode_equals_scoring_at_once(tied_backend, n_prompt):
+def test_prefill_then_decode_equals_scoring_at_once(tied_backend, n_prompt, rng):
     """The cache is right: a prompt prefilled, then tokens decoded one by one across page boundaries
     (15/16/17, 31/32/33), gives the logits of scoring the whole sequence in one pass."""
     backend, cfg = tied_backend
-    rng = np.random.default_rng()
     n_total = 40
     ids = rng.integers(0, cfg.vocab, size=n_total)
     want = backend.score(ids)
     seq = backend.pool.new_sequence()
     sampler = SamplerState(SamplingParams(temperature=0).resolve({}), cfg.vocab)
     backend.prefill(seq, ids[:n_prompt], sampler)
-    rows = [backend.last_logits().copy()]
+    rows = [backend.last_logits()[0].copy()]
     for t in ids[n_prompt:]:
-        backend.decode(seq, int(t), sampler)
-        rows.append(backend.last_logits().copy())
+        backend.decode([seq], [int(t)], [sampler])
+        rows.append(backend.last_logits()[0].copy())
     assert seq.length == n_total and seq.n_pages == 3
     got = np.stack(rows)
     np.testing.assert_allclose(got, want[n_prompt - 1 :], rtol=0, atol=1e-4 * np.abs(want).max())
@@ -136,32 +134,19 @@ def test_prefill_then_decode_equals_scoring_at_once(tied_backend, n_prompt):
     backend.pool.free(seq)
 
 
-def test_chunked_prefill_equals_one_prefill(tied_backend):
-    backend, cfg = tied_backend
-    ids = np.random.default_rng().integers(0, cfg.vocab, size=37)
-    want = backend.score(ids)[-1]
-    seq = backend.pool.new_sequence()
-    sampler = SamplerState(SamplingParams(temperature=0).resolve({}), cfg.vocab)
-    for a, b in ((0, 5), (5, 16), (16, 37)):
-        tok = backend.prefill(seq, ids[a:b], sampler)
-    np.testing.assert_allclose(backend.last_logits(), want, rtol=0, atol=1e-4 * np.abs(want).max())
-    assert tok == int(np.argmax(want))
-    backend.pool.free(seq)
-
-
-def test_fp16_cache_stays_close(tiny_path, open_file):
+def test_fp16_cache_stays_close(tiny_path, open_file, rng):
     """kv_dtype=float16 stores what the GPU stores; logits move by fp16 rounding only."""
     nq, cfg = open_file(tiny_path)
-    ids = np.random.default_rng().integers(0, cfg.vocab, size=20)
+    ids = rng.integers(0, cfg.vocab, size=20)
     a = ReferenceBackend.create(nq, cfg, max_context=32).score(ids)
     b = ReferenceBackend.create(nq, cfg, max_context=32, kv_dtype=np.float16).score(ids)
     assert 0 < rel_err(b, a) < 1e-2
 
 
-def test_lazy_weights_give_the_same_logits(tied_path, open_file):
+def test_lazy_weights_give_the_same_logits(tied_path, open_file, rng):
     """A budget smaller than the projections (the 7B path) dequantizes per layer on use, same numbers."""
     nq, cfg = open_file(tied_path)
-    ids = np.random.default_rng().integers(0, cfg.vocab, size=9)
+    ids = rng.integers(0, cfg.vocab, size=9)
     full = ReferenceBackend.create(nq, cfg, max_context=32)
     one_layer = full.weights.layer(0).nbytes
     for budget, kept in ((1, 0), (one_layer, 1), (2 * one_layer + 1, 2)):
@@ -171,11 +156,11 @@ def test_lazy_weights_give_the_same_logits(tied_path, open_file):
         assert sorted(lazy.weights._layers) == list(range(kept))  # the first layers that fit stay
 
 
-def test_attention_in_query_chunks_equals_one_block(tied_backend, monkeypatch):
+def test_attention_in_query_chunks_equals_one_block(tied_backend, monkeypatch, rng):
     import nanoqwen_engine.reference.backend as rb
 
     backend, cfg = tied_backend
-    ids = np.random.default_rng().integers(0, cfg.vocab, size=30)
+    ids = rng.integers(0, cfg.vocab, size=30)
     whole = backend.score(ids)
     monkeypatch.setattr(rb, "Q_CHUNK", 7)  # 30 rows: blocks of 7, 7, 7, 7, 2
     np.testing.assert_allclose(backend.score(ids), whole, rtol=0, atol=1e-5 * np.abs(whole).max())

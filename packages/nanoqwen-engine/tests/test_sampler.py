@@ -55,8 +55,7 @@ def test_min_p_scales_with_the_top_probability():
     assert kept(min_p_mask(LOGITS, 1.0)) == [1]
 
 
-def test_repetition_penalty_divides_positive_and_multiplies_negative():
-    rng = np.random.default_rng()
+def test_repetition_penalty_divides_positive_and_multiplies_negative(rng):
     x = rng.normal(size=64).astype(np.float32) * 3
     seen = rng.random(64) < 0.3
     out = apply_repetition_penalty(x, seen, 1.3)
@@ -79,8 +78,7 @@ def test_penalty_comes_before_temperature():
     np.testing.assert_array_equal(processed_logits(x, st.params, st.seen), expect)
 
 
-def test_greedy_is_argmax_and_ignores_the_rng():
-    rng = np.random.default_rng()
+def test_greedy_is_argmax_and_ignores_the_rng(rng):
     for _ in range(20):
         x = rng.normal(size=1000).astype(np.float32)
         assert SamplerState(params(temperature=0), 1000).sample(x) == int(np.argmax(x))
@@ -93,8 +91,8 @@ def test_greedy_with_explicit_penalty_avoids_a_seen_token():
     assert st.sample(x) == 1  # 3.0 / 1.2 = 2.5 < 2.9
 
 
-def test_seeded_sampling_is_reproducible():
-    x = np.random.default_rng().normal(size=500).astype(np.float32)
+def test_seeded_sampling_is_reproducible(rng):
+    x = rng.normal(size=500).astype(np.float32)
     def draws(seed):
         st = SamplerState(params(seed=seed, repetition_penalty=1.0), 500)
         return [st.sample(x) for _ in range(60)]
@@ -102,10 +100,10 @@ def test_seeded_sampling_is_reproducible():
     assert draws(1234) != draws(99)
 
 
-def test_temperature_distribution_matches_softmax():
+def test_temperature_distribution_matches_softmax(rng):
     x = np.array([1.0, 0.0, -0.5, 2.0], dtype=np.float32)
     for t in (0.5, 1.7):
-        st = SamplerState(params(temperature=t, seed=int(np.random.default_rng().integers(1 << 30))), 4)
+        st = SamplerState(params(temperature=t, seed=int(rng.integers(1 << 30))), 4)
         st.seen[:] = False
         n = 20000
         counts = np.zeros(4)
@@ -133,8 +131,43 @@ def test_params_resolve_from_generation_config():
     assert SamplingParams(stop="x").stop == ("x",)
 
 
-@pytest.mark.parametrize("kw", [{"temperature": -1}, {"top_p": 0}, {"top_k": -2}, {"min_p": 2},
-                                {"max_tokens": 0}, {"repetition_penalty": 0}, {"stop": [""]}])
-def test_bad_params_are_one_clear_error(kw):
-    with pytest.raises(InvalidRequestError, match=next(iter(kw))):
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize("kw", [
+    {"temperature": -1}, {"top_p": 0}, {"top_k": -2}, {"min_p": 2}, {"max_tokens": 0},
+    {"repetition_penalty": 0}, {"stop": [""]},
+    # the fuzz's findings: each escaped as IndexError/TypeError later, or degenerated the output
+    {"temperature": NAN}, {"temperature": INF}, {"repetition_penalty": NAN}, {"top_p": NAN}, {"min_p": NAN},
+    {"max_tokens": "3"}, {"max_tokens": 3.0}, {"max_tokens": True}, {"top_k": 1.5}, {"temperature": "0.7"},
+    {"seed": -2}, {"seed": 2**64}, {"seed": 1.5}, {"seed": "7"}, {"stop": 5}, {"stop": [1]},
+    {"ignore_eos": 1}, {"temperature": None, "top_p": 1.5},
+])
+def test_bad_params_are_one_clear_error_naming_the_field(kw):
+    field = [k for k, v in kw.items() if v is not None][0]
+    with pytest.raises(InvalidRequestError, match=f"SamplingParams.{field}"):
         SamplingParams(**kw)
+
+
+def test_seed_minus_one_means_random_and_numpy_ints_are_ints():
+    a, b = SamplerState(params(seed=-1), 8), SamplerState(params(seed=-1), 8)
+    assert SamplingParams(seed=-1).seed is None and a.seed != b.seed  # fresh seeds, reported in stats
+    p = SamplingParams(max_tokens=np.int64(5), top_k=np.int32(3), temperature=np.float32(0.5), seed=np.uint64(9))
+    assert (p.max_tokens, p.top_k, p.seed) == (5, 3, 9) and type(p.max_tokens) is int
+    assert type(p.temperature) is float
+
+
+@pytest.mark.parametrize("gc, key", [
+    ({"temperature": NAN}, "generation_config.temperature"), ({"top_p": "0.8"}, "generation_config.top_p"),
+    ({"top_k": 2.5}, "generation_config.top_k"), ({"repetition_penalty": -1}, "generation_config.repetition_penalty"),
+    ({"max_new_tokens": 0}, "generation_config.max_new_tokens"), ({"do_sample": "yes"}, "generation_config.do_sample"),
+])
+def test_bad_generation_config_values_are_config_errors(gc, key):
+    from nanoqwen_engine.errors import ConfigError, ModelFormatError
+    from nanoqwen_engine.params import check_generation_config
+
+    with pytest.raises(ConfigError, match=key) as e:
+        check_generation_config({"do_sample": False, **gc})  # checked even where no request reads it
+    assert isinstance(e.value, ModelFormatError)
+    with pytest.raises(ConfigError, match=key):  # and where a request reads it
+        SamplingParams().resolve({"do_sample": True, "temperature": 0.5, **gc})

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 from nanoqwen_engine import InvalidRequestError, TemplateError
 from nanoqwen_engine.chat import ChatTemplate
@@ -74,8 +73,7 @@ def test_stream_holds_back_split_characters(tokenizer):
         assert deltas[:-1] == [""] * (len(ids) - 1) and deltas[-1] == ch and tail == ""
 
 
-def test_stream_deltas_are_whole_characters_and_concatenate_to_decode(tokenizer):
-    rng = np.random.default_rng()
+def test_stream_deltas_are_whole_characters_and_concatenate_to_decode(tokenizer, rng):
     pieces = ["def fib(n):\n", "    return n", " 中文字符 ", "émigré ", "🦀", "🫠🧬", "龘鬱", "\t", "<|im_end|>",
               "𝔘nicode ", "∑ℵ€ ", "ok"]
     for _ in range(20):

@@ -29,7 +29,6 @@ from .argcheck import check_bool, check_int, is_int
 from .backend import Backend
 from .config import ModelConfig
 from .errors import (
-    ConfigError,
     EngineClosedError,
     InvalidRequestError,
     KVPagesExhaustedError,
@@ -41,7 +40,7 @@ from .errors import (
 )
 from .kv_pages import pages_for
 from .model_source import resolve_model
-from .params import SamplingParams
+from .params import SamplingParams, check_generation_config
 from .request import Completion, GenerationEvent, Request, RequestHandle
 from .sampler import SamplerState
 from .scheduler import Scheduler
@@ -118,20 +117,20 @@ class Engine:
         try:
             nq = open_model(path)
             config = ModelConfig.from_hf(nq.config, nq.generation_config)
-            _check_generation_config(nq.generation_config)
+            check_generation_config(nq.generation_config)
             tokenizer = Tokenizer(nq.tokenizer_json, nq.tokenizer_config)
         except NanoqwenFormatError as e:
             raise ModelFormatError(f"{path}: {e}") from e
         except ModelFormatError as e:  # ConfigError included: say which file
             raise type(e)(f"{path}: {e}") from e
-        extra = {"n_pages": kv_pages} if kv_pages is not None else {}
         backend: Backend
         try:
             if device == "cpu":
                 from .reference import ReferenceBackend
 
-                backend = ReferenceBackend.create(nq, config, max_context=max_context, **extra)
+                backend = ReferenceBackend.create(nq, config, max_context=max_context, n_pages=kv_pages)
             else:
+                extra = {"n_pages": kv_pages} if kv_pages is not None else {}
                 backend = cls._cuda_backend(nq, config, max_context, progress, {**extra, "decode_mode": decode_mode})
         except NanoqwenFormatError as e:
             raise ModelFormatError(f"{path}: {e}") from e
@@ -338,14 +337,6 @@ def _check_serving_args(max_batch, prefill_chunk, max_queue) -> None:
     check_int("max_batch", max_batch, InvalidRequestError, lo=1)
     check_int("prefill_chunk", prefill_chunk, InvalidRequestError, lo=1)
     check_int("max_queue", max_queue, InvalidRequestError, lo=1)
-
-
-def _check_generation_config(gc: dict | None) -> None:
-    """Every sampling default the file carries, checked once at load (ConfigError naming the key)."""
-    if gc is not None and not isinstance(gc, dict):
-        raise ConfigError(f"generation_config must be a JSON object, got {type(gc).__name__}")
-    SamplingParams(temperature=1.0).resolve(gc)  # reads every knob
-    SamplingParams().resolve(gc)  # reads do_sample and temperature
 
 
 def token_ids_arg(token_ids, vocab: int, what: str) -> np.ndarray:

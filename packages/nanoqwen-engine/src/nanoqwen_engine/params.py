@@ -45,6 +45,24 @@ def _check_field(name: str, v: Any, err: type, prefix: str = "SamplingParams.") 
     raise AssertionError(name)
 
 
+GENERATION_CONFIG_KNOBS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_new_tokens")
+
+
+def check_generation_config(gc) -> None:
+    """Every sampling default a model file's generation_config carries, checked once (at load): a
+    value of the wrong type or out of range is a ConfigError naming the key, whether or not a request
+    would read it."""
+    if gc is None:
+        return
+    if not isinstance(gc, dict):
+        raise ConfigError(f"generation_config must be a JSON object, got {type(gc).__name__}")
+    if "do_sample" in gc:
+        check_bool("generation_config.do_sample", gc["do_sample"], ConfigError)
+    for name in GENERATION_CONFIG_KNOBS:
+        if gc.get(name) is not None:
+            _check_field(name, gc[name], ConfigError, prefix="generation_config.")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int | None = None  # new tokens at most; default DEFAULT_MAX_TOKENS

@@ -4,7 +4,7 @@ thread's Request (tokens, sampler, detokenizer, stop logic, its KV sequence).
 The engine thread is the only writer of a Request; it hands events to the handle, whose small lock is
 the only thing the two sides share:
 
-  engine thread:  Request.on_token(id) -> GenerationEvent -> handle._push(event)
+  engine thread:  Request.on_token(id) -> GenerationEvent -> Request.deliver -> handle._push
                                                                |  deque + Condition (threads)
                                                                |  loop.call_soon_threadsafe (asyncio)
   caller:         for ev in handle / async for ev in handle <--+   handle.result() -> Completion
@@ -193,6 +193,7 @@ class Request:
         self.output: list[int] = []
         self.text_parts: list[str] = []
         self.seq: SequenceState | None = None
+        self._completion: Completion | None = None
         self.cancel_requested = False  # set by any thread under the engine's lock
         self.finished = False
         self.preemptions = 0
@@ -223,8 +224,9 @@ class Request:
 
     # -- results --
 
-    def on_token(self, tok: int) -> bool:
-        """Record a sampled id, push its event; True when it ended the request."""
+    def on_token(self, tok: int) -> GenerationEvent:
+        """Record a sampled id and build its event (not yet delivered: the scheduler frees a finished
+        request's pages first, so a caller woken by the last event finds them back in the pool)."""
         now = time.perf_counter()
         if self.t_first is None:
             self.t_first = now
@@ -242,27 +244,27 @@ class Request:
                 finish = "context"
             if finish and not self.stops.stopped:
                 delta += self.stops.flush() + self.stream.flush()
-        self._emit(tok, delta, finish)
-        return finish is not None
+        return self._event(tok, delta, finish)
 
-    def on_cancel(self) -> None:
+    def on_cancel(self) -> GenerationEvent:
         """Last event of a cancelled request: whatever text was held back, no new token."""
-        self._emit(NO_TOKEN, self.stops.flush() + self.stream.flush(), "cancelled")
+        return self._event(NO_TOKEN, self.stops.flush() + self.stream.flush(), "cancelled")
 
-    def on_error(self, exc: BaseException) -> None:
+    def deliver(self, event: GenerationEvent) -> None:
+        self.handle._push(event, self._completion if event.finish_reason is not None else None)
+
+    def fail(self, exc: BaseException) -> None:
         self.finished = True
         self.handle._push(exc)
 
-    def _emit(self, tok: int, delta: str, finish: str | None) -> None:
+    def _event(self, tok: int, delta: str, finish: str | None) -> GenerationEvent:
         self.text_parts.append(delta)
         if finish is None:
-            self.handle._push(GenerationEvent(tok, delta))
-            return
+            return GenerationEvent(tok, delta)
         self.finished = True
         stats = self.stats()
-        ids = list(self.output)
-        self.handle._push(GenerationEvent(tok, delta, finish, stats),
-                          Completion("".join(self.text_parts), ids, finish, len(self.prompt), stats))
+        self._completion = Completion("".join(self.text_parts), list(self.output), finish, len(self.prompt), stats)
+        return GenerationEvent(tok, delta, finish, stats)
 
     def stats(self) -> dict[str, Any]:
         now = time.perf_counter()

@@ -19,9 +19,14 @@ The pipeline, in transformers' order (LogitsProcessorList of `generate`):
 
 from __future__ import annotations
 
+import secrets
+from typing import TypeVar
+
 import numpy as np
 
 from .params import SamplingParams
+
+T = TypeVar("T")
 
 
 def apply_repetition_penalty(logits: np.ndarray, seen: np.ndarray, penalty: float) -> np.ndarray:
@@ -74,15 +79,23 @@ def min_p_mask(logits: np.ndarray, min_p: float) -> np.ndarray:
     return out
 
 
+def _resolved(v: T | None, name: str) -> T:
+    if v is None:
+        raise ValueError(f"SamplingParams.{name} is unresolved (call params.resolve first)")
+    return v
+
+
 def processed_logits(logits: np.ndarray, params: SamplingParams, seen: np.ndarray) -> np.ndarray:
     """The logits after every processor, before softmax (for tests and the GPU comparison)."""
-    x = apply_repetition_penalty(np.asarray(logits, dtype=np.float32), seen, params.repetition_penalty)
-    if params.temperature == 0:
+    x = apply_repetition_penalty(np.asarray(logits, dtype=np.float32), seen,
+                                 _resolved(params.repetition_penalty, "repetition_penalty"))
+    temperature = _resolved(params.temperature, "temperature")
+    if temperature == 0:
         return x
-    x = x / np.float32(params.temperature)
-    x = top_k_mask(x, params.top_k)
-    x = top_p_mask(x, params.top_p)
-    return min_p_mask(x, params.min_p)
+    x = x / np.float32(temperature)
+    x = top_k_mask(x, _resolved(params.top_k, "top_k"))
+    x = top_p_mask(x, _resolved(params.top_p, "top_p"))
+    return min_p_mask(x, _resolved(params.min_p, "min_p"))
 
 
 class SamplerState:
@@ -98,7 +111,7 @@ class SamplerState:
         self.params = params
         self.vocab = vocab
         self.seen = np.zeros(vocab, dtype=bool)  # bool [V]: ids in the sequence so far
-        seed = params.seed if params.seed is not None else int(np.random.SeedSequence().entropy % 2**63)
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
         self.seed = seed
         self.rng = np.random.default_rng(seed)
 

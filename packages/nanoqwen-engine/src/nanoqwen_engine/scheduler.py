@@ -39,14 +39,13 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from .backend import Backend
 from .errors import NanoqwenError
-from .kv_pages import pages_for
+from .kv_pages import SequenceState, pages_for
 from .request import Request
 
 
@@ -76,8 +75,7 @@ class Scheduler:
     `waiting` (Engine's); `execute` runs on the engine thread alone. `step()` does both, for callers that
     drive the scheduler directly from one thread (tests)."""
 
-    def __init__(self, backend: Backend, max_batch: int, prefill_chunk: int,
-                 on_finished: Callable[[Request], None] | None = None):
+    def __init__(self, backend: Backend, max_batch: int, prefill_chunk: int):
         self.backend = backend
         self.pool = backend.pool
         self.max_batch = max_batch
@@ -85,7 +83,6 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: running[-1] is the preemption victim
         self.counters = Counters()
-        self._on_finished = on_finished
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -96,7 +93,7 @@ class Scheduler:
         self._drop_cancelled()
         while True:
             decode = [r for r in self.running if r.decoding]
-            need = sum(pages_for(r.seq.length + 1) - r.seq.n_pages for r in decode)  # type: ignore[union-attr]
+            need = sum(_pages_to_grow(r) for r in decode)
             if need <= self.pool.n_free:
                 break
             self._preempt(self.running[-1])
@@ -150,7 +147,7 @@ class Scheduler:
         if plan.decode:
             rows = plan.decode
             try:
-                toks = self.backend.decode([r.seq for r in rows], [r.output[-1] for r in rows],  # type: ignore[misc]
+                toks = self.backend.decode([_seq(r) for r in rows], [r.output[-1] for r in rows],
                                            [r.sampler for r in rows])
             except Exception as e:  # the batch is one call: every row shares its failure
                 for r in rows:
@@ -165,40 +162,40 @@ class Scheduler:
             last = r.seq.length + n == r.prefill_target
             sample = last and not r.output
             try:
-                tok = self.backend.prefill(r.seq, np.asarray(r.prefill_ids(n), dtype=np.int32),
-                                           r.sampler if sample else None)
+                first = self.backend.prefill(_seq(r), np.asarray(r.prefill_ids(n), dtype=np.int32),
+                                             r.sampler if sample else None)
             except Exception as e:
                 self._end(r, error=e)
                 continue
             self.counters.prefill_tokens += n
-            if sample:
-                assert tok is not None
-                self._token(r, tok)
+            if first is not None:
+                self._token(r, first)
 
     def step(self) -> StepPlan:
         plan = self.schedule()
         self.execute(plan)
         return plan
 
+    # Bookkeeping (pages, counters) always comes before delivering a request's last event: a caller
+    # woken by it (complete() returning) must find the pool and stats() already updated.
+
     def _token(self, r: Request, tok: int) -> None:
         self.counters.tokens_generated += 1
-        if r.on_token(int(tok)):
+        event = r.on_token(int(tok))
+        if event.finish_reason is not None:
             self._release(r)
             self.counters.requests_finished += 1
-            if self._on_finished is not None:
-                self._on_finished(r)
+        r.deliver(event)
 
     def _end(self, r: Request, cancelled: bool = False, error: BaseException | None = None) -> None:
         """A request ends other than by its own tokens: cancelled, or failed with `error`."""
         self._release(r)
         if cancelled:
             self.counters.requests_cancelled += 1
-            r.on_cancel()
+            r.deliver(r.on_cancel())
         else:
             self.counters.requests_failed += 1
-            r.on_error(error if error is not None else NanoqwenError("request ended"))
-        if self._on_finished is not None:
-            self._on_finished(r)
+            r.fail(error if error is not None else NanoqwenError("request ended"))
 
     def _release(self, r: Request) -> None:
         if r.seq is not None:
@@ -213,3 +210,15 @@ class Scheduler:
             self._end(self.waiting.popleft(), error=error)
         for r in list(self.running):
             self._end(r, error=error)
+
+
+def _seq(r: Request) -> SequenceState:
+    """The sequence of a running request (admitted requests always have one)."""
+    assert r.seq is not None, f"request {r.request_id} is not admitted"
+    return r.seq
+
+
+def _pages_to_grow(r: Request) -> int:
+    """Pages a decoding request needs beyond its own for its next token."""
+    seq = _seq(r)
+    return pages_for(seq.length + 1) - seq.n_pages

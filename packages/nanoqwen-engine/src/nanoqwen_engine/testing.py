@@ -8,6 +8,8 @@ seed, printed at setup so a failing test's report shows it ("Captured stdout set
 
 from __future__ import annotations
 
+import secrets
+
 import numpy as np
 import pytest
 
@@ -23,7 +25,7 @@ def pytest_addoption(parser) -> None:
 @pytest.fixture
 def seed(request) -> int:
     given = request.config.getoption("--seed", default=None)
-    s = int(given) if given is not None else int(np.random.SeedSequence().entropy % 2**32)
+    s = int(given) if given is not None else secrets.randbits(32)
     print(f"rng seed {s} (replay: pytest --seed {s})")
     return s
 

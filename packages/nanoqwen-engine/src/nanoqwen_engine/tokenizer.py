@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import codecs
 import json
+import threading
 from collections.abc import Iterable, Sequence
 from functools import lru_cache
 
@@ -50,6 +51,7 @@ class Tokenizer:
         self.special_ids = frozenset(t["id"] for t in spec.get("added_tokens", []) if t.get("special"))
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self._bytes_cache: dict[int, bytes] = {}
+        self._encode_lock = threading.Lock()
         self.chat = ChatTemplate.from_tokenizer_config(tokenizer_config or {})
 
     def encode(self, text: str, parse_special: bool = True) -> list[int]:
@@ -59,12 +61,11 @@ class Tokenizer:
         added tokens that are not special (`<|fim_prefix|>`, `<tool_call>`) are matched either way, as the
         tokenizers library does.
         """
-        prev = self._tok.encode_special_tokens
-        self._tok.encode_special_tokens = not parse_special
-        try:
+        # encode_special_tokens is a flag on the shared tokenizer object: the lock keeps one thread's
+        # setting from leaking into another's encode (Engine.submit encodes on the caller's thread).
+        with self._encode_lock:
+            self._tok.encode_special_tokens = not parse_special
             return self._tok.encode(text, add_special_tokens=False).ids
-        finally:
-            self._tok.encode_special_tokens = prev
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

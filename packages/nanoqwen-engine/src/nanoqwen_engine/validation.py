@@ -25,146 +25,21 @@ docs/VALIDATION.md.
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, field
+from importlib import resources
 
 import numpy as np
 
 DEFAULT_EPS = 0.1
 PAGE_BOUNDARY_LENGTHS = (15, 16, 17, 31, 32, 33)
 
-# --- built-in material: short, varied, and ASCII-plus-a-little-Unicode like real prompts -------------
-_CODE = {
-    "python": '''def merge_sorted(a, b):
-    """Merge two sorted lists into one sorted list."""
-    out, i, j = [], 0, 0
-    while i < len(a) and j < len(b):
-        if a[i] <= b[j]:
-            out.append(a[i]); i += 1
-        else:
-            out.append(b[j]); j += 1
-    return out + a[i:] + b[j:]
-
-class LRUCache:
-    def __init__(self, capacity: int):
-        self.capacity = capacity
-        self.data = {}
-
-    def get(self, key):
-        if key not in self.data:
-            return None
-        value = self.data.pop(key)
-        self.data[key] = value
-        return value
-''',
-    "c": '''#include <stdio.h>
-#include <stdlib.h>
-
-/* Count the lines of a file given on the command line. */
-int main(int argc, char **argv) {
-    if (argc < 2) { fprintf(stderr, "usage: %s FILE\\n", argv[0]); return 1; }
-    FILE *f = fopen(argv[1], "r");
-    if (!f) { perror("fopen"); return 1; }
-    long lines = 0; int c;
-    while ((c = fgetc(f)) != EOF) if (c == '\\n') lines++;
-    fclose(f);
-    printf("%ld\\n", lines);
-    return 0;
-}
-''',
-    "rust": '''use std::collections::HashMap;
-
-/// Word frequencies of a text, most frequent first.
-fn word_counts(text: &str) -> Vec<(String, usize)> {
-    let mut counts: HashMap<String, usize> = HashMap::new();
-    for w in text.split_whitespace() {
-        *counts.entry(w.to_lowercase()).or_insert(0) += 1;
-    }
-    let mut v: Vec<_> = counts.into_iter().collect();
-    v.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
-    v
-}
-''',
-    "javascript": '''export async function fetchJson(url, { retries = 3, timeoutMs = 5000 } = {}) {
-  for (let attempt = 0; attempt <= retries; attempt++) {
-    const ctrl = new AbortController();
-    const timer = setTimeout(() => ctrl.abort(), timeoutMs);
-    try {
-      const res = await fetch(url, { signal: ctrl.signal });
-      if (!res.ok) throw new Error(`HTTP ${res.status}`);
-      return await res.json();
-    } catch (err) {
-      if (attempt === retries) throw err;
-    } finally {
-      clearTimeout(timer);
-    }
-  }
-}
-''',
-    "go": '''package main
-
-import (
-\t"fmt"
-\t"sync"
-)
-
-func main() {
-\tvar wg sync.WaitGroup
-\tresults := make([]int, 10)
-\tfor i := 0; i < 10; i++ {
-\t\twg.Add(1)
-\t\tgo func(i int) { defer wg.Done(); results[i] = i * i }(i)
-\t}
-\twg.Wait()
-\tfmt.Println(results)
-}
-''',
-    "sql": '''SELECT c.name, COUNT(o.id) AS orders, SUM(o.total) AS revenue
-FROM customers AS c
-LEFT JOIN orders AS o ON o.customer_id = c.id AND o.created_at >= DATE '2024-01-01'
-GROUP BY c.name
-HAVING COUNT(o.id) > 3
-ORDER BY revenue DESC
-LIMIT 20;
-''',
-    "bash": '''#!/usr/bin/env bash
-set -euo pipefail
-for f in "$@"; do
-  if [[ -f "$f" ]]; then
-    printf '%s: %d lines\\n' "$f" "$(wc -l < "$f")"
-  else
-    echo "skipping $f" >&2
-  fi
-done
-''',
-    "cuda": '''__global__ void saxpy(int n, float a, const float* __restrict__ x, float* __restrict__ y) {
-    int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) y[i] = a * x[i] + y[i];
-}
-''',
-}
-_PROSE = [
-    "The lighthouse keeper had not spoken to anyone in eleven days when the supply boat finally rounded "
-    "the northern rocks. He watched it from the gallery, counting the waves between each rise of its bow, "
-    "and wondered whether the captain would bring letters or only flour, lamp oil and news of the weather.",
-    "Memory bandwidth, not arithmetic, limits how fast a language model can produce one token at a time: "
-    "every weight must be read once per token, so a seven-billion-parameter model stored in four bits "
-    "moves about four gigabytes for each word it writes.",
-    "Pour la première fois depuis des années, la rivière avait gelé d'une rive à l'autre, et les enfants "
-    "du village s'aventuraient sur la glace en riant, malgré les avertissements de leurs parents.",
-    "春天来了，山上的花都开了。孩子们在田野里奔跑，老人们坐在门口晒太阳，聊着今年的收成。",
-    "A good error message names what went wrong, where, and what to do next; a bad one prints a stack "
-    "trace from deep inside a library and leaves the user to guess. 🚀 Ship the good ones.",
-]
-_CHAT = [
-    [{"role": "user", "content": "Write a Python function that checks whether a string is a palindrome."}],
-    [{"role": "system", "content": "You are a terse assistant."},
-     {"role": "user", "content": "Explain what a CUDA graph is in two sentences."}],
-    [{"role": "user", "content": "What does `git rebase -i HEAD~3` do?"},
-     {"role": "assistant", "content": "It opens an editor to rewrite the last three commits."},
-     {"role": "user", "content": "And how do I squash two of them?"}],
-    [{"role": "user", "content": "Translate to Rust: for i in range(10): print(i * i)"}],
-    [{"role": "user", "content": "Fix this SQL: SELEC name FROM users WHERE id = 1"}],
-]
+# The built-in material lives in data/ladder_prompts.json: short, varied code in eight languages, prose
+# (ASCII plus a little Unicode, as real prompts are) and chat conversations.
+_MATERIAL = json.loads((resources.files(__package__) / "data" / "ladder_prompts.json").read_text(encoding="utf-8"))
+_CODE: dict[str, str] = _MATERIAL["code"]
+_PROSE: list[str] = _MATERIAL["prose"]
+_CHAT: list[list[dict[str, str]]] = _MATERIAL["chat"]
 
 
 @dataclass(frozen=True)
@@ -409,7 +284,7 @@ def logit_error(a: np.ndarray, b: np.ndarray) -> dict:
     a = np.asarray(a, dtype=np.float64)
     b = np.asarray(b, dtype=np.float64)
     return {
-        "rel": float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)),
+        "rel": float(np.linalg.norm(a - b) / max(float(np.linalg.norm(b)), 1e-30)),
         "max_abs": float(np.max(np.abs(a - b))),
         "argmax_agree": float(np.mean(np.argmax(a, -1) == np.argmax(b, -1))),
         "finite": bool(np.isfinite(a).all()),

@@ -1,0 +1,263 @@
+"""The scheduler on a stand-in backend whose "model" reads every token back from the KV pages.
+
+`PagedEcho` stores token ids in a page-indexed array laid out like the real cache and computes each
+next id from the sequence's tokens read back through its page table (plus one draw from the request's
+own RNG when it samples). A page handed to two sequences, freed too early, or written at the wrong slot
+changes a later id, so "every request ends with exactly the tokens it produces alone" checks the
+bookkeeping of the pool, the page tables, chunked prefill, batching and preemption, thousands of steps
+a second. The real model's numbers under batching are test_batching.py's.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+from nanoqwen_engine.kv_pages import PAGE_TOKENS, PagePool, pages_for
+from nanoqwen_engine.params import SamplingParams
+from nanoqwen_engine.request import Request, RequestHandle
+from nanoqwen_engine.sampler import SamplerState
+from nanoqwen_engine.scheduler import Scheduler
+
+V = 1000
+EOS = 7
+
+
+def next_id(tokens: list[int], sampler: SamplerState) -> int:
+    """The stand-in model: a hash of every token, plus an RNG draw when the request samples."""
+    h = 0
+    for t in tokens:
+        h = (h * 1_000_003 + t + 1) % 2_147_483_647
+    if sampler.params.temperature > 0:
+        h += int(sampler.rng.integers(0, V))
+    return h % V
+
+
+class PagedEcho:
+    """The Backend protocol over a token-id "cache" in the real page layout."""
+
+    def __init__(self, n_pages: int, max_context: int):
+        self.pool = PagePool(n_pages, pages_for(max_context))
+        self.max_context = max_context
+        self.cache = np.full((n_pages, PAGE_TOKENS), -1, dtype=np.int64)
+        self.calls: list[tuple[str, int]] = []  # ("decode", B) / ("prefill", T)
+
+    def _write(self, seq, ids) -> None:
+        for t in ids:
+            page, slot = seq.slot_of(seq.length)
+            self.cache[page, slot] = t
+            seq.length += 1
+
+    def _read(self, seq) -> list[int]:
+        pos = np.arange(seq.length)
+        return self.cache[seq.page_table[pos // PAGE_TOKENS], pos % PAGE_TOKENS].tolist()
+
+    def prefill(self, seq, token_ids, sampler):
+        self.pool.grow(seq, seq.length + len(token_ids))
+        self._write(seq, [int(t) for t in token_ids])
+        self.calls.append(("prefill", len(token_ids)))
+        return None if sampler is None else next_id(self._read(seq), sampler)
+
+    def decode(self, seqs, token_ids, samplers):
+        need = sum(pages_for(s.length + 1) - s.n_pages for s in seqs)
+        assert need <= self.pool.n_free, "the scheduler must reserve decode pages"
+        for s in seqs:
+            self.pool.grow(s, s.length + 1)
+        for s, t in zip(seqs, token_ids, strict=True):
+            self._write(s, [int(t)])
+        self.calls.append(("decode", len(seqs)))
+        return [next_id(self._read(s), sp) for s, sp in zip(seqs, samplers, strict=True)]
+
+
+def solo(prompt: list[int], params: SamplingParams, max_context: int) -> list[int]:
+    """The tokens one request produces alone (no pool limits): the reference for every test here."""
+    sampler = SamplerState(params, V)
+    toks, out = list(prompt), []
+    while True:
+        t = next_id(toks, sampler)
+        out.append(t)
+        if t == EOS or len(out) >= params.max_tokens or len(toks) >= max_context:
+            return out
+        toks.append(t)
+
+
+def make_request(rid: int, prompt: list[int], params: SamplingParams, tokenizer, max_context: int) -> Request:
+    req: Request
+
+    def cancel():
+        req.cancel_requested = True
+
+    handle = RequestHandle(rid, len(prompt), cancel)
+    req = Request(rid, prompt, params, SamplerState(params, V), tokenizer.stream(), (EOS,), max_context, handle)
+    return req
+
+
+def params_for(max_tokens: int, seed: int | None) -> SamplingParams:
+    t = 0.0 if seed is None else 0.8
+    return SamplingParams(temperature=t, max_tokens=max_tokens, seed=seed).resolve({})
+
+
+def drain(sched: Scheduler, limit: int = 100_000) -> int:
+    steps = 0
+    while sched.has_work():
+        sched.step()
+        steps += 1
+        assert steps < limit, "the scheduler stopped making progress"
+    return steps
+
+
+def check_pool(sched: Scheduler) -> None:
+    pool = sched.pool
+    live = [r for r in sched.running]
+    assert pool.n_used == sum(r.seq.n_pages for r in live)
+    assert sorted(s.seq_id for s in pool.sequences) == sorted(r.seq.seq_id for r in live)
+    pages = np.concatenate([r.seq.pages() for r in live]) if live else np.array([], dtype=np.int32)
+    assert len(set(pages.tolist())) == len(pages), "a page belongs to two sequences"
+    assert all(r.seq is None for r in sched.waiting)
+    assert len(sched.running) <= sched.max_batch
+    for r in live:  # a running request holds its whole prompt's pages from admission
+        assert r.seq.n_pages >= pages_for(r.prefill_target)
+        assert r.seq.length <= r.prefill_target
+
+
+# -- policy, step by step --------------------------------------------------------------------------------
+
+def test_long_prompt_is_chunked_while_others_decode(tokenizer, rng):
+    be = PagedEcho(n_pages=40, max_context=512)
+    sched = Scheduler(be, max_batch=4, prefill_chunk=32)
+    short = make_request(0, rng.integers(0, V, 5).tolist(), params_for(50, None), tokenizer, 512)
+    long = make_request(1, rng.integers(0, V, 200).tolist(), params_for(5, None), tokenizer, 512)
+    sched.waiting.append(short)
+    sched.step()  # short prefilled whole, first token out
+    assert short.output and short.decoding
+    sched.waiting.append(long)
+    for _ in range(7):  # 200 prompt tokens in chunks of 32: 7 steps, short decoding in every one
+        before = len(short.output)
+        plan = sched.step()
+        assert plan.decode == [short] and len(short.output) == before + 1
+        assert [n for _, n in plan.prefill] == [min(32, 200 - 32 * _)]
+    assert long.output and be.calls.count(("decode", 1)) == 7
+    drain(sched)
+    assert short.handle.result().token_ids == solo(short.prompt, short.params, 512)
+    assert long.handle.result().token_ids == solo(long.prompt, long.params, 512)
+
+
+def test_dry_pool_preempts_the_newest_and_it_recomputes_without_reemitting(tokenizer, rng):
+    # 5 pages. a: 30-token prompt (2 pages), b: 31-token prompt (2 pages), 1 free. b reaches token 32
+    # first and takes the last page; a's next step needs one more: b, the newest, is preempted, a runs
+    # on; b comes back when a ends and finishes with its solo tokens.
+    be = PagedEcho(n_pages=5, max_context=80)
+    sched = Scheduler(be, max_batch=4, prefill_chunk=64)
+    a = make_request(0, rng.integers(0, V, 30).tolist(), params_for(40, 123), tokenizer, 80)
+    b = make_request(1, rng.integers(0, V, 31).tolist(), params_for(40, 456), tokenizer, 80)
+    sched.waiting.extend([a, b])
+    preempted_at = None
+    while sched.has_work():
+        sched.step()
+        check_pool(sched)
+        if preempted_at is None and b.preemptions:
+            preempted_at = len(b.output)
+            assert a.preemptions == 0 and sched.waiting[0] is b and b.seq is None
+    assert preempted_at is not None and sched.counters.preemptions >= 1
+    for r in (a, b):
+        got = r.handle.result().token_ids
+        assert got == solo(r.prompt, r.params, 80)  # seeded draws survived the preemption
+        assert len([e for e in r.handle]) == len(got)  # one event per token: nothing emitted twice
+    assert be.pool.n_free == be.pool.n_pages
+
+
+def test_head_of_line_waits_for_pages_and_max_batch_caps_running(tokenizer, rng):
+    be = PagedEcho(n_pages=8, max_context=128)
+    sched = Scheduler(be, max_batch=2, prefill_chunk=512)
+    reqs = [make_request(i, rng.integers(0, V, n).tolist(), params_for(8, None), tokenizer, 128)
+            for i, n in enumerate((70, 60, 3, 3))]  # 5 pages, 4 pages, then small ones
+    sched.waiting.extend(reqs)
+    sched.step()
+    assert sched.running == [reqs[0]]  # 4 pages do not fit beside 5 of 8, and later ones do not overtake
+    drain(sched)
+    for r in reqs:
+        assert r.handle.result().token_ids == solo(r.prompt, r.params, 128)
+    assert max(b for k, b in be.calls if k == "decode") <= 2
+
+
+# -- the state machine -----------------------------------------------------------------------------------
+
+class SchedulerMachine(RuleBasedStateMachine):
+    """Arrivals, cancellations and steps against small pools; the pool is checked after every step and
+    every request's tokens against its solo run at the end."""
+
+    tokenizer = None  # set by the test below (a session fixture)
+    sched: Scheduler | None = None  # set by setup (the first rule hypothesis runs)
+
+    @initialize(n_pages=st.integers(3, 12), max_batch=st.integers(1, 5), chunk=st.integers(1, 48),
+                ctx_pages=st.integers(2, 6))
+    def setup(self, n_pages, max_batch, chunk, ctx_pages):
+        self.max_context = min(ctx_pages, n_pages) * PAGE_TOKENS
+        self.be = PagedEcho(n_pages, self.max_context)
+        self.sched = Scheduler(self.be, max_batch=max_batch, prefill_chunk=chunk)
+        self.reqs: list[Request] = []
+
+    @rule(n=st.integers(1, 70), max_tokens=st.integers(1, 60), seed=st.one_of(st.none(), st.integers(0, 99)),
+          prompt_seed=st.integers(0, 2**32 - 1))
+    def submit(self, n, max_tokens, seed, prompt_seed):
+        n = min(n, self.max_context)
+        worst = min(n + max_tokens - 1, self.max_context)
+        if pages_for(worst) > self.be.pool.n_pages:  # what Engine.submit refuses
+            max_tokens = self.be.pool.n_pages * PAGE_TOKENS - n + 1
+            if max_tokens < 1:
+                return
+        prompt = np.random.default_rng(prompt_seed).integers(0, V, n).tolist()
+        r = make_request(len(self.reqs), prompt, params_for(max_tokens, seed), self.tokenizer, self.max_context)
+        self.reqs.append(r)
+        self.sched.waiting.append(r)
+
+    @precondition(lambda self: any(not r.finished for r in self.reqs))
+    @rule(data=st.data())
+    def cancel(self, data):
+        live = [r for r in self.reqs if not r.finished]
+        data.draw(st.sampled_from(live)).handle.cancel()
+
+    @rule(k=st.integers(1, 4))
+    def step(self, k):
+        for _ in range(k):
+            self.sched.step()
+            check_pool(self.sched)
+
+    @invariant()
+    def pool_consistent(self):
+        if self.sched is not None:
+            check_pool(self.sched)
+
+    def teardown(self):
+        if self.sched is None:
+            return
+        drain(self.sched)
+        pool = self.be.pool
+        assert pool.n_free == pool.n_pages and not pool.sequences
+        for r in self.reqs:
+            assert r.finished
+            res = r.handle.result()
+            want = solo(r.prompt, r.params, self.max_context)
+            if res.finish_reason == "cancelled":
+                assert res.token_ids == want[: len(res.token_ids)]
+            else:
+                assert res.token_ids == want, (r.request_id, res.finish_reason)
+                assert res.finish_reason == ("stop" if want[-1] == EOS else
+                                             "length" if len(want) == r.params.max_tokens else "context")
+
+
+def test_scheduler_state_machine(tokenizer):
+    """Hypothesis draws its own seeds and, on a failure, prints the shrunk sequence of rules (and a
+    @reproduce_failure blob) that replays it."""
+    SchedulerMachine.tokenizer = tokenizer
+    run_state_machine_as_test(SchedulerMachine, settings=settings(
+        max_examples=150, stateful_step_count=40, deadline=None, database=None, print_blob=True,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]))
