@@ -46,3 +46,14 @@ def test_help_has_examples(invoke):
         result = invoke([command, "--help"])
         assert result.exit_code == 0
         assert "Example" in result.stdout and f"nanoqwen-cli {command}" in result.stdout, command
+
+
+def test_inspect_prints_eps_as_written_in_the_config(invoke, tmp_path):
+    from nanoqwen_format.synthetic import write_synthetic
+
+    eps = float(np.float32(1e-6))  # 9.999999974752427e-07: what a float32 round trip leaves
+    path = tmp_path / "eps.nanoqwen"
+    write_synthetic(path, tiny_config(rms_norm_eps=eps, vocab_size=2048), seed=1)
+    shown = invoke(["inspect", path])
+    assert shown.exit_code == 0, shown.output
+    assert "eps 1e-06" in shown.stdout and "9.99999" not in shown.stdout
