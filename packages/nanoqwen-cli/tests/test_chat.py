@@ -133,11 +133,17 @@ def test_seeds_replay_and_a_random_seed_is_reported(invoke, tiny_model, rng):
 
 def test_save_then_load_continues_the_conversation(invoke, tiny_model, tiny_engine, tmp_path):
     saved = tmp_path / "chat.json"
-    first = _chat(invoke, tiny_model, ["hello", "/set system Be brief.", "/set top_k 7", f"/save {saved}"])
+    first = _chat(
+        invoke,
+        tiny_model,
+        ["hello", "/set system Be brief.", "/set top_k 7", f"/save {saved}"],
+        "--stop",
+        "@@",
+    )
     assert first.exit_code == 0, first.output
     data = json.loads(saved.read_text())
     assert data["format"] == "nanoqwen-chat" and data["system"] == "Be brief."
-    assert data["settings"] == {"temperature": 0.0, "max_tokens": 6, "top_k": 7}
+    assert data["settings"] == {"temperature": 0.0, "max_tokens": 6, "stop": ["@@"], "top_k": 7}
     a1 = _greedy_text(tiny_engine, [_user("hello")])
     assert data["messages"] == [_user("hello"), {"role": "assistant", "content": a1}]
 

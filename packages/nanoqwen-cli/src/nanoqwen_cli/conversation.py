@@ -128,6 +128,11 @@ class Conversation:
             raise bad('"settings" must be an object')
         checked = {}
         for name, value in settings.items():
+            if name == "stop":  # --stop's strings (no /set for them: they come from the flag)
+                if not (isinstance(value, list) and all(isinstance(x, str) and x for x in value)):
+                    raise bad('"stop" must be a list of non-empty strings')
+                checked[name] = list(value)
+                continue
             if name not in SETTINGS:
                 raise bad(f"unknown setting {name!r}")
             try:
