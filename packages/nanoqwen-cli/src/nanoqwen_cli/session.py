@@ -18,8 +18,8 @@ from pathlib import Path
 
 import click
 
-from nanoqwen_cli import progress
 from nanoqwen_cli.errors import CliError
+from nanoqwen_cli.progress import PromptProgress
 
 
 @dataclass
@@ -246,7 +246,7 @@ def stream(engine, request, params, stats: Stats, *, prompt_tokens: int | None =
 
     events = engine.generate(request, params)
     try:
-        with progress.PromptProgress(prompt_tokens, enabled=show_progress):
+        with PromptProgress(prompt_tokens, enabled=show_progress):
             first = next(events, None)
         for event in events if first is None else _chain(first, events):
             if event.token_id != NO_TOKEN:
