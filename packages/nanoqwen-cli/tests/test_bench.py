@@ -9,7 +9,7 @@ import os
 import statistics
 
 import pytest
-from nanoqwen_cli import bandwidth, bench_report
+from nanoqwen_cli import bandwidth, display
 from nanoqwen_format import open_model
 from nanoqwen_format.synthetic import tiny_config
 
@@ -133,7 +133,7 @@ def test_concurrency_levels_through_the_batched_api(invoke):
     [(27025.4, "27,025"), (464.04, "464.0"), (3.714, "3.71"), (0.04123, "0.0412"), (None, "n/a")],
 )
 def test_rates_keep_their_digits(x, text):
-    assert bench_report.rate(x) == text
+    assert display.rate(x) == text
 
 
 def test_eager_is_refused_on_cpu(invoke, tiny_model):

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import click
 
+from nanoqwen_cli.display import rate
 from nanoqwen_cli.errors import CliError
 from nanoqwen_cli.progress import PromptProgress
 
@@ -278,8 +279,8 @@ def format_stats(stats: Stats, *, load_s: float | None = None, show_seed: bool =
     """One line of what a request cost: load time (run only: chat loads once), prefill, decode, seed."""
     parts = [f"load {load_s:.2f} s"] if load_s is not None else []
     parts += [
-        f"prompt {stats.prompt_tokens} tokens, {stats.prefill_tok_s:.1f} tok/s prefill",
-        f"generated {stats.generated_tokens} tokens, {stats.decode_tok_s:.1f} tok/s decode",
+        f"prompt {stats.prompt_tokens} tokens, {rate(stats.prefill_tok_s)} tok/s prefill",
+        f"generated {stats.generated_tokens} tokens, {rate(stats.decode_tok_s)} tok/s decode",
         f"finish: {stats.finish_reason}",
     ]
     if show_seed and stats.seed is not None:
