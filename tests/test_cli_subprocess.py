@@ -87,7 +87,7 @@ def test_run_streams_text_in_several_writes_while_running(tiny_model, env):
 
     whole = cli([*args[:-1], "--json", "def fib(n):"], env)
     assert b"".join(c for c, _ in chunks).decode() == json.loads(whole.stdout)["text"] + "\n"
-    assert re.search(r"generated \d+ tokens, [\d.]+ tok/s decode", stderr)
+    assert re.search(r"generated \d+ tokens, ([\d.,]+|n/a) tok/s decode", stderr)
 
 
 def test_run_prompt_from_stdin(tiny_model, env):
@@ -321,7 +321,7 @@ def test_error_hub_id_offline_with_empty_cache(env):
 def test_error_cuda_without_a_gpu(tiny_model, env):
     env["CUDA_VISIBLE_DEVICES"] = ""  # no GPU visible, on any machine
     line = one_error_line(cli(["run", "--model", tiny_model, "--device", "cuda", "hi"], env))
-    assert "GPU" in line and "--device cpu" in line
+    assert "GPU" in line and "--device cpu --model Qwen/Qwen2.5-Coder-1.5B-Instruct" in line, line
     # The defaults (hub model, cuda): the missing GPU is reported before any download is tried.
     assert "GPU" in one_error_line(cli(["run", "hi"], env))
 
@@ -349,3 +349,44 @@ def test_closed_stdout_ends_quietly(tiny_model, env):
     stderr = proc.stderr.read().decode()
     assert proc.returncode == 141, stderr
     assert "Traceback" not in stderr and "error" not in stderr
+
+
+@pytest.mark.parametrize(
+    ("flags", "flag"),
+    [
+        (["--temperature", "nan"], "'--temperature'"),
+        (["--seed", "-7"], "'--seed'"),
+        (["-n", "0"], "'--max-tokens'"),
+    ],
+)
+def test_bad_flag_values_are_usage_errors(env, flags, flag):
+    p = cli(["run", "--device", "cpu", *flags, "hi"], env)  # the default hub model: nothing is fetched
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert p.stderr.strip().splitlines()[-1].startswith(f"error: Invalid value for {flag}"), p.stderr
+
+
+def test_top_level_help_shows_how_to_get_a_model_and_completion(env):
+    top = cli(["--help"], env)
+    assert top.returncode == 0
+    for text in (
+        "nanoqwen-cli pull Qwen/Qwen2.5-Coder-1.5B-Instruct",
+        "--device cpu",
+        "_NANOQWEN_CLI_COMPLETE",
+    ):
+        assert text in top.stdout, text
+    assert "tiny.nanoqwen" not in top.stdout, "no example names a file that nothing makes"
+
+
+@pytest.mark.parametrize(
+    ("words", "want"), [("nanoqwen-cli ch", "plain,chat"), ("nanoqwen-cli run --dev", "plain,--device")]
+)
+def test_shell_completion(env, words, want):
+    env = {
+        **env,
+        "_NANOQWEN_CLI_COMPLETE": "bash_complete",
+        "COMP_WORDS": words,
+        "COMP_CWORD": str(len(words.split()) - 1),
+    }
+    p = cli([], env)
+    assert p.returncode == 0, p.stderr
+    assert want in p.stdout.splitlines(), p.stdout

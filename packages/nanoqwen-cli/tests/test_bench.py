@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import os
+import statistics
 
-from nanoqwen_cli import bandwidth
+import pytest
+from nanoqwen_cli import bandwidth, display
 from nanoqwen_format import open_model
 from nanoqwen_format.synthetic import tiny_config
 
-SMALL = ["--device", "cpu", "--prompt-tokens", 20, "--gen-tokens", 4, "--runs", 2, "--warmup", 1]
+SMALL = ["--device", "cpu", "--prompt-tokens", 20, "--gen-tokens", 4, "--runs", 3, "--warmup", 1]
 
 
 def _expected_weight_bytes(config: dict) -> int:
@@ -22,14 +26,20 @@ def _expected_weight_bytes(config: dict) -> int:
     return config["num_hidden_layers"] * per_layer + v * h * 2
 
 
-def test_synthetic_tiny_written_once_then_benched_as_table_and_json(invoke):
+def test_synthetic_tiny_written_once_then_benched_as_markdown_and_json(invoke):
     table = invoke(["bench", "--synthetic", "tiny", *SMALL])
     assert table.exit_code == 0, table.output
     assert "writing a synthetic tiny model" in table.stderr
-    for word in ("prefill", "decode", "ms/token", "GB/s", "copy bandwidth", "peak host RSS"):
-        assert word in table.stdout
+    lines = table.stdout.splitlines()
+    header = next(x for x in lines if x.startswith("| test"))
+    for word in ("prefill tok/s", "(mean ± sd)", "decode tok/s", "decode ms/token", "GB/s"):
+        assert word in header, word
+    assert "copy" not in table.stdout, "a CPU run is not compared with the H200's copy bandwidth"
+    (row,) = [x for x in lines if x.startswith("| pp20 tg4 |")]
+    assert "±" in row and "peak host RSS" in table.stdout
     cache = os.environ["NANOQWEN_CACHE"]
-    (path,) = (os.path.join(cache, n) for n in os.listdir(cache))
+    (path,) = (os.path.join(cache, n) for n in os.listdir(cache) if n.endswith(".nanoqwen"))
+    assert not [n for n in os.listdir(cache) if n.endswith(".tmp")], "no temporary left behind"
     mtime = os.stat(path).st_mtime_ns
 
     result = invoke(["bench", "--synthetic", "tiny", *SMALL, "--json"])
@@ -38,13 +48,20 @@ def test_synthetic_tiny_written_once_then_benched_as_table_and_json(invoke):
     r = json.loads(result.stdout)
     assert r["model_path"] == path and os.stat(path).st_mtime_ns == mtime
     assert r["device"] == "cpu" and r["mode"] == "reference" and r["gpu_name"] is None
-    assert len(r["runs"]) == 2
+    assert len(r["runs"]) == 3
     for run in r["runs"]:
         assert run["prompt_tokens"] == 20, "the bench prompt is exactly --prompt-tokens long"
-        assert 1 <= run["generated_tokens"] <= 4
+        assert run["generated_tokens"] == 4, "ignore_eos: every run generates --gen-tokens"
         assert run["prefill_ms"] > 0
     assert r["decode_ms_per_token"] > 0 and r["prefill_ms"] > 0
     assert abs(r["decode_tok_s"] * r["decode_ms_per_token"] - 1e3) < 1e-6
+    per_run = [run["decode_tok_s"] for run in r["runs"]]
+    s = r["decode_tok_s_spread"]
+    assert s["mean"] == pytest.approx(statistics.fmean(per_run)) and s["stddev"] == pytest.approx(
+        statistics.stdev(per_run)
+    )
+    assert s["median"] == pytest.approx(statistics.median(per_run))
+    assert r["copy_bw_gbs"] is None and r["pct_of_copy_bw"] is None
 
     config = open_model(path).config
     assert r["weight_bytes_per_token"] == _expected_weight_bytes(config)
@@ -52,11 +69,71 @@ def test_synthetic_tiny_written_once_then_benched_as_table_and_json(invoke):
     want_bytes = r["weight_bytes_per_token"] + r["kv_bytes_per_context_token"] * (20 + 4 / 2)
     assert r["bytes_per_token"] == want_bytes
     assert abs(r["achieved_gbs"] - want_bytes / (r["decode_ms_per_token"] * 1e-3) / 1e9) < 1e-9
-    assert abs(r["pct_of_copy_bw"] - 100 * r["achieved_gbs"] / r["copy_bw_gbs"]) < 1e-9
 
-    other = json.loads(invoke(["bench", "--synthetic", "tiny", *SMALL, "--copy-bw", 1000, "--json"]).stdout)
+    other = json.loads(
+        invoke(["bench", "--synthetic", "tiny", *SMALL, "--copy-bw", 1000, "--format", "json"]).stdout
+    )
     assert other["copy_bw_gbs"] == 1000
     assert abs(other["pct_of_copy_bw"] - other["achieved_gbs"] / 10) < 1e-9
+
+
+def test_sweep_gives_one_row_per_test_in_every_format(invoke):
+    args = [
+        "bench",
+        "--synthetic",
+        "tiny",
+        "--device",
+        "cpu",
+        "--prompt-tokens",
+        "16,24",
+        "--gen-tokens",
+        "3,5",
+    ]
+    args += ["--runs", 1, "--warmup", 0]
+    records = json.loads(invoke([*args, "--json"]).stdout)
+    assert [(r["prompt_tokens"], r["gen_tokens"]) for r in records] == [(16, 3), (16, 5), (24, 3), (24, 5)]
+    for r in records:
+        assert all(run["prompt_tokens"] == r["prompt_tokens"] for run in r["runs"])
+        assert r["decode_tok_s_spread"]["stddev"] is None, "one run has no spread"
+    rows = list(csv.DictReader(io.StringIO(invoke([*args, "--format", "csv"]).stdout)))
+    assert [(int(x["prompt_tokens"]), int(x["gen_tokens"])) for x in rows] == [
+        (16, 3),
+        (16, 5),
+        (24, 3),
+        (24, 5),
+    ]
+    assert all(float(x["decode_tok_s"]) > 0 for x in rows)
+    md = invoke([*args, "--format", "md"]).stdout
+    assert [x.split(" |")[0] for x in md.splitlines() if x.startswith("| pp")] == [
+        "| pp16 tg3",
+        "| pp16 tg5",
+        "| pp24 tg3",
+        "| pp24 tg5",
+    ]
+
+
+def test_concurrency_levels_through_the_batched_api(invoke):
+    args = ["bench", "--synthetic", "tiny", "--device", "cpu", "--prompt-tokens", 12, "--gen-tokens", 5]
+    args += ["--runs", 1, "--warmup", 0, "--concurrency", "1,3"]
+    r = json.loads(invoke([*args, "--json"]).stdout)
+    assert [lv["concurrency"] for lv in r["levels"]] == [1, 3]
+    for lv in r["levels"]:
+        n = lv["concurrency"]
+        assert lv["generated_tokens"] == [n * 5], "every request generates --gen-tokens"
+        assert lv["aggregate_tok_s"] == pytest.approx(n * 5 / lv["wall_s"][0])
+        assert 0 < lv["ttft_ms_p50"] <= lv["ttft_ms_p99"]
+        assert 0 < lv["itl_ms_p50"] <= lv["itl_ms_p99"]
+        assert lv["preemptions"] == 0, "the pool holds every request of the level"
+    md = invoke(args).stdout
+    assert "| TTFT p50 |" in md and "| pp12 tg5 | 3 |" in md
+
+
+@pytest.mark.parametrize(
+    ("x", "text"),
+    [(27025.4, "27,025"), (464.04, "464.0"), (3.714, "3.71"), (0.04123, "0.0412"), (None, "n/a")],
+)
+def test_rates_keep_their_digits(x, text):
+    assert display.rate(x) == text
 
 
 def test_eager_is_refused_on_cpu(invoke, tiny_model):
@@ -69,6 +146,12 @@ def test_model_and_synthetic_together_are_refused(invoke, tiny_model):
     result = invoke(["bench", "--model", tiny_model, "--synthetic", "tiny", "--device", "cpu"])
     assert result.exit_code == 2
     assert "--synthetic" in result.stderr
+
+
+@pytest.mark.parametrize("value", ["0", "12,x", "", "-5"])
+def test_bad_sweeps_are_usage_errors(invoke, tiny_model, value):
+    result = invoke(["bench", "--model", tiny_model, "--device", "cpu", "--prompt-tokens", value])
+    assert result.exit_code == 2 and "'--prompt-tokens'" in result.stderr, result.output
 
 
 def test_decode_bytes_counts_the_tied_embedding_as_lm_head(tmp_path):

@@ -7,6 +7,9 @@ import errno
 import pytest
 from nanoqwen_cli import session
 from nanoqwen_cli.errors import describe
+from nanoqwen_engine import ModelFormatError, NoGPUError
+from nanoqwen_format import NanoqwenFormatError
+from nanoqwen_kernels import KernelError
 
 
 def _named(name: str, base=Exception):
@@ -30,7 +33,11 @@ def _named(name: str, base=Exception):
         ),
         (PermissionError(errno.EACCES, "Permission denied", "/root/m"), ["permission denied", "/root/m"]),
         (OSError(errno.ENOSPC, "No space left on device", "/tmp/c"), ["no space left", "/tmp/c"]),
-        (_named("NoGPUError")("no usable GPU: none"), ["no usable GPU: none", "--device cpu"]),
+        (NoGPUError("no usable GPU: none"), ["no usable GPU: none", "--device cpu", "Qwen2.5-Coder-1.5B"]),
+        (_named("NoGPUError")("look-alike"), ["unexpected NoGPUError"]),  # matched by type, not by name
+        (ModelFormatError("/m.nanoqwen: bad magic"), ["/m.nanoqwen: bad magic"]),
+        (NanoqwenFormatError("tensor x: CRC32 mismatch"), ["tensor x: CRC32 mismatch"]),
+        (KernelError("unsupported head_dim 64"), ["unsupported head_dim 64"]),
         (ValueError("first line\nsecond line"), ["unexpected ValueError: first line", "--debug"]),
     ],
 )
@@ -39,6 +46,8 @@ def test_describe_names_the_problem_on_one_line(exc, words):
     assert "\n" not in line
     for word in words:
         assert word in line, (word, line)
+    if isinstance(exc, ModelFormatError | NanoqwenFormatError | KernelError):
+        assert line == str(exc), "our own messages are printed as they are"
 
 
 def test_unexpected_exception_is_one_line_exit_1(invoke, monkeypatch):
@@ -68,3 +77,27 @@ def test_ctrl_c_in_run_exits_130_quietly(invoke, monkeypatch):
 def test_unknown_command_is_a_usage_error(invoke):
     result = invoke(["frobnicate"])
     assert result.exit_code == 2 and "No such command" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        (["--temperature", "nan"], ["'--temperature'", "finite", "x>=0"]),
+        (["--temperature", "inf"], ["'--temperature'", "finite"]),
+        (["--top-p", "nan"], ["'--top-p'", "0<x<=1"]),
+        (["--seed", "-2"], ["'--seed'", "-1<=x"]),
+        (["--max-tokens", "0"], ["'--max-tokens'", "x>=1"]),
+        (["--max-context", "0"], ["'--max-context'", "x>=1"]),
+    ],
+)
+def test_bad_flag_values_are_usage_errors_before_any_load(invoke, monkeypatch, flags, words):
+    def no_load(*args, **kwargs):
+        raise AssertionError("nothing is loaded for a bad flag")
+
+    monkeypatch.setattr(session, "load", no_load)
+    result = invoke(["run", "--device", "cpu", *flags, "hi"])
+    assert result.exit_code == 2, result.output
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: Invalid value"), result.stderr
+    for word in words:
+        assert word in last, (word, last)

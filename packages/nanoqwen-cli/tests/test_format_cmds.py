@@ -36,11 +36,24 @@ def test_inspect_a_bad_file_is_one_error_line(invoke, tmp_path):
     result = invoke(["inspect", bogus])
     assert result.exit_code == 1
     assert "Traceback" not in result.output
-    assert result.stderr.strip().startswith("Error:") and len(result.stderr.strip().splitlines()) == 1
+    assert (
+        result.stderr.strip().startswith(f"error: {bogus}: ") and len(result.stderr.strip().splitlines()) == 1
+    )
 
 
 def test_help_has_examples(invoke):
-    for command in ("run", "chat", "convert", "inspect", "bench", "verify"):
+    for command in ("run", "chat", "convert", "inspect", "bench", "verify", "models", "pull", "rm"):
         result = invoke([command, "--help"])
         assert result.exit_code == 0
         assert "Example" in result.stdout and f"nanoqwen-cli {command}" in result.stdout, command
+
+
+def test_inspect_prints_eps_as_written_in_the_config(invoke, tmp_path):
+    from nanoqwen_format.synthetic import write_synthetic
+
+    eps = float(np.float32(1e-6))  # 9.999999974752427e-07: what a float32 round trip leaves
+    path = tmp_path / "eps.nanoqwen"
+    write_synthetic(path, tiny_config(rms_norm_eps=eps, vocab_size=2048), seed=1)
+    shown = invoke(["inspect", path])
+    assert shown.exit_code == 0, shown.output
+    assert "eps 1e-06" in shown.stdout and "9.99999" not in shown.stdout

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
+from nanoqwen_cli import session
 from nanoqwen_engine import SamplingParams
 
 PROMPT = "def fib(n):"
@@ -200,3 +202,62 @@ def test_bad_flag_combinations_are_usage_errors(invoke, tiny_model, flags):
     result = invoke(["run", "--model", tiny_model, "--device", "cpu", *flags, PROMPT])
     assert result.exit_code == 2
     assert "Traceback" not in result.output
+
+
+# -- flag values checked against the model before anything loads --
+
+
+@pytest.fixture
+def no_engine_load(monkeypatch):
+    from nanoqwen_engine import Engine
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("Engine.load must not run for a bad flag")
+
+    monkeypatch.setattr(Engine, "load", refuse)
+
+
+@pytest.mark.parametrize("value", [40000, 1_000_000_000])
+def test_max_context_beyond_the_model_is_a_usage_error(invoke, tiny_model, no_engine_load, value):
+    result = invoke(["run", "--model", tiny_model, "--device", "cpu", "--max-context", value, PROMPT])
+    assert result.exit_code == 2, result.output
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: Invalid value for '--max-context'") and "1..32768" in last, last
+
+
+def test_max_context_beyond_free_gpu_memory_is_a_usage_error(monkeypatch):
+    import click
+    from nanoqwen_cli import bandwidth
+    from nanoqwen_format.synthetic import qwen7b_config
+
+    config = qwen7b_config()
+    per_token = bandwidth.kv_bytes_per_token(config)
+    weights = 4_500_000_000
+    monkeypatch.setattr(session, "gpu_free_bytes", lambda: weights + 1000 * per_token)
+    session.check_max_context(1000, config, "cuda", weights)  # fits exactly
+    with pytest.raises(click.BadParameter, match=r"accepted range here is 1\.\.1000\b"):
+        session.check_max_context(1001, config, "cuda", weights)
+    session.check_max_context(32768, config, "cpu", weights)  # the CPU reference maps KV lazily
+
+
+def test_max_tokens_beyond_the_context_is_capped_with_a_note(invoke, tiny_model, tiny_engine):
+    args = ["run", "--model", tiny_model, "--device", "cpu", "--raw", "-t", "0", "--max-context", 48]
+    result = invoke([*args, "-n", 1_000_000_000, "--json", PROMPT])
+    assert result.exit_code == 0, result.output
+    n_prompt = len(tiny_engine.encode_prompt(PROMPT))
+    assert f"note: --max-tokens 1000000000 capped at {48 - n_prompt}" in result.stderr
+    record = json.loads(result.stdout)
+    assert record["generated_tokens"] <= 48 - n_prompt
+
+
+def test_seed_minus_one_draws_a_seed_and_reports_it(invoke, tiny_model):
+    args = ["run", "--model", tiny_model, "--device", "cpu", "--raw", "-t", "1.0", "-n", 6, PROMPT]
+    result = invoke([*args, "--seed", -1])
+    assert result.exit_code == 0, result.output
+    (seed,) = re.findall(r"\| seed (\d+)$", result.stderr, re.M)
+    replay = json.loads(invoke([*args, "--seed", seed, "--json"]).stdout)
+    first = json.loads(invoke([*args, "--seed", -1, "--json"]).stdout)
+    assert isinstance(first["seed"], int) and replay["seed"] == int(seed)
+    assert replay["text"] + "\n" == result.stdout, "the reported seed replays the answer"
+    greedy = invoke(["run", "--model", tiny_model, "--device", "cpu", "--raw", "-t", "0", "-n", 3, PROMPT])
+    assert "seed" not in greedy.stderr, "greedy decoding has no seed to report"

@@ -56,4 +56,4 @@ def test_subprocess(hf_untied, tmp_path):
     out.write_bytes(bytes(raw))
     p = subprocess.run([*cmd, "inspect", str(out)], capture_output=True, text=True)
     assert p.returncode == 1 and "Traceback" not in p.stderr
-    assert p.stderr.strip() == "Error: unknown format version 9 (this reader knows 1)"
+    assert p.stderr.strip() == f"error: {out}: unknown format version 9 (this reader knows 1)"

@@ -3,7 +3,7 @@
 One decode step of batch 1 reads every INT4 projection (packed words + fp16 scales) once, the fp16
 lm_head (the tied embedding for small models) once, and the K/V of every token in the context; the
 rest (norms, biases, one embedding row) is a few hundred KiB and is left out. Achieved bandwidth is
-those bytes divided by the measured time per token; DESIGN.md's 7B figure is 4.46 GB + 56 KiB per token
+those bytes divided by the measured time per token; for the 7B that is 4.46 GB + 56 KiB per token
 of context.
 """
 

@@ -1,32 +1,53 @@
-"""`nanoqwen-cli bench`: the seed's decode/prefill protocol, with bandwidth napkin math.
+"""`nanoqwen-cli bench`: prefill/decode speed with bandwidth napkin math, sweeps and concurrency, in the
+manner of llama-bench.
 
-Protocol (SEED.md, DESIGN.md "Performance"): a 512-token prompt, 128 generated tokens, greedy, one
-warm-up run then several timed runs; the median run is reported. Decode speed is judged against the
-bytes a token must read (bandwidth.py) and the copy bandwidth measured on the H200 here (4.19 TB/s).
+Protocol (single stream): a P-token prompt, G generated tokens, greedy, `--warmup` untimed runs then
+`--runs` timed ones; each row reports the median beside mean ± stddev over the timed runs. Defaults
+P = 512, G = 128: the project's reference protocol (README). Decode speed is judged against the bytes a
+token must read (bandwidth.py) and, on the GPU, the copy bandwidth measured on the H200 here (4.19 TB/s,
+--copy-bw); a CPU run has no such reference and shows none. `--prompt-tokens 128,512,2048` and
+`--gen-tokens` sweep; `--concurrency 1,8,32,64` measures N requests at once (bench_concurrency.py).
 """
 
 from __future__ import annotations
 
-import json
-import os
 import resource
-import statistics
 from pathlib import Path
 
 import click
 
-from nanoqwen_cli import bandwidth, session
+from nanoqwen_cli import bandwidth, bench_report, session
 from nanoqwen_cli.errors import CliError
 from nanoqwen_cli.options import model_options
 
-MEASURED_COPY_BW_GBS = 4190.0  # DESIGN.md: device-to-device copy on the H200 here, read + write
+MEASURED_COPY_BW_GBS = 4190.0  # device-to-device copy on the H200 here, read + write (docs/PERF.md)
 
 # Words that the Qwen2 tokenizer keeps as one token each after a space, so that N of them is N tokens
 # whatever their order; the bench checks the count with the model's own tokenizer anyway.
 _FILLER = (" the", " of", " and", " to", " in", " is", " that", " for", " it", " with", " as", " on")
 
 
-@click.command(short_help="Prefill/decode speed, GB/s, peak memory.")
+class IntList(click.ParamType):
+    """`128,512,2048`: one or more integers, each at least `min`, in the order given, without repeats."""
+
+    name = "N[,N...]"
+
+    def __init__(self, min: int):
+        self.min = min
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, list):
+            return value
+        try:
+            values = [int(v) for v in str(value).split(",") if v.strip()]
+        except ValueError:
+            self.fail(f"{value!r} is not a comma-separated list of integers", param, ctx)
+        if not values or min(values) < self.min:
+            self.fail(f"{value!r}: each value must be an integer >= {self.min}", param, ctx)
+        return list(dict.fromkeys(values))
+
+
+@click.command(short_help="Prefill/decode speed, GB/s, memory; sweeps and concurrency levels.")
 @model_options
 @click.option(
     "--synthetic",
@@ -34,10 +55,25 @@ _FILLER = (" the", " of", " and", " to", " in", " is", " that", " for", " it", "
     default=None,
     help="Bench a random model of this shape, written once into $NANOQWEN_CACHE (no download).",
 )
-@click.option("--prompt-tokens", type=click.IntRange(min=1), default=512, show_default=True)
-@click.option("--gen-tokens", type=click.IntRange(min=2), default=128, show_default=True)
 @click.option(
-    "--runs", type=click.IntRange(min=1), default=5, show_default=True, help="Timed runs (median reported)."
+    "--prompt-tokens",
+    type=IntList(min=1),
+    default="512",
+    show_default=True,
+    help="Prompt length(s): 128,512,2048.",
+)
+@click.option(
+    "--gen-tokens", type=IntList(min=2), default="128", show_default=True, help="Generated tokens: 64,128."
+)
+@click.option(
+    "--concurrency",
+    type=IntList(min=1),
+    default=None,
+    help="Submit N requests at once through the engine's batched API (levels: 1,8,32,64): aggregate "
+    "tok/s, time to first token and inter-token latency p50/p99 per level.",
+)
+@click.option(
+    "--runs", type=click.IntRange(min=1), default=5, show_default=True, help="Timed runs per test (or level)."
 )
 @click.option(
     "--warmup", type=click.IntRange(min=0), default=1, show_default=True, help="Untimed runs first."
@@ -48,82 +84,93 @@ _FILLER = (" the", " of", " and", " to", " in", " is", " that", " for", " it", "
 @click.option(
     "--copy-bw",
     type=click.FloatRange(min=0.0, min_open=True),
-    default=MEASURED_COPY_BW_GBS,
-    show_default=True,
-    help="Copy bandwidth in GB/s that the achieved GB/s is compared with.",
+    default=None,
+    help=f"Copy bandwidth in GB/s to compare the achieved GB/s with. Default on cuda: {MEASURED_COPY_BW_GBS:.0f} "
+    "(measured on the H200); on the CPU: no comparison.",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON record instead of the table.")
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(list(bench_report.FORMATS)),
+    default="md",
+    show_default=True,
+    help="md: a markdown table; csv: one row per test (or level); json: one record (a list for a sweep).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Same as --format json.")
 @click.pass_context
-def bench(
-    ctx,
-    model,
-    device,
-    max_context,
-    synthetic,
-    prompt_tokens,
-    gen_tokens,
-    runs,
-    warmup,
-    eager,
-    copy_bw,
-    as_json,
-):
-    """Measure prefill and decode speed, achieved GB/s and peak memory.
+def bench(ctx, model, device, max_context, synthetic, prompt_tokens, gen_tokens, concurrency, runs,
+          warmup, eager, copy_bw, fmt, as_json):  # fmt: skip
+    """Measure prefill and decode speed, achieved GB/s and peak memory; or, with --concurrency, the
+    throughput and latencies of many requests at once.
 
     Decode GB/s counts the bytes each token reads (INT4 projections + scales + lm_head from the file's
-    tensor table, + K/V at the mean context) over the measured ms/token, and compares with --copy-bw.
+    tensor table, + K/V at the mean context) over the median ms/token.
 
     \b
     Examples:
-        nanoqwen-cli bench --synthetic 7b              # 7B-shaped random weights, no download
-        nanoqwen-cli bench --synthetic 7b --eager --json
+        nanoqwen-cli bench --synthetic 7b                          # 7B-shaped random weights, no download
+        nanoqwen-cli bench --synthetic 7b --prompt-tokens 128,512,2048 --format csv
+        nanoqwen-cli bench --synthetic 7b --concurrency 1,8,32,64 --prompt-tokens 128 --gen-tokens 256
         nanoqwen-cli bench --device cpu --synthetic tiny --prompt-tokens 32 --gen-tokens 8 --runs 2
     """
+    from nanoqwen_engine.kv_pages import pages_for
+
+    fmt = "json" if as_json else fmt
+    quiet = fmt != "md"
     if eager and device != "cuda":
         raise click.UsageError(
             "--eager selects the GPU's no-graph decode; the CPU reference has no CUDA graphs"
         )
-    engine_kwargs = {"decode_mode": "eager"} if eager else {}
     if device == "cuda":
-        # Before writing a 5 GB synthetic model that could not be benched.
-        session.require_gpu()
-        session.check_engine_kwargs(**engine_kwargs)
+        session.require_gpu()  # before writing a 5 GB synthetic model that could not be benched
+        copy_bw = MEASURED_COPY_BW_GBS if copy_bw is None else copy_bw
     if synthetic is not None:
         if ctx.get_parameter_source("model") not in (click.core.ParameterSource.DEFAULT, None):
             raise click.UsageError("give either --model or --synthetic, not both")
-        model = str(synthetic_model(synthetic, quiet=as_json))
-    context_needed = prompt_tokens + gen_tokens
+        model = str(synthetic_model(synthetic, quiet=quiet))
+    context_needed = max(prompt_tokens) + max(gen_tokens)
     if max_context is None:
         max_context = context_needed
     elif max_context < context_needed:
-        raise click.UsageError(
-            f"--max-context {max_context} is below prompt + generated = {context_needed} tokens"
+        raise click.BadParameter(
+            f"{max_context} is below the longest prompt + generated = {context_needed} tokens",
+            param_hint="'--max-context'",
+        )
+    engine_kwargs = {"decode_mode": "eager"} if eager else {}
+    if concurrency:
+        # Room for every request of the highest level at once, so that a level measures batching, not
+        # queueing or preemption.
+        engine_kwargs.update(
+            max_batch=max(concurrency), kv_pages=max(concurrency) * pages_for(max_context) + 1
         )
 
-    loaded = session.load(model, device, max_context, progress=not as_json, **engine_kwargs)
+    loaded = session.load(model, device, max_context, progress=not quiet, **engine_kwargs)
     if synthetic is not None:
         loaded.model = f"synthetic {synthetic} (random weights, seed 0)"
     engine = loaded.engine
-    prompt = bench_prompt(engine, prompt_tokens)
-    # ignore_eos: the protocol times exactly gen_tokens decode steps, whatever the (random) model says.
-    params = session.make_params({"temperature": 0.0, "max_tokens": gen_tokens, "stop": None, "ignore_eos": True})
-
-    for _ in range(warmup):
-        session.complete(engine, prompt, params)
     records = []
-    for _ in range(runs):
-        _, stats = session.complete(engine, prompt, params)
-        records.append(_run_record(stats))
+    for p in prompt_tokens:
+        prompt = bench_prompt(engine, p)
+        for g in gen_tokens:
+            # ignore_eos: the protocol times exactly g tokens, whatever the (random) model says.
+            params = session.make_params({"temperature": 0.0, "max_tokens": g, "ignore_eos": True})
+            if concurrency:
+                from nanoqwen_cli.bench_concurrency import measure_level
 
-    result = _summary(loaded, records, prompt_tokens, gen_tokens, copy_bw, eager)
-    if as_json:
-        click.echo(json.dumps(result))
-    else:
-        click.echo(_table(result))
+                ids = engine.encode_prompt(prompt)
+                levels = [measure_level(engine, ids, params, n, runs, warmup) for n in concurrency]
+                records.append({**_common(loaded, p, g, runs, warmup, eager), "levels": levels})
+                continue
+            for _ in range(warmup):
+                session.complete(engine, prompt, params)
+            runs_done = [_run_record(session.complete(engine, prompt, params)[1]) for _ in range(runs)]
+            records.append(_summary(loaded, runs_done, p, g, copy_bw, eager, warmup))
+    click.echo(bench_report.FORMATS[fmt](records))
 
 
 def synthetic_model(name: str, quiet: bool) -> Path:
-    """The cached random model of shape `name`; written once (atomically) and reused by later benches."""
+    """The cached random model of shape `name`; written once and reused by later benches (the writer
+    writes a temporary file and renames it, so an interrupted write leaves nothing that looks done)."""
     from nanoqwen_format.synthetic import qwen7b_config, tiny_config, write_synthetic
 
     path = session.cache_dir() / f"synthetic-{name}-seed0.nanoqwen"
@@ -131,13 +178,7 @@ def synthetic_model(name: str, quiet: bool) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
         if not quiet:
             click.echo(f"writing a synthetic {name} model to {path} (once)", err=True)
-        config = qwen7b_config() if name == "7b" else tiny_config()
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        try:
-            write_synthetic(tmp, config, seed=0)
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
+        write_synthetic(path, qwen7b_config() if name == "7b" else tiny_config(), seed=0)
     return path
 
 
@@ -158,49 +199,64 @@ def _run_record(stats: session.Stats) -> dict:
         "prompt_tokens": stats.prompt_tokens,
         "generated_tokens": stats.generated_tokens,
         "prefill_ms": stats.prefill_s * 1e3,
+        "prefill_tok_s": stats.prompt_tokens / stats.prefill_s if stats.prefill_s > 0 else None,
         "decode_ms_per_token": stats.decode_s * 1e3 / decode_steps if decode_steps else None,
+        "decode_tok_s": decode_steps / stats.decode_s if decode_steps and stats.decode_s > 0 else None,
         "finish_reason": stats.finish_reason,
     }
 
 
-def _summary(loaded, records, prompt_tokens, gen_tokens, copy_bw, eager) -> dict:
+def _common(loaded, prompt_tokens, gen_tokens, runs, warmup, eager) -> dict:
+    """The fields every record has: what ran where, and what it cost in memory."""
+    info = dict(loaded.engine.info or {})
+    cuda = loaded.device == "cuda"
+    return {
+        "model": loaded.model,
+        "model_path": str(loaded.path),
+        "device": loaded.device,
+        "gpu_name": _gpu_name(info) if cuda else None,
+        "mode": info.get("decode_mode", "eager" if eager else "graph") if cuda else "reference",
+        "prompt_tokens": prompt_tokens,
+        "gen_tokens": gen_tokens,
+        "n_runs": runs,
+        "warmup": warmup,
+        "load_s": loaded.load_s,
+        "peak_gpu_mem_bytes": _peak_gpu_bytes(info) if cuda else None,
+        "gpu_pool_bytes": _gpu_pool_bytes() if cuda else None,
+        "peak_host_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "engine_info": {k: v for k, v in info.items() if isinstance(v, (int, float, str, bool, type(None)))},
+    }
+
+
+def _summary(loaded, records, prompt_tokens, gen_tokens, copy_bw, eager, warmup) -> dict:
     from nanoqwen_format import open_model
 
-    prefill_ms = statistics.median(r["prefill_ms"] for r in records)
-    per_token = [r["decode_ms_per_token"] for r in records if r["decode_ms_per_token"] is not None]
-    decode_ms = statistics.median(per_token) if per_token else None
+    prefill = bench_report.spread(r["prefill_ms"] for r in records)
+    prefill_rate = bench_report.spread(r["prefill_tok_s"] for r in records)
+    per_token = bench_report.spread(r["decode_ms_per_token"] for r in records)
+    decode_rate = bench_report.spread(r["decode_tok_s"] for r in records)
+    decode_ms = per_token["median"]
     with _opened(open_model(loaded.path)) as nq:
         counts = bandwidth.decode_bytes(nq)
     mean_context = prompt_tokens + gen_tokens / 2
     bytes_per_token = counts.at_context(mean_context)
     gbs = bytes_per_token / (decode_ms * 1e-3) / 1e9 if decode_ms else None
-    info = dict(getattr(loaded.engine, "info", {}) or {})
     return {
-        "model": loaded.model,
-        "model_path": str(loaded.path),
-        "device": loaded.device,
-        "gpu_name": _gpu_name(info) if loaded.device == "cuda" else None,
-        "mode": info.get("decode_mode", "eager" if eager else "graph")
-        if loaded.device == "cuda"
-        else "reference",
-        "prompt_tokens": prompt_tokens,
-        "gen_tokens": gen_tokens,
-        "load_s": loaded.load_s,
-        "prefill_ms": prefill_ms,
-        "prefill_tok_s": prompt_tokens / (prefill_ms * 1e-3) if prefill_ms > 0 else None,
+        **_common(loaded, prompt_tokens, gen_tokens, len(records), warmup, eager),
+        "prefill_ms": prefill["median"],
+        "prefill_tok_s": prompt_tokens / (prefill["median"] * 1e-3) if prefill["median"] else None,
+        "prefill_tok_s_spread": prefill_rate,
         "decode_ms_per_token": decode_ms,
         "decode_tok_s": 1e3 / decode_ms if decode_ms else None,
+        "decode_tok_s_spread": decode_rate,
         "bytes_per_token": bytes_per_token,
         "weight_bytes_per_token": counts.projections + counts.scales + counts.lm_head,
         "kv_bytes_per_context_token": counts.kv_per_token,
         "mean_context": mean_context,
         "achieved_gbs": gbs,
         "copy_bw_gbs": copy_bw,
-        "pct_of_copy_bw": 100.0 * gbs / copy_bw if gbs else None,
-        "peak_gpu_mem_bytes": _peak_gpu_bytes(info) if loaded.device == "cuda" else None,
-        "gpu_pool_bytes": _gpu_pool_bytes() if loaded.device == "cuda" else None,
-        "peak_host_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        "engine_info": {k: v for k, v in info.items() if isinstance(v, (int, float, str, bool, type(None)))},
+        "pct_of_copy_bw": 100.0 * gbs / copy_bw if gbs and copy_bw else None,
+        "min_generated": min(r["generated_tokens"] for r in records),
         "runs": records,
     }
 
@@ -259,37 +315,3 @@ def _gpu_pool_bytes() -> int | None:
         return int(cupy.get_default_memory_pool().total_bytes())
     except Exception:
         return None
-
-
-def _fmt(x, spec: str, unit: str = "") -> str:
-    return "n/a" if x is None else f"{x:{spec}}{unit}"
-
-
-def _gib(n: int | None) -> str:
-    return "n/a" if n is None else f"{n / 2**30:.2f} GiB"
-
-
-def _table(r: dict) -> str:
-    where = r["device"] + (f" ({r['gpu_name']})" if r["gpu_name"] else "")
-    gen = [x["generated_tokens"] for x in r["runs"]]
-    lines = [
-        f"model     {r['model']}  [{r['model_path']}]",
-        f"device    {where}, mode {r['mode']}, load {r['load_s']:.2f} s",
-        f"protocol  prompt {r['prompt_tokens']} tokens, generate {r['gen_tokens']} greedy, "
-        f"median of {len(r['runs'])} runs",
-        f"prefill   {_fmt(r['prefill_ms'], '.2f', ' ms')}   {_fmt(r['prefill_tok_s'], ',.0f', ' tok/s')}",
-        f"decode    {_fmt(r['decode_ms_per_token'], '.3f', ' ms/token')}   {_fmt(r['decode_tok_s'], ',.1f', ' tok/s')}",
-        f"traffic   {r['bytes_per_token'] / 1e9:.3f} GB/token ({r['weight_bytes_per_token'] / 1e9:.3f} GB weights "
-        f"+ KV at mean context {r['mean_context']:.0f}) -> {_fmt(r['achieved_gbs'], ',.0f', ' GB/s')} = "
-        f"{_fmt(r['pct_of_copy_bw'], '.1f', '%')} of {r['copy_bw_gbs']:,.0f} GB/s copy bandwidth",
-        "memory    "
-        + (
-            f"peak GPU {_gib(r['peak_gpu_mem_bytes'])} (device-wide), CuPy pool {_gib(r['gpu_pool_bytes'])}, "
-            if r["device"] == "cuda"
-            else ""
-        )
-        + f"peak host RSS {_gib(r['peak_host_rss_bytes'])}",
-    ]
-    if min(gen) < r["gen_tokens"]:
-        lines.append(f"note      some runs stopped early (generated {min(gen)} of {r['gen_tokens']} tokens)")
-    return "\n".join(lines)

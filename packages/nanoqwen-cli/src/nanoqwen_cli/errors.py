@@ -1,9 +1,9 @@
 """How a failure reaches the user: one line `error: ...` on stderr and a non-zero exit code.
 
-The engine and format packages raise their own exception types with one-line messages; this module
-turns those, and the few foreign exceptions a user can provoke (a missing file, an offline hub, memory),
-into that line. A traceback is shown only with `nanoqwen-cli --debug` (or NANOQWEN_DEBUG=1), because a
-user who typed a wrong path needs the path, not the stack.
+The engine, format and kernels packages raise their own exception types with one-line messages; this
+module turns those, and the few foreign exceptions a user can provoke (a missing file, an offline hub,
+memory), into that line. A traceback is shown only with `nanoqwen-cli --debug` (or NANOQWEN_DEBUG=1),
+because a user who typed a wrong path needs the path, not the stack.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 
 EXIT_ERROR = 1  # any failure the message explains
+EXIT_USAGE = 2  # a bad flag or argument (click's own code for usage errors)
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: the reader of stdout closed it
 
@@ -20,8 +21,9 @@ class CliError(Exception):
 
 
 def _is_instance_by_name(exc: BaseException, names: set[str]) -> bool:
-    # Foreign libraries (huggingface_hub, cupy) are imported lazily or may be absent, so match by class
-    # name along the MRO instead of importing them here.
+    # huggingface_hub and CuPy are optional here (imported lazily by the packages that use them, absent
+    # on a CPU-only install), so their exceptions are matched by class name along the MRO instead of
+    # being imported. Our own packages' exceptions are matched with isinstance (describe()).
     return any(cls.__name__ in names for cls in type(exc).__mro__)
 
 
@@ -34,14 +36,19 @@ _CUDA_ERRORS = {"CUDARuntimeError", "CUDADriverError", "CompileException"}
 
 def describe(exc: BaseException) -> str:
     """The one line (without the `error: ` prefix) that explains `exc` to a user."""
+    # Imported here, not at the top: `nanoqwen-cli --help` must not pay for numpy and the tokenizer.
+    from nanoqwen_engine import NanoqwenError, NoGPUError, PromptTooLongError
+    from nanoqwen_format import NanoqwenFormatError
+    from nanoqwen_kernels import KernelError
+
     text = _first_line(exc)
     if isinstance(exc, CliError):
         return text
-    if _is_instance_by_name(exc, {"NoGPUError"}) and "--device cpu" not in text:
-        return f"{text} (--device cpu runs the CPU reference backend instead)"
-    if _is_instance_by_name(exc, {"PromptTooLongError"}) and "--max-context" not in text:
+    if isinstance(exc, NoGPUError) and "--device cpu" not in text:
+        return f"{text} ({cpu_hint()})"
+    if isinstance(exc, PromptTooLongError) and "--max-context" not in text:
         return f"{text} (a larger --max-context makes room, up to the model's limit)"
-    if _is_instance_by_name(exc, {"NanoqwenError", "NanoqwenFormatError", "KernelError"}):
+    if isinstance(exc, NanoqwenError | NanoqwenFormatError | KernelError):
         return text
     if _is_instance_by_name(exc, _HUB_OFFLINE):
         return (
@@ -67,10 +74,39 @@ def describe(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
         return f"no space left on device: {exc.filename or text}"
     if isinstance(exc, OSError):
-        return f"{exc.strerror or text}: {exc.filename}" if exc.filename else text
+        return f"{exc.filename}: {exc.strerror or text}" if exc.filename else text
     return (
         f"unexpected {type(exc).__name__}: {text} (rerun with `nanoqwen-cli --debug ...` for the traceback)"
     )
+
+
+# What runs without a GPU: the CPU reference backend (numpy float32) with the smallest real model the
+# kernels' head_dim covers. It is slow (on 2 cores a 1.5B-shaped model reads ~2 prompt tokens per second
+# and takes ~15 s per generated token), which the hint says so that nobody waits for the 7B on a CPU.
+CPU_MODEL = "Qwen/Qwen2.5-Coder-1.5B-Instruct"
+
+
+def cpu_hint() -> str:
+    return (
+        f"without a GPU, the CPU reference backend runs a small model, slowly: nanoqwen-cli run --device cpu "
+        f'--model {CPU_MODEL} "..."'
+    )
+
+
+def show_click_error(exc) -> None:
+    """Print a click.ClickException as click does (usage and hint for a usage error), but with the last
+    line in the one style, `error: <message>`, instead of click's `Error: <message>`."""
+    import io
+
+    import click
+
+    buf = io.StringIO()
+    exc.show(file=buf)
+    text = buf.getvalue()
+    click_line = f"Error: {exc.format_message()}\n"
+    if text.endswith(click_line):
+        text = text[: -len(click_line)] + f"error: {exc.format_message()}\n"
+    click.echo(text, err=True, nl=False)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -14,13 +14,16 @@ import sys
 import click
 
 from nanoqwen_cli import __version__
-from nanoqwen_cli.errors import EXIT_BROKEN_PIPE, EXIT_ERROR, EXIT_INTERRUPTED, describe
+from nanoqwen_cli.errors import EXIT_BROKEN_PIPE, EXIT_ERROR, EXIT_INTERRUPTED, describe, show_click_error
 
 # name -> "module:attribute"; imported on first use so that `--help` and typos answer at once, without
 # loading numpy, tokenizers or CuPy. convert/inspect are nanoqwen-format's own click commands.
 COMMANDS = {
     "run": "nanoqwen_cli.run_cmd:run",
     "chat": "nanoqwen_cli.chat_cmd:chat",
+    "models": "nanoqwen_cli.models_cmd:models",
+    "pull": "nanoqwen_cli.models_cmd:pull",
+    "rm": "nanoqwen_cli.models_cmd:rm",
     "convert": "nanoqwen_cli.format_cmds:convert",
     "inspect": "nanoqwen_cli.format_cmds:inspect",
     "bench": "nanoqwen_cli.bench_cmd:bench",
@@ -40,6 +43,20 @@ class _NanoqwenGroup(click.Group):
             return None
         module, attr = COMMANDS[name].split(":")
         return getattr(importlib.import_module(module), attr)
+
+    def main(self, *args, standalone_mode: bool = True, **kwargs):
+        """click's main, with click's own errors (usage errors included) in the one `error: ...` style."""
+        if not standalone_mode:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        try:
+            rv = super().main(*args, standalone_mode=False, **kwargs)
+        except click.ClickException as exc:
+            show_click_error(exc)
+            sys.exit(exc.exit_code)
+        except click.exceptions.Abort:
+            click.echo("\ninterrupted", err=True)
+            sys.exit(EXIT_INTERRUPTED)
+        sys.exit(rv if isinstance(rv, int) else 0)
 
     def invoke(self, ctx: click.Context):
         try:
@@ -83,9 +100,13 @@ def cli(debug: bool) -> None:
         nanoqwen-cli run "Write a Python function that checks whether a number is prime."
 
     \b
-    Without a GPU, use a small model on the CPU reference backend:
-        nanoqwen-cli run --model tiny.nanoqwen --device cpu "def fib(n):" --raw
+    Without a GPU, the CPU reference backend runs the 1.5B model (slowly: minutes per answer):
+        nanoqwen-cli pull Qwen/Qwen2.5-Coder-1.5B-Instruct        # download + convert, once
+        nanoqwen-cli run --device cpu -m Qwen/Qwen2.5-Coder-1.5B-Instruct "def fib(n):" --raw -n 32
 
-    Models are cached under $NANOQWEN_CACHE (default ~/.cache/nanoqwen). Run `nanoqwen-cli COMMAND --help`
-    for each command's flags and an example.
+    \b
+    Models are cached under $NANOQWEN_CACHE (default ~/.cache/nanoqwen): `nanoqwen-cli models` lists
+    them, `nanoqwen-cli rm NAME` removes one. Run `nanoqwen-cli COMMAND --help` for each command's flags
+    and an example. Shell completion (bash; zsh and fish alike):
+        eval "$(_NANOQWEN_CLI_COMPLETE=bash_source nanoqwen-cli)"
     """

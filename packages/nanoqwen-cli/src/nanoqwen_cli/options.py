@@ -1,28 +1,117 @@
-"""Click options shared by several commands: which model, which device, how to sample."""
+"""Click options shared by several commands: which model, which device, how to sample.
+
+The sampling settings are one table (SAMPLING): it builds the command-line flags and parses chat's
+`/set NAME VALUE`, so a value has the same accepted range, and the same message when it is outside it,
+wherever it is typed.
+"""
 
 from __future__ import annotations
 
 import functools
+import math
+from dataclasses import dataclass
 
 import click
 
 DEFAULT_MODEL = "Qwen/Qwen2.5-Coder-7B-Instruct"
+RANDOM_SEED = -1  # --seed -1: a fresh random seed (llama.cpp's convention); the seed used is reported
+MAX_SEED = 2**64 - 1
 
-# SamplingParams field -> CLI value; None means "not given: the model's generation_config decides".
-SAMPLING_FIELDS = (
-    "temperature",
-    "top_k",
-    "top_p",
-    "min_p",
-    "repetition_penalty",
-    "seed",
-    "max_tokens",
-    "stop",
+
+class FiniteFloatRange(click.FloatRange):
+    """A FloatRange that also refuses nan and inf (nan passes every comparison a range makes)."""
+
+    def convert(self, value, param, ctx):
+        rv = super().convert(value, param, ctx)
+        if not math.isfinite(rv):
+            self.fail(f"{value!r} is not a finite number in the range {self._describe_range()}.", param, ctx)
+        return rv
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One SamplingParams field as a flag and as chat's `/set` name."""
+
+    field: str  # the SamplingParams field, also the /set name (top_k; /set top-k works too)
+    flags: tuple[str, ...]
+    type: click.ParamType
+    help: str
+
+    def parse(self, text: str):
+        """The value of `text` (None for a random seed); click.BadParameter naming the flag and its range."""
+        value = self.type.convert(text, _param(self), None)
+        return None if self.field == "seed" and value == RANDOM_SEED else value
+
+
+SAMPLING = (
+    Setting(
+        "temperature",
+        ("--temperature", "-t"),
+        FiniteFloatRange(min=0.0),
+        "Softmax temperature; 0 = greedy. Default: the model's generation_config.",
+    ),
+    Setting("top_k", ("--top-k",), click.IntRange(min=0), "Keep the k most likely tokens (0 = off)."),
+    Setting(
+        "top_p",
+        ("--top-p",),
+        FiniteFloatRange(0.0, 1.0, min_open=True),
+        "Nucleus sampling: keep the smallest set of tokens with this much probability.",
+    ),
+    Setting(
+        "min_p", ("--min-p",), FiniteFloatRange(0.0, 1.0), "Drop tokens below min_p x the top probability."
+    ),
+    Setting(
+        "repetition_penalty",
+        ("--repetition-penalty",),
+        FiniteFloatRange(min=0.0, min_open=True),
+        "Penalty for tokens already seen (1.0 = off), as transformers defines it.",
+    ),
+    Setting(
+        "seed",
+        ("--seed",),
+        click.IntRange(RANDOM_SEED, MAX_SEED),
+        "Seed for reproducible sampling; -1 (or none) draws a fresh one, reported with the timings.",
+    ),
+    Setting(
+        "max_tokens",
+        ("--max-tokens", "-n"),
+        click.IntRange(min=1),
+        "Most tokens to generate (capped at what the context leaves after the prompt).",
+    ),
 )
+SETTINGS = {s.field: s for s in SAMPLING}
+
+
+def _param(setting: Setting) -> click.Option:
+    """A click Option for `setting`, so that /set's errors name the flag the way the command line does."""
+    return click.Option(list(setting.flags), type=setting.type)
+
+
+def find_setting(name: str) -> Setting | None:
+    """The Setting called `name` (temperature, top_k, top-k, --top-k, -t, ...), or None."""
+    key = name.lstrip("-").replace("-", "_")
+    for s in SAMPLING:
+        if key == s.field or name in s.flags:
+            return s
+    return None
+
+
+NO_VERIFY = "nanoqwen.no_verify"  # click context meta key: --no-verify, read by session.load
+
+
+def _remember_no_verify(ctx: click.Context, param, value: bool) -> None:
+    # Kept in the context rather than passed to the command: every command that loads a model honours it
+    # through session.load, without a parameter of its own to thread through.
+    ctx.meta[NO_VERIFY] = value
+
+
+def no_verify_given() -> bool:
+    ctx = click.get_current_context(silent=True)
+    return bool(ctx is not None and ctx.meta.get(NO_VERIFY))
 
 
 def model_options(func):
-    """--model, --device, --max-context."""
+    """--model, --device, --max-context, --no-verify."""
 
     @click.option(
         "--model",
@@ -30,8 +119,8 @@ def model_options(func):
         default=DEFAULT_MODEL,
         show_default=True,
         envvar="NANOQWEN_MODEL",
-        help="A .nanoqwen file, a local Hugging Face folder, or a hub id (downloaded and converted once "
-        "into $NANOQWEN_CACHE). Env: NANOQWEN_MODEL.",
+        help="A .nanoqwen file, a name from `nanoqwen-cli models`, a local Hugging Face folder, or a hub id "
+        "(downloaded and converted once into $NANOQWEN_CACHE). Env: NANOQWEN_MODEL.",
     )
     @click.option(
         "--device",
@@ -44,8 +133,15 @@ def model_options(func):
         "--max-context",
         type=click.IntRange(min=1),
         default=None,
-        help="Tokens of context (prompt + answer) to reserve KV pages for. Default: the engine's choice "
-        "(free memory / the model's limit).",
+        help="Tokens of context (prompt + answer) to reserve KV pages for, up to the model's limit "
+        "(max_position_embeddings). Default: the engine's choice (free memory / the model's limit).",
+    )
+    @click.option(
+        "--no-verify",
+        is_flag=True,
+        expose_value=False,
+        callback=_remember_no_verify,
+        help="Skip the CRC check of the model file (done once per file; its result is remembered).",
     )
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
@@ -55,57 +151,26 @@ def model_options(func):
 
 
 def sampling_options(func):
-    """The SamplingParams flags; unset ones fall back to the model's generation_config."""
-
-    @click.option(
-        "--temperature",
-        "-t",
-        type=click.FloatRange(min=0.0),
-        default=None,
-        help="Softmax temperature; 0 = greedy. Default: the model's generation_config.",
-    )
-    @click.option(
-        "--top-k", type=click.IntRange(min=0), default=None, help="Keep the k most likely tokens (0 = off)."
-    )
-    @click.option(
-        "--top-p",
-        type=click.FloatRange(0.0, 1.0, min_open=True),
-        default=None,
-        help="Nucleus sampling: keep the smallest set of tokens with this much probability.",
-    )
-    @click.option(
-        "--min-p",
-        type=click.FloatRange(0.0, 1.0),
-        default=None,
-        help="Drop tokens below min_p x the top probability.",
-    )
-    @click.option(
-        "--repetition-penalty",
-        type=click.FloatRange(min=0.0, min_open=True),
-        default=None,
-        help="Penalty for tokens already seen (1.0 = off), as transformers defines it.",
-    )
-    @click.option("--seed", type=int, default=None, help="Seed for reproducible sampling.")
-    @click.option(
-        "--max-tokens", "-n", type=click.IntRange(min=1), default=None, help="Most tokens to generate."
-    )
-    @click.option(
+    """The SamplingParams flags (SAMPLING) and --stop; unset ones fall back to the model's generation_config."""
+    # Decorators apply bottom-up and click lists the last applied first: --stop goes on first to come last.
+    func = click.option(
         "--stop", multiple=True, help="Stop when this text appears (repeatable); it is not printed."
-    )
-    @functools.wraps(func)
-    def wrapper(*args, **kwargs):
-        return func(*args, **kwargs)
-
-    return wrapper
+    )(func)
+    for s in reversed(SAMPLING):
+        func = click.option(*s.flags, s.field, type=s.type, default=None, help=s.help)(func)
+    return func
 
 
 def sampling_overrides(kwargs: dict) -> dict:
     """Pop the sampling flags out of a command's kwargs, keeping only those the user gave."""
     given = {}
-    for name in SAMPLING_FIELDS:
-        value = kwargs.pop(name, None)
-        if name == "stop":
-            value = list(value) if value else None
+    for s in SAMPLING:
+        value = kwargs.pop(s.field, None)
+        if s.field == "seed" and value == RANDOM_SEED:
+            value = None
         if value is not None:
-            given[name] = value
+            given[s.field] = value
+    stop = kwargs.pop("stop", None)
+    if stop:
+        given["stop"] = list(stop)
     return given

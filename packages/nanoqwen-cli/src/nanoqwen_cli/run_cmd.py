@@ -36,13 +36,14 @@ def run(prompt, model, device, max_context, system, raw, quiet, as_json, **sampl
 
     Instruct models get the chat template (with --system if given); --raw completes the text as is.
     Sampling defaults come from the model's generation_config; any flag overrides one value. At the end,
-    load time, prefill and decode tokens/s go to stderr (--quiet to silence).
+    load time, prefill and decode tokens/s (and the seed, when sampling) go to stderr (--quiet to
+    silence). On a terminal, a "processing prompt" line covers a slow prefill.
 
     \b
     Examples:
         nanoqwen-cli run "Write a quicksort in Rust."
         echo "def fib(n):" | nanoqwen-cli run --raw --temperature 0 --max-tokens 64
-        nanoqwen-cli run --model tiny.nanoqwen --device cpu --json "hello"
+        nanoqwen-cli run --device cpu --model Qwen/Qwen2.5-Coder-1.5B-Instruct --json "hello"
     """
     params = session.make_params(sampling_overrides(sampling))  # bad values fail before a load
     text = _read_prompt(prompt)
@@ -51,22 +52,32 @@ def run(prompt, model, device, max_context, system, raw, quiet, as_json, **sampl
     request = text if raw else session.messages_for(text, system)
 
     loaded = session.load(model, device, max_context, progress=not (quiet or as_json))
+    engine = loaded.engine
+    n_prompt = len(engine.encode_prompt(request))
+    params, note = session.fit_max_tokens(engine, n_prompt, params)
+    if note and not quiet:
+        click.echo(note, err=True)
 
     if as_json:
-        text, stats = session.complete(loaded.engine, request, params)
+        text, stats = session.complete(engine, request, params)
         click.echo(json.dumps(_record(loaded, text, stats)))
         return
 
     stats = session.Stats()
     out = sys.stdout
-    for delta in session.stream(loaded.engine, request, params, stats):
+    for delta in session.stream(
+        engine, request, params, stats, prompt_tokens=n_prompt, show_progress=not quiet
+    ):
         # Flush per delta: a pipe would otherwise hold the answer back until the end.
         out.write(delta)
         out.flush()
     out.write("\n")
     out.flush()
     if not quiet:
-        session.echo_stats(loaded, stats)
+        click.echo(
+            session.format_stats(stats, load_s=loaded.load_s, show_seed=session.sampled(engine, params)),
+            err=True,
+        )
 
 
 def _read_prompt(prompt: str | None) -> str:
@@ -94,6 +105,7 @@ def _record(loaded: session.Loaded, text: str, stats: session.Stats) -> dict:
         "decode_s": stats.decode_s,
         "prefill_tok_s": _finite(stats.prefill_tok_s),
         "decode_tok_s": _finite(stats.decode_tok_s),
+        "seed": stats.seed,
         "model": loaded.model,
         "model_path": str(loaded.path),
         "device": loaded.device,

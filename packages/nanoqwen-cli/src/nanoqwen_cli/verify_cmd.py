@@ -1,6 +1,6 @@
 """`nanoqwen-cli verify`: greedy decoding on a device checked token by token against the CPU reference.
 
-The graph tier of the validation ladder (DESIGN.md) at the command line. The ladder itself (the prompt
+The graph tier of the validation ladder (docs/VALIDATION.md) at the command line. The ladder itself (the prompt
 set, the greedy comparison, the near-tie rule and its calibrated epsilon) lives in
 `nanoqwen_engine.validation`, shared with the ladder tests; this command loads the two engines, adds the
 score() logit error, prints, and sets the exit status.
@@ -63,7 +63,17 @@ def _default_eps() -> float:
     help="On this many prompts, also compare score() logits over prompt + reference tokens.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON record instead of the table.")
-def verify(model, device, max_context, n_prompts, max_tokens, max_prompt_tokens, eps, score_prompts, as_json):
+def verify(
+    model,
+    device,
+    max_context,
+    n_prompts,
+    max_tokens,
+    max_prompt_tokens,
+    eps,
+    score_prompts,
+    as_json,
+):
     """Check greedy generation on --device against the CPU reference backend on the same model.
 
     Both engines decode each prompt greedily. Reported: matching tokens, the first divergence, the

@@ -13,8 +13,16 @@ from .errors import NanoqwenFormatError
 from .strict import is_finite_number, short
 
 
-def _fail(e: NanoqwenFormatError):
-    return click.ClickException(" ".join(str(e).split("\n")))
+class _Error(click.ClickException):
+    """One line on stderr, `error: <what>` naming the file: the style nanoqwen-cli uses for every error."""
+
+    def show(self, file=None):
+        click.echo(f"error: {self.format_message()}", file=file, err=file is None)
+
+
+def _fail(e: NanoqwenFormatError, where):
+    text = " ".join(str(e).split("\n"))
+    return _Error(text if str(where) in text else f"{where}: {text}")
 
 
 @click.command("convert")
@@ -27,11 +35,11 @@ def convert_command(src: str, out: Path, force: bool, quiet: bool):
     """Convert SRC (a Hugging Face Qwen2ForCausalLM folder or hub id) to one .nanoqwen file."""
     from .converter import convert
     if out.exists() and not force:
-        raise click.ClickException(f"{out} exists (use --force to overwrite)")
+        raise _Error(f"{out} exists (use --force to overwrite)")
     try:
         summary = convert(src, out, progress=not quiet)
     except NanoqwenFormatError as e:
-        raise _fail(e) from None
+        raise _fail(e, src) from None
     click.echo(f"wrote {summary['path']} ({summary['bytes'] / 1e9:.3f} GB)")
 
 
@@ -54,7 +62,7 @@ def inspect_command(file: Path, as_json: bool, verify: bool):
         with open_model(file, verify=verify) as m:
             head = describe(m)
     except NanoqwenFormatError as e:
-        raise _fail(e) from None
+        raise _fail(e, file) from None
     if as_json:
         click.echo(json.dumps(head, indent=2))
         return
@@ -82,7 +90,7 @@ def summary_lines(head: dict, verify: bool) -> list[str]:
     lines.append(f"  model      {_text(c.get('architectures') or '?')}: {c['num_hidden_layers']} layers, "
                  f"hidden {c['hidden_size']}, intermediate {c['intermediate_size']}, heads "
                  f"{c['num_attention_heads']}/{c['num_key_value_heads']} kv, vocab {c['vocab_size']}, "
-                 f"tied {str(c['tie_word_embeddings']).lower()}, rope_theta {c['rope_theta']}, eps {c['rms_norm_eps']}")
+                 f"tied {str(c['tie_word_embeddings']).lower()}, rope_theta {c['rope_theta']}, eps {c['rms_norm_eps']:g}")
     q = head["quantization"]
     lines.append(f"  quant      int{q['bits']} symmetric, group {q['group_size']}, {q['scale_dtype']} scales, {q['packing']}")
     lines.append(f"  tensors    {len(tensors)}: " + ", ".join(f"{k} {v / 1e9:.3f} GB" for k, v in sorted(by_dtype.items())))

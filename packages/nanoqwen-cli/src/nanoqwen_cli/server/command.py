@@ -69,7 +69,6 @@ def serve(model, device, max_context, host, port, served_model_name, api_key, ma
     engine_kwargs = {"max_batch": max_batch, "max_queue": max_queue}
     if kv_pages is not None:
         engine_kwargs["kv_pages"] = kv_pages
-    session.check_engine_kwargs(**engine_kwargs)
     if device == "cuda":
         session.require_gpu()
 
