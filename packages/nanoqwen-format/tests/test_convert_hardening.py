@@ -135,15 +135,25 @@ SAFETENSORS = {
 }
 
 
+def refused_safetensors(hf, tmp_path, rewrite, match):
+    """The checkpoint with model.safetensors replaced by rewrite(its bytes) is refused, the error naming
+    the file and then `match`."""
+    src = linked_copy(hf, tmp_path / "hf", "model.safetensors")
+    path = src / "model.safetensors"
+    path.write_bytes(rewrite(path.read_bytes()))
+    refused(src, tmp_path / "m.nanoqwen", f"model.safetensors.*{match}")
+
+
 @pytest.mark.parametrize("kind", sorted(SAFETENSORS))
 def test_malformed_safetensors_header(hf_untied, tmp_path, kind):
     edit, match = SAFETENSORS[kind]
-    src = linked_copy(hf_untied, tmp_path / "hf", "model.safetensors")
-    raw = (src / "model.safetensors").read_bytes()
-    h, _ = _st_header(raw)
-    edit(h)
-    (src / "model.safetensors").write_bytes(_st_with(raw, h))
-    refused(src, tmp_path / "m.nanoqwen", f"model.safetensors.*{match}")
+
+    def rewrite(raw):
+        h, _ = _st_header(raw)
+        edit(h)
+        return _st_with(raw, h)
+
+    refused_safetensors(hf_untied, tmp_path, rewrite, match)
 
 
 TEXT_HEADERS = {
@@ -157,18 +167,16 @@ TEXT_HEADERS = {
 @pytest.mark.parametrize("kind", sorted(TEXT_HEADERS))
 def test_malformed_safetensors_header_text(hf_untied, tmp_path, kind):
     edit, match = TEXT_HEADERS[kind]
-    src = linked_copy(hf_untied, tmp_path / "hf", "model.safetensors")
-    raw = (src / "model.safetensors").read_bytes()
-    _, n = _st_header(raw)
-    (src / "model.safetensors").write_bytes(_st_with(raw, text=edit(raw[8:8 + n])))
-    refused(src, tmp_path / "m.nanoqwen", f"model.safetensors.*{match}")
+
+    def rewrite(raw):
+        _, n = _st_header(raw)
+        return _st_with(raw, text=edit(raw[8:8 + n]))
+
+    refused_safetensors(hf_untied, tmp_path, rewrite, match)
 
 
 def test_safetensors_header_length_past_the_end(hf_untied, tmp_path):
-    src = linked_copy(hf_untied, tmp_path / "hf", "model.safetensors")
-    raw = (src / "model.safetensors").read_bytes()
-    (src / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw[8:])
-    refused(src, tmp_path / "m.nanoqwen", "model.safetensors.*header length")
+    refused_safetensors(hf_untied, tmp_path, lambda raw: struct.pack("<Q", len(raw)) + raw[8:], "header length")
 
 
 def test_index_naming_a_file_outside_the_folder(hf_tied_sharded, tmp_path):
