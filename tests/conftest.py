@@ -13,25 +13,13 @@ from pathlib import Path
 
 import pytest
 from nanoqwen_engine.testing import pytest_addoption, rng, seed  # noqa: F401  (the seeded `rng` fixture)
+from nanoqwen_kernels.testing import gpu  # noqa: F401  (CuPy, or a skip naming why there is no GPU)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/ladder/ helpers
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs an NVIDIA Hopper GPU (sm_90) and CuPy")
-
-
-@pytest.fixture(scope="session")
-def gpu():
-    """Skip unless a usable sm_90 GPU and CuPy are present (the reason is gpu_status()'s)."""
-    from nanoqwen_kernels import gpu_status
-
-    ok, reason = gpu_status()
-    if not ok:
-        pytest.skip(f"no usable GPU: {reason}")
-    import cupy
-
-    return cupy
 
 
 @pytest.fixture(scope="session")
@@ -62,8 +50,9 @@ def ladder_tiny_path(models_dir):
 
 
 @pytest.fixture(scope="session")
-def ladder_7b_path(models_dir, gpu):
+def ladder_7b_path(models_dir, request):
     """NANOQWEN_LADDER_7B names the file (scripts/gpu_all.sh shares the bench's); written if missing."""
+    request.getfixturevalue("gpu")  # no GPU: skip before writing 5.5 GB
     from ladder.models import qwen7b_model
 
     return qwen7b_model(models_dir, os.environ.get("NANOQWEN_LADDER_7B"))
