@@ -1,7 +1,8 @@
 """Cross-package fixtures: synthetic models written once per session, and the GPU gate.
 
 The ladder's models (written with nanoqwen_format.synthetic, so the repo needs no checkpoint):
-    tiny    hidden 256, 4 layers, 2 heads / 1 KV head, the real 152064 vocab (real prompts tokenize)
+    tiny    hidden 256, 4 layers, 2 heads / 1 KV head, the real 152064 vocab (real prompts tokenize);
+            also the CLI tests' `tiny_model`
     7b      the Qwen2.5-Coder-7B config (28 layers, hidden 3584): ~5.5 GB, written only by GPU tests
 """
 
@@ -33,20 +34,32 @@ def models_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory):
-    """The CLI tests' model: the tiny synthetic shape (tiny_config), seed 0, written once."""
-    from nanoqwen_format.synthetic import tiny_config, write_synthetic
-
-    path = tmp_path_factory.mktemp("cli-models") / "tiny.nanoqwen"
-    write_synthetic(path, tiny_config(), seed=0)
-    return path
-
-
-@pytest.fixture(scope="session")
 def ladder_tiny_path(models_dir):
     from ladder.models import tiny_model
 
     return tiny_model(models_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(ladder_tiny_path):
+    """The CLI tests' model: the ladder's tiny one (written once per session, shared)."""
+    return ladder_tiny_path
+
+
+@pytest.fixture
+def env(tmp_path):
+    """The environment of a CLI subprocess (cliproc.py): an empty model cache and an empty, offline
+    Hugging Face home, so nothing reaches the network; no default model or debug flag from outside."""
+    e = dict(os.environ)
+    e.update(
+        NANOQWEN_CACHE=str(tmp_path / "cache"),
+        HF_HOME=str(tmp_path / "hf"),
+        HF_HUB_OFFLINE="1",
+        PYTHONUNBUFFERED="0",  # the CLI must flush its own stream writes
+    )
+    for name in ("NANOQWEN_MODEL", "NANOQWEN_DEBUG"):
+        e.pop(name, None)
+    return e
 
 
 @pytest.fixture(scope="session")
