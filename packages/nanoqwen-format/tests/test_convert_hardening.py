@@ -1,4 +1,4 @@
-"""Hostile converter inputs, one test each (the converter findings of issue 11): malformed config.json
+"""Hostile converter inputs, one test each: malformed config.json
 and safetensors headers, lying tensor offsets, embedded files the reader would refuse, and output paths
 that would destroy inputs or leave things behind. Each is one NanoqwenFormatError (one line from the
 CLI), and nothing is written or left behind."""

@@ -120,8 +120,9 @@ def main() -> int:
             r = bench_decode(ctx, v)
             print(f"| {r['name']} | {r['us']:.2f} | {r['gbs']:.0f} | {r['pct']:.1f}% |", flush=True)
         return 0
-    # Each variant in its own process: GPU run 2 died with an illegal address somewhere in this loop
-    # and a sticky CUDA error takes the whole context (and every later row) with it.
+    # Each variant in its own process: a CUDA fault is sticky, it takes the whole context (and every
+    # later row) with it, so one crashing variant (an illegal address in this loop has happened: see
+    # docs/PERF.md) must not hide the others' figures, and the failing one is named.
     print("| kernel | time (us) | K+V GB/s | % of 4.19 TB/s |")
     print("| --- | --- | --- | --- |", flush=True)
     worst = 0
