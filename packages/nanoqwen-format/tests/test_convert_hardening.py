@@ -43,6 +43,12 @@ def refused(src, out, match):
     assert not [p.name for p in out.parent.iterdir() if p.name.endswith(".tmp")]
 
 
+def convert_refused(src, out, match):
+    """convert(src, out) raises one NanoqwenFormatError matching `match` (the API's side of refused())."""
+    with pytest.raises(NanoqwenFormatError, match=match):
+        convert(src, out, progress=False)
+
+
 # --- config.json --------------------------------------------------------------------------------------
 
 
@@ -236,12 +242,9 @@ def test_output_over_an_input_is_refused(hf_untied, tmp_path):
     refused_over = [src / "model.safetensors", src / "m.nanoqwen", src / "sub" / "m.nanoqwen"]
     (tmp_path / "link.nanoqwen").symlink_to(src / "model.safetensors")
     for out in refused_over:
-        with pytest.raises(NanoqwenFormatError, match="source"):
-            convert(src, out, progress=False)
-    with pytest.raises(NanoqwenFormatError, match="source"):
-        convert(src, tmp_path / "link.nanoqwen", progress=False)
-    with pytest.raises(NanoqwenFormatError, match="source"):  # the symlinked tokenizer's target
-        convert(src, real / "tokenizer.json", progress=False)
+        convert_refused(src, out, "source")
+    convert_refused(src, tmp_path / "link.nanoqwen", "source")
+    convert_refused(src, real / "tokenizer.json", "source")  # the symlinked tokenizer's target
     assert (src / "model.safetensors").read_bytes() == before
     assert not (src / "m.nanoqwen").exists() and not (src / "sub").exists()
 
@@ -249,12 +252,10 @@ def test_output_over_an_input_is_refused(hf_untied, tmp_path):
 def test_output_that_is_not_a_regular_file(hf_untied, tmp_path):
     fifo = tmp_path / "pipe.nanoqwen"
     os.mkfifo(fifo)
-    with pytest.raises(NanoqwenFormatError, match="not a regular file"):
-        convert(hf_untied, fifo, progress=False)
+    convert_refused(hf_untied, fifo, "not a regular file")
     assert fifo.is_fifo()
     (tmp_path / "dir.nanoqwen").mkdir()
-    with pytest.raises(NanoqwenFormatError, match="not a regular file"):
-        convert(hf_untied, tmp_path / "dir.nanoqwen", progress=False)
+    convert_refused(hf_untied, tmp_path / "dir.nanoqwen", "not a regular file")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dir.nanoqwen", "pipe.nanoqwen"]
 
 
@@ -291,8 +292,7 @@ def test_longest_valid_name_converts(hf_untied, tmp_path, monkeypatch):
     open_model(out, verify=True).close()
     tmp_names = [n for n in seen["names"] if n.endswith(".tmp")]
     assert len(tmp_names) == 1 and len(tmp_names[0].encode()) <= 255
-    with pytest.raises(NanoqwenFormatError, match="name"):
-        convert(hf_untied, tmp_path / ("m" * 247 + ".nanoqwen"), progress=False)
+    convert_refused(hf_untied, tmp_path / ("m" * 247 + ".nanoqwen"), "name")
 
 
 def test_temporary_name_is_not_doubled(hf_untied, tmp_path, monkeypatch):
@@ -363,6 +363,5 @@ def test_sigkill_leaves_a_temporary_that_the_next_run_sweeps(hf_untied, tmp_path
 def test_output_that_is_a_symlink_loop(hf_untied, tmp_path):
     loop = tmp_path / "loop.nanoqwen"
     loop.symlink_to(loop)
-    with pytest.raises(NanoqwenFormatError, match="loop.nanoqwen|symbolic"):
-        convert(hf_untied, loop, progress=False)
+    convert_refused(hf_untied, loop, "loop.nanoqwen|symbolic")
     assert loop.is_symlink()
