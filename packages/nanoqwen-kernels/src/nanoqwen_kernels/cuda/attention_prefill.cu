@@ -41,8 +41,8 @@ struct Block {
 
 // Element offset of dims dd .. dd+7 of key position kp, KV head kvh of `layer`, in its page of the
 // K (or V) cache [L, n_pages, NQ_NKV, 16, 128]. The guard and the two loads stay in each body's tile
-// loop: with them inside a helper NVRTC 12.9 unrolls the tensor-core body's tile loop 3 deep instead
-// of 7 (6 instead of 14 16-byte loads in flight per thread), a different kernel from the one measured.
+// loop: with them inside a helper NVRTC 12.9 unrolls the tensor-core body's tile loop less (6 instead
+// of 14 16-byte global loads in its SASS), a different kernel from the one measured.
 __device__ __forceinline__ size_t kv_offset(const int* __restrict__ page_table, int layer, int n_pages, int kvh,
                                             int kp, int dd) {
   return ((static_cast<size_t>(layer) * n_pages + page_table[kp / nq::kPageTokens]) * nq::kKvHeads + kvh) *
