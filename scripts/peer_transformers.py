@@ -1,8 +1,10 @@
-"""The peer for issue 7: Hugging Face transformers on the same GPU, the same model shape, the same protocol.
+"""The peer of nanoqwen's decode figures (docs/PERF.md): Hugging Face transformers on the same GPU, the same
+model shape, the same protocol.
 
 Builds Qwen2ForCausalLM from the shipped Qwen2.5-Coder-7B-Instruct config with random bf16 weights (no
-download), then runs the seed's protocol: a 512-token prompt, 128 new tokens, greedy, eager PyTorch (no
-torch.compile), several timed runs after a warm-up. Prints one JSON record (and writes it to --out).
+download), then runs the decode protocol (docs/PERF.md, Method): a 512-token prompt, 128 new tokens,
+greedy, eager PyTorch (no torch.compile), several timed runs after a warm-up, medians reported. Prints
+one JSON record (and writes it to --out).
 
     python3 scripts/peer_transformers.py --out docs/perf/peer-transformers.json
 

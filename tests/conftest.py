@@ -1,7 +1,8 @@
 """Cross-package fixtures: synthetic models written once per session, and the GPU gate.
 
 The ladder's models (written with nanoqwen_format.synthetic, so the repo needs no checkpoint):
-    tiny    hidden 256, 4 layers, 2 heads / 1 KV head, the real 152064 vocab (real prompts tokenize)
+    tiny    hidden 256, 4 layers, 2 heads / 1 KV head, the real 152064 vocab (real prompts tokenize);
+            also the CLI tests' `tiny_model`
     7b      the Qwen2.5-Coder-7B config (28 layers, hidden 3584): ~5.5 GB, written only by GPU tests
 """
 
@@ -13,25 +14,13 @@ from pathlib import Path
 
 import pytest
 from nanoqwen_engine.testing import pytest_addoption, rng, seed  # noqa: F401  (the seeded `rng` fixture)
+from nanoqwen_kernels.testing import gpu  # noqa: F401  (CuPy, or a skip naming why there is no GPU)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/ladder/ helpers
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs an NVIDIA Hopper GPU (sm_90) and CuPy")
-
-
-@pytest.fixture(scope="session")
-def gpu():
-    """Skip unless a usable sm_90 GPU and CuPy are present (the reason is gpu_status()'s)."""
-    from nanoqwen_kernels import gpu_status
-
-    ok, reason = gpu_status()
-    if not ok:
-        pytest.skip(f"no usable GPU: {reason}")
-    import cupy
-
-    return cupy
 
 
 @pytest.fixture(scope="session")
@@ -45,16 +34,6 @@ def models_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory):
-    """The CLI tests' model: the tiny synthetic shape (tiny_config), seed 0, written once."""
-    from nanoqwen_format.synthetic import tiny_config, write_synthetic
-
-    path = tmp_path_factory.mktemp("cli-models") / "tiny.nanoqwen"
-    write_synthetic(path, tiny_config(), seed=0)
-    return path
-
-
-@pytest.fixture(scope="session")
 def ladder_tiny_path(models_dir):
     from ladder.models import tiny_model
 
@@ -62,8 +41,31 @@ def ladder_tiny_path(models_dir):
 
 
 @pytest.fixture(scope="session")
-def ladder_7b_path(models_dir, gpu):
+def tiny_model(ladder_tiny_path):
+    """The CLI tests' model: the ladder's tiny one (written once per session, shared)."""
+    return ladder_tiny_path
+
+
+@pytest.fixture
+def env(tmp_path):
+    """The environment of a CLI subprocess (cliproc.py): an empty model cache and an empty, offline
+    Hugging Face home, so nothing reaches the network; no default model or debug flag from outside."""
+    e = dict(os.environ)
+    e.update(
+        NANOQWEN_CACHE=str(tmp_path / "cache"),
+        HF_HOME=str(tmp_path / "hf"),
+        HF_HUB_OFFLINE="1",
+        PYTHONUNBUFFERED="0",  # the CLI must flush its own stream writes
+    )
+    for name in ("NANOQWEN_MODEL", "NANOQWEN_DEBUG"):
+        e.pop(name, None)
+    return e
+
+
+@pytest.fixture(scope="session")
+def ladder_7b_path(models_dir, request):
     """NANOQWEN_LADDER_7B names the file (scripts/gpu_all.sh shares the bench's); written if missing."""
+    request.getfixturevalue("gpu")  # no GPU: skip before writing 5.5 GB
     from ladder.models import qwen7b_model
 
     return qwen7b_model(models_dir, os.environ.get("NANOQWEN_LADDER_7B"))

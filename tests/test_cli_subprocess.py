@@ -12,48 +12,10 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
-
-TIMEOUT = 180
-
-
-@pytest.fixture
-def env(tmp_path):
-    """An empty model cache and an empty, offline Hugging Face home: nothing reaches the network."""
-    e = dict(os.environ)
-    e.update(
-        NANOQWEN_CACHE=str(tmp_path / "cache"),
-        HF_HOME=str(tmp_path / "hf"),
-        HF_HUB_OFFLINE="1",
-        PYTHONUNBUFFERED="0",
-    )
-    for name in ("NANOQWEN_MODEL", "NANOQWEN_DEBUG"):
-        e.pop(name, None)
-    return e
-
-
-def cli(args, env, input=None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "nanoqwen_cli", *map(str, args)],
-        input=input,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-    )
-
-
-def popen(args, env, stdin=subprocess.DEVNULL) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "nanoqwen_cli", *map(str, args)],
-        stdin=stdin,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=env,
-    )
+from cliproc import TIMEOUT, cli, popen
 
 
 def one_error_line(p: subprocess.CompletedProcess) -> str:
@@ -181,26 +143,12 @@ def test_convert_and_inspect_a_synthetic_hf_folder(tmp_path, env):
     header = json.loads(shown.stdout)
     assert header["config"]["tie_word_embeddings"] is True
     assert header["config"]["num_hidden_layers"] == config["num_hidden_layers"]
-    from_file = cli(
-        ["run", "--model", out, "--device", "cpu", "--raw", "-t", "0", "-n", 3, "--json", "x = "], env
-    )
+    run_args = ["--device", "cpu", "--raw", "-t", "0", "-n", 3, "--json", "x = "]
+    from_file = cli(["run", "--model", out, *run_args], env)
     assert from_file.returncode == 0, from_file.stderr
 
     # --model with the HF folder itself: converted once into $NANOQWEN_CACHE, then reused.
-    args = [
-        "run",
-        "--model",
-        tmp_path / "hf-model",
-        "--device",
-        "cpu",
-        "--raw",
-        "-t",
-        "0",
-        "-n",
-        3,
-        "--json",
-        "x = ",
-    ]
+    args = ["run", "--model", tmp_path / "hf-model", *run_args]
     first = cli(args, env)
     assert first.returncode == 0, first.stderr
     (cached,) = (tmp_path / "cache").glob("*.nanoqwen")

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 import signal
 import socket
 import subprocess
@@ -16,8 +15,10 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import openai
 from nanoqwen_engine import SamplingParams
+from nanoqwen_engine.testing import seed  # noqa: F401  (fixture: a fresh seed per test, printed at setup)
 
 REPO = Path(__file__).resolve().parents[3]
 USER = [{"role": "user", "content": "def fib(n):"}]
@@ -68,17 +69,16 @@ def test_non_streaming_client_that_leaves_frees_its_pages(server):
     assert after["nanoqwen_generation_tokens_total"] - before["nanoqwen_generation_tokens_total"] < 3000
 
 
-def test_32_concurrent_streaming_clients(server, tiny_engine):
+def test_32_concurrent_streaming_clients(server, tiny_engine, request):
     """40 streamed requests, 32 at a time (chat and completions, prompts of 1..~100 tokens): every one
     completes with its exact token count, and the pool ends with every page free. (Greedy: the CPU
     sampler's top-p sort over the 152k vocabulary would make each step many times slower.)"""
-    seed = random.randrange(2**31)
-    rng = random.Random(seed)
+    rng = np.random.default_rng(request.getfixturevalue("seed"))
     words = ["def", "return", "x", "for", "in", "range", "if", "else", "(", ")", ":", "+", "1"]
     jobs = []
     for i in range(40):
-        text = " ".join(rng.choice(words) for _ in range(rng.choice([1, 8, 30, 100])))
-        jobs.append((i % 2 == 0, text, rng.randint(1, 4)))
+        text = " ".join(rng.choice(words, size=rng.choice([1, 8, 30, 100])))
+        jobs.append((i % 2 == 0, text, int(rng.integers(1, 5))))
 
     async def one(client, sem, chat, text, n):
         async with sem:
@@ -101,11 +101,11 @@ def test_32_concurrent_streaming_clients(server, tiny_engine):
     results = asyncio.run(go())
     for (chat, text, n), (finish, use) in zip(jobs, results, strict=True):
         prompt = [{"role": "user", "content": text}] if chat else text
-        assert finish == "length", f"seed {seed}"
-        assert use.completion_tokens == n, f"seed {seed}"
-        assert use.prompt_tokens == len(tiny_engine.encode_prompt(prompt)), f"seed {seed}"
+        assert finish == "length"
+        assert use.completion_tokens == n
+        assert use.prompt_tokens == len(tiny_engine.encode_prompt(prompt))
     m = server.wait_idle()
-    assert m["nanoqwen_kv_pages_used"] == 0, f"seed {seed}"
+    assert m["nanoqwen_kv_pages_used"] == 0
     assert m["nanoqwen_kv_pages_free"] == m["nanoqwen_kv_pages_total"]
 
 

@@ -19,6 +19,7 @@ import selectors
 import subprocess
 import sys
 import traceback
+from contextlib import closing
 from pathlib import Path
 
 MEMORY_LIMIT = 1 << 30  # the child imports numpy (~115 MB of address space) and maps small files
@@ -61,7 +62,8 @@ def _child_env() -> dict:
 
 
 class Isolated:
-    """One child process that exercises files on request; a hang or a crash ends it (and is reported)."""
+    """One child process that exercises files on request; a hang or a crash ends it (and is reported).
+    close() ends the child: use it as `with closing(Isolated()) as child`."""
 
     def __init__(self):
         self.proc = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -92,16 +94,9 @@ class Isolated:
             f.close()
         self._sel.close()
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-        return False
-
 
 def run_one(path, timeout: float = 30.0) -> dict:
-    with Isolated() as child:
+    with closing(Isolated()) as child:
         return child.run(path, timeout)
 
 

@@ -1,4 +1,4 @@
-"""Hostile converter inputs, one test each (the converter findings of issue 11): malformed config.json
+"""Hostile converter inputs, one test each: malformed config.json
 and safetensors headers, lying tensor offsets, embedded files the reader would refuse, and output paths
 that would destroy inputs or leave things behind. Each is one NanoqwenFormatError (one line from the
 CLI), and nothing is written or left behind."""
@@ -41,6 +41,12 @@ def refused(src, out, match):
     assert re.search(match, r.output), r.output
     assert not out.exists()
     assert not [p.name for p in out.parent.iterdir() if p.name.endswith(".tmp")]
+
+
+def convert_refused(src, out, match):
+    """convert(src, out) raises one NanoqwenFormatError matching `match` (the API's side of refused())."""
+    with pytest.raises(NanoqwenFormatError, match=match):
+        convert(src, out, progress=False)
 
 
 # --- config.json --------------------------------------------------------------------------------------
@@ -135,15 +141,25 @@ SAFETENSORS = {
 }
 
 
+def refused_safetensors(hf, tmp_path, rewrite, match):
+    """The checkpoint with model.safetensors replaced by rewrite(its bytes) is refused, the error naming
+    the file and then `match`."""
+    src = linked_copy(hf, tmp_path / "hf", "model.safetensors")
+    path = src / "model.safetensors"
+    path.write_bytes(rewrite(path.read_bytes()))
+    refused(src, tmp_path / "m.nanoqwen", f"model.safetensors.*{match}")
+
+
 @pytest.mark.parametrize("kind", sorted(SAFETENSORS))
 def test_malformed_safetensors_header(hf_untied, tmp_path, kind):
     edit, match = SAFETENSORS[kind]
-    src = linked_copy(hf_untied, tmp_path / "hf", "model.safetensors")
-    raw = (src / "model.safetensors").read_bytes()
-    h, _ = _st_header(raw)
-    edit(h)
-    (src / "model.safetensors").write_bytes(_st_with(raw, h))
-    refused(src, tmp_path / "m.nanoqwen", f"model.safetensors.*{match}")
+
+    def rewrite(raw):
+        h, _ = _st_header(raw)
+        edit(h)
+        return _st_with(raw, h)
+
+    refused_safetensors(hf_untied, tmp_path, rewrite, match)
 
 
 TEXT_HEADERS = {
@@ -157,18 +173,16 @@ TEXT_HEADERS = {
 @pytest.mark.parametrize("kind", sorted(TEXT_HEADERS))
 def test_malformed_safetensors_header_text(hf_untied, tmp_path, kind):
     edit, match = TEXT_HEADERS[kind]
-    src = linked_copy(hf_untied, tmp_path / "hf", "model.safetensors")
-    raw = (src / "model.safetensors").read_bytes()
-    _, n = _st_header(raw)
-    (src / "model.safetensors").write_bytes(_st_with(raw, text=edit(raw[8:8 + n])))
-    refused(src, tmp_path / "m.nanoqwen", f"model.safetensors.*{match}")
+
+    def rewrite(raw):
+        _, n = _st_header(raw)
+        return _st_with(raw, text=edit(raw[8:8 + n]))
+
+    refused_safetensors(hf_untied, tmp_path, rewrite, match)
 
 
 def test_safetensors_header_length_past_the_end(hf_untied, tmp_path):
-    src = linked_copy(hf_untied, tmp_path / "hf", "model.safetensors")
-    raw = (src / "model.safetensors").read_bytes()
-    (src / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw[8:])
-    refused(src, tmp_path / "m.nanoqwen", "model.safetensors.*header length")
+    refused_safetensors(hf_untied, tmp_path, lambda raw: struct.pack("<Q", len(raw)) + raw[8:], "header length")
 
 
 def test_index_naming_a_file_outside_the_folder(hf_tied_sharded, tmp_path):
@@ -228,12 +242,9 @@ def test_output_over_an_input_is_refused(hf_untied, tmp_path):
     refused_over = [src / "model.safetensors", src / "m.nanoqwen", src / "sub" / "m.nanoqwen"]
     (tmp_path / "link.nanoqwen").symlink_to(src / "model.safetensors")
     for out in refused_over:
-        with pytest.raises(NanoqwenFormatError, match="source"):
-            convert(src, out, progress=False)
-    with pytest.raises(NanoqwenFormatError, match="source"):
-        convert(src, tmp_path / "link.nanoqwen", progress=False)
-    with pytest.raises(NanoqwenFormatError, match="source"):  # the symlinked tokenizer's target
-        convert(src, real / "tokenizer.json", progress=False)
+        convert_refused(src, out, "source")
+    convert_refused(src, tmp_path / "link.nanoqwen", "source")
+    convert_refused(src, real / "tokenizer.json", "source")  # the symlinked tokenizer's target
     assert (src / "model.safetensors").read_bytes() == before
     assert not (src / "m.nanoqwen").exists() and not (src / "sub").exists()
 
@@ -241,12 +252,10 @@ def test_output_over_an_input_is_refused(hf_untied, tmp_path):
 def test_output_that_is_not_a_regular_file(hf_untied, tmp_path):
     fifo = tmp_path / "pipe.nanoqwen"
     os.mkfifo(fifo)
-    with pytest.raises(NanoqwenFormatError, match="not a regular file"):
-        convert(hf_untied, fifo, progress=False)
+    convert_refused(hf_untied, fifo, "not a regular file")
     assert fifo.is_fifo()
     (tmp_path / "dir.nanoqwen").mkdir()
-    with pytest.raises(NanoqwenFormatError, match="not a regular file"):
-        convert(hf_untied, tmp_path / "dir.nanoqwen", progress=False)
+    convert_refused(hf_untied, tmp_path / "dir.nanoqwen", "not a regular file")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dir.nanoqwen", "pipe.nanoqwen"]
 
 
@@ -283,8 +292,7 @@ def test_longest_valid_name_converts(hf_untied, tmp_path, monkeypatch):
     open_model(out, verify=True).close()
     tmp_names = [n for n in seen["names"] if n.endswith(".tmp")]
     assert len(tmp_names) == 1 and len(tmp_names[0].encode()) <= 255
-    with pytest.raises(NanoqwenFormatError, match="name"):
-        convert(hf_untied, tmp_path / ("m" * 247 + ".nanoqwen"), progress=False)
+    convert_refused(hf_untied, tmp_path / ("m" * 247 + ".nanoqwen"), "name")
 
 
 def test_temporary_name_is_not_doubled(hf_untied, tmp_path, monkeypatch):
@@ -355,6 +363,5 @@ def test_sigkill_leaves_a_temporary_that_the_next_run_sweeps(hf_untied, tmp_path
 def test_output_that_is_a_symlink_loop(hf_untied, tmp_path):
     loop = tmp_path / "loop.nanoqwen"
     loop.symlink_to(loop)
-    with pytest.raises(NanoqwenFormatError, match="loop.nanoqwen|symbolic"):
-        convert(hf_untied, loop, progress=False)
+    convert_refused(hf_untied, loop, "loop.nanoqwen|symbolic")
     assert loop.is_symlink()

@@ -23,6 +23,7 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
 
 import numpy as np
 import pytest
@@ -252,7 +253,7 @@ def write_case(rng, path, data: bytes):
 
 def _worker(w, seed, bases, workdir, stop_at, results, lock):
     counts, kinds = Counter(), Counter()
-    with Isolated() as child:
+    with closing(Isolated()) as child:
         i = w
         while time.monotonic() < stop_at:
             rng = np.random.default_rng([seed, i])

@@ -1,4 +1,4 @@
-"""Hostile files, one test each (the reader findings of issue 11): huge shapes, long shape lists, huge
+"""Hostile files, one test each: huge shapes, long shape lists, huge
 declared headers, NaN/Infinity and duplicate keys in the JSON, config values the engine cannot use, files
 that are not regular files. Each is refused with one NanoqwenFormatError naming the problem, and
 `inspect` prints that one line.

@@ -1,6 +1,7 @@
 """Host arrays posing as device arrays, so the launchers' argument checks and launch plans run on a CPU:
 the checks are duck-typed on exactly what a launch needs (dtype, shape, flags, nbytes, data.ptr)."""
 
+import re
 from types import SimpleNamespace
 
 import numpy as np
@@ -22,3 +23,17 @@ def dev(shape, dtype):
     raw = np.zeros(n + 256, dtype=np.uint8)
     off = (-raw.ctypes.data) % 256
     return Dev(raw[off : off + n].view(dtype).reshape(shape))
+
+
+def assert_each_refused(call, good: dict, bad) -> None:
+    """For each (change, pattern) of `bad`: call(**{**good, **change}) raises a KernelError matching
+    pattern (the launchers' contract: a bad argument is refused by name before anything launches)."""
+    from nanoqwen_kernels import KernelError
+
+    for change, pattern in bad:
+        try:
+            call(**{**good, **change})
+        except KernelError as e:
+            assert re.search(pattern, str(e)), f"{sorted(change)}: {e!r} does not match {pattern!r}"
+        else:
+            raise AssertionError(f"{sorted(change)} was not refused")

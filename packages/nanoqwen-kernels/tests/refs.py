@@ -56,18 +56,28 @@ def matvec(w: np.ndarray, x: np.ndarray) -> np.ndarray:
     return (w.astype(np.float32, copy=False) @ x.astype(np.float32)).astype(np.float64)
 
 
-def rope_angles(pos: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
-    """cos, sin [64] for frequency d at position pos: inv_freq correctly rounded to fp32, angle = pos * inv
-    in fp32 (HF's math; the engine's reference computes inv_freq the same way)."""
+def rope_angles(pos, theta: float) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin [..., 64] for frequency d at position pos (an int, or an array of positions): inv_freq
+    correctly rounded to fp32, angle = pos * inv in fp32 (HF's math; the engine's reference and both GPU
+    paths, decode and prefill, compute inv_freq the same way)."""
     inv = (1.0 / (np.float64(np.float32(theta)) ** (np.arange(0, 128, 2, dtype=np.float64) / 128))).astype(
         np.float32
     )
-    ang = (np.float32(pos) * inv).astype(np.float32).astype(np.float64)
+    ang = np.multiply.outer(np.asarray(pos, np.float32), inv).astype(np.float32).astype(np.float64)
     return np.cos(ang), np.sin(ang)
 
 
-def rope(v: np.ndarray, pos: int, theta: float) -> np.ndarray:
-    """HF rotate-half on [heads, 128] float64."""
+def rope(v: np.ndarray, pos, theta: float) -> np.ndarray:
+    """HF rotate-half on [heads, 128] float64 at position pos, or on [T, heads, 128] at positions pos [T]."""
     c, s = rope_angles(pos, theta)
-    a, b = v[:, :64], v[:, 64:]
-    return np.concatenate([a * c - b * s, b * c + a * s], axis=1)
+    c, s = c[..., None, :], s[..., None, :]
+    a, b = v[..., :64], v[..., 64:]
+    return np.concatenate([a * c - b * s, b * c + a * s], axis=-1)
+
+
+def scattered_pages(rng: np.random.Generator, n_tokens: int, spare: int = 5) -> tuple[np.ndarray, int]:
+    """A page table for n_tokens positions over a pool with `spare` more pages, in random order (so a
+    kernel that assumes contiguous pages reads the wrong ones): (table int32 [ceil(n/16)], pool pages)."""
+    n_logical = -(-n_tokens // 16)
+    n_pages = n_logical + spare
+    return rng.permutation(n_pages)[:n_logical].astype(np.int32), n_pages

@@ -6,12 +6,13 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from fakes import Dev, dev
+from fakes import Dev, assert_each_refused, dev
 from nanoqwen_kernels import KernelError, checks
 from nanoqwen_kernels.dims import QWEN25_7B, TINY
 from nanoqwen_kernels.embed import EmbedKernels
 from nanoqwen_kernels.gemv import GemvKernels
 from nanoqwen_kernels.norm import NormKernels
+from nanoqwen_kernels.prefill import ATTENTION_VARIANTS, PrefillKernels
 from nanoqwen_kernels.sampling import SamplingKernels, pack_params, pack_rng
 
 
@@ -170,9 +171,7 @@ def test_qkv_rope_kv_checks(launches):
         (dict(page_table=dev((4,), np.int64)), "page_table"),
         (dict(q_out=dev((d.q_dim,), np.float32)), "q_out"),
     ]
-    for change, word in bad:
-        with pytest.raises(KernelError, match=word):
-            g.qkv_rope_kv(**{**good, **change})
+    assert_each_refused(g.qkv_rope_kv, good, bad)
 
 
 def test_qkv_rope_kv_batched_checks(launches):
@@ -188,9 +187,7 @@ def test_qkv_rope_kv_batched_checks(launches):
         (dict(page_table=dev((4, 64), np.int32)), "page_table"),
         (dict(q_out=dev((4, d.q_dim), np.float16)), "q_out must have shape"),
     ]
-    for change, word in bad:
-        with pytest.raises(KernelError, match=word):
-            g.qkv_rope_kv(**{**good, **change})
+    assert_each_refused(g.qkv_rope_kv, good, bad)
 
 
 def test_gate_up_and_fp16_checks(launches):
@@ -336,6 +333,79 @@ def test_attention_decode_launch_and_checks(launches):
     for name, (value, word) in bad.items():
         with pytest.raises(KernelError, match=word):
             ak.attention_decode(**{**args, name: value})
+
+
+def _paged(d, max_pages=4):
+    """k/v caches of 2 layers x 4 pages and a page table of max_pages entries: room for 64 positions."""
+    shape = (2, 4, d.n_kv_heads, 16, 128)
+    return dict(k_cache=dev(shape, np.float16), v_cache=dev(shape, np.float16),
+                page_table=dev((max_pages,), np.int32))
+
+
+def test_prefill_int4_checks(launches):
+    p = PrefillKernels(TINY, load)
+    qw, sc = dev((8, 256 // 8), np.uint32), dev((8, 2), np.float16)
+    p.dequantize_int4(qw, sc, dev((8, 256), np.float16))
+    fn, grid, args = launches[-1]
+    assert fn == "nq_dequantize_int4" and grid == (1, 1, 1) and [int(a) for a in args[-2:]] == [8, 256]
+    good = dict(qweight=qw, scales=sc, X=dev((4, 256), np.float16), out=dev((4, 8), np.float16))
+    bad = [
+        (dict(qweight=dev((8, 3), np.uint32)), "qweight K = 24 is not a multiple"),
+        (dict(qweight=dev((8, 32), np.int32)), "qweight must be uint32"),
+        (dict(scales=dev((8, 1), np.float16)), "scales must have shape"),
+        (dict(X=dev((4, 128), np.float16)), r"X must be fp16 \[T, 256\]"),
+        (dict(out=dev((4, 8), np.float32)), "out must be float16"),
+        (dict(workspace=dev((8 * 256 - 1,), np.float16)), "workspace needs at least 2048"),
+    ]
+    assert_each_refused(p.gemm_int4, good, bad)
+    with pytest.raises(KernelError, match=r"out must have shape \(8, 256\)"):
+        p.dequantize_int4(qw, sc, dev((8, 255), np.float16))
+
+
+def test_rope_kv_prefill_checks(launches):
+    d = TINY
+    p = PrefillKernels(d, load)
+    good = dict(qkv=dev((3, d.qkv_rows), np.float16), start_pos=61, layer=1, q_out=dev((3, d.q_dim), np.float16),
+                **_paged(d))
+    p.rope_kv_prefill(**good)  # positions 61..63: the last slots of 4 pages
+    fn, grid, args = launches[-1]
+    assert fn == "nq_rope_kv_prefill" and grid == (3, d.n_heads + 2 * d.n_kv_heads, 1)
+    assert [int(args[i]) for i in (1, 5, 6)] == [61, 1, 4]  # start_pos, layer, n_pages
+    bad = [
+        (dict(qkv=dev((3, d.qkv_rows - 128), np.float16)), "qkv must be fp16"),
+        (dict(q_out=dev((2, d.q_dim), np.float16)), "q_out must have shape"),
+        (dict(start_pos=62), r"start_pos \+ T = 65 exceeds the page table's 64 positions"),
+        (dict(start_pos=-1), "start_pos"),
+        (dict(layer=-1), "layer"),
+        (dict(layer=2), "layer"),
+        (dict(page_table=dev((4,), np.float32)), "page_table must be int32"),
+        (dict(page_table=dev((2, 4), np.int32)), "page_table must be a non-empty 1-D"),
+        (dict(k_cache=dev((2, 4, d.n_kv_heads + 1, 16, 128), np.float16)), "k_cache must be"),
+        (dict(v_cache=dev((2, 5, d.n_kv_heads, 16, 128), np.float16)), "v_cache shape"),
+    ]
+    assert_each_refused(p.rope_kv_prefill, good, bad)
+
+
+@pytest.mark.parametrize("variant", sorted(ATTENTION_VARIANTS))
+def test_attention_prefill_checks(launches, variant):
+    d = TINY
+    p = PrefillKernels(d, load, variant)
+    kernel, rows, threads = ATTENTION_VARIANTS[variant]
+    good = dict(q=dev((33, d.q_dim), np.float16), start_pos=0, T=33, layer=0, out=dev((33, d.q_dim), np.float16),
+                **_paged(d))
+    p.attention_prefill(**good)
+    fn, grid, args = launches[-1]
+    assert fn == kernel and grid == (-(-33 // rows), d.n_heads, 1)
+    bad = [
+        (dict(q=dev((33, d.q_dim), np.float32)), "q must be float16"),
+        (dict(out=dev((34, d.q_dim), np.float16)), "out must have shape"),
+        (dict(T=34), "q has 33 rows but T = 34"),
+        (dict(T=0), "T = 0 out of range"),
+        (dict(start_pos=32), r"start_pos \+ T = 65 exceeds"),
+        (dict(k_cache=dev((2, 4, d.n_kv_heads + 1, 16, 128), np.float16)), "k_cache"),
+        (dict(layer=True), "layer must be an int"),
+    ]
+    assert_each_refused(p.attention_prefill, good, bad)
 
 
 def test_kernelset_exposes_the_interface(monkeypatch, launches):

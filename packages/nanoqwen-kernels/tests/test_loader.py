@@ -50,11 +50,22 @@ def test_cache_hit_and_miss(probe, tmp_path, monkeypatch):
     assert not list((tmp_path / "cache").glob(".tmp-*")), "no temporary file left behind"
 
 
-def test_header_change_misses(probe, monkeypatch):
-    k1 = loader._cache_key(loader._read_sources([probe]), ["-x"], "sm_90a")
-    k2 = loader._cache_key(loader._read_sources([probe]), ["-y"], "sm_90a")
-    k3 = loader._cache_key(loader._read_sources([probe]), ["-x"], "sm_100a")
-    assert len({k1, k2, k3}) == 3
+def test_header_or_arch_change_misses(probe, tmp_path):
+    """A header the source includes, edited, or another arch: a new cubin, not the cached one."""
+    header = loader.CUDA_DIR / probe.replace(".cu", ".cuh")
+    src = loader.CUDA_DIR / probe
+    src.write_text(f'#include "{header.name}"\n' + src.read_text().replace("NQ_HIDDEN", "PROBE_SCALE * NQ_HIDDEN"))
+    try:
+        header.write_text("#pragma once\n#define PROBE_SCALE 2\n")
+        first = loader.compile_cubin([probe], TINY.defines())
+        header.write_text("#pragma once\n#define PROBE_SCALE 3\n")
+        edited = loader.compile_cubin([probe], TINY.defines())
+        other_arch = loader.compile_cubin([probe], TINY.defines(), "sm_90")
+    finally:
+        header.unlink()
+    assert first != edited, "the header's edit did not reach the cubin (a stale cache hit)"
+    assert len(list((tmp_path / "cache").glob("*.cubin"))) == 3
+    assert other_arch not in (first, edited)
 
 
 def test_compile_error_carries_the_log(probe):

@@ -2,25 +2,25 @@
 
 The ValueShuffle-v1 packer (refs.py) is written from docs/INTERFACES.md section 2 (kernels never import
 format), so these tests also check that the kernel reads the contract, not a private convention.
-Tolerances: dequantize_int4 is exact (one rounding of an exact product, as numpy's float64 -> fp16);
+Tolerances: dequantize_int4 is exact (one rounding of an exact product, as numpy's
+float32 -> fp16: a fp16 scale times an integer in [-8, 7] is exact in float32);
 gemm_int4 (fp16 output, fp32 accumulate): |out - ref| <= 2e-3 |ref| + 2e-3 rms(ref).
 """
 
 import numpy as np
 import pytest
-from nanoqwen_kernels import KernelError, gpu_status
+from nanoqwen_kernels import gpu_status
 from nanoqwen_kernels.dims import QWEN25_7B, TINY
-from refs import pack_valueshuffle
+from refs import dequant, pack_valueshuffle, random_int4
 
 OK, REASON = gpu_status()
 gpu = pytest.mark.skipif(not OK, reason=REASON)
 
 
-def random_int4(rng, n, k):
-    u = rng.integers(0, 16, size=(n, k), dtype=np.uint8)
-    scales = rng.uniform(1e-3, 5e-2, size=(n, k // 128)).astype(np.float16)
-    w = (scales.astype(np.float64).repeat(128, axis=1) * (u.astype(np.float64) - 8)).astype(np.float16)
-    return pack_valueshuffle(u), scales, w
+def int4_weight(rng, n, k):
+    """(qweight as stored, fp16 scales, the fp16 weight they stand for: one rounding of an exact product)."""
+    u, s = random_int4(rng, n, k, scale=0.1)
+    return pack_valueshuffle(u), s, dequant(u, s).astype(np.float16)
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,7 @@ def kernels():
 def test_dequantize_is_exact(kernels, rng, n, k):
     import cupy as cp
 
-    qw, sc, w = random_int4(rng, n, k)
+    qw, sc, w = int4_weight(rng, n, k)
     out = cp.full((n, k), np.nan, dtype=cp.float16)
     kernels["7b"].dequantize_int4(cp.asarray(qw), cp.asarray(sc), out)
     got = cp.asnumpy(out)
@@ -53,7 +53,7 @@ def test_dequantize_is_exact(kernels, rng, n, k):
 def test_gemm_matches_reference(kernels, rng, T, name, n, k):
     import cupy as cp
 
-    qw, sc, w = random_int4(rng, n, k)
+    qw, sc, w = int4_weight(rng, n, k)
     x = rng.standard_normal((T, k)).astype(np.float16)
     out = cp.full((T, n), np.nan, dtype=cp.float16)
     ws = cp.full(n * k, np.nan, dtype=cp.float16)
@@ -63,26 +63,3 @@ def test_gemm_matches_reference(kernels, rng, T, name, n, k):
     tol = 2e-3 * np.abs(ref) + 2e-3 * np.sqrt(np.mean(ref**2))
     assert np.isfinite(got).all()
     assert (np.abs(got - ref) <= tol).all(), f"max err {np.abs(got - ref).max():.3g}"
-
-
-@gpu
-@pytest.mark.gpu
-def test_gemm_rejects_bad_arguments(kernels, rng):
-    import cupy as cp
-
-    qw, sc, _ = random_int4(rng, 8, 256)
-    qw, sc = cp.asarray(qw), cp.asarray(sc)
-    x = cp.zeros((4, 256), cp.float16)
-    out = cp.zeros((4, 8), cp.float16)
-    pk = kernels["tiny"]
-    cases = {
-        "qweight": dict(qweight=cp.ascontiguousarray(qw[:, :3])),  # K = 24: not a whole group
-        "scales": dict(scales=cp.ascontiguousarray(sc[:, :1])),
-        "X": dict(X=cp.zeros((4, 128), cp.float16)),
-        "out": dict(out=cp.zeros((4, 8), cp.float32)),
-        "workspace": dict(workspace=cp.zeros(8 * 256 - 1, cp.float16)),
-    }
-    base = dict(qweight=qw, scales=sc, X=x, out=out)
-    for name, change in cases.items():
-        with pytest.raises(KernelError, match=name):
-            pk.gemm_int4(**{**base, **change})

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .checks import check_array, check_int, check_kv_cache, check_page_table, cupy_module, launch, sm_count
+from . import checks as ck
 from .dims import GROUP, HEAD_DIM, PAGE_TOKENS, ModelDims
 from .errors import KernelError
 
@@ -31,7 +31,7 @@ DEFAULT_ATTENTION_VARIANT = "mma"
 
 def _check_positions(page_table, start_pos, t: int) -> int:
     """start_pos (an int >= 0) such that positions start_pos .. start_pos + t - 1 have pages."""
-    start_pos = check_int("start_pos", start_pos, 0)
+    start_pos = ck.check_int("start_pos", start_pos, 0)
     if start_pos + t > page_table.size * PAGE_TOKENS:
         raise KernelError(
             f"start_pos + T = {start_pos + t} exceeds the page table's {page_table.size * PAGE_TOKENS} positions"
@@ -42,8 +42,8 @@ def _check_positions(page_table, start_pos, t: int) -> int:
 def _check_pages(dims, k_cache, v_cache, layer, page_table, start_pos, t: int) -> tuple[int, int, int]:
     """The caches, the layer, the page table and the position range of T tokens written or read from
     start_pos: (layer, n_pages, start_pos)."""
-    layer, n_pages = check_kv_cache(dims, k_cache, v_cache, layer)
-    check_page_table(page_table)
+    layer, n_pages = ck.check_kv_cache(dims, k_cache, v_cache, layer)
+    ck.check_page_table(page_table)
     return layer, n_pages, _check_positions(page_table, start_pos, t)
 
 
@@ -67,23 +67,23 @@ class PrefillKernels:
 
     @staticmethod
     def _check_int4(qweight, scales) -> tuple[int, int]:
-        check_array("qweight", qweight, np.uint32)
+        ck.check_array("qweight", qweight, np.uint32)
         if qweight.ndim != 2 or qweight.shape[0] < 1 or qweight.shape[1] < 1:
             raise KernelError(f"qweight must be uint32 [N, K/8], got shape {tuple(qweight.shape)}")
         n, k = int(qweight.shape[0]), int(qweight.shape[1]) * 8
         if k % GROUP:
             raise KernelError(f"qweight K = {k} is not a multiple of the INT4 group {GROUP}")
-        check_array("scales", scales, np.float16, shape=(n, k // GROUP))
+        ck.check_array("scales", scales, np.float16, shape=(n, k // GROUP))
         return n, k
 
     def dequantize_int4(self, qweight, scales, out) -> None:
         """out[N, K] fp16 = scales[n, k/128] * (u - 8): qweight uint32 [N, K/8] (ValueShuffle-v1)."""
         n, k = self._check_int4(qweight, scales)
-        check_array("out", out, np.float16, shape=(n, k))
+        ck.check_array("out", out, np.float16, shape=(n, k))
         words = n * k // 8
         per_block = _DEQUANT_THREADS * 4  # kWordsPerThread = 4 in dequant_int4.cu
-        blocks = min(_DEQUANT_BLOCKS_PER_SM * sm_count(), (words + per_block - 1) // per_block)
-        launch(
+        blocks = min(_DEQUANT_BLOCKS_PER_SM * ck.sm_count(), (words + per_block - 1) // per_block)
+        ck.launch(
             self._dequant,
             (blocks, 1, 1),
             (_DEQUANT_THREADS, 1, 1),
@@ -96,16 +96,16 @@ class PrefillKernels:
         First step of the prefill GEMM: dequantize into `workspace` (fp16, >= N*K elements; allocated
         from CuPy's pool when None) and multiply with cuBLAS on tensor cores (cupy.matmul).
         """
-        cupy = cupy_module()
+        cupy = ck.cupy_module()
         n, k = self._check_int4(qweight, scales)
-        check_array("X", X, np.float16)
+        ck.check_array("X", X, np.float16)
         if X.ndim != 2 or X.shape[1] != k or X.shape[0] < 1:
             raise KernelError(f"X must be fp16 [T, {k}], got shape {tuple(X.shape)}")
         t = int(X.shape[0])
-        check_array("out", out, np.float16, shape=(t, n))
+        ck.check_array("out", out, np.float16, shape=(t, n))
         if workspace is None:
             workspace = cupy.empty(n * k, dtype=np.float16)
-        check_array("workspace", workspace, np.float16, min_size=n * k)
+        ck.check_array("workspace", workspace, np.float16, min_size=n * k)
         w = workspace[: n * k].reshape(n, k)
         self.dequantize_int4(qweight, scales, w)
         # cuBLAS fp16 GEMM with fp32 compute (CuPy's default compute type for float16), on the current
@@ -121,13 +121,13 @@ class PrefillKernels:
         page_table int32 [max_pages] must cover positions < start_pos + T.
         """
         d = self.dims
-        check_array("qkv", qkv, np.float16)
+        ck.check_array("qkv", qkv, np.float16)
         if qkv.ndim != 2 or qkv.shape[1] != d.qkv_rows or qkv.shape[0] < 1:
             raise KernelError(f"qkv must be fp16 [T, {d.qkv_rows}], got shape {tuple(qkv.shape)}")
         t = int(qkv.shape[0])
-        check_array("q_out", q_out, np.float16, shape=(t, d.q_dim))
+        ck.check_array("q_out", q_out, np.float16, shape=(t, d.q_dim))
         layer, n_pages, start_pos = _check_pages(d, k_cache, v_cache, layer, page_table, start_pos, t)
-        launch(
+        ck.launch(
             self._rope,
             (t, d.n_heads + 2 * d.n_kv_heads, 1),
             (HEAD_DIM // 2, 1, 1),
@@ -151,14 +151,14 @@ class PrefillKernels:
         q, out: fp16 [T, n_heads*128] (q roped); K/V for positions < start_pos + T in the pages.
         """
         d = self.dims
-        T = check_int("T", T, 1)
-        check_array("q", q, np.float16)
+        T = ck.check_int("T", T, 1)
+        ck.check_array("q", q, np.float16)
         if q.ndim == 2 and q.shape[0] != T:
             raise KernelError(f"q has {q.shape[0]} rows but T = {T}")
-        check_array("q", q, np.float16, shape=(T, d.q_dim))
-        check_array("out", out, np.float16, shape=(T, d.q_dim))
+        ck.check_array("q", q, np.float16, shape=(T, d.q_dim))
+        ck.check_array("out", out, np.float16, shape=(T, d.q_dim))
         layer, n_pages, start_pos = _check_pages(d, k_cache, v_cache, layer, page_table, start_pos, T)
-        launch(
+        ck.launch(
             self._attn,
             ((T + self._attn_rows - 1) // self._attn_rows, d.n_heads, 1),
             (self._attn_threads, 1, 1),

@@ -137,20 +137,35 @@ def engine_error(exc: Exception, prompt_param: str | None) -> ProtocolError:
 
 # -- ASGI middleware (outermost first): body size limit, then per-path counters --
 
-class BodyLimit:
+class HttpMiddleware:
+    """An ASGI middleware over the HTTP requests (`http(...)`); every other scope (the lifespan) passes
+    through untouched."""
+
+    def __init__(self, app, state: ServerState):
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        return await self.http(scope, receive, send)
+
+    async def http(self, scope, receive, send):
+        raise NotImplementedError
+
+
+class BodyLimit(HttpMiddleware):
     """413 for a body over the limit, before the application reads any of it.
 
     The body is buffered here (up to the limit) and handed on whole; after it, `receive` is the server's
     own again, so an application waiting on it still sees the client's disconnect.
     """
 
-    def __init__(self, app, state: ServerState):
-        self.app = app
-        self.limit = state.config.max_body_bytes
+    @property
+    def limit(self) -> int:
+        return self.state.config.max_body_bytes
 
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
+    async def http(self, scope, receive, send):
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
             return await self._too_large(send)
@@ -185,19 +200,16 @@ class BodyLimit:
         await send({"type": "http.response.body", "body": payload})
 
 
-class CountRequests:
-    def __init__(self, app, state: ServerState):
-        self.app = app
-        self.counter = state.metrics.http_requests
+class CountRequests(HttpMiddleware):
+    """nanoqwen_http_requests_total{path, status}: every HTTP answer, by route (unknown paths as "other")."""
 
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
+    async def http(self, scope, receive, send):
         path = scope["path"] if scope["path"] in ROUTES else "other"
+        counter = self.state.metrics.http_requests
 
         async def counted(message):
             if message["type"] == "http.response.start":
-                self.counter.labels(path, str(message["status"])).inc()
+                counter.labels(path, str(message["status"])).inc()
             await send(message)
 
         await self.app(scope, receive, counted)

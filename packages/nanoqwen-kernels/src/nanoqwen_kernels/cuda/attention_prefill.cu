@@ -22,40 +22,71 @@
 //   > 0, both bodies); measured: bench/bench_prefill.py.
 #include "mma.cuh"
 
+// What both bodies share: which rows, head and keys a block works on, and how a key's K/V is read.
+namespace nq_pre_common {
+
+// One block of either body: query rows [q0, q0 + rows) of query head h, which reads KV head kvh (GQA).
+// Its keys are positions [0, kv_end): causal, no key past the block's last row's position (and none
+// past the sequence, kv_len = start_pos + T).
+struct Block {
+  int q0, h, kvh, kv_len, kv_end;
+  __device__ __forceinline__ Block(int rows, int start_pos, int T) {
+    q0 = blockIdx.x * rows;
+    h = blockIdx.y;
+    kvh = h / (nq::kHeads / nq::kKvHeads);
+    kv_len = start_pos + T;
+    kv_end = min(start_pos + q0 + rows, kv_len);
+  }
+};
+
+// Element offset of dims dd .. dd+7 of key position kp, KV head kvh of `layer`, in its page of the
+// K (or V) cache [L, n_pages, NQ_NKV, 16, 128]. The guard and the two loads stay in each body's tile
+// loop: with them inside a helper NVRTC 12.9 unrolls the tensor-core body's tile loop less (6 instead
+// of 14 16-byte global loads in its SASS), a different kernel from the one measured.
+__device__ __forceinline__ size_t kv_offset(const int* __restrict__ page_table, int layer, int n_pages, int kvh,
+                                            int kp, int dd) {
+  return ((static_cast<size_t>(layer) * n_pages + page_table[kp / nq::kPageTokens]) * nq::kKvHeads + kvh) *
+             (nq::kPageTokens * 128) +
+         (kp % nq::kPageTokens) * 128 + dd;
+}
+
+}  // namespace nq_pre_common
+
+// The arguments of both bodies: one contract, so prefill.py launches either with the same tuple.
+#define NQ_ATTENTION_PREFILL_ARGS                                                                   \
+  const nq::uint16_t *__restrict__ q,          /* [T, kQDim], roped */                              \
+      const nq::uint16_t *__restrict__ k_cache, /* [L, n_pages, NQ_NKV, 16, 128] */                 \
+      const nq::uint16_t *__restrict__ v_cache, /* same */                                          \
+      const int *__restrict__ page_table,       /* [max_pages] */                                   \
+      int start_pos, int T, int layer, int n_pages,                                                 \
+      nq::uint16_t *__restrict__ out            /* [T, kQDim] */
+
 namespace nq_pre {
 using nq::uint16_t;
 using nq::uint32_t;
 constexpr int kBQ = 32;      // query rows per block
 constexpr int kBK = 32;      // keys per tile (2 pages)
 constexpr int kThreads = 256;
-constexpr int kG = nq::kHeads / nq::kKvHeads;
 constexpr int kRowF = 132;   // padded fp32 row of Q/K tiles
 constexpr int kPRow = 36;    // padded fp32 row of P
 using nq::kScaleLog2;
 using nq::neg_inf;
+using nq_pre_common::Block;
+using nq_pre_common::kv_offset;
 }  // namespace nq_pre
 
-extern "C" __global__ void __launch_bounds__(nq_pre::kThreads)
-    nq_attention_prefill(const nq::uint16_t* __restrict__ q,        // [T, kQDim]
-                      const nq::uint16_t* __restrict__ k_cache,  // [L, n_pages, NQ_NKV, 16, 128]
-                      const nq::uint16_t* __restrict__ v_cache,  // same
-                      const int* __restrict__ page_table,        // [max_pages]
-                      int start_pos, int T, int layer, int n_pages,
-                      nq::uint16_t* __restrict__ out) {          // [T, kQDim]
+extern "C" __global__ void __launch_bounds__(nq_pre::kThreads) nq_attention_prefill(NQ_ATTENTION_PREFILL_ARGS) {
   using namespace nq_pre;
   __shared__ __align__(16) float qs[kBQ * kRowF];   // [32][132] fp32, pre-scaled to the log2 domain
   __shared__ __align__(16) float ks[kBK * kRowF];   // [32][132] fp32
   __shared__ __align__(16) uint16_t vs[kBK * 128];  // [32][128] fp16
   __shared__ __align__(16) float ps[kBQ * kPRow];   // [32][36] fp32 probabilities of the tile
 
-  const int q0 = blockIdx.x * kBQ;
-  const int h = blockIdx.y;
-  const int kvh = h / kG;
+  const Block blk(kBQ, start_pos, T);
+  const int q0 = blk.q0, h = blk.h;
   const int tid = threadIdx.x;
   const int r = tid >> 3;   // query row of this thread
   const int c = tid & 7;    // key column group / output dim group
-  const int kv_len = start_pos + T;
-  const int kv_end = min(start_pos + q0 + kBQ, kv_len);  // keys this block can see: [0, kv_end)
   const int qpos = start_pos + q0 + r;
   const bool row_ok = q0 + r < T;
 
@@ -78,16 +109,14 @@ extern "C" __global__ void __launch_bounds__(nq_pre::kThreads)
 #pragma unroll
   for (int j = 0; j < 4; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
 
-  for (int kb = 0; kb < kv_end; kb += kBK) {
+  for (int kb = 0; kb < blk.kv_end; kb += kBK) {
     __syncthreads();  // previous tile's K/V reads done (and, first time round, Q tile written)
     for (int ch = tid; ch < kBK * 16; ch += kThreads) {
       const int kk = ch >> 4, dd = (ch & 15) * 8;
       const int kp = kb + kk;
-      uint4 kr = make_uint4(0, 0, 0, 0), vr = make_uint4(0, 0, 0, 0);
-      if (kp < kv_len) {  // beyond the sequence: zeros, never the page's stale (maybe NaN) bytes
-        const size_t off = ((static_cast<size_t>(layer) * n_pages + page_table[kp / nq::kPageTokens]) *
-                                nq::kKvHeads + kvh) * (nq::kPageTokens * 128) +
-                           (kp % nq::kPageTokens) * 128 + dd;
+      uint4 kr = make_uint4(0u, 0u, 0u, 0u), vr = make_uint4(0u, 0u, 0u, 0u);
+      if (kp < blk.kv_len) {  // beyond the sequence: zeros, never the page's stale (maybe NaN) bytes
+        const size_t off = kv_offset(page_table, layer, n_pages, blk.kvh, kp, dd);
         kr = *reinterpret_cast<const uint4*>(k_cache + off);
         vr = *reinterpret_cast<const uint4*>(v_cache + off);
       }
@@ -113,7 +142,7 @@ extern "C" __global__ void __launch_bounds__(nq_pre::kThreads)
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const int kp = kb + c + 8 * j;
-      if (!(row_ok && kp <= qpos)) s[j] = neg_inf();  // causal (kp <= qpos also bounds kp < kv_len)
+      if (!(row_ok && kp <= qpos)) s[j] = neg_inf();  // causal (kp <= qpos also bounds kp < blk.kv_len)
       mx = fmaxf(mx, s[j]);
     }
     // the 8 threads of row r are lanes 8k..8k+7 of one warp
@@ -190,7 +219,6 @@ using nq::uint32_t;
 constexpr int kBQ = 64;
 constexpr int kBK = 64;
 constexpr int kThreads = 128;
-constexpr int kG = nq::kHeads / nq::kKvHeads;
 constexpr int kRowH = 136;  // padded smem row (halves) of the K/V tiles
 using nq::kScaleLog2;
 using nq::ldmatrix_x4;
@@ -198,28 +226,22 @@ using nq::ldmatrix_x4_trans;
 using nq::mma16816;
 using nq::neg_inf;
 using nq::pack_h2;
+using nq_pre_common::Block;
+using nq_pre_common::kv_offset;
 }  // namespace nq_pre_mma
 
 extern "C" __global__ void __launch_bounds__(nq_pre_mma::kThreads)
-    nq_attention_prefill_mma(const nq::uint16_t* __restrict__ q,        // [T, kQDim]
-                          const nq::uint16_t* __restrict__ k_cache,  // [L, n_pages, NQ_NKV, 16, 128]
-                          const nq::uint16_t* __restrict__ v_cache,  // same
-                          const int* __restrict__ page_table,        // [max_pages]
-                          int start_pos, int T, int layer, int n_pages,
-                          nq::uint16_t* __restrict__ out) {          // [T, kQDim]
+    nq_attention_prefill_mma(NQ_ATTENTION_PREFILL_ARGS) {
   using namespace nq_pre_mma;
   __shared__ __align__(16) uint16_t ks[kBK * kRowH];  // [64 keys][136] fp16 (128 used)
   __shared__ __align__(16) uint16_t vs[kBK * kRowH];  // [64 keys][136] fp16
 
-  const int q0 = blockIdx.x * kBQ;
-  const int h = blockIdx.y;
-  const int kvh = h / kG;
+  const Block blk(kBQ, start_pos, T);
+  const int h = blk.h;
   const int tid = threadIdx.x;
   const int warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;
-  const int kv_len = start_pos + T;
-  const int kv_end = min(start_pos + q0 + kBQ, kv_len);
-  const int r0 = q0 + 16 * warp + g;  // this lane's rows r0 and r0 + 8 (query index)
+  const int r0 = blk.q0 + 16 * warp + g;  // this lane's rows r0 and r0 + 8 (query index)
   const int r1 = r0 + 8;
   const int qpos0 = start_pos + r0, qpos1 = start_pos + r1;
 
@@ -241,16 +263,14 @@ extern "C" __global__ void __launch_bounds__(nq_pre_mma::kThreads)
 #pragma unroll
   for (int n = 0; n < 16; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
 
-  for (int kb = 0; kb < kv_end; kb += kBK) {
+  for (int kb = 0; kb < blk.kv_end; kb += kBK) {
     __syncthreads();  // the previous tile's ldmatrix reads are done
     for (int ch = tid; ch < kBK * 16; ch += kThreads) {
       const int kk = ch >> 4, dd = (ch & 15) * 8;
       const int kp = kb + kk;
       uint4 kr = make_uint4(0u, 0u, 0u, 0u), vr = make_uint4(0u, 0u, 0u, 0u);
-      if (kp < kv_len) {  // beyond the sequence: zeros, never a page's stale (maybe NaN) bytes
-        const size_t off = ((static_cast<size_t>(layer) * n_pages + page_table[kp / nq::kPageTokens]) *
-                                nq::kKvHeads + kvh) * (nq::kPageTokens * 128) +
-                           (kp % nq::kPageTokens) * 128 + dd;
+      if (kp < blk.kv_len) {  // beyond the sequence: zeros, never a page's stale (maybe NaN) bytes
+        const size_t off = kv_offset(page_table, layer, n_pages, blk.kvh, kp, dd);
         kr = *reinterpret_cast<const uint4*>(k_cache + off);
         vr = *reinterpret_cast<const uint4*>(v_cache + off);
       }
