@@ -43,12 +43,16 @@ X_SMEM_FEW_TILES = 90 * 1024
 # down 15.35 / 21.51. The core is built for batches (x of up to 32 sequences in shared memory, two
 # batches of loads in flight per warp); at B = 1 it keeps too few bytes in flight (docs/PERF.md).
 # KernelSet picks one (argument, or $NANOQWEN_GEMV_VARIANT); all pass the same GPU tests.
+#   splitk  : B = 1 as "default"; B > 1 on the split-K build (plan_splitk) instead of gemv_mma's passes.
+#             Opt-in until measured (bench_gemv.py --batch 8,32,64 --variant default,splitk).
 GEMV_KINDS = ("h", "i", "qkv", "gu")
 GEMV_VARIANTS: dict[str, frozenset[str]] = {
     "default": frozenset(),
     "mma": frozenset(GEMV_KINDS),
     "mixed": frozenset({"i", "gu"}),
+    "splitk": frozenset(),
 }
+SPLITK_VARIANTS = frozenset({"splitk"})  # the variants whose B > 1 runs the split-K build
 DEFAULT_GEMV_VARIANT = "default"
 
 
@@ -92,6 +96,75 @@ def plan_gemv(b: int, k: int, n_tiles: int, sm_count: int) -> GemvPlan:
         slice_groups = max(8, fit // 8 * 8)
     build = next(c for c in MMA_BUILDS if c >= pass_cols)
     return GemvPlan(build, pass_cols, passes, slice_groups, _x_bytes(pass_cols, slice_groups))
+
+
+# ---- the split-K build (gemv_mma.cuh gemv_mma_splitk) -------------------------------------------------
+SPLITK_BUILDS = (8, 32, 64)  # columns per pass of its entries (suffix _sk8, _sk32, _sk64)
+# x slice per block: the 8- and 32-column builds run two blocks per SM (static part[] <= 16.5 KB each:
+# 2 x (88 + 16.5) KB < 227 KB), the 64-column build one (part[] 32 KB; its registers allow no second)
+SPLITK_X_BUDGET = {8: 88 * 1024, 32: 88 * 1024, 64: 180 * 1024}
+SPLITK_BLOCKS_PER_SM = {8: 2, 32: 2, 64: 1}
+# the cost of one more launch (the reduction) in L2 bytes moved: ~1.5 us at ~3 TB/s
+SPLITK_LAUNCH_BYTES = 4 << 20
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    """How the split-K build covers B columns of one GEMV."""
+
+    build: int  # columns per pass at most (SPLITK_BUILDS)
+    pass_cols: int  # columns per pass (the last pass may have fewer)
+    passes: int  # grid.y
+    slice_groups: int  # 128-k groups per K slice
+    n_slices: int  # K slices (1: no partial sums, the epilogue runs in the main kernel)
+    n_chunks: int  # blocks per slice and pass; grid.x = n_chunks * n_slices
+    smem: int  # dynamic shared memory bytes
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        return (self.n_chunks * self.n_slices, self.passes)
+
+    def workspace_floats(self, b: int, units: int) -> int:
+        """fp32 partial sums the plan writes: [n_slices, B, units, 2] (none with one slice)."""
+        return self.n_slices * b * units * 2 if self.n_slices > 1 else 0
+
+
+def splitk_traffic(b: int, k: int, units: int, n_slices: int, n_chunks: int) -> int:
+    """Bytes moved through L2 besides the weights: x staged by every block (each chunk stages all of K once
+    per pass), the partial sums written and read back, and the reduction's launch."""
+    x = n_chunks * b * k * 2
+    partials = 2 * n_slices * b * units * 2 * 4 + SPLITK_LAUNCH_BYTES if n_slices > 1 else 0
+    return x + partials
+
+
+def plan_splitk(b: int, k: int, units: int, sm_count: int) -> SplitPlan:
+    """Build, passes, K slices and chunks for B columns of a K-long GEMV of `units` 2-row units.
+
+    The blocks resident at once (SPLITK_BLOCKS_PER_SM x SMs, shared by the passes) are n_slices x n_chunks:
+    x traffic falls with more slices (fewer chunks each stage x), partial-sum traffic rises; the plan
+    takes the slice count with the least of both (splitk_traffic) among those whose slice fits in shared
+    memory, the slices being equal (the last possibly shorter)."""
+    if b < 1 or k % GROUP or units < 1 or sm_count < 1:
+        raise KernelError(f"plan_splitk: bad shape B={b} K={k} units={units} SMs={sm_count}")
+    groups = k // GROUP
+    tiles = -(-units // 8)
+    build = next((c for c in SPLITK_BUILDS if c >= b), SPLITK_BUILDS[-1])
+    passes = -(-b // build)
+    pass_cols = -(-b // passes)
+    budget = SPLITK_X_BUDGET[build]
+    fit = max(1, (budget // (2 * pass_cols) - X_PAD) // GROUP)  # groups of one slice that fit
+    blocks = max(1, sm_count * SPLITK_BLOCKS_PER_SM[build] // passes)
+    best = None
+    for want in range(-(-groups // fit), groups + 1):
+        slice_groups = -(-groups // want)
+        n_slices = -(-groups // slice_groups)
+        cap = max(1, min(tiles, blocks // n_slices))
+        n_chunks = -(-tiles // -(-tiles // cap))  # every chunk the same number of tiles (or one fewer)
+        cost = splitk_traffic(b, k, units, n_slices, n_chunks)
+        if best is None or cost < best[0]:
+            best = (cost, slice_groups, n_slices, n_chunks)
+    _, slice_groups, n_slices, n_chunks = best
+    return SplitPlan(build, pass_cols, passes, slice_groups, n_slices, n_chunks, _x_bytes(pass_cols, slice_groups))
 
 
 class GemvKernels:
