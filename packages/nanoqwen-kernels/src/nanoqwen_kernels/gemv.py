@@ -106,6 +106,7 @@ SPLITK_X_BUDGET = {8: 88 * 1024, 32: 88 * 1024, 64: 180 * 1024}
 SPLITK_BLOCKS_PER_SM = {8: 2, 32: 2, 64: 1}
 # the cost of one more launch (the reduction) in L2 bytes moved: ~1.5 us at ~3 TB/s
 SPLITK_LAUNCH_BYTES = 4 << 20
+SPLITK_MAX_PRESIZED = 64  # columns the split-K buffers are sized for at construction (the largest bucket)
 
 
 @dataclass(frozen=True)
@@ -187,6 +188,65 @@ class GemvKernels:
         }
         self._fp16 = f.get_function("nq_gemv_fp16")
         self._fp16_mma = {c: f.get_function(f"nq_gemv_fp16_mma{c}", max_dynamic_smem=smem) for c in MMA_BUILDS}
+        self._splitk = variant in SPLITK_VARIANTS
+        if self._splitk:
+            self._sk = {
+                (kind, c): m.get_function(f"{name}_sk{c}", max_dynamic_smem=SPLITK_X_BUDGET[c])
+                for kind, name in names.items()
+                for c in SPLITK_BUILDS
+            }
+            red = {"h": "nq_gemv_int4_skred", "i": "nq_gemv_int4_skred"}
+            self._sk_red = {kind: m.get_function(red.get(kind, f"{name}_skred")) for kind, name in names.items()}
+            self._norm_cols = {dims.hidden: m.get_function("nq_norm_cols_h"),
+                               dims.intermediate: m.get_function("nq_norm_cols_i")}
+            self._ws = None  # fp32 partial sums, grown on demand (_workspace)
+            self._xn = None  # the normalised x, [rows, H or I] fp16
+            self._workspace(SPLITK_MAX_PRESIZED, dims.intermediate)  # the engine's buckets: no growth in a capture
+
+    # ---- the split-K build's buffers -----------------------------------------------------------------
+
+    def _splitk_units(self) -> dict[str, tuple[int, int]]:
+        d = self.dims
+        return {"h": ((d.hidden + 1) // 2, d.hidden), "i": ((d.hidden + 1) // 2, d.intermediate),
+                "qkv": (d.qkv_rows // 2, d.hidden), "gu": (d.intermediate, d.hidden)}
+
+    def _workspace(self, b: int, k: int):
+        """(ws, xn) large enough for any split-K GEMV of up to b columns. Allocated at construction for
+        SPLITK_MAX_PRESIZED columns (every engine bucket), so a graph capture never allocates; a larger
+        batch grows them (stream-ordered: earlier launches that used the old buffers hold them alive)."""
+        cp = ck.cupy_module()
+        floats = max(
+            plan_splitk(b, kk, units, ck.sm_count()).workspace_floats(b, units)
+            for units, kk in self._splitk_units().values()
+        )
+        if self._ws is None or self._ws.size < floats:
+            self._ws = cp.empty(max(floats, 2), dtype=np.float32)
+        if self._xn is None or self._xn.size < b * max(k, self.dims.hidden):
+            self._xn = cp.empty(b * max(self.dims.hidden, self.dims.intermediate), dtype=np.float16)
+        return self._ws, self._xn
+
+    def _launch_splitk(self, kind: str, units: int, k: int, b: int, w_args: tuple, x, norm_w, eps,
+                       epi_args: tuple) -> None:
+        """The split-K build: x normalised first when norm_w is given (nq_norm_cols_*), the main kernel,
+        and with more than one K slice the reduction + epilogue kernel."""
+        plan = plan_splitk(b, k, units, ck.sm_count())
+        ws, xn = self._workspace(b, k)
+        if norm_w is not None:
+            xn_b = xn[: b * k].reshape(b, k)
+            ck.launch(self._norm_cols[k], b, THREADS, (x, norm_w, eps, xn_b))
+            x = xn_b
+        ck.launch(
+            self._sk[(kind, plan.build)],
+            plan.grid,
+            THREADS,
+            (*w_args, x, *epi_args, np.int32(b), np.int32(plan.pass_cols), np.int32(plan.slice_groups),
+             np.int32(plan.n_slices), ws),
+            shared_mem=plan.smem,
+        )
+        if plan.n_slices > 1:
+            fn = self._sk_red[kind]
+            ck.launch(fn, ck.even_grid(fn, -(-(b * units) // THREADS), THREADS), THREADS,
+                      (ws, np.int32(b), np.int32(plan.n_slices), *epi_args))
 
     # ---- argument checks ---------------------------------------------------------------------------
 
@@ -262,7 +322,10 @@ class GemvKernels:
             np.int32(n),
         )
         units = (n + 1) // 2
-        if b == 1 and kind not in self._mma_at_b1:
+        if b > 1 and self._splitk:
+            epi = (residual if residual is not None else ck.NULL, out, np.int32(n))
+            self._launch_splitk(kind, units, k, b, (qweight, scales), x, norm_w, e, epi)
+        elif b == 1 and kind not in self._mma_at_b1:
             fn = self._half2[kind]
             ck.launch(fn, ck.even_grid(fn, -(-units // WARPS), THREADS), THREADS, args)
         else:
@@ -307,7 +370,10 @@ class GemvKernels:
             np.int32(n_pages),
             q_out,
         )
-        if b == 1 and "qkv" not in self._mma_at_b1:
+        if b > 1 and self._splitk:
+            self._launch_splitk("qkv", rows // 2, d.hidden, b, (qweight, scales), x, norm_w, e,
+                                (bias, *args[6:]))
+        elif b == 1 and "qkv" not in self._mma_at_b1:
             fn = self._half2["qkv"]
             ck.launch(fn, ck.even_grid(fn, -(-(rows // 2) // WARPS), THREADS), THREADS, args)
         else:
@@ -326,7 +392,9 @@ class GemvKernels:
         ck.check_array("out", out, np.float16, (*lead, d.intermediate))
         ck.check_distinct(x=x, out=out)
         args = (qweight, scales, x, norm_w if norm_w is not None else ck.NULL, e, out)
-        if b == 1 and "gu" not in self._mma_at_b1:
+        if b > 1 and self._splitk:
+            self._launch_splitk("gu", d.intermediate, d.hidden, b, (qweight, scales), x, norm_w, e, (out,))
+        elif b == 1 and "gu" not in self._mma_at_b1:
             fn = self._half2["gu"]
             ck.launch(fn, ck.even_grid(fn, -(-d.intermediate // WARPS), THREADS), THREADS, args)
         else:
