@@ -7,7 +7,11 @@ size serves every step.
 Which body runs:
   B = 1   the half2 loop or the tensor-core core, per matrix, as the GEMV variant says (below);
   B > 1   the tensor-core core: up to 32 columns (sequences) per pass over the weights, planned by
-          `plan_gemv` (passes, and the slices of K that x is staged in).
+          `plan_gemv` (passes, and the slices of K that x is staged in); or, in the "splitk" variant,
+          the INT4 GEMVs on the split-K build (gemv_mma.cuh gemv_mma_splitk, planned by `plan_splitk`):
+          each block stages one K slice of x for up to 64 columns once and runs many row tiles over it,
+          the slices' fp32 partial sums added in order by a second kernel that runs the epilogue. The
+          lm_head (gemv_fp16) keeps gemv_mma in every variant.
 """
 
 from __future__ import annotations
