@@ -455,6 +455,7 @@ def test_splitk_launches(launches, b):
     assert main[0] == f"nq_gemv_int4_i_sk{p.build}" and main[1] == p.grid
     assert [int(a) for a in main[2][-5:-1]] == [b, p.pass_cols, p.slice_groups, p.n_slices]
     assert main[2][3] is res and main[2][4] is res  # residual, out
+    assert main[2][-1].size >= p.workspace_floats(b, h // 2)
     if p.n_slices > 1:
         fn, _, args = launches[-1]
         assert fn == "nq_gemv_int4_skred" and args[0] is main[2][-1]
@@ -473,3 +474,21 @@ def test_splitk_launches(launches, b):
     g.gemv_int4(dev((h, h // 8), np.uint32), dev((h, h // 128), np.float16), dev((h,), np.float16),
                 dev((h,), np.float16))
     assert launches[-1][0] == "nq_gemv_int4_h"  # B = 1: the half2 loop, as "default"
+
+
+def test_splitk_buffers_grow_past_the_presized_batch(launches):
+    """B > 64: larger buffers, the old ones kept (a captured graph may still use them)."""
+    from nanoqwen_kernels.gemv import plan_splitk
+
+    d = TINY
+    g = GemvKernels(d, load, "splitk")
+    h, i = d.hidden, d.intermediate
+    first = g._ws
+    b = 200
+    out = dev((b, i), np.float16)
+    g.gate_up_silu(dev((2 * i, h // 8), np.uint32), dev((2 * i, h // 128), np.float16), dev((b, h), np.float16),
+                   dev((h,), np.float16), 1e-6, out)
+    p = plan_splitk(b, h, i, 132)
+    assert p.passes == -(-b // 64)
+    assert g._ws.size >= p.workspace_floats(b, i) and g._xn.size >= b * h
+    assert any(w is first for w, _ in g._retired)

@@ -16,6 +16,7 @@ Which body runs:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -142,6 +143,7 @@ def splitk_traffic(b: int, k: int, units: int, n_slices: int, n_chunks: int) -> 
     return x + partials
 
 
+@functools.cache  # a pure function of its integers, asked at every launch
 def plan_splitk(b: int, k: int, units: int, sm_count: int) -> SplitPlan:
     """Build, passes, K slices and chunks for B columns of a K-long GEMV of `units` 2-row units.
 
@@ -205,7 +207,9 @@ class GemvKernels:
                                dims.intermediate: m.get_function("nq_norm_cols_i")}
             self._ws = None  # fp32 partial sums, grown on demand (_workspace)
             self._xn = None  # the normalised x, [rows, H or I] fp16
-            self._workspace(SPLITK_MAX_PRESIZED, dims.intermediate)  # the engine's buckets: no growth in a capture
+            self._ws_cols = 0  # the columns both are sized for
+            self._retired: list = []  # buffers replaced by larger ones, kept for the graphs that use them
+            self._workspace(SPLITK_MAX_PRESIZED)  # the engine's buckets: no growth in a capture
 
     # ---- the split-K build's buffers -----------------------------------------------------------------
 
@@ -214,19 +218,23 @@ class GemvKernels:
         return {"h": ((d.hidden + 1) // 2, d.hidden), "i": ((d.hidden + 1) // 2, d.intermediate),
                 "qkv": (d.qkv_rows // 2, d.hidden), "gu": (d.intermediate, d.hidden)}
 
-    def _workspace(self, b: int, k: int):
+    def _workspace(self, b: int):
         """(ws, xn) large enough for any split-K GEMV of up to b columns. Allocated at construction for
         SPLITK_MAX_PRESIZED columns (every engine bucket), so a graph capture never allocates; a larger
-        batch grows them (stream-ordered: earlier launches that used the old buffers hold them alive)."""
+        batch grows them, and the old ones are kept (a captured graph may still use them)."""
+        if b <= self._ws_cols:
+            return self._ws, self._xn
         cp = ck.cupy_module()
-        floats = max(
-            plan_splitk(b, kk, units, ck.sm_count()).workspace_floats(b, units)
+        floats = max(  # every batch up to b: a smaller one may cut K in more slices
+            plan_splitk(bb, kk, units, ck.sm_count()).workspace_floats(bb, units)
+            for bb in range(1, b + 1)
             for units, kk in self._splitk_units().values()
         )
-        if self._ws is None or self._ws.size < floats:
-            self._ws = cp.empty(max(floats, 2), dtype=np.float32)
-        if self._xn is None or self._xn.size < b * max(k, self.dims.hidden):
-            self._xn = cp.empty(b * max(self.dims.hidden, self.dims.intermediate), dtype=np.float16)
+        if self._ws is not None:
+            self._retired.append((self._ws, self._xn))
+        self._ws = cp.empty(max(floats, 2), dtype=np.float32)
+        self._xn = cp.empty(b * max(self.dims.hidden, self.dims.intermediate), dtype=np.float16)
+        self._ws_cols = b
         return self._ws, self._xn
 
     def _launch_splitk(self, kind: str, units: int, k: int, b: int, w_args: tuple, x, norm_w, eps,
@@ -234,7 +242,7 @@ class GemvKernels:
         """The split-K build: x normalised first when norm_w is given (nq_norm_cols_*), the main kernel,
         and with more than one K slice the reduction + epilogue kernel."""
         plan = plan_splitk(b, k, units, ck.sm_count())
-        ws, xn = self._workspace(b, k)
+        ws, xn = self._workspace(b)
         if norm_w is not None:
             xn_b = xn[: b * k].reshape(b, k)
             ck.launch(self._norm_cols[k], b, THREADS, (x, norm_w, eps, xn_b))
