@@ -440,7 +440,7 @@ def test_splitk_plan_cuts_x_traffic_at_7b():
 
 @pytest.mark.parametrize("b", [2, 9, 33, 64])
 def test_splitk_launches(launches, b):
-    """The splitk variant at B > 1: RMSNorm of x first when normed, the main kernel with the plan's grid,
+    """The splitk variant at B > 1: RMSNorm of x first when normed and K is sliced, the main kernel with the plan's grid,
     the reduction with the same workspace when K is sliced; B = 1 stays on the default bodies."""
     from nanoqwen_kernels.gemv import plan_splitk
 
@@ -454,7 +454,7 @@ def test_splitk_launches(launches, b):
     main = launches[-2] if p.n_slices > 1 else launches[-1]
     assert main[0] == f"nq_gemv_int4_i_sk{p.build}" and main[1] == p.grid
     assert [int(a) for a in main[2][-5:-1]] == [b, p.pass_cols, p.slice_groups, p.n_slices]
-    assert main[2][3] is res and main[2][4] is res  # residual, out
+    assert int(main[2][3]) == 0 and main[2][5] is res and main[2][6] is res  # no norm; residual, out
     assert main[2][-1].size >= p.workspace_floats(b, h // 2)
     if p.n_slices > 1:
         fn, _, args = launches[-1]
@@ -462,15 +462,20 @@ def test_splitk_launches(launches, b):
         assert [int(a) for a in args[1:3]] == [b, p.n_slices] and args[3] is res and int(args[5]) == h
     n0 = len(launches)
     out = dev((b, i), np.float16)
-    g.gate_up_silu(dev((2 * i, h // 8), np.uint32), dev((2 * i, h // 128), np.float16), dev((b, h), np.float16),
-                   dev((h,), np.float16), 1e-6, out)
+    x, norm_w = dev((b, h), np.float16), dev((h,), np.float16)
+    g.gate_up_silu(dev((2 * i, h // 8), np.uint32), dev((2 * i, h // 128), np.float16), x, norm_w, 1e-6, out)
     names = [c[0] for c in launches[n0:]]
     p = plan_splitk(b, h, i, 132)
-    want = ["nq_norm_cols_h", f"nq_gate_up_silu_sk{p.build}"] + (["nq_gate_up_silu_skred"] if p.n_slices > 1 else [])
+    sliced = p.n_slices > 1
+    want = ["nq_norm_cols_h"] * sliced + [f"nq_gate_up_silu_sk{p.build}"] + ["nq_gate_up_silu_skred"] * sliced
     assert names == want
-    norm, main = launches[n0], launches[n0 + 1]
-    assert norm[1] == b and main[2][2] is norm[2][3]  # the main kernel reads the normalised x
-    assert main[2][3] is out
+    main = launches[n0 + sliced]
+    if sliced:  # x normalised first; the main kernel reads it with no norm of its own
+        norm = launches[n0]
+        assert norm[1] == b and norm[2][0] is x and main[2][2] is norm[2][3] and int(main[2][3]) == 0
+    else:  # each block normalises while it stages
+        assert main[2][2] is x and main[2][3] is norm_w
+    assert main[2][5] is out
     g.gemv_int4(dev((h, h // 8), np.uint32), dev((h, h // 128), np.float16), dev((h,), np.float16),
                 dev((h,), np.float16))
     assert launches[-1][0] == "nq_gemv_int4_h"  # B = 1: the half2 loop, as "default"

@@ -239,19 +239,19 @@ class GemvKernels:
 
     def _launch_splitk(self, kind: str, units: int, k: int, b: int, w_args: tuple, x, norm_w, eps,
                        epi_args: tuple) -> None:
-        """The split-K build: x normalised first when norm_w is given (nq_norm_cols_*), the main kernel,
-        and with more than one K slice the reduction + epilogue kernel."""
+        """The split-K build: with a norm and K in slices, x normalised first (nq_norm_cols_*); the main
+        kernel; with K in slices, the reduction + epilogue kernel."""
         plan = plan_splitk(b, k, units, ck.sm_count())
         ws, xn = self._workspace(b)
-        if norm_w is not None:
+        if norm_w is not None and plan.n_slices > 1:  # one slice: each block normalises as it stages
             xn_b = xn[: b * k].reshape(b, k)
             ck.launch(self._norm_cols[k], b, THREADS, (x, norm_w, eps, xn_b))
-            x = xn_b
+            x, norm_w = xn_b, None
         ck.launch(
             self._sk[(kind, plan.build)],
             plan.grid,
             THREADS,
-            (*w_args, x, *epi_args, np.int32(b), np.int32(plan.pass_cols), np.int32(plan.slice_groups),
+            (*w_args, x, norm_w if norm_w is not None else ck.NULL, eps, *epi_args, np.int32(b), np.int32(plan.pass_cols), np.int32(plan.slice_groups),
              np.int32(plan.n_slices), ws),
             shared_mem=plan.smem,
         )

@@ -325,9 +325,13 @@ __device__ __forceinline__ void gemv_mma(const W& wsrc, const uint16_t* __restri
 //   splitk_reduce (its own launch, after this one on the stream) adds the slices in order s = 0, 1, ...
 //   and runs the epilogue. Every sum's order is fixed by (slice, warp, group): deterministic, and the
 //   same as gemv_mma's except that slices are added last.
-// x is plain (the launcher normalises it first, nq_norm_cols: the same bits gemv_mma's staging makes).
+// RMSNorm: with norm_w given, the block normalises x as gemv_mma does (column_rms over all of K, then
+// rms_apply8 while staging): the launcher asks for that only with one slice, where each block stages all
+// of K anyway. With several slices the launcher normalises x first (nq_norm_cols: the same bits), since
+// every block would otherwise read all of x for the factor.
 template <int K, int NT, class W, class Map, class Epi>
-__device__ __forceinline__ void gemv_mma_splitk(const W& wsrc, const uint16_t* __restrict__ x, int units,
+__device__ __forceinline__ void gemv_mma_splitk(const W& wsrc, const uint16_t* __restrict__ x,
+                                                const uint16_t* __restrict__ norm_w, float eps, int units,
                                                 int n_cols, int pass_cols, int slice_groups, int n_slices,
                                                 float* __restrict__ ws, const Map& map, const Epi& epi) {
   constexpr int kCols = 8 * NT;
@@ -335,6 +339,8 @@ __device__ __forceinline__ void gemv_mma_splitk(const W& wsrc, const uint16_t* _
   constexpr int kIF = W::in_flight(NT);
   extern __shared__ uint4 xs[];                // [ncols][slice_k + kXPad] fp16, swizzled chunks
   __shared__ float part[kWarps][8][2][kCols];  // per warp: unit, row (r0 / r1), column
+  __shared__ float red[kWarps][kCols];
+  __shared__ float rs[kCols];
   const int col0 = blockIdx.y * pass_cols;
   const int ncols = min(pass_cols, n_cols - col0);
   const uint16_t* xp = x + static_cast<size_t>(col0) * K;
@@ -346,7 +352,11 @@ __device__ __forceinline__ void gemv_mma_splitk(const W& wsrc, const uint16_t* _
   const int g_lo = s * slice_groups, g_hi = min(kG, g_lo + slice_groups);
   const int n_i = (g_hi - g_lo - warp + kWarps - 1) / kWarps;  // this warp's groups in the slice (>= 0)
 
-  stage_slice<K>(xp, nullptr, nullptr, ncols, s, slice_k, xs);
+  if (norm_w != nullptr) {  // block-uniform
+    column_rms<K, kCols>(xp, ncols, eps, rs, red);
+    __syncthreads();  // rs visible
+  }
+  stage_slice<K>(xp, norm_w, rs, ncols, s, slice_k, xs);
   __syncthreads();  // xs complete; it is never written again
   const int tiles = (units + 7) / 8;
   // block-uniform loop (t depends on the block only): the barriers inside are reached by every thread
