@@ -34,7 +34,8 @@
 //   Columns past the batch read zeros (a select, no shared-memory access) and are never written out.
 //
 // Tested: tests/test_gemv_mma_mapping.py emulates this lane mapping, the swizzle and the mma fragments
-//   in numpy (CPU); tests/test_gemv_gpu.py runs every entry against numpy for B = 1 .. 64.
+//   in numpy (CPU), and the split-K grid below (gemv_mma_splitk, splitk_reduce) block by block;
+//   tests/test_gemv_gpu.py runs every entry against numpy for B = 1 .. 64.
 #pragma once
 #include "mma.cuh"
 
