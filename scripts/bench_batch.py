@@ -18,6 +18,9 @@ read of the sampled ids, i.e. what a caller of the backend sees.
 
     python3 scripts/bench_batch.py MODEL.nanoqwen [--batch 1,8,32,64] [--prompt 128] [--gen 256] [--json out.json]
 
+The INT4 GEMV variant is the engine's: $NANOQWEN_GEMV_VARIANT (nanoqwen_kernels.gemv.GEMV_VARIANTS, e.g.
+NANOQWEN_GEMV_VARIANT=splitk), printed in the header and recorded in the JSON.
+
 Needs a GPU (CuPy). Run by scripts/gpu_all.sh (section `batchbench`, on the 7B-shaped synthetic model).
 """
 
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -94,7 +98,9 @@ def main() -> int:
     greedy = SamplingParams(temperature=0.0).resolve({})
     rng = np.random.default_rng(0)
     results = []
-    print(f"batched decode, {be.info.get('device')}, prompt {args.prompt} + {args.gen} generated, greedy")
+    variant = os.environ.get("NANOQWEN_GEMV_VARIANT") or "default"
+    print(f"batched decode, {be.info.get('device')}, prompt {args.prompt} + {args.gen} generated, greedy, "
+          f"GEMV variant {variant}")
     print(f"{'B':>3s} {'decode tok/s':>12s} {'e2e tok/s':>10s} {'step ms p50':>11s} {'itl p99 ms':>10s} "
           f"{'ttft p50 ms':>11s} {'ttft max ms':>11s}  target")
     for B in batches:
@@ -108,7 +114,7 @@ def main() -> int:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
         with open(args.json, "w") as f:
             json.dump({"gpu_name": be.info.get("device"), "date": time.strftime("%Y-%m-%d"), "model": args.model,
-                       "commit": commit or None, "load_s": load_s, "max_batch": be.info.get("max_batch"),
+                       "commit": commit or None, "gemv_variant": variant, "load_s": load_s, "max_batch": be.info.get("max_batch"),
                        "graph_kernel_nodes": {k: v for k, v in be.info.items() if k.startswith("graph_kernel")},
                        "results": results}, f, indent=2)
     return 0

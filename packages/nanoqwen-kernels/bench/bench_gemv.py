@@ -2,7 +2,7 @@
 bandwidth, with cuBLAS (cupy.matmul, fp16 out) as the lm_head's peer.
 
     PYTHONPATH=packages/nanoqwen-kernels/src python packages/nanoqwen-kernels/bench/bench_gemv.py \\
-        --batch 1,8,32,64 [--dims 7b] [--sweep] [--json out.json]
+        --batch 1,8,32,64 [--dims 7b] [--variant default,splitk] [--sweep] [--json out.json]
 
 Method: each kernel is launched PER_GRAPH times inside one captured CUDA graph, cycling through enough
 copies of its weights that the bytes between two reads of the same copy exceed the L2 (so every launch
@@ -75,7 +75,9 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--json", help="also write the rows here")
     ap.add_argument("--no-peer", action="store_true", help="skip the cuBLAS lm_head peer")
-    ap.add_argument("--sweep", action="store_true", help="B = 1 on every GEMV variant, not just the default")
+    ap.add_argument("--variant", default=None,
+                    help="comma-separated GEMV variants to time at every B (default: the default variant)")
+    ap.add_argument("--sweep", action="store_true", help="B = 1 on every GEMV variant, not just --variant")
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batch.split(",")]
 
@@ -89,7 +91,13 @@ def main(argv=None) -> int:
         print(f"bench_gemv: no usable GPU ({why})", file=sys.stderr)
         return 2
     D = PRESETS[args.dims]
-    variants = sorted(GEMV_VARIANTS) if args.sweep else [DEFAULT_GEMV_VARIANT]
+    chosen = args.variant.split(",") if args.variant else [DEFAULT_GEMV_VARIANT]
+    unknown = [v for v in chosen if v not in GEMV_VARIANTS]
+    if unknown:
+        print(f"bench_gemv: unknown variant(s) {', '.join(unknown)}; one of {', '.join(GEMV_VARIANTS)}",
+              file=sys.stderr)
+        return 2
+    variants = sorted(set(chosen) | (set(GEMV_VARIANTS) if args.sweep else set()))
     kern = {v: GemvKernels(D, lambda s, defs: loader.load_module(s, defs), v) for v in variants}
     rng = np.random.default_rng(0)
     H, inter, eps = D.hidden, D.intermediate, 1e-6
@@ -132,7 +140,7 @@ def main(argv=None) -> int:
         pt = cp.asarray(np.arange(b * max_pages, dtype=np.int32).reshape(b, max_pages) % (64 * b))
         kc = cp.zeros((1, 64 * b, D.n_kv_heads, 16, 128), dtype=np.float16)
         vc = cp.zeros_like(kc)
-        for variant in variants if b == 1 else [DEFAULT_GEMV_VARIANT]:
+        for variant in variants if b == 1 else chosen:
             g = kern[variant]
             for n, k, what in [(H, H, "o_proj+residual"), (H, inter, "down+residual")]:
                 qw, sc, one = int4_set(n, k)
@@ -165,12 +173,13 @@ def main(argv=None) -> int:
               f"{r['gbs']:7.0f} {r['pct']:6.1f} {r['mode']}")
     steps = []
     for b in batches:
-        mine = [r for r in rows if r["batch"] == b and r["variant"] == DEFAULT_GEMV_VARIANT]
-        layer = sum(r["us"] for r in mine if r["part"] == "layer")
-        step = D.n_layers * layer + sum(r["us"] for r in mine if r["part"] == "head")
-        steps.append(dict(batch=b, step_us=step, tok_s=b / step * 1e6))
-        print(f"step GEMVs at B={b:3d}: {step:8.1f} us ({D.n_layers} layers x {layer:.1f} us + lm_head) "
-              f"-> {b / step * 1e6:9.0f} tok/s bound from the GEMVs alone")
+        for variant in chosen:
+            mine = [r for r in rows if r["batch"] == b and r["variant"] == variant]
+            layer = sum(r["us"] for r in mine if r["part"] == "layer")
+            step = D.n_layers * layer + sum(r["us"] for r in mine if r["part"] == "head")
+            steps.append(dict(batch=b, variant=variant, step_us=step, tok_s=b / step * 1e6))
+            print(f"step GEMVs at B={b:3d} {variant:>8s}: {step:8.1f} us ({D.n_layers} layers x {layer:.1f} us "
+                  f"+ lm_head) -> {b / step * 1e6:9.0f} tok/s bound from the GEMVs alone")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=dev, dims=args.dims, rows=rows, steps=steps), f, indent=1)

@@ -5,7 +5,8 @@
 # summary last. $NANOQWEN_TEST_KERNEL_CACHE may name a cache of cubins compiled beforehand with the
 # device's NVRTC version (no compile on the device then). Each step's limit: TEST_S, SAN_S, RACE_S,
 # BENCH_S (seconds); the GPU test files in $TESTS (default: every kernels test), extra pytest arguments in
-# $TEST_ARGS, pytest-xdist workers in $WORKERS, the benchmark's batch sizes in $BATCHES.
+# $TEST_ARGS, pytest-xdist workers in $WORKERS, the benchmark's batch sizes in $BATCHES and its GEMV
+# variants (every B) in $VARIANTS (default: the default variant; e.g. VARIANTS=default,splitk).
 #   bash packages/nanoqwen-kernels/bench/gpu_kernels.sh
 set -u -o pipefail
 cd "$(dirname "$0")/../../.."
@@ -24,6 +25,7 @@ timeout ${TEST_S:-240} $PY -m pytest $TESTS -m gpu -q -p no:cacheprovider -n ${W
   | tee "$OUT/gpu_tests.log" | tail -40
 tests_rc=$?
 timeout ${BENCH_S:-120} $PY packages/nanoqwen-kernels/bench/bench_gemv.py --batch ${BATCHES:-1,8,32,64} --sweep \
+  --variant ${VARIANTS:-default} \
   --json "$OUT/bench_gemv.json" 2>&1 | tee "$OUT/bench_gemv.log"
 bench_rc=$?
 SAN_TESTS="$T/test_gemv_gpu.py $T/test_norm_embed_gpu.py"

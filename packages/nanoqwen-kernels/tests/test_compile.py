@@ -70,15 +70,22 @@ GEMV_KINDS = ("nq_gemv_int4_h", "nq_gemv_int4_i", "nq_qkv_rope_kv", "nq_gate_up_
 
 @pytest.mark.parametrize("dims_name", ["7b", "1.5b"])
 def test_gemv_int4_sass(dims_name):
-    """Every INT4 GEMV entry: the half2 loop (B = 1) and the tensor-core builds for 8 and 32 columns."""
+    """Every INT4 GEMV entry: the half2 loop (B = 1), the tensor-core builds for 8 and 32 columns, the
+    split-K builds for 8, 32 and 64 columns with their reductions and the split-K build's RMSNorm."""
     funcs = _functions(_sass("gemv_int4.cu", DIMS[dims_name]))
-    assert set(funcs) == {f"{k}{suffix}" for k in GEMV_KINDS for suffix in ("", "_mma8", "_mma32")}
-    for name, body in funcs.items():
+    gemvs = {f"{k}{suffix}" for k in GEMV_KINDS for suffix in ("", "_mma8", "_mma32", "_sk8", "_sk32", "_sk64")}
+    helpers = {"nq_gemv_int4_skred", "nq_qkv_rope_kv_skred", "nq_gate_up_silu_skred", "nq_norm_cols_h",
+               "nq_norm_cols_i"}
+    assert set(funcs) == gemvs | helpers
+    for name in helpers:
+        if not name.startswith("nq_qkv_rope_kv"):  # sincosf's slow path: see below
+            assert "STL" not in funcs[name] and "LDL" not in funcs[name], f"{name}: local-memory spill"
+    for name, body in ((n, funcs[n]) for n in gemvs):
         # the ValueShuffle unpack is byte permutes, not shift-and-mask per nibble
         assert body.count("PRMT") >= 16, f"{name}: expected the prmt unpack"
         # weights: 16-byte non-coherent loads that do not allocate in L1
         assert "LDG.E.NA" in body and ".128" in body, f"{name}: expected 16-byte no-allocate weight loads"
-        if "_mma" in name:
+        if "_mma" in name or "_sk" in name:
             assert "HMMA.16816.F32" in body, f"{name}: expected the tensor-core dot product"
             assert "LDGSTS" in body, f"{name}: expected cp.async staging of x"
         # no register spills. The q/k/v entries are exempt: sincosf's slow-path argument reduction keeps a

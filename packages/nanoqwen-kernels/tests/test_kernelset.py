@@ -37,7 +37,7 @@ def _batch1_kernels(variant, monkeypatch) -> dict[str, str]:
     monkeypatch.setattr(checks, "launch", lambda fn, grid, block, args, shared_mem=0: calls.append(fn))
     monkeypatch.setattr(checks, "even_grid", lambda fn, units, threads, shared_mem=0, copies=1: 1)
     monkeypatch.setattr(checks, "sm_count", lambda device_id=None: 132)
-    monkeypatch.setattr(checks, "cupy_module", lambda: SimpleNamespace())
+    monkeypatch.setattr(checks, "cupy_module", lambda: SimpleNamespace(empty=np.empty))
     d = TINY
     g = GemvKernels(d, lambda sources, defines: _Module(), variant)
     h, i = d.hidden, d.intermediate

@@ -476,3 +476,94 @@ def test_gemv_plan_invariants(k, tiles):
         assert p.passes * p.pass_cols >= b > (p.passes - 1) * p.pass_cols  # every pass has columns
         assert p.smem <= X_SMEM_BUDGET
         assert p.slice_groups == k // 128 or p.slice_groups % 8 == 0  # sliced: the same sums' order
+
+
+@pytest.mark.parametrize("k", [256, 1536, 3584, 8960, 18944])
+@pytest.mark.parametrize("units", [1, 150, 1792, 2304, 18944])
+def test_splitk_plan_invariants(k, units):
+    from nanoqwen_kernels.gemv import SPLITK_BLOCKS_PER_SM, SPLITK_BUILDS, SPLITK_X_BUDGET, plan_splitk
+
+    groups, tiles = k // 128, -(-units // 8)
+    for b in range(1, 65):
+        p = plan_splitk(b, k, units, 132)
+        assert p.build in SPLITK_BUILDS and p.pass_cols <= p.build
+        assert p.passes * p.pass_cols >= b > (p.passes - 1) * p.pass_cols  # every pass has columns
+        assert p.smem <= SPLITK_X_BUDGET[p.build]
+        # the slices cover K exactly, none empty
+        assert (p.n_slices - 1) * p.slice_groups < groups <= p.n_slices * p.slice_groups
+        assert 1 <= p.n_chunks <= tiles
+        # the grid is resident at once (persistent blocks), unless one chunk per slice already exceeds it
+        assert p.n_chunks * p.n_slices * p.passes <= max(132 * SPLITK_BLOCKS_PER_SM[p.build], p.n_slices * p.passes)
+        assert p.workspace_floats(b, units) == (p.n_slices * b * units * 2 if p.n_slices > 1 else 0)
+
+
+def test_splitk_plan_cuts_x_traffic_at_7b():
+    """The 7B's down_proj at B = 32: x read from L2 once per chunk, not once per 16-row tile."""
+    from nanoqwen_kernels.gemv import plan_splitk, splitk_traffic
+
+    i, units = QWEN25_7B.intermediate, QWEN25_7B.hidden // 2
+    p = plan_splitk(32, i, units, 132)
+    assert p.n_slices > 1 and p.passes == 1
+    per_tile = (units // 8) * 32 * i * 2  # gemv_mma restaging x per tile
+    assert splitk_traffic(32, i, units, p.n_slices, p.n_chunks) < per_tile / 4
+
+
+@pytest.mark.parametrize("b", [2, 9, 33, 64])
+def test_splitk_launches(launches, b):
+    """The splitk variant at B > 1: RMSNorm of x first when normed and K is sliced, the main kernel with the plan's grid,
+    the reduction with the same workspace when K is sliced; B = 1 stays on the default bodies."""
+    from nanoqwen_kernels.gemv import plan_splitk
+
+    d = QWEN25_7B
+    g = GemvKernels(d, load, "splitk")
+    h, i = d.hidden, d.intermediate
+    res = dev((b, h), np.float16)
+    g.gemv_int4(dev((h, i // 8), np.uint32), dev((h, i // 128), np.float16), dev((b, i), np.float16), res,
+                residual=res)
+    p = plan_splitk(b, i, h // 2, 132)
+    main = launches[-2] if p.n_slices > 1 else launches[-1]
+    assert main[0] == f"nq_gemv_int4_i_sk{p.build}" and main[1] == p.grid
+    assert [int(a) for a in main[2][-5:-1]] == [b, p.pass_cols, p.slice_groups, p.n_slices]
+    assert int(main[2][3]) == 0 and main[2][5] is res and main[2][6] is res  # no norm; residual, out
+    assert main[2][-1].size >= p.workspace_floats(b, h // 2)
+    if p.n_slices > 1:
+        fn, _, args = launches[-1]
+        assert fn == "nq_gemv_int4_skred" and args[0] is main[2][-1]
+        assert [int(a) for a in args[1:3]] == [b, p.n_slices] and args[3] is res and int(args[5]) == h
+    n0 = len(launches)
+    out = dev((b, i), np.float16)
+    x, norm_w = dev((b, h), np.float16), dev((h,), np.float16)
+    g.gate_up_silu(dev((2 * i, h // 8), np.uint32), dev((2 * i, h // 128), np.float16), x, norm_w, 1e-6, out)
+    names = [c[0] for c in launches[n0:]]
+    p = plan_splitk(b, h, i, 132)
+    sliced = p.n_slices > 1
+    want = ["nq_norm_cols_h"] * sliced + [f"nq_gate_up_silu_sk{p.build}"] + ["nq_gate_up_silu_skred"] * sliced
+    assert names == want
+    main = launches[n0 + sliced]
+    if sliced:  # x normalised first; the main kernel reads it with no norm of its own
+        norm = launches[n0]
+        assert norm[1] == b and norm[2][0] is x and main[2][2] is norm[2][3] and int(main[2][3]) == 0
+    else:  # each block normalises while it stages
+        assert main[2][2] is x and main[2][3] is norm_w
+    assert main[2][5] is out
+    g.gemv_int4(dev((h, h // 8), np.uint32), dev((h, h // 128), np.float16), dev((h,), np.float16),
+                dev((h,), np.float16))
+    assert launches[-1][0] == "nq_gemv_int4_h"  # B = 1: the half2 loop, as "default"
+
+
+def test_splitk_buffers_grow_past_the_presized_batch(launches):
+    """B > 64: larger buffers, the old ones kept (a captured graph may still use them)."""
+    from nanoqwen_kernels.gemv import plan_splitk
+
+    d = TINY
+    g = GemvKernels(d, load, "splitk")
+    h, i = d.hidden, d.intermediate
+    first = g._ws
+    b = 200
+    out = dev((b, i), np.float16)
+    g.gate_up_silu(dev((2 * i, h // 8), np.uint32), dev((2 * i, h // 128), np.float16), dev((b, h), np.float16),
+                   dev((h,), np.float16), 1e-6, out)
+    p = plan_splitk(b, h, i, 132)
+    assert p.passes == -(-b // 64)
+    assert g._ws.size >= p.workspace_floats(b, i) and g._xn.size >= b * h
+    assert any(w is first for w, _ in g._retired)
