@@ -115,7 +115,12 @@ class _ErrorStats:
 
 
 def convert(src, dst, progress: bool = True) -> dict:
-    """Convert; returns {"path", "bytes", "quantization_error": {kind: {max_abs, mean_abs, ...}}}."""
+    """Convert; returns {"path", "bytes", "quantization_error": {kind: {max_abs, mean_abs, ...}}}.
+
+    src: a Hugging Face folder or hub id, or a GGUF file (gguf_import.py)."""
+    from .gguf_import import convert_gguf, is_gguf
+    if is_gguf(src):
+        return convert_gguf(src, dst, progress)
     folder, prov = resolve_source(src)
     hf_config = _read_json(folder / "config.json")
     config = model_config(hf_config)
