@@ -23,7 +23,8 @@ def _fail(e: NanoqwenFormatError):
 @click.option("--force", is_flag=True, help="overwrite OUT if it exists")
 @click.option("--quiet", is_flag=True, help="no progress bar or error table")
 def convert_command(src: str, out: Path, force: bool, quiet: bool):
-    """Convert SRC (a Hugging Face Qwen2ForCausalLM folder or hub id) to one .nanoqwen file."""
+    """Convert SRC (a Hugging Face Qwen2ForCausalLM folder or hub id, or a qwen2 .gguf file) to one .nanoqwen
+    file."""
     from .converter import convert
     if out.exists() and not force:
         raise click.ClickException(f"{out} exists (use --force to overwrite)")
@@ -75,6 +76,9 @@ def inspect_command(file: Path, as_json: bool, verify: bool):
     prov = head["provenance"]
     click.echo(f"  provenance {prov.get('source', '?')} by {prov.get('converter', '?')}"
                + (f" at {prov['created']}" if "created" in prov else ""))
+    if prov.get("source_format") == "gguf":
+        types = ", ".join(f"{k} x{n}" for k, n in (prov.get("gguf") or {}).get("tensor_types", {}).items())
+        click.echo(f"  source     GGUF ({types}): weights quantized twice, by the GGUF's types and then INT4")
     for kind, e in (prov.get("quantization_error") or {}).items():
         click.echo(f"    {kind:<10} |w - w'| max {e['max_abs']:.3e} mean {e['mean_abs']:.3e}")
 
@@ -90,7 +94,8 @@ class _ConvertGroup(click.Group):
 
 @click.group(cls=_ConvertGroup, context_settings={"help_option_names": ["-h", "--help"]})
 def main():
-    """Convert a Hugging Face Qwen2 model to .nanoqwen (SRC -o OUT), or inspect a .nanoqwen file."""
+    """Convert a Hugging Face Qwen2 model or a qwen2 GGUF to .nanoqwen (SRC -o OUT), or inspect a .nanoqwen
+    file."""
 
 
 main.add_command(convert_command)
