@@ -16,7 +16,7 @@ import numpy as np
 
 from .errors import NanoqwenFormatError
 from .layout import PROJECTION_KINDS, expected_tensors, source_tensors, validate_config
-from .quantize import dequantize_int4, quantize_int4
+from .quantize import DEFAULT_METHOD, METHODS, dequantize_int4, quantize_int4
 from .safetensors_io import SafetensorsFile
 from .valueshuffle import pack_valueshuffle
 from .writer import NanoqwenWriter
@@ -114,9 +114,15 @@ class _ErrorStats:
                     "mean_abs_weight": self.abs[k] / self.n[k]} for k in PROJECTION_KINDS if k in self.n}
 
 
-def convert(src, dst, progress: bool = True) -> dict:
-    """Convert; returns {"path", "bytes", "quantization_error": {kind: {max_abs, mean_abs, ...}}}."""
+def convert(src, dst, progress: bool = True, quantizer: str = DEFAULT_METHOD) -> dict:
+    """Convert; returns {"path", "bytes", "quantization_error": {kind: {max_abs, mean_abs, ...}}}.
+
+    quantizer: the INT4 encoder (quantize.METHODS); every one writes the same format.
+    """
+    if quantizer not in METHODS:
+        raise NanoqwenFormatError(f"unknown quantizer {quantizer!r} (one of {', '.join(METHODS)})")
     folder, prov = resolve_source(src)
+    prov = {**prov, "quantizer": quantizer}
     hf_config = _read_json(folder / "config.json")
     config = model_config(hf_config)
     tok_path = folder / "tokenizer.json"
@@ -172,7 +178,8 @@ def _convert(config, where, dst, progress, prov, tokenizer_json, tokenizer_confi
                 if s.quantized:
                     scales = []
                     pre = s.hf_name.removesuffix(".weight")
-                    w.write_tensor(f"{pre}.qweight", _quantized(f, s, bounds, scales, stats, bar))
+                    w.write_tensor(f"{pre}.qweight", _quantized(f, s, bounds, scales, stats, bar,
+                                                                prov["quantizer"]))
                     w.write_tensor(f"{pre}.scales", scales)
                 else:
                     w.write_tensor(s.hf_name, _float16(f, s, bounds, bar))
@@ -186,10 +193,10 @@ def _convert(config, where, dst, progress, prov, tokenizer_json, tokenizer_confi
     return summary
 
 
-def _quantized(f, s, bounds, scales_out, stats, bar):
+def _quantized(f, s, bounds, scales_out, stats, bar, quantizer):
     for r0, r1 in bounds:
         w = f.read_rows(s.hf_name, r0, r1)  # float32 [rows, K]
-        u, scales = quantize_int4(w)
+        u, scales = quantize_int4(w, quantizer)
         stats.add(s.kind, w, u, scales)
         scales_out.append(scales)
         yield pack_valueshuffle(u)
