@@ -25,6 +25,7 @@ COMMANDS = {
     "inspect": "nanoqwen_cli.format_cmds:inspect",
     "bench": "nanoqwen_cli.bench_cmd:bench",
     "verify": "nanoqwen_cli.verify_cmd:verify",
+    "perplexity": "nanoqwen_cli.perplexity_cmd:perplexity",
 }
 
 
