@@ -180,3 +180,36 @@ def test_refuses_bad_input(method):
 def test_refuses_unknown_method():
     with pytest.raises(NanoqwenFormatError, match="unknown quantizer 'gptq'"):
         quantize_int4(np.zeros((1, 128), np.float32), "gptq")
+
+
+def weighted_group_error(w, u, s, imp):
+    n, k = w.shape
+    q = u.astype(np.float64).reshape(n, k // 128, 128) - 8
+    d = w.astype(np.float64).reshape(n, k // 128, 128) - s.astype(np.float64)[:, :, None] * q
+    return (d * d * imp.astype(np.float64).reshape(1, k // 128, 128)).sum(axis=2)
+
+
+@pytest.mark.parametrize("method", SEARCHES)
+def test_importance_weights_the_error(rng, method):
+    w = heavy_tailed(rng, (48, 512))
+    imp = (rng.lognormal(0, 2, size=512) * (rng.random(512) < 0.9)).astype(np.float32)  # some columns 0
+    u0, s0 = quantize_int4(w, method)
+    u1, s1 = quantize_int4(w, method, np.ones(512, np.float32))
+    np.testing.assert_array_equal(u0, u1)  # unit weights: exactly the unweighted search
+    np.testing.assert_array_equal(s0.view(np.uint16), s1.view(np.uint16))
+    u, s = quantize_int4(w, method, imp)
+    e_imp = weighted_group_error(w, u, s, imp)
+    e_plain = weighted_group_error(w, u0, s0, imp)
+    e_rtn = weighted_group_error(w, *quantize_int4(w, "rtn"), imp)
+    assert np.all(e_imp <= e_rtn * (1 + 1e-5) + 1e-30)  # rtn's scale is still a candidate
+    assert e_imp.sum() < e_plain.sum()  # weighting wins on the weighted objective it minimises
+
+
+def test_importance_is_checked():
+    w = np.ones((2, 256), np.float32)
+    with pytest.raises(NanoqwenFormatError, match="search encoders, not 'rtn'"):
+        quantize_int4(w, "rtn", np.ones(256, np.float32))
+    with pytest.raises(NanoqwenFormatError, match="256 finite values >= 0"):
+        quantize_int4(w, "signed-search", np.ones(128, np.float32))
+    with pytest.raises(NanoqwenFormatError, match="256 finite values >= 0"):
+        quantize_int4(w, "search", -np.ones(256, np.float32))

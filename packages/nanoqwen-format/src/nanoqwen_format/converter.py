@@ -114,15 +114,18 @@ class _ErrorStats:
                     "mean_abs_weight": self.abs[k] / self.n[k]} for k in PROJECTION_KINDS if k in self.n}
 
 
-def convert(src, dst, progress: bool = True, quantizer: str = DEFAULT_METHOD) -> dict:
+def convert(src, dst, progress: bool = True, quantizer: str = DEFAULT_METHOD,
+            importance: dict | None = None) -> dict:
     """Convert; returns {"path", "bytes", "quantization_error": {kind: {max_abs, mean_abs, ...}}}.
 
     quantizer: the INT4 encoder (quantize.METHODS); every one writes the same format.
+    importance: optional {HF projection weight name: float [K]}, per-input-column weights for the search
+    encoders' error (quantize_int4); projections not named use the plain squared error.
     """
     if quantizer not in METHODS:
         raise NanoqwenFormatError(f"unknown quantizer {quantizer!r} (one of {', '.join(METHODS)})")
     folder, prov = resolve_source(src)
-    prov = {**prov, "quantizer": quantizer}
+    prov = {**prov, "quantizer": quantizer + ("+importance" if importance else "")}
     hf_config = _read_json(folder / "config.json")
     config = model_config(hf_config)
     tok_path = folder / "tokenizer.json"
@@ -136,13 +139,15 @@ def convert(src, dst, progress: bool = True, quantizer: str = DEFAULT_METHOD) ->
     generation_config = _read_json(folder / "generation_config.json", required=False)
     where = open_checkpoint(folder)
     try:
-        return _convert(config, where, dst, progress, prov, tokenizer_json, tokenizer_config, generation_config)
+        return _convert(config, where, dst, progress, prov, tokenizer_json, tokenizer_config, generation_config,
+                        quantizer, importance or {})
     finally:
         for f in set(where.values()):
             f.close()
 
 
-def _convert(config, where, dst, progress, prov, tokenizer_json, tokenizer_config, generation_config) -> dict:
+def _convert(config, where, dst, progress, prov, tokenizer_json, tokenizer_config, generation_config,
+             quantizer, importance) -> dict:
     sources = source_tensors(config)
     wanted = {s.hf_name for s in sources}
     for s in sources:
@@ -178,8 +183,8 @@ def _convert(config, where, dst, progress, prov, tokenizer_json, tokenizer_confi
                 if s.quantized:
                     scales = []
                     pre = s.hf_name.removesuffix(".weight")
-                    w.write_tensor(f"{pre}.qweight", _quantized(f, s, bounds, scales, stats, bar,
-                                                                prov["quantizer"]))
+                    w.write_tensor(f"{pre}.qweight", _quantized(f, s, bounds, scales, stats, bar, quantizer,
+                                                                importance.get(s.hf_name)))
                     w.write_tensor(f"{pre}.scales", scales)
                 else:
                     w.write_tensor(s.hf_name, _float16(f, s, bounds, bar))
@@ -193,10 +198,10 @@ def _convert(config, where, dst, progress, prov, tokenizer_json, tokenizer_confi
     return summary
 
 
-def _quantized(f, s, bounds, scales_out, stats, bar, quantizer):
+def _quantized(f, s, bounds, scales_out, stats, bar, quantizer, importance):
     for r0, r1 in bounds:
         w = f.read_rows(s.hf_name, r0, r1)  # float32 [rows, K]
-        u, scales = quantize_int4(w, quantizer)
+        u, scales = quantize_int4(w, quantizer, importance)
         stats.add(s.kind, w, u, scales)
         scales_out.append(scales)
         yield pack_valueshuffle(u)

@@ -47,8 +47,14 @@ BLOCK_GROUPS = 2048
 THREADS = max(1, min(8, os.cpu_count() or 1))  # numpy's element-wise loops release the GIL
 
 
-def quantize_int4(w: np.ndarray, method: str = DEFAULT_METHOD) -> tuple[np.ndarray, np.ndarray]:
-    """w float [N, K] (K % 128 == 0) -> (u uint8 [N, K] in 0..15, scales float16 [N, K/128])."""
+def quantize_int4(w: np.ndarray, method: str = DEFAULT_METHOD,
+                  importance: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """w float [N, K] (K % 128 == 0) -> (u uint8 [N, K] in 0..15, scales float16 [N, K/128]).
+
+    importance: optional float [K] >= 0, a weight per input column (say E[x_k^2] of the layer's input on
+    calibration text); the search encoders then minimise sum_j importance_j (w_j - s q_j)^2, the expected
+    squared error of the layer's output when inputs are uncorrelated.
+    """
     if method not in METHODS:
         raise NanoqwenFormatError(f"unknown quantizer {method!r} (one of {', '.join(METHODS)})")
     w = np.asarray(w)
@@ -58,6 +64,14 @@ def quantize_int4(w: np.ndarray, method: str = DEFAULT_METHOD) -> tuple[np.ndarr
     if not np.issubdtype(w.dtype, np.floating):
         raise NanoqwenFormatError(f"quantize_int4 needs floating-point weights, got {w.dtype}")
     n, k = w.shape
+    imp = None
+    if importance is not None:
+        if method not in ("search", "signed-search"):
+            raise NanoqwenFormatError(f"importance weights apply to the search encoders, not {method!r}")
+        imp = np.asarray(importance, dtype=np.float32)
+        if imp.shape != (k,) or not np.all(np.isfinite(imp)) or np.any(imp < 0):
+            raise NanoqwenFormatError(f"importance must be {k} finite values >= 0, got shape {imp.shape}")
+        imp = imp.reshape(k // GROUP, GROUP)
     g = np.ascontiguousarray(w, dtype=np.float32).reshape(n * (k // GROUP), GROUP)  # [G, 128]
     u = np.empty(g.shape, dtype=np.uint8)
     scales = np.empty(g.shape[0], dtype=np.float16)
@@ -65,7 +79,9 @@ def quantize_int4(w: np.ndarray, method: str = DEFAULT_METHOD) -> tuple[np.ndarr
 
     def work(ab):
         a, b = ab
-        scales[a:b], u[a:b] = _encode(g[a:b], method)
+        # group i of g is column group i % (K/128) of its row
+        wt = None if imp is None else imp[np.arange(a, b) % (k // GROUP)]
+        scales[a:b], u[a:b] = _encode(g[a:b], method, wt)
 
     if len(blocks) > 1 and THREADS > 1:
         with ThreadPoolExecutor(THREADS) as pool:
@@ -76,8 +92,8 @@ def quantize_int4(w: np.ndarray, method: str = DEFAULT_METHOD) -> tuple[np.ndarr
     return u.reshape(n, k), scales.reshape(n, k // GROUP)
 
 
-def _encode(g: np.ndarray, method: str) -> tuple[np.ndarray, np.ndarray]:
-    """g float32 [G, 128] -> (scales float16 [G], u uint8 [G, 128])."""
+def _encode(g: np.ndarray, method: str, wt: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """g float32 [G, 128] (wt: its importance, float32 [G, 128], or None) -> (scales f16 [G], u uint8 [G, 128])."""
     gmax, gmin = g.max(axis=1), g.min(axis=1)
     amax = np.maximum(gmax, -gmin)  # max|w| without a |g| temporary
     if not np.all(np.isfinite(amax)):
@@ -98,16 +114,17 @@ def _encode(g: np.ndarray, method: str) -> tuple[np.ndarray, np.ndarray]:
             cands = [_scale16(amax / np.float32(d)) for d in SEARCH_DIVISORS]
         else:
             cands = [rtn] + [_scale16(m / np.float32(-d)) for d in SIGNED_DIVISORS]
-        best, best_err = rtn, _sq_error(g, rtn, work)
+        best, best_err = rtn, _sq_error(g, rtn, work, wt)
         for s in cands:
-            best, best_err = _keep_better(g, best, best_err, s, work)
+            best, best_err = _keep_better(g, best, best_err, s, work, wt)
+        gw = g if wt is None else g * wt
         for _ in range(LS_STEPS):
             _levels(g, best, work)  # work = q of the best scale so far
-            num = np.einsum("ij,ij->i", g, work)
-            den = np.einsum("ij,ij->i", work, work)
+            num = np.einsum("ij,ij->i", gw, work)
+            den = np.einsum("ij,ij->i", work, work if wt is None else work * wt)
             with np.errstate(divide="ignore", invalid="ignore"):
                 refined = _scale16(np.where(den > 0, num / den, best.astype(np.float32)))
-            best, best_err = _keep_better(g, best, best_err, refined, work)
+            best, best_err = _keep_better(g, best, best_err, refined, work, wt)
     best = np.where(best == 0, np.float16(0), best)  # -0.0 -> +0.0: one spelling of "no scale"
     _levels(g, best, work)
     work += np.float32(ZERO)
@@ -132,19 +149,19 @@ def _levels(g: np.ndarray, s16: np.ndarray, out: np.ndarray) -> np.ndarray:
     return out
 
 
-def _sq_error(g: np.ndarray, s16: np.ndarray, work: np.ndarray) -> np.ndarray:
-    """sum_j (g_j - s q_j)^2 per group, float32 [G]; inf where s is not finite."""
+def _sq_error(g: np.ndarray, s16: np.ndarray, work: np.ndarray, wt: np.ndarray | None) -> np.ndarray:
+    """sum_j wt_j (g_j - s q_j)^2 per group (wt = 1 when None), float32 [G]; inf where s is not finite."""
     finite = np.isfinite(s16)
     s = np.where(finite, s16, np.float16(0))
     _levels(g, s, work)
     work *= s.astype(np.float32)[:, None]
     np.subtract(g, work, out=work)
-    err = np.einsum("ij,ij->i", work, work)
+    err = np.einsum("ij,ij->i", work, work if wt is None else work * wt)
     return np.where(finite, err, np.float32(np.inf))
 
 
-def _keep_better(g, best, best_err, cand, work):
-    err = _sq_error(g, cand, work)
+def _keep_better(g, best, best_err, cand, work, wt):
+    err = _sq_error(g, cand, work, wt)
     better = err < best_err
     return np.where(better, cand, best), np.where(better, err, best_err)
 
