@@ -60,7 +60,7 @@ def group_sq_error(w, u, s):
     return (d * d).sum(axis=2)
 
 
-def check_file_against_source(path, folder, tied, quantizer="signed-search"):
+def check_file_against_source(path, folder, tied, quantizer="max-exact"):
     """Projections: exactly the package's `quantizer` encoding (the encoders are tested in test_quantize.py),
     packed as pack_here packs it; the rtn encoding also equals quantize_here's, bit for bit, and any other
     one has, group by group, a squared error no larger than rtn's."""

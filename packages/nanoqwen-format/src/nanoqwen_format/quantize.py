@@ -1,23 +1,29 @@
-"""Symmetric group-wise INT4 quantization: the encoder behind the decode contract of docs/FORMAT.md
+"""Symmetric group-wise INT4 quantization: the encoders behind the decode contract of docs/FORMAT.md
 section 5 (w' = s * q, q in -8..7, one float16 scale s per 128 values along K).
 
 The contract fixes only how (u, s) decode. How s is chosen is the encoder's business; given s, every
 encoder here takes the nearest level, q = clamp(rint(w / s), -8, 7) in float32 (q = 0 where s == 0),
-which is the best q for that s element by element. The methods differ in the scale:
+which is the best q for that s element by element. The methods differ in the scale (a = max|w| and m the
+group's value of largest magnitude, sign included):
 
-  rtn            s = float16(max|w| / 7). The level -8 is reached only by rounding of tiny groups.
-  signed         s = float16(m / -8), m the group's value of largest magnitude, sign included (llama.cpp's
-                 Q4_0): m lands exactly on q = -8, so its side of zero gets 8 levels, the other side 7.
-                 s is negative when m is positive; the contract allows any finite float16.
-  search         the candidate of least squared error sum_j (w_j - s q_j)^2 among s = float16(max|w| / d),
-                 d in SEARCH_DIVISORS (positive scales only), then LS_STEPS least-squares refinements.
-  signed-search  the same search over s = float16(m / -d) for d in SIGNED_DIVISORS and the rtn scale
-                 (the default: the least error of the four on the real Qwen2.5-Coder-1.5B, docs/QUANT.md).
+  max-exact      (the default) of s = float16(a / 7) and s = float16(m / -8), the one of least squared
+                 error sum_j (w_j - s q_j)^2. Both reproduce m exactly (up to the scale's fp16 rounding).
+  rtn            s = float16(a / 7). The level -8 is reached only by rounding of tiny groups.
+  signed         s = float16(m / -8) (llama.cpp's Q4_0): m lands exactly on q = -8, so its side of zero
+                 gets 8 levels, the other side 7. s is negative when m is positive (the contract allows
+                 any finite float16).
+  search         the s of least squared error among float16(a / d), d in SEARCH_DIVISORS, then LS_STEPS
+                 least-squares refinements.
+  signed-search  the same over float16(a / 7) and float16(m / -d), d in SIGNED_DIVISORS.
+
+The two searches may clip m (d > 7.5 or 8) to refine the other values' steps: they have the least
+squared weight error and the worst perplexity on the real Qwen2.5-Coder-1.5B (docs/QUANT.md). A group's
+largest weights matter more than their share of the squared error; max-exact never moves them.
 
 A least-squares refinement takes the best candidate's q, sets s' = float16(<w, q> / <q, q>) (the scale
 that minimises the error for those q), requantizes with s' and keeps it if the error went down.
 
-Every search method has the rtn scale among its candidates and keeps a candidate only if its float32
+Every method but signed has the rtn scale among its candidates and keeps another only if its float32
 error is strictly lower, so per group its error is never above rtn's. All arithmetic is float32.
 """
 
@@ -34,8 +40,9 @@ GROUP = 128  # values per scale, along K (the input dimension)
 QMIN, QMAX = -8, 7
 ZERO = 8  # stored u = q + ZERO
 
-METHODS = ("signed-search", "search", "signed", "rtn")
-DEFAULT_METHOD = "signed-search"
+METHODS = ("max-exact", "rtn", "signed", "search", "signed-search")
+DEFAULT_METHOD = "max-exact"
+SEARCHES = ("max-exact", "search", "signed-search")  # the methods that compare candidates by their error
 RTN_DIVISOR = 7.0
 # Divisors of the candidate scales. signed-search: s = m / -d puts m at q = -d, rounded; d > 8 clips m
 # to -8 in exchange for finer steps for the rest of the group. search: s = max|w| / d, d > 7.5 clips.
@@ -66,7 +73,7 @@ def quantize_int4(w: np.ndarray, method: str = DEFAULT_METHOD,
     n, k = w.shape
     imp = None
     if importance is not None:
-        if method not in ("search", "signed-search"):
+        if method not in SEARCHES:
             raise NanoqwenFormatError(f"importance weights apply to the search encoders, not {method!r}")
         imp = np.asarray(importance, dtype=np.float32)
         if imp.shape != (k,) or not np.all(np.isfinite(imp)) or np.any(imp < 0):
@@ -103,22 +110,24 @@ def _encode(g: np.ndarray, method: str, wt: np.ndarray | None = None) -> tuple[n
     # Every method refuses the same weights: the rtn scale must be finite (it is a candidate of each search).
     if not np.all(np.isfinite(rtn)):
         raise NanoqwenFormatError("quantize_int4: a group's max|w|/7 overflows float16 (|w| > 458528)")
-    m = np.where(gmax >= -gmin, gmax, gmin)  # the signed value of largest magnitude
+    m = np.where(gmax >= -gmin, gmax, gmin)  # the signed value of largest magnitude (+a on a tie)
     work = np.empty_like(g)
     if method == "rtn":
         best = rtn
     elif method == "signed":
         best = _scale16(m / np.float32(-8.0))
     else:
-        if method == "search":
-            cands = [_scale16(amax / np.float32(d)) for d in SEARCH_DIVISORS]
+        if method == "max-exact":
+            cands, ls_steps = [_scale16(m / np.float32(-8.0))], 0  # refinement would move m off its level
+        elif method == "search":
+            cands, ls_steps = [_scale16(amax / np.float32(d)) for d in SEARCH_DIVISORS], LS_STEPS
         else:
-            cands = [rtn] + [_scale16(m / np.float32(-d)) for d in SIGNED_DIVISORS]
+            cands, ls_steps = [_scale16(m / np.float32(-d)) for d in SIGNED_DIVISORS], LS_STEPS
         best, best_err = rtn, _sq_error(g, rtn, work, wt)
         for s in cands:
             best, best_err = _keep_better(g, best, best_err, s, work, wt)
         gw = g if wt is None else g * wt
-        for _ in range(LS_STEPS):
+        for _ in range(ls_steps):
             _levels(g, best, work)  # work = q of the best scale so far
             num = np.einsum("ij,ij->i", gw, work)
             den = np.einsum("ij,ij->i", work, work if wt is None else work * wt)
