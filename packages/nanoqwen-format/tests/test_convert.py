@@ -8,7 +8,7 @@ import nanoqwen_format.converter as convert_mod
 import numpy as np
 import pytest
 from format_testutil import small_config
-from nanoqwen_format import NanoqwenFormatError, convert, open_model
+from nanoqwen_format import NanoqwenFormatError, convert, open_model, quantize_int4
 from nanoqwen_format.synthetic import write_hf_checkpoint
 
 STEP = {"BF16": "<u2", "F16": "<f2", "F32": "<f4"}
@@ -32,7 +32,7 @@ def read_safetensors(folder):
 
 
 def quantize_here(w):
-    """docs/FORMAT.md section 5's formula, vectorised differently from the package (per group, float32 throughout)."""
+    """The rtn encoder (s = fp16(max|w|/7), q = clamp(rint(w/s))), vectorised differently from the package."""
     n, k = w.shape
     g = w.reshape(n, k // 128, 128)
     s = (np.abs(g).max(axis=2) / np.float32(7)).astype(np.float16)
@@ -53,7 +53,17 @@ def pack_here(u):
     return word
 
 
-def check_file_against_source(path, folder, tied):
+def group_sq_error(w, u, s):
+    n, k = w.shape
+    d = w.astype(np.float64).reshape(n, k // 128, 128) - s.astype(np.float64)[:, :, None] * (
+        u.astype(np.float64).reshape(n, k // 128, 128) - 8)
+    return (d * d).sum(axis=2)
+
+
+def check_file_against_source(path, folder, tied, quantizer="max-exact"):
+    """Projections: exactly the package's `quantizer` encoding (the encoders are tested in test_quantize.py),
+    packed as pack_here packs it; the rtn encoding also equals quantize_here's, bit for bit, and any other
+    one has, group by group, a squared error no larger than rtn's."""
     src = read_safetensors(folder)
     with open_model(path, verify=True) as m:
         assert m.config["tie_word_embeddings"] is tied
@@ -63,13 +73,19 @@ def check_file_against_source(path, folder, tied):
             if name == "lm_head.weight" and tied:
                 continue
             if name.endswith("_proj.weight"):
-                u, s = quantize_here(w)
+                u, s = quantize_int4(w, quantizer)
+                ru, rs = quantize_here(w)
+                if quantizer == "rtn":
+                    np.testing.assert_array_equal(u, ru)
+                    np.testing.assert_array_equal(s.view(np.uint16), rs.view(np.uint16))
+                else:
+                    assert np.all(group_sq_error(w, u, s) <= group_sq_error(w, ru, rs) * (1 + 1e-5) + 1e-30)
                 pre = name.removesuffix(".weight")
-                np.testing.assert_array_equal(m.tensor(f"{pre}.qweight"), pack_here(u))
+                np.testing.assert_array_equal(m.tensor(f"{pre}.qweight"), pack_here(u.astype(np.uint32)))
                 np.testing.assert_array_equal(m.tensor(f"{pre}.scales").view(np.uint16), s.view(np.uint16))
                 deq = m.dequantize(name)
                 assert deq.shape == w.shape and deq.dtype == np.float32
-                assert np.all(np.abs(deq - w) <= np.repeat(s.astype(np.float32), 128, axis=1) / 2 * 1.0001)
+                np.testing.assert_array_equal(deq, np.repeat(s.astype(np.float32), 128, axis=1) * (u - 8.0))
                 checked += 2
             else:
                 np.testing.assert_array_equal(m.tensor(name), w.astype(np.float16))
@@ -81,6 +97,7 @@ def check_file_against_source(path, folder, tied):
         assert m.tokenizer_json == tok
         assert m.tokenizer_config == json.loads((folder / "tokenizer_config.json").read_text())
         assert m.generation_config == json.loads((folder / "generation_config.json").read_text())
+        assert m.provenance["quantizer"] == quantizer
         errs = m.provenance["quantization_error"]
         assert set(errs) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
 
@@ -91,6 +108,14 @@ def test_untied_bf16_single_file(hf_untied, tmp_path):
     assert summary["bytes"] == out.stat().st_size
     check_file_against_source(out, hf_untied, tied=False)
     assert not list(tmp_path.glob(".*tmp"))
+
+
+def test_rtn_quantizer_writes_the_old_encoding(hf_untied, tmp_path):
+    convert(hf_untied, tmp_path / "m.nanoqwen", progress=False, quantizer="rtn")
+    check_file_against_source(tmp_path / "m.nanoqwen", hf_untied, tied=False, quantizer="rtn")
+    with pytest.raises(NanoqwenFormatError, match="unknown quantizer 'awq'"):
+        convert(hf_untied, tmp_path / "n.nanoqwen", progress=False, quantizer="awq")
+    assert not (tmp_path / "n.nanoqwen").exists()
 
 
 def test_tied_bf16_sharded(hf_tied_sharded, tmp_path):
@@ -177,11 +202,11 @@ def test_interrupted_conversion_leaves_no_file(hf_untied, tmp_path, monkeypatch,
     calls = {"n": 0}
     real = convert_mod.quantize_int4
 
-    def flaky(w):
+    def flaky(w, *args):
         calls["n"] += 1
         if calls["n"] == 5:
             raise exc("stop")
-        return real(w)
+        return real(w, *args)
 
     monkeypatch.setattr(convert_mod, "quantize_int4", flaky)
     with pytest.raises(exc):

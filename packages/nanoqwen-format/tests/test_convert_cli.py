@@ -24,6 +24,16 @@ def test_convert_then_inspect(hf_untied, tmp_path):
     assert head["tokenizer_json_chars"] > 1_000_000 and len(head["tensors"]) == 3 + 2 * 19  # embed, norm, lm_head; per layer 2 norms, 7 x 2 INT4, 3 biases
 
 
+def test_quantizer_option(hf_untied, tmp_path):
+    out = tmp_path / "m.nanoqwen"
+    r = CliRunner().invoke(main, [str(hf_untied), "-o", str(out), "--quiet", "--quantizer", "rtn"])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(main, ["inspect", str(out), "--json"])
+    assert json.loads(r.output)["provenance"]["quantizer"] == "rtn"
+    r = CliRunner().invoke(main, [str(hf_untied), "-o", str(tmp_path / "n.nanoqwen"), "--quantizer", "awq"])
+    assert r.exit_code == 2 and "awq" in r.output and not (tmp_path / "n.nanoqwen").exists()
+
+
 def test_commands_are_reusable(hf_tied_sharded, tmp_path):
     out = tmp_path / "m.nanoqwen"
     assert CliRunner().invoke(convert_command, [str(hf_tied_sharded), "-o", str(out), "--quiet"]).exit_code == 0

@@ -29,6 +29,7 @@ COMMANDS = {
     "bench": "nanoqwen_cli.bench_cmd:bench",
     "verify": "nanoqwen_cli.verify_cmd:verify",
     "serve": "nanoqwen_cli.server.command:serve",
+    "perplexity": "nanoqwen_cli.perplexity_cmd:perplexity",
 }
 
 

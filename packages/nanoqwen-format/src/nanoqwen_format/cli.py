@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from .errors import NanoqwenFormatError
+from .quantize import DEFAULT_METHOD, METHODS
 from .strict import is_finite_number, short
 
 
@@ -31,14 +32,16 @@ def _fail(e: NanoqwenFormatError, where):
               help="the .nanoqwen file to write")
 @click.option("--force", is_flag=True, help="overwrite OUT if it exists")
 @click.option("--quiet", is_flag=True, help="no progress bar or error table")
-def convert_command(src: str, out: Path, force: bool, quiet: bool):
+@click.option("--quantizer", type=click.Choice(METHODS), default=DEFAULT_METHOD, show_default=True,
+              help="INT4 encoder (same file format; docs/QUANT.md compares them)")
+def convert_command(src: str, out: Path, force: bool, quiet: bool, quantizer: str):
     """Convert SRC (a Hugging Face Qwen2ForCausalLM folder or hub id, or a qwen2 .gguf file) to one .nanoqwen
     file."""
     from .converter import convert
     if out.exists() and not force:
         raise _Error(f"{out} exists (use --force to overwrite)")
     try:
-        summary = convert(src, out, progress=not quiet)
+        summary = convert(src, out, progress=not quiet, quantizer=quantizer)
     except NanoqwenFormatError as e:
         raise _fail(e, src) from None
     click.echo(f"wrote {summary['path']} ({summary['bytes'] / 1e9:.3f} GB)")

@@ -23,7 +23,7 @@ from .layout import (
     validate_generation_config,
     validate_tokenizer_config,
 )
-from .quantize import dequantize_int4, quantize_int4
+from .quantize import DEFAULT_METHOD, METHODS, dequantize_int4, quantize_int4
 from .safetensors_io import SafetensorsFile
 from .strict import loads, open_regular, short
 from .valueshuffle import pack_valueshuffle
@@ -156,16 +156,24 @@ class _ErrorStats:
                     "mean_abs_weight": self.abs[k] / self.n[k]} for k in PROJECTION_KINDS if k in self.n}
 
 
-def convert(src, dst, progress: bool = True) -> dict:
+def convert(src, dst, progress: bool = True, quantizer: str = DEFAULT_METHOD,
+            importance: dict | None = None) -> dict:
     """Convert; returns {"path", "bytes", "quantization_error": {kind: {max_abs, mean_abs, ...}}}.
 
     src: a Hugging Face folder or hub id, or a GGUF file (gguf_import.py). Every input that ends up in
     the file is checked before any weight is read, with the reader's own rules (a finished conversion
-    always opens), and dst may be neither an input nor inside the source."""
+    always opens), and dst may be neither an input nor inside the source.
+    quantizer: the INT4 encoder (quantize.METHODS); every one writes the same format.
+    importance: optional {HF projection weight name: float [K]}, per-input-column weights for the search
+    encoders' error (quantize_int4); projections not named use the plain squared error.
+    """
+    if quantizer not in METHODS:
+        raise NanoqwenFormatError(f"unknown quantizer {quantizer!r} (one of {', '.join(METHODS)})")
     from .gguf_import import convert_gguf, is_gguf
     if is_gguf(src):
-        return convert_gguf(src, dst, progress)
+        return convert_gguf(src, dst, progress, quantizer=quantizer)
     folder, prov = resolve_source(src)
+    prov = {**prov, "quantizer": quantizer + ("+importance" if importance else "")}
     dst = Path(dst)
     try:
         inputs = list(folder.iterdir())
@@ -182,13 +190,15 @@ def convert(src, dst, progress: bool = True) -> dict:
         # Parsed last of the cheap checks: a 7 MB tokenizer takes a few hundred ms.
         if not isinstance(loads(tokenizer_json, "tokenizer.json"), dict):
             raise NanoqwenFormatError("tokenizer.json is not a JSON object")
-        return _convert(config, where, dst, progress, prov, tokenizer_json, tokenizer_config, generation_config)
+        return _convert(config, where, dst, progress, prov, tokenizer_json, tokenizer_config, generation_config,
+                        quantizer, importance or {})
     finally:
         for f in set(where.values()):
             f.close()
 
 
-def _convert(config, where, dst, progress, prov, tokenizer_json, tokenizer_config, generation_config) -> dict:
+def _convert(config, where, dst, progress, prov, tokenizer_json, tokenizer_config, generation_config,
+             quantizer, importance) -> dict:
     sources = source_tensors(config)
     wanted = {s.hf_name for s in sources}
     for s in sources:
@@ -224,7 +234,8 @@ def _convert(config, where, dst, progress, prov, tokenizer_json, tokenizer_confi
                 if s.quantized:
                     scales = []
                     pre = s.hf_name.removesuffix(".weight")
-                    w.write_tensor(f"{pre}.qweight", _quantized(f, s, bounds, scales, stats, bar))
+                    w.write_tensor(f"{pre}.qweight", _quantized(f, s, bounds, scales, stats, bar, quantizer,
+                                                                importance.get(s.hf_name)))
                     w.write_tensor(f"{pre}.scales", scales)
                 else:
                     w.write_tensor(s.hf_name, _float16(f, s, bounds, bar))
@@ -238,10 +249,10 @@ def _convert(config, where, dst, progress, prov, tokenizer_json, tokenizer_confi
     return summary
 
 
-def _quantized(f, s, bounds, scales_out, stats, bar):
+def _quantized(f, s, bounds, scales_out, stats, bar, quantizer, importance):
     for r0, r1 in bounds:
         w = f.read_rows(s.hf_name, r0, r1)  # float32 [rows, K]
-        u, scales = quantize_int4(w)
+        u, scales = quantize_int4(w, quantizer, importance)
         stats.add(s.kind, w, u, scales)
         scales_out.append(scales)
         yield pack_valueshuffle(u)

@@ -317,11 +317,15 @@ def generation_config(meta: dict) -> tuple[dict, str]:
     return out, source
 
 
-def convert_gguf(src, dst, progress: bool = True) -> dict:
-    """Convert a qwen2 GGUF file; returns what converter.convert returns."""
-    from .converter import _convert, model_config
+def convert_gguf(src, dst, progress: bool = True, quantizer: str | None = None) -> dict:
+    """Convert a qwen2 GGUF file; returns what converter.convert returns. quantizer: the INT4 encoder
+    (quantize.METHODS; default the converter's)."""
+    from .converter import _convert, check_destination, check_not_an_input, model_config
+    from .quantize import DEFAULT_METHOD
 
     path = Path(src)
+    check_not_an_input(Path(dst), [path])
+    check_destination(Path(dst))
     if progress:
         import sys
         print(f"reading {path.name} (GGUF header and vocabulary)...", file=sys.stderr)
@@ -341,6 +345,8 @@ def convert_gguf(src, dst, progress: bool = True) -> dict:
                          "tensor_types": dict(sorted(counts.items()))},
                 "generation_config_source": gen_source}
         where = dict.fromkeys(source.tensors, source)
-        return _convert(config, where, dst, progress, prov, tok_json, tokenizer_config(meta, config), gen)
+        prov["quantizer"] = quantizer or DEFAULT_METHOD
+        return _convert(config, where, dst, progress, prov, tok_json, tokenizer_config(meta, config), gen,
+                        quantizer or DEFAULT_METHOD, {})
     finally:
         source.close()
