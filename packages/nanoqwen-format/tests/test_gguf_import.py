@@ -360,5 +360,5 @@ def test_cli_bad_gguf_is_one_line(tmp_path, good_gguf):
     assert r.exit_code == 1
     assert "Traceback" not in r.output
     lines = [ln for ln in r.output.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("Error: cut.gguf: "), r.output
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "cut.gguf" in lines[0], r.output
 
