@@ -85,7 +85,7 @@ def check_greedy(engine, model, n_prompts: int, n_tokens: int) -> dict:
     from nanoqwen_engine import SamplingParams
     from nanoqwen_engine.validation import build_prompts
 
-    prompts = build_prompts(engine.tokenizer, n=n_prompts, max_tokens=1500)
+    prompts = build_prompts(engine.tokenizer, n=n_prompts)  # the ladder's prompts (max 2000 tokens)
     params = SamplingParams(temperature=0, max_tokens=n_tokens, ignore_eos=True)
     t0 = time.perf_counter()
     handles = [engine.submit(p.payload, params) for p in prompts]
