@@ -122,9 +122,9 @@ def write_gguf(path, config: dict, qtype, rng, *, tied: bool = False, vocab=None
     """A qwen2 GGUF of `config`; returns {HF name: float32 values the file holds}.
 
     qtype: one type for every 2-D tensor, or a function (HF name -> type). Norms and biases are F32, as
-    llama.cpp writes them. vocab: (tokens, types, merges) with config["vocab_size"] tokens. extra: a
-    function (writer) -> None that adds more (e.g. a stray tensor or key). skip_keys: metadata keys
-    (qwen2.* suffixes) to leave out."""
+    llama.cpp writes them. vocab: (tokens, types, merges) with config["vocab_size"] tokens, or None for
+    no tokenizer fields. extra: a function (writer) -> None that adds more (e.g. a stray tensor or key).
+    skip_keys: metadata keys (qwen2.* suffixes) to leave out."""
     pick = qtype if callable(qtype) else (lambda name: qtype)
     w = gguf.GGUFWriter(str(path), arch)
     values = {
@@ -141,10 +141,11 @@ def write_gguf(path, config: dict, qtype, rng, *, tied: bool = False, vocab=None
         if key not in skip_keys:
             add(value)
     w.add_name("test model")
-    tokens, types, merges = vocab
-    eos = tokens.index("<|im_end|>") if "<|im_end|>" in tokens else None
-    end = tokens.index("<|endoftext|>") if "<|endoftext|>" in tokens else None
-    add_tokenizer(w, tokens, types, merges, eos=eos, bos=end, pad=end, template=template)
+    if vocab is not None:
+        tokens, types, merges = vocab
+        eos = tokens.index("<|im_end|>") if "<|im_end|>" in tokens else None
+        end = tokens.index("<|endoftext|>") if "<|endoftext|>" in tokens else None
+        add_tokenizer(w, tokens, types, merges, eos=eos, bos=end, pad=end, template=template)
     expected = {}
     for gname, hname, shape in tensor_names(config, tied):
         t = T.F32 if len(shape) == 1 else pick(hname)

@@ -330,6 +330,9 @@ def test_missing_metadata_and_mismatched_vocab(tmp_path, rng, config, vocab):
     tokens, types, merges = vocab
     write_gguf(src, config, T.F16, rng, vocab=(tokens[:-4] + tokens[-3:], types[:-4] + types[-3:], merges))
     _fails(src, tmp_path, "2047", "2048")
+    src = tmp_path / "notok.gguf"
+    write_gguf(src, config, T.F16, rng, vocab=None)
+    _fails(src, tmp_path, "tokenizer.ggml.tokens")
 
 
 def test_not_qwen2_tokenizer(tmp_path, rng, config):

@@ -205,6 +205,8 @@ def hf_config(meta: dict, tensors: dict, n_tokens: int, path: Path) -> dict:
     if embed is None:
         raise NanoqwenFormatError(f"{path.name}: no token_embd.weight tensor")
     vocab = embed["shape"][0]
+    if n_tokens < 0:
+        raise NanoqwenFormatError(f"{path.name}: GGUF metadata has no tokenizer.ggml.tokens list")
     if n_tokens != vocab:
         raise NanoqwenFormatError(f"{path.name}: the token list has {n_tokens} entries but token_embd.weight "
                                   f"has {vocab} rows")
