@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from nanoqwen_engine.testing import pytest_addoption, rng, seed  # noqa: F401  (the seeded `rng` fixture)
+from nanoqwen_engine.testing import pytest_addoption, pytest_runtest_makereport, rng, seed  # noqa: F401
 from nanoqwen_kernels.testing import gpu  # noqa: F401  (CuPy, or a skip naming why there is no GPU)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/ladder/ helpers
