@@ -48,7 +48,7 @@ def tiny_model(ladder_tiny_path):
 
 @pytest.fixture
 def env(tmp_path):
-    """The environment of a CLI subprocess (cliproc.py): an empty model cache and an empty, offline
+    """The environment of a CLI subprocess (nanoqwen_cli.testing): an empty model cache and an empty, offline
     Hugging Face home, so nothing reaches the network; no default model or debug flag from outside."""
     e = dict(os.environ)
     e.update(

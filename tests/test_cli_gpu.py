@@ -9,14 +9,14 @@ from __future__ import annotations
 import json
 from functools import partial
 
-import cliproc
 import pytest
+from nanoqwen_cli import testing
 from nanoqwen_kernels import gpu_status
 
 _OK, _REASON = gpu_status()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _OK, reason=f"no usable GPU: {_REASON}")]
 
-cli = partial(cliproc.cli, timeout=600)  # a GPU call compiles kernels and captures graphs first
+cli = partial(testing.cli, timeout=600)  # a GPU call compiles kernels and captures graphs first
 
 
 def test_run_on_cuda_gives_the_reference_greedy_text(tiny_model, env):

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import openai
+from nanoqwen_cli.testing import argv
 from nanoqwen_engine import SamplingParams
 
 REPO = Path(__file__).resolve().parents[3]
@@ -173,7 +174,7 @@ def test_loading_503_then_sigterm_drains_in_flight_and_exits_0(tiny_model, tmp_p
 
 def test_startup_errors_are_one_line_and_exit_1(tiny_model, tmp_path):
     """A port already taken fails before the model loads; a model that cannot load stops the server."""
-    cmd = [sys.executable, "-m", "nanoqwen_cli", "serve", "--device", "cpu"]
+    cmd = [*argv(["serve"]), "--device", "cpu"]
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
