@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from nanoqwen_engine.testing import pytest_addoption, rng, seed  # noqa: F401  (the seeded `rng` fixture)
+from nanoqwen_engine.testing import pytest_addoption, pytest_runtest_makereport, rng, seed  # noqa: F401
 from nanoqwen_kernels.testing import gpu  # noqa: F401  (CuPy, or a skip naming why there is no GPU)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/ladder/ helpers
@@ -48,7 +48,7 @@ def tiny_model(ladder_tiny_path):
 
 @pytest.fixture
 def env(tmp_path):
-    """The environment of a CLI subprocess (cliproc.py): an empty model cache and an empty, offline
+    """The environment of a CLI subprocess (nanoqwen_cli.testing): an empty model cache and an empty, offline
     Hugging Face home, so nothing reaches the network; no default model or debug flag from outside."""
     e = dict(os.environ)
     e.update(

@@ -7,34 +7,16 @@ scripts/gpu_all.sh runs them with the other GPU suites.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
+from functools import partial
 
 import pytest
+from nanoqwen_cli import testing
 from nanoqwen_kernels import gpu_status
 
 _OK, _REASON = gpu_status()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _OK, reason=f"no usable GPU: {_REASON}")]
 
-TIMEOUT = 600
-
-
-@pytest.fixture
-def env(tmp_path):
-    e = dict(os.environ)
-    e.update(NANOQWEN_CACHE=str(tmp_path / "cache"), HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1")
-    return e
-
-
-def cli(args, env) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "nanoqwen_cli", *map(str, args)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-    )
+cli = partial(testing.cli, timeout=600)  # a GPU call compiles kernels and captures graphs first
 
 
 def test_run_on_cuda_gives_the_reference_greedy_text(tiny_model, env):
@@ -50,41 +32,15 @@ def test_run_on_cuda_gives_the_reference_greedy_text(tiny_model, env):
 
 
 def test_verify_cuda_against_the_reference(tiny_model, env):
-    p = cli(
-        [
-            "verify",
-            "--model",
-            tiny_model,
-            "--device",
-            "cuda",
-            "--prompts",
-            12,
-            "--max-tokens",
-            32,
-            "--max-prompt-tokens",
-            200,
-            "--json",
-        ],
-        env,
-    )
+    args = ["verify", "--model", tiny_model, "--device", "cuda", "--prompts", 12, "--max-tokens", 32]
+    p = cli([*args, "--max-prompt-tokens", 200, "--json"], env)
     assert p.returncode in (0, 1), p.stderr
     r = json.loads(p.stdout)
     assert r["ok"], [x for x in r["results"] if not x["ok"]]
     assert r["max_logit_rel_err"] < 1e-2
 
 
-BENCH_SMALL = [
-    "--device",
-    "cuda",
-    "--synthetic",
-    "tiny",
-    "--prompt-tokens",
-    64,
-    "--gen-tokens",
-    16,
-    "--runs",
-    2,
-]
+BENCH_SMALL = ["--device", "cuda", "--synthetic", "tiny", "--prompt-tokens", 64, "--gen-tokens", 16, "--runs", 2]
 
 
 @pytest.mark.parametrize("mode", ["graph", "eager"])

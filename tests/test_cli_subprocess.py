@@ -15,7 +15,7 @@ import subprocess
 import time
 
 import pytest
-from cliproc import TIMEOUT, cli, popen
+from nanoqwen_cli.testing import TIMEOUT, cli, popen
 
 
 def one_error_line(p: subprocess.CompletedProcess) -> str:

@@ -52,10 +52,19 @@ def _progress(i, r):
           flush=True)
 
 
-def _score_check(g, c, ids) -> dict:
-    e = logit_error(g.score(ids), c.score(ids))
-    e["tokens"] = len(ids)
-    return e
+def _check_tier(name, g, c, prompts, max_tokens, score_prompt, score_len, tokens_b=None) -> None:
+    """Greedy tokens of `g` against the reference `c` on `prompts`, then score() logits of both on
+    score_prompt + the first prompt's reference tokens (the first score_len ids); recorded under `name`
+    before the asserts, so a failure's figures are kept."""
+    rep = compare_greedy(g, c, prompts, max_tokens=max_tokens, eps=DEFAULT_EPS, progress=_progress,
+                         tokens_b=tokens_b)
+    ids = np.asarray(g.encode_prompt(score_prompt.payload) + rep.results[0].tokens_b)[:score_len]
+    score = logit_error(g.score(ids), c.score(ids))
+    score["tokens"] = len(ids)
+    _record(name, {**rep.as_dict(), "score": score, "info": g.backend.info})
+    print("\n" + format_report(rep) + f"\nscore(): {score}")
+    assert rep.ok, format_report(rep)
+    assert score["finite"] and score["rel"] < SCORE_BOUND
 
 
 def test_graph_tier_tiny(gpu, ladder_tiny_path):
@@ -67,13 +76,7 @@ def test_graph_tier_tiny(gpu, ladder_tiny_path):
     # the reference's generations from one process per core (it is the slow side)
     workers = _env("NANOQWEN_LADDER_WORKERS", min(16, os.cpu_count() or 1))
     ref = reference_tokens_parallel(ladder_tiny_path, prompts, m, ctx, workers) if workers > 1 else None
-    rep = compare_greedy(g, c, prompts, max_tokens=m, eps=DEFAULT_EPS, progress=_progress, tokens_b=ref)
-    ids = np.asarray(g.encode_prompt(prompts[min(8, n - 1)].payload) + rep.results[0].tokens_b)[:300]
-    score = _score_check(g, c, ids)
-    _record("graph_tiny", {**rep.as_dict(), "score": score, "info": g.backend.info})
-    print("\n" + format_report(rep) + f"\nscore(): {score}")
-    assert rep.ok, format_report(rep)
-    assert score["finite"] and score["rel"] < SCORE_BOUND
+    _check_tier("graph_tiny", g, c, prompts, m, prompts[min(8, n - 1)], 300, tokens_b=ref)
 
 
 def test_graph_and_eager_agree_tiny(gpu, ladder_tiny_path):
@@ -94,13 +97,7 @@ def test_graph_tier_7b(gpu, ladder_7b_path):
     # short ones: page-boundary lengths first, then a chat prompt
     short = [p for p in everything if p.kind == "boundary"] + [p for p in everything if p.kind == "chat"]
     prompts = short[:n]
-    rep = compare_greedy(g, c, prompts, max_tokens=m, eps=DEFAULT_EPS, progress=_progress)
-    ids = np.asarray(g.encode_prompt(prompts[0].payload) + rep.results[0].tokens_b)[:33]
-    score = _score_check(g, c, ids)
-    _record("graph_7b", {**rep.as_dict(), "score": score, "info": g.backend.info})
-    print("\n" + format_report(rep) + f"\nscore(): {score}")
-    assert rep.ok, format_report(rep)
-    assert score["finite"] and score["rel"] < SCORE_BOUND
+    _check_tier("graph_7b", g, c, prompts, m, prompts[0], 33)
 
 
 def test_engine_load_7b_streams(gpu, ladder_7b_path):

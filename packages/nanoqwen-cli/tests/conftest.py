@@ -8,43 +8,11 @@ the `rng` fixture: its seed is printed when the test fails, and `pytest --seed N
 from __future__ import annotations
 
 import functools
-import secrets
 
-import numpy as np
 import pytest
 from click.testing import CliRunner
 from nanoqwen_cli.main import cli
-
-
-def pytest_addoption(parser):
-    try:
-        parser.addoption(
-            "--seed", type=int, default=None, help="replay the tests' random draws with this seed"
-        )
-    except ValueError:  # another conftest of the same run declared it: one option, same meaning
-        pass
-
-
-@pytest.fixture
-def seed(request) -> int:
-    """This test's seed: --seed if given, else a fresh one; shown in the report when the test fails."""
-    given = request.config.getoption("--seed", default=None)
-    value = given if given is not None else secrets.randbits(32)
-    request.node.user_properties.append(("seed", value))
-    return value
-
-
-@pytest.fixture
-def rng(seed) -> np.random.Generator:
-    return np.random.default_rng(seed)
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item, call):
-    report = (yield).get_result()
-    seeds = [v for k, v in item.user_properties if k == "seed"]
-    if report.failed and seeds:
-        report.sections.append(("random seed", f"seed {seeds[0]}: `pytest --seed {seeds[0]} ...` replays it"))
+from nanoqwen_engine.testing import pytest_addoption, pytest_runtest_makereport, rng, seed  # noqa: F401
 
 
 @pytest.fixture(scope="session")

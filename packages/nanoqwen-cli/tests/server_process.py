@@ -12,12 +12,12 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import openai
+from nanoqwen_cli.testing import argv
 from prometheus_client.parser import text_string_to_metric_families
 
 PORT_LINE = re.compile(r"on http://127\.0\.0\.1:(\d+) ")
@@ -48,7 +48,7 @@ class ServeProcess:
             env["NANOQWEN_API_KEY"] = api_key  # the environment variable, not the flag: both reach --api-key
         self.log_path = home / "serve.log"
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
-        cmd = [sys.executable, "-m", "nanoqwen_cli", "serve", "--model", str(model), "--device", "cpu",
+        cmd = [*argv(["serve"]), "--model", str(model), "--device", "cpu",
                "--port", "0", "--no-access-log", *args]
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
         self.port = self._wait_for_port()

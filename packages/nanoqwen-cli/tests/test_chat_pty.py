@@ -11,10 +11,10 @@ import os
 import re
 import select
 import subprocess
-import sys
 import time
 
 import pytest
+from nanoqwen_cli.testing import argv
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "openpty"), reason="needs a pty (POSIX)")
 
@@ -26,7 +26,7 @@ class Terminal:
     def __init__(self, args, env):
         master, slave = os.openpty()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "nanoqwen_cli", *map(str, args)],
+            argv(args),
             stdin=slave,
             stdout=slave,
             stderr=slave,

@@ -7,25 +7,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
+from nanoqwen_cli.testing import cli
 from nanoqwen_format.synthetic import tiny_config, write_hf_checkpoint
 
-TIMEOUT = 180
 HUB_ID = "someone/tiny-coder"
-
-
-def cli(args, env, input=None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "nanoqwen_cli", *map(str, args)],
-        input=input,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-    )
 
 
 @pytest.fixture

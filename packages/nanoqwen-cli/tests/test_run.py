@@ -12,6 +12,11 @@ from nanoqwen_engine import SamplingParams
 PROMPT = "def fib(n):"
 
 
+def _run(invoke, model, *args, input=None):
+    """`nanoqwen-cli run --model MODEL --device cpu ARGS...`."""
+    return invoke(["run", "--model", model, "--device", "cpu", *args], input=input)
+
+
 def _greedy(engine, request, n):
     return engine.complete(request, SamplingParams(temperature=0, max_tokens=n))
 
@@ -83,47 +88,16 @@ def test_stop_string_ends_the_text_before_it(invoke, tiny_model, tiny_engine):
     full = _greedy(tiny_engine, PROMPT, 24).text
     assert len(full) >= 6, f"the tiny model's greedy text is too short to cut: {full!r}"
     stop = full[len(full) // 2 : len(full) // 2 + 3]
-    result = invoke(
-        [
-            "run",
-            "--model",
-            tiny_model,
-            "--device",
-            "cpu",
-            "--raw",
-            "-t",
-            "0",
-            "-n",
-            24,
-            "--stop",
-            stop,
-            "--json",
-            PROMPT,
-        ]
-    )
+    result = _run(invoke, tiny_model, "--raw", "-t", "0", "-n", 24, "--stop", stop, "--json", PROMPT)
     record = json.loads(result.stdout)
     assert record["text"] == full[: full.find(stop)]
     assert record["finish_reason"] == "stop"
 
 
 def test_seeded_sampling_is_reproducible(invoke, tiny_model):
-    args = [
-        "run",
-        "--model",
-        tiny_model,
-        "--device",
-        "cpu",
-        "--raw",
-        "-t",
-        "1.0",
-        "--top-k",
-        50,
-        "-n",
-        10,
-        "--json",
-    ]
-    a = json.loads(invoke([*args, "--seed", 7, PROMPT]).stdout)
-    b = json.loads(invoke([*args, "--seed", 7, PROMPT]).stdout)
+    args = ["--raw", "-t", "1.0", "--top-k", 50, "-n", 10, "--json", "--seed", 7, PROMPT]
+    a = json.loads(_run(invoke, tiny_model, *args).stdout)
+    b = json.loads(_run(invoke, tiny_model, *args).stdout)
     assert a["token_ids"] == b["token_ids"]
 
 
@@ -153,42 +127,15 @@ def test_not_a_nanoqwen_file(invoke, tmp_path):
 
 def test_prompt_too_long(invoke, tiny_model):
     long_prompt = " the" * 200
-    line = _one_error_line(
-        invoke(
-            [
-                "run",
-                "--model",
-                tiny_model,
-                "--device",
-                "cpu",
-                "--raw",
-                "--max-context",
-                32,
-                "--quiet",
-                long_prompt,
-            ]
-        )
-    )
+    line = _one_error_line(_run(invoke, tiny_model, "--raw", "--max-context", 32, "--quiet", long_prompt))
     assert "200" in line and "32" in line
 
 
 def test_debug_shows_the_exception(invoke, tiny_model):
     from nanoqwen_engine import PromptTooLongError
 
-    result = invoke(
-        [
-            "--debug",
-            "run",
-            "--model",
-            tiny_model,
-            "--device",
-            "cpu",
-            "--raw",
-            "--max-context",
-            32,
-            " the" * 200,
-        ]
-    )
+    result = invoke(["--debug", "run", "--model", tiny_model, "--device", "cpu", "--raw", "--max-context", 32,
+                     " the" * 200])
     assert isinstance(result.exception, PromptTooLongError)
 
 

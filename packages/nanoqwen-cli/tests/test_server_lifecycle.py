@@ -15,10 +15,9 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import openai
+from nanoqwen_cli.testing import argv
 from nanoqwen_engine import SamplingParams
-from nanoqwen_engine.testing import seed  # noqa: F401  (fixture: a fresh seed per test, printed at setup)
 
 REPO = Path(__file__).resolve().parents[3]
 USER = [{"role": "user", "content": "def fib(n):"}]
@@ -69,11 +68,10 @@ def test_non_streaming_client_that_leaves_frees_its_pages(server):
     assert after["nanoqwen_generation_tokens_total"] - before["nanoqwen_generation_tokens_total"] < 3000
 
 
-def test_32_concurrent_streaming_clients(server, tiny_engine, request):
+def test_32_concurrent_streaming_clients(server, tiny_engine, rng):
     """40 streamed requests, 32 at a time (chat and completions, prompts of 1..~100 tokens): every one
     completes with its exact token count, and the pool ends with every page free. (Greedy: the CPU
     sampler's top-p sort over the 152k vocabulary would make each step many times slower.)"""
-    rng = np.random.default_rng(request.getfixturevalue("seed"))
     words = ["def", "return", "x", "for", "in", "range", "if", "else", "(", ")", ":", "+", "1"]
     jobs = []
     for i in range(40):
@@ -176,7 +174,7 @@ def test_loading_503_then_sigterm_drains_in_flight_and_exits_0(tiny_model, tmp_p
 
 def test_startup_errors_are_one_line_and_exit_1(tiny_model, tmp_path):
     """A port already taken fails before the model loads; a model that cannot load stops the server."""
-    cmd = [sys.executable, "-m", "nanoqwen_cli", "serve", "--device", "cpu"]
+    cmd = [*argv(["serve"]), "--device", "cpu"]
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()

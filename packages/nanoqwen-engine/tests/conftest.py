@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from nanoqwen_engine import Engine
 from nanoqwen_engine.config import ModelConfig
-from nanoqwen_engine.testing import pytest_addoption, rng, seed  # noqa: F401  (the seeded `rng` fixture)
+from nanoqwen_engine.testing import pytest_addoption, pytest_runtest_makereport, rng, seed  # noqa: F401
 from nanoqwen_engine.tokenizer import Tokenizer
 from nanoqwen_format import open_model, tiny_config, write_synthetic
 from nanoqwen_format.synthetic import shipped_tokenizer

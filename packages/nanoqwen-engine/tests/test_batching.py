@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from engine_testutil import pool_idle
 from nanoqwen_engine import Engine, SamplingParams
 from nanoqwen_engine.reference import ReferenceBackend
 from nanoqwen_engine.sampler import SamplerState
@@ -22,10 +23,6 @@ def rel_close(got, want, tol=1e-4):
 def backend(tied_path, open_file):
     nq, cfg = open_file(tied_path)
     return ReferenceBackend.create(nq, cfg, max_context=128, n_pages=64)
-
-
-def pool_idle(pool) -> bool:
-    return pool.n_free == pool.n_pages and not pool.sequences
 
 
 def test_decode_rows_equal_each_sequence_alone(backend, rng):

@@ -6,6 +6,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+from engine_testutil import pool_idle
 from nanoqwen_engine import (
     Engine,
     InvalidRequestError,
@@ -20,11 +21,6 @@ from nanoqwen_engine import (
 GREEDY = SamplingParams(temperature=0, max_tokens=20)
 
 
-def pool_idle(engine) -> bool:
-    pool = engine.backend.pool
-    return pool.n_free == pool.n_pages and not pool.sequences
-
-
 def random_prompt_ids(rng, n):
     """n ids of ordinary (non-special) tokens."""
     return rng.integers(0, 151643, size=n).tolist()
@@ -37,7 +33,7 @@ def test_issue_example_greedy_completion(tiny_path):
     assert 1 <= len(c.token_ids) <= 32 and c.prompt_tokens == 4
     assert c.stats["generated_tokens"] == len(c.token_ids) and c.stats["decode_s"] >= 0
     assert engine.info["device"].startswith("cpu") and engine.info["weights_bytes"] > 0
-    assert pool_idle(engine)
+    assert pool_idle(engine.backend.pool)
 
 
 def test_greedy_tokens_are_the_argmax_of_teacher_forced_logits(tiny_engine):
@@ -83,7 +79,7 @@ def test_stop_string_cuts_the_text(tiny_engine):
     assert c.finish_reason == "stop"
     assert c.text == text[: text.find(stop)]
     assert c.token_ids == full.token_ids[: len(c.token_ids)] and len(c.token_ids) < 20
-    assert pool_idle(tiny_engine)
+    assert pool_idle(tiny_engine.backend.pool)
 
 
 def test_eos_ends_with_stop_and_no_eos_text(tiny_engine, monkeypatch):
@@ -102,7 +98,7 @@ def test_context_limit_finishes_with_context(tiny_engine, rng):
     assert c.prompt_tokens == n
     # every generated token but the last is fed back; the cache ends exactly full
     assert c.finish_reason == "context" and len(c.token_ids) == tiny_engine.max_context - n + 1
-    assert pool_idle(tiny_engine)
+    assert pool_idle(tiny_engine.backend.pool)
 
 
 def _ids_text(engine, n, rng):
@@ -120,7 +116,7 @@ def test_prompt_too_long_allocates_nothing(tiny_engine, rng):
     text = _ids_text(tiny_engine, tiny_engine.max_context + 1, rng)
     with pytest.raises(PromptTooLongError, match=f"context holds {tiny_engine.max_context}"):
         tiny_engine.generate(text, GREEDY)
-    assert pool_idle(tiny_engine)
+    assert pool_idle(tiny_engine.backend.pool)
     exact = tiny_engine.complete(_ids_text(tiny_engine, tiny_engine.max_context, rng), GREEDY)
     assert exact.finish_reason == "context" and len(exact.token_ids) == 1
 
@@ -132,19 +128,19 @@ def test_request_that_can_never_fit_the_pool_is_refused_at_submit(tiny_path, rng
         engine.submit(text, SamplingParams(temperature=0, max_tokens=30))
     with pytest.raises(KVPagesExhaustedError):  # the prompt alone needs 4 pages
         engine.complete(_ids_text(engine, 60, rng), SamplingParams(temperature=0, max_tokens=1))
-    assert pool_idle(engine) and engine.stats()["waiting"] == 0
+    assert pool_idle(engine.backend.pool) and engine.stats()["waiting"] == 0
     c = engine.complete(text, SamplingParams(temperature=0, max_tokens=9))  # 48 tokens: exactly 3 pages
     assert c.finish_reason == "length" and len(c.token_ids) == 9
-    assert pool_idle(engine)
+    assert pool_idle(engine.backend.pool)
 
 
 def test_closing_the_stream_frees_the_sequence(tiny_engine):
     gen = tiny_engine.generate("def fib(n):", GREEDY)
     next(gen)
     next(gen)
-    assert not pool_idle(tiny_engine)
+    assert not pool_idle(tiny_engine.backend.pool)
     gen.close()
-    assert pool_idle(tiny_engine)
+    assert pool_idle(tiny_engine.backend.pool)
 
 
 def test_bad_requests_are_clear_errors(tiny_engine):
@@ -154,7 +150,7 @@ def test_bad_requests_are_clear_errors(tiny_engine):
         tiny_engine.complete(42, GREEDY)
     with pytest.raises(InvalidRequestError, match="token ids"):
         tiny_engine.score([0, tiny_engine.config.vocab])
-    assert pool_idle(tiny_engine)
+    assert pool_idle(tiny_engine.backend.pool)
 
 
 def test_score_is_the_backend_forward(tiny_engine, rng):
@@ -234,7 +230,7 @@ def test_request_waits_for_pages_then_both_give_their_solo_tokens(tiny_path, rng
     other = engine.submit(text_b, params)
     assert first + [e.token_id for e in running] == solo_a
     assert other.result().token_ids == solo_b
-    assert pool_idle(engine)
+    assert pool_idle(engine.backend.pool)
 
 
 @pytest.mark.parametrize("kw, match", [

@@ -9,6 +9,7 @@ import threading
 
 import numpy as np
 import pytest
+from engine_testutil import pool_idle
 from nanoqwen_engine import (
     Engine,
     EngineClosedError,
@@ -19,11 +20,6 @@ from nanoqwen_engine import (
 )
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
-
-
-def pool_idle(engine) -> bool:
-    pool = engine.backend.pool
-    return pool.n_free == pool.n_pages and not pool.sequences
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +45,7 @@ def test_submit_iterate_and_result_agree_with_complete(tied_engine, rng):
     r = h.result()
     assert r.token_ids == want.token_ids and r.text == want.text and r.prompt_tokens == len(p)
     assert {"queue_s", "prefill_s", "decode_s", "ttft_s", "preemptions", "seed"} <= set(r.stats)
-    assert pool_idle(tied_engine)
+    assert pool_idle(tied_engine.backend.pool)
 
 
 def test_async_for_streams_without_blocking_the_loop(tied_engine, rng):
@@ -79,7 +75,7 @@ def test_async_for_streams_without_blocking_the_loop(tied_engine, rng):
     got, ticks = asyncio.run(main())
     assert got == want
     assert ticks > 10
-    assert pool_idle(tied_engine)
+    assert pool_idle(tied_engine.backend.pool)
 
 
 def test_cancel_mid_stream_frees_pages_and_ends_with_cancelled(tied_engine, rng):
@@ -92,7 +88,7 @@ def test_cancel_mid_stream_frees_pages_and_ends_with_cancelled(tied_engine, rng)
     assert rest[-1].finish_reason == "cancelled" and rest[-1].token_id == -1
     r = h.result()
     assert r.finish_reason == "cancelled" and r.token_ids[:2] == first and len(r.token_ids) < 200
-    assert pool_idle(tied_engine)
+    assert pool_idle(tied_engine.backend.pool)
     h.cancel()  # idempotent once ended
     assert tied_engine.stats()["requests_cancelled"] == 1
 
@@ -112,7 +108,7 @@ def test_cancel_while_waiting_and_queue_full(tied_path, rng):
     assert r.finish_reason == "cancelled" and r.token_ids == []
     long.cancel()
     assert long.result().finish_reason == "cancelled"
-    assert pool_idle(engine)
+    assert pool_idle(engine.backend.pool)
     engine.close()
 
 
@@ -129,7 +125,7 @@ def test_close_ends_pending_requests_and_refuses_new_ones(tied_path, rng):
         engine.submit(prompts(rng, 1)[0], GREEDY)
     with pytest.raises(EngineClosedError):
         engine.score([1, 2, 3])
-    assert pool_idle(engine) and engine.stats()["closed"]
+    assert pool_idle(engine.backend.pool) and engine.stats()["closed"]
     engine.close()  # idempotent
 
 
@@ -167,7 +163,7 @@ def test_an_error_inside_a_step_reaches_every_row_and_the_engine_goes_on(tied_en
             assert e is boom
             failed += 1
     assert failed >= 1
-    assert pool_idle(tied_engine)
+    assert pool_idle(tied_engine.backend.pool)
     assert tied_engine.complete(ps[0], GREEDY).token_ids == want
 
 
@@ -192,7 +188,7 @@ def test_many_threads_complete_at_once_each_gets_its_solo_tokens(tiny_path):
     for t in threads:
         t.join()
     assert got == solo
-    assert pool_idle(engine)
+    assert pool_idle(engine.backend.pool)
     assert engine.stats()["decode_rows"] > engine.stats()["steps"]  # rows really shared steps
     engine.close()
 
@@ -205,7 +201,7 @@ def test_prompt_as_token_ids_is_checked(tied_engine):
                        (42, "str, a list of token ids")):
         with pytest.raises(InvalidRequestError, match=match):
             tied_engine.submit(bad, GREEDY)
-    assert pool_idle(tied_engine)
+    assert pool_idle(tied_engine.backend.pool)
 
 
 @pytest.mark.parametrize("bad, match", [

@@ -11,6 +11,7 @@ a second. The real model's numbers under batching are test_batching.py's.
 from __future__ import annotations
 
 import numpy as np
+from engine_testutil import pool_idle
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -241,7 +242,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             return
         drain(self.sched)
         pool = self.be.pool
-        assert pool.n_free == pool.n_pages and not pool.sequences
+        assert pool_idle(pool)
         for r in self.reqs:
             assert r.finished
             res = r.handle.result()

@@ -15,9 +15,11 @@ def model(tmp_path, synthetic_file):
     return path
 
 
-def _flip_bit(path, tensor: str, byte: int = 0, bit: int = 0) -> None:
-    """Flip one bit of `tensor`'s data and put the file's mtime back, as a silent disk fault would."""
+def _flip_bit(path, index: int, byte: int = 0, bit: int = 0) -> str:
+    """Flip one bit of the data of the file's tensor number `index` and put the file's mtime back, as a
+    silent disk fault would; returns that tensor's name."""
     with open_model(path) as m:
+        tensor = m.tensor_names[index]
         offset = m.tensor_info(tensor)["offset"] + byte
     st = os.stat(path)
     with open(path, "r+b") as f:
@@ -26,6 +28,7 @@ def _flip_bit(path, tensor: str, byte: int = 0, bit: int = 0) -> None:
         f.seek(offset)
         f.write(bytes([b ^ (1 << bit)]))
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    return tensor
 
 
 def test_first_check_reads_later_ones_trust_the_record(model, tmp_path):
@@ -39,9 +42,7 @@ def test_first_check_reads_later_ones_trust_the_record(model, tmp_path):
 
 @pytest.mark.parametrize("where", ["first", "last"])
 def test_a_flipped_bit_fails_naming_file_and_tensor(model, tmp_path, where):
-    with open_model(model) as m:
-        tensor = m.tensor_names[0 if where == "first" else -1]
-    _flip_bit(model, tensor, byte=7, bit=3)
+    tensor = _flip_bit(model, 0 if where == "first" else -1, byte=7, bit=3)
     with pytest.raises(NanoqwenFormatError, match="CRC32 mismatch") as e:
         verify_once(model, tmp_path / "records")
     assert str(model) in str(e.value) and tensor in str(e.value)
@@ -51,9 +52,7 @@ def test_a_flipped_bit_fails_naming_file_and_tensor(model, tmp_path, where):
 def test_a_changed_file_is_checked_again(model, tmp_path):
     records = tmp_path / "records"
     verify_once(model, records)
-    with open_model(model) as m:
-        tensor = m.tensor_names[1]
-    _flip_bit(model, tensor)
+    tensor = _flip_bit(model, 1)
     st = os.stat(model)
     os.utime(model, ns=(st.st_atime_ns, st.st_mtime_ns + 1))  # the file was rewritten: a new mtime
     with pytest.raises(NanoqwenFormatError, match=tensor):
@@ -64,9 +63,7 @@ def test_a_fault_behind_an_unchanged_identity_needs_force(model, tmp_path):
     """The documented limit: the record trusts size, mtime and inode."""
     records = tmp_path / "records"
     verify_once(model, records)
-    with open_model(model) as m:
-        tensor = m.tensor_names[2]
-    _flip_bit(model, tensor)
+    tensor = _flip_bit(model, 2)
     assert verify_once(model, records) is False
     with pytest.raises(NanoqwenFormatError, match=tensor):
         verify_once(model, records, force=True)

@@ -3,7 +3,7 @@ manner of llama-bench.
 
 Protocol (single stream): a P-token prompt, G generated tokens, greedy, `--warmup` untimed runs then
 `--runs` timed ones; each row reports the median beside mean ± stddev over the timed runs. Defaults
-P = 512, G = 128: the project's reference protocol (README). Decode speed is judged against the bytes a
+P = 512, G = 128: the decode protocol of docs/PERF.md ("Method"). Decode speed is judged against the bytes a
 token must read (bandwidth.py) and, on the GPU, the copy bandwidth measured on the H200 here (4.19 TB/s,
 --copy-bw); a CPU run has no such reference and shows none. `--prompt-tokens 128,512,2048` and
 `--gen-tokens` sweep; `--concurrency 1,8,32,64` measures N requests at once (bench_concurrency.py).
@@ -18,7 +18,7 @@ import click
 
 from nanoqwen_cli import bandwidth, bench_report, session
 from nanoqwen_cli.errors import CliError
-from nanoqwen_cli.options import model_options
+from nanoqwen_cli.options import count_option, model_options
 
 MEASURED_COPY_BW_GBS = 4190.0  # device-to-device copy on the H200 here, read + write (docs/PERF.md)
 
@@ -72,12 +72,8 @@ class IntList(click.ParamType):
     help="Submit N requests at once through the engine's batched API (levels: 1,8,32,64): aggregate "
     "tok/s, time to first token and inter-token latency p50/p99 per level.",
 )
-@click.option(
-    "--runs", type=click.IntRange(min=1), default=5, show_default=True, help="Timed runs per test (or level)."
-)
-@click.option(
-    "--warmup", type=click.IntRange(min=0), default=1, show_default=True, help="Untimed runs first."
-)
+@count_option("--runs", default=5, help="Timed runs per test (or level).")
+@count_option("--warmup", default=1, lo=0, help="Untimed runs first.")
 @click.option(
     "--eager", is_flag=True, help="Decode with eager kernel launches instead of the CUDA graph (cuda only)."
 )

@@ -32,6 +32,21 @@ _HUB_MISSING = {"RepositoryNotFoundError", "RevisionNotFoundError", "EntryNotFou
 _NETWORK = {"ConnectionError", "ConnectTimeout", "ReadTimeout", "Timeout", "HfHubHTTPError", "HTTPError"}
 _GPU_OOM = {"OutOfMemoryError"}  # cupy.cuda.memory.OutOfMemoryError
 _CUDA_ERRORS = {"CUDARuntimeError", "CUDADriverError", "CompileException"}
+# Third-party exceptions matched by class name (their packages are not imported to match them), first
+# match wins: the message for each.
+_BY_NAME = (
+    (_HUB_OFFLINE, "the model is not in the local Hugging Face cache and the hub cannot be reached "
+                   "(offline mode or no network): {text}"),
+    (_HUB_MISSING, "no such model on the Hugging Face hub: {text}"),
+    (_GPU_OOM, "out of GPU memory: {text} (try a smaller --max-context)"),
+    (_CUDA_ERRORS, "CUDA error: {text}"),
+    (_NETWORK, "network error while fetching the model: {text}"),
+)
+_FILE_ERRORS = (  # OSErrors about one file: what went wrong, then the file
+    (FileNotFoundError, "file not found"),
+    (IsADirectoryError, "is a directory, expected a file"),
+    (PermissionError, "permission denied"),
+)
 
 
 def describe(exc: BaseException) -> str:
@@ -50,27 +65,14 @@ def describe(exc: BaseException) -> str:
         return f"{text} (a larger --max-context makes room, up to the model's limit)"
     if isinstance(exc, NanoqwenError | NanoqwenFormatError | KernelError):
         return text
-    if _is_instance_by_name(exc, _HUB_OFFLINE):
-        return (
-            "the model is not in the local Hugging Face cache and the hub cannot be reached "
-            f"(offline mode or no network): {text}"
-        )
-    if _is_instance_by_name(exc, _HUB_MISSING):
-        return f"no such model on the Hugging Face hub: {text}"
-    if _is_instance_by_name(exc, _GPU_OOM):
-        return f"out of GPU memory: {text} (try a smaller --max-context)"
-    if _is_instance_by_name(exc, _CUDA_ERRORS):
-        return f"CUDA error: {text}"
-    if _is_instance_by_name(exc, _NETWORK):
-        return f"network error while fetching the model: {text}"
+    for names, template in _BY_NAME:
+        if _is_instance_by_name(exc, names):
+            return template.format(text=text)
     if isinstance(exc, MemoryError):
         return "out of memory (host RAM); try a smaller model or --max-context"
-    if isinstance(exc, FileNotFoundError):
-        return f"file not found: {exc.filename or text}"
-    if isinstance(exc, IsADirectoryError):
-        return f"is a directory, expected a file: {exc.filename or text}"
-    if isinstance(exc, PermissionError):
-        return f"permission denied: {exc.filename or text}"
+    for kind, what in _FILE_ERRORS:
+        if isinstance(exc, kind):
+            return f"{what}: {exc.filename or text}"
     if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
         return f"no space left on device: {exc.filename or text}"
     if isinstance(exc, OSError):

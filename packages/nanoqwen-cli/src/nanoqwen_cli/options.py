@@ -110,6 +110,12 @@ def no_verify_given() -> bool:
     return bool(ctx is not None and ctx.meta.get(NO_VERIFY))
 
 
+def count_option(*decls: str, default: int | None, help: str, lo: int = 1):
+    """An integer option of at least `lo` (a count of tokens, prompts, runs...), its default shown."""
+    return click.option(*decls, type=click.IntRange(min=lo), default=default, show_default=default is not None,
+                        help=help)
+
+
 def model_options(func):
     """--model, --device, --max-context, --no-verify."""
 
@@ -129,9 +135,8 @@ def model_options(func):
         show_default=True,
         help="cuda: the Hopper GPU engine. cpu: the numpy reference backend (small models, no GPU).",
     )
-    @click.option(
+    @count_option(
         "--max-context",
-        type=click.IntRange(min=1),
         default=None,
         help="Tokens of context (prompt + answer) to reserve KV pages for, up to the model's limit "
         "(max_position_embeddings). Default: the engine's choice (free memory / the model's limit).",

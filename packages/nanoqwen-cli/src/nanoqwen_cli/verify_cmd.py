@@ -13,7 +13,7 @@ import json
 import click
 
 from nanoqwen_cli import session
-from nanoqwen_cli.options import model_options
+from nanoqwen_cli.options import count_option, model_options
 
 
 def _default_eps() -> float:
@@ -24,29 +24,14 @@ def _default_eps() -> float:
 
 @click.command(short_help="Greedy tokens vs the CPU reference.")
 @model_options
-@click.option(
+@count_option(
     "--prompts",
     "n_prompts",
-    type=click.IntRange(min=1),
     default=8,
-    show_default=True,
     help="How many prompts of the built-in diverse set (code, prose, chat, page-boundary lengths).",
 )
-@click.option(
-    "--max-tokens",
-    "-n",
-    type=click.IntRange(min=1),
-    default=32,
-    show_default=True,
-    help="Greedy tokens per prompt.",
-)
-@click.option(
-    "--max-prompt-tokens",
-    type=click.IntRange(min=1),
-    default=512,
-    show_default=True,
-    help="Longest prompt of the set, in tokens.",
-)
+@count_option("--max-tokens", "-n", default=32, help="Greedy tokens per prompt.")
+@count_option("--max-prompt-tokens", default=512, help="Longest prompt of the set, in tokens.")
 @click.option(
     "--eps",
     type=click.FloatRange(min=0.0),
@@ -55,11 +40,10 @@ def _default_eps() -> float:
     "engine's by at most EPS logits (rounding can flip that); more fails. Default: "
     "nanoqwen_engine.validation.DEFAULT_EPS (0.1, ~6 sigma of fp16-vs-fp32 rounding noise).",
 )
-@click.option(
+@count_option(
     "--score-prompts",
-    type=click.IntRange(min=0),
     default=4,
-    show_default=True,
+    lo=0,
     help="On this many prompts, also compare score() logits over prompt + reference tokens.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON record instead of the table.")

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from nanoqwen_kernels.dims import HeadWidths
+
 from .argcheck import check_bool, check_float, check_int, is_int
 from .errors import ConfigError
 
@@ -29,9 +31,9 @@ def _eos_ids(where: str, v: Any) -> list[int]:
 
 
 @dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(HeadWidths):
     """The one parse of a model's HF config in the engine; every backend (and the GPU kernels' dims)
-    is built from it."""
+    is built from it. q_dim, kv_dim and qkv_rows come from HeadWidths."""
 
     hidden: int  # H
     intermediate: int  # I (MLP)
@@ -109,11 +111,3 @@ class ModelConfig:
                                    lo=1),
             eos_ids=tuple(eos),
         )
-
-    @property
-    def q_dim(self) -> int:
-        return self.n_heads * self.head_dim
-
-    @property
-    def kv_dim(self) -> int:
-        return self.n_kv_heads * self.head_dim

@@ -17,8 +17,30 @@ HEAD_DIM = 128  # RoPE pairs d and d+64 and the attention tiles assume 128-wide 
 PAGE_TOKENS = 16  # tokens per KV page (docs/INTERFACES.md section 3)
 
 
+class HeadWidths:
+    """The attention widths that follow from n_heads, n_kv_heads and head_dim: written once here for
+    ModelDims and for the engine's ModelConfig (which derives from this too; importing it needs no CuPy)."""
+
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+
+    @property
+    def q_dim(self) -> int:
+        return self.n_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+    @property
+    def qkv_rows(self) -> int:
+        """Rows of the fused q/k/v projection: q, then k, then v."""
+        return self.q_dim + 2 * self.kv_dim
+
+
 @dataclass(frozen=True)
-class ModelDims:
+class ModelDims(HeadWidths):
     hidden: int  # H: residual stream width
     intermediate: int  # I: MLP width (gate/up rows, down K)
     n_heads: int  # query heads
@@ -47,19 +69,6 @@ class ModelDims:
             raise KernelError(
                 f"unsupported heads: n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}"
             )
-
-    @property
-    def q_dim(self) -> int:
-        return self.n_heads * self.head_dim
-
-    @property
-    def kv_dim(self) -> int:
-        return self.n_kv_heads * self.head_dim
-
-    @property
-    def qkv_rows(self) -> int:
-        """Rows of the fused q/k/v projection: q, then k, then v."""
-        return self.q_dim + 2 * self.kv_dim
 
     def defines(self) -> dict[str, int | float]:
         """The -D constants every kernel source sees (names mirrored in cuda/common.cuh)."""

@@ -79,7 +79,7 @@ class PrefillPass:
         gu [T,2I], act [T,I]."""
         xp, c = self.dev.xp, self.cfg
         H, Q, Im = c.hidden, c.q_dim, c.intermediate
-        R = Q + 2 * c.kv_dim
+        R = c.qkv_rows
         shapes = {"h": (T, H), "qkv": (T, R), "q": (T, Q), "a": (T, Q), "o": (T, H), "gu": (T, 2 * Im),
                   "act": (T, Im)}
         return {k: xp.empty(s, dtype=np.float16) for k, s in shapes.items()}
@@ -91,7 +91,7 @@ class PrefillPass:
             return None
         if self._ws is None:
             c = self.cfg
-            n = max(2 * c.intermediate * c.hidden, (c.q_dim + 2 * c.kv_dim) * c.hidden, c.hidden * c.q_dim)
+            n = max(2 * c.intermediate * c.hidden, c.qkv_rows * c.hidden, c.hidden * c.q_dim)
             self._ws = self.dev.xp.empty(n, dtype=np.float16)
         return self._ws
 

@@ -42,7 +42,7 @@ class LayerWeights:
 
 def projection_bytes(cfg: ModelConfig) -> int:
     """float32 bytes of all layers' projections."""
-    per = cfg.hidden * (cfg.q_dim + 2 * cfg.kv_dim) + cfg.q_dim * cfg.hidden + 3 * cfg.hidden * cfg.intermediate
+    per = cfg.hidden * cfg.qkv_rows + cfg.q_dim * cfg.hidden + 3 * cfg.hidden * cfg.intermediate
     return 4 * per * cfg.n_layers
 
 

@@ -153,6 +153,25 @@ __device__ __forceinline__ void reduce_scatter_step(float (&s)[16][kG], int lane
   }
 }
 
+// Page i of this split's run, once its copies have landed in the ring (both consumer bodies start a page
+// here): its slot (handed back through empty[slot] when the warp is done), its K and V slices ([16][128]
+// fp16 each), and how many of its 16 tokens lie below seq_len. The tail page's other slots still hold
+// whatever the page had (stale or never-written data, possibly NaN): the consumers mask them by position.
+struct RingPage {
+  int slot;
+  const uint16_t* k;
+  const uint16_t* v;
+  int valid;
+};
+
+__device__ __forceinline__ RingPage wait_page(const unsigned char* ring, uint64_t* full, int i, int p0,
+                                              int seq_len) {
+  const int slot = i % kStages;
+  mbar_wait(&full[slot], (i / kStages) & 1);
+  const uint16_t* k = reinterpret_cast<const uint16_t*>(ring + slot * kSlotBytes);
+  return {slot, k, k + kPageElems, min(nq::kPageTokens, seq_len - (p0 + i) * nq::kPageTokens)};
+}
+
 // ---- consumer, CUDA cores: lane owns dims 4*lane .. 4*lane+3 of every head ---------------------------
 __device__ __forceinline__ void consume_fma(int c, int lane, const unsigned char* ring, uint64_t* full,
                                             uint64_t* empty, const uint16_t* q, int kvh, int p0, int count,
@@ -177,13 +196,7 @@ __device__ __forceinline__ void consume_fma(int c, int lane, const unsigned char
     }
 
     for (int i = c; i < count; i += kConsumers) {
-      const int slot = i % kStages;
-      mbar_wait(&full[slot], (i / kStages) & 1);
-      const uint16_t* ks = reinterpret_cast<const uint16_t*>(ring + slot * kSlotBytes);  // [16][128]
-      const uint16_t* vs = ks + kPageElems;                                           // [16][128]
-      // tail page: positions >= seq_len are masked by position (the slot still holds 4 KiB of
-      // whatever the page had: stale or never-written data, possibly NaN)
-      const int valid = min(nq::kPageTokens, seq_len - (p0 + i) * nq::kPageTokens);
+      const auto [slot, ks, vs, valid] = wait_page(ring, full, i, p0, seq_len);
 
       // partial dots: s[t][g] = sum over this lane's 4 dims of q[g] * K[t]
       float s[16][kG];
@@ -296,11 +309,7 @@ __device__ __forceinline__ void consume_mma(int c, int lane, const unsigned char
   for (int n2 = 0; n2 < 16; ++n2) acc[n2][0] = acc[n2][1] = acc[n2][2] = acc[n2][3] = 0.f;
 
   for (int i = c; i < count; i += kConsumers) {
-    const int slot = i % kStages;
-    mbar_wait(&full[slot], (i / kStages) & 1);
-    const uint16_t* ks = reinterpret_cast<const uint16_t*>(ring + slot * kSlotBytes);  // [16][128]
-    const uint16_t* vs = ks + kPageElems;                                               // [16][128]
-    const int valid = min(nq::kPageTokens, seq_len - (p0 + i) * nq::kPageTokens);
+    const auto [slot, ks, vs, valid] = wait_page(ring, full, i, p0, seq_len);
 
     float s[2][4];  // [token tile][D fragment]: s[nt][j] = S^T[g][8 nt + 2t + j], j < 2
 #pragma unroll

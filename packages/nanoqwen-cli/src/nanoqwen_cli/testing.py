@@ -1,5 +1,6 @@
-"""nanoqwen-cli as a real subprocess (`python -m nanoqwen_cli`), for the root CLI tests; the `env` fixture
-(conftest.py) gives it an empty model cache and an offline, empty Hugging Face home."""
+"""nanoqwen-cli as a real subprocess (`python -m nanoqwen_cli`), for the CLI's tests and the repository's
+subprocess tests: the one place that spells the command line. The callers pass the environment (their
+`env` fixtures give an empty model cache and an offline, empty Hugging Face home)."""
 
 from __future__ import annotations
 
@@ -9,15 +10,15 @@ import sys
 TIMEOUT = 180  # s: one CLI call on the CPU reference, model load included, takes seconds
 
 
-def _argv(args) -> list[str]:
+def argv(args) -> list[str]:
     return [sys.executable, "-m", "nanoqwen_cli", *map(str, args)]
 
 
 def cli(args, env, input=None, timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
     """Run to the end; stdout and stderr captured as text."""
-    return subprocess.run(_argv(args), input=input, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(argv(args), input=input, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def popen(args, env, stdin=subprocess.DEVNULL) -> subprocess.Popen:
     """Started, not waited for; stdout and stderr are binary pipes (the caller reads them as they come)."""
-    return subprocess.Popen(_argv(args), stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    return subprocess.Popen(argv(args), stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
