@@ -229,6 +229,35 @@ __device__ __forceinline__ void mma_batch(const typename W::Piece (&p0)[kIF], co
     }
   }
 }
+// The rest of a slice's software pipeline, once batch 0 is in (a0, a1): batch b+1's weight loads are in
+// flight while batch b is multiplied, the two register sets taking turns (two batches of loads in flight).
+template <int K, int NT, int kIF, class W>
+__device__ __forceinline__ void pipelined_slice(const W& wsrc, typename W::Piece (&a0)[kIF],
+                                                typename W::Piece (&a1)[kIF], int n_i, int g_lo, int r0, int r1,
+                                                int c, const uint4* xs, int row_chunks, int ncols,
+                                                float (&acc)[NT][4]) {
+  typename W::Piece b0[kIF], b1[kIF];
+  for (int i0 = 0; i0 < n_i; i0 += 2 * kIF) {
+    load_batch<K, kIF>(wsrc, b0, b1, i0 + kIF, n_i, g_lo, r0, r1, c);
+    mma_batch<NT, kIF, W>(a0, a1, i0, n_i, xs, row_chunks, ncols, acc);
+    load_batch<K, kIF>(wsrc, a0, a1, i0 + 2 * kIF, n_i, g_lo, r0, r1, c);
+    mma_batch<NT, kIF, W>(b0, b1, i0 + kIF, n_i, xs, row_chunks, ncols, acc);
+  }
+}
+
+// The C fragments of a tile into part[warp][unit][row][column]: acc[nt][0..1] = row r0 of unit g,
+// columns 8nt + 2c, +1; acc[nt][2..3] = row r1.
+template <int NT, class Part>
+__device__ __forceinline__ void store_fragments(Part& part, int warp, int g, int c, const float (&acc)[NT][4]) {
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    part[warp][g][0][8 * nt + 2 * c] = acc[nt][0];
+    part[warp][g][0][8 * nt + 2 * c + 1] = acc[nt][1];
+    part[warp][g][1][8 * nt + 2 * c] = acc[nt][2];
+    part[warp][g][1][8 * nt + 2 * c + 1] = acc[nt][3];
+  }
+}
+
 
 // n_cols = B; pass_cols (<= 8 NT) = columns per pass (pass y: columns pass_cols * y ..); slice_groups =
 // 128-k groups of x staged at a time (all of K, or a multiple of 8). Every thread calls it.
@@ -267,7 +296,7 @@ __device__ __forceinline__ void gemv_mma(const W& wsrc, const uint16_t* __restri
       const int n_i = (g_hi - g_lo - warp + kWarps - 1) / kWarps;  // this warp's groups in the slice
       // Software pipeline over batches of kIF groups: batch b+1's weight loads are in flight while batch b
       // is multiplied, and the first batch's while x is (re)staged (weights do not depend on x).
-      typename W::Piece a0[kIF], a1[kIF], b0[kIF], b1[kIF];
+      typename W::Piece a0[kIF], a1[kIF];
       load_batch<K, kIF>(wsrc, a0, a1, 0, n_i, g_lo, r0, r1, c);
       if (n_slices > 1 || !staged) {
         __syncthreads();  // the previous slice's reads of xs are done; rs is visible
@@ -275,21 +304,9 @@ __device__ __forceinline__ void gemv_mma(const W& wsrc, const uint16_t* __restri
         __syncthreads();  // xs complete
         staged = true;
       }
-      for (int i0 = 0; i0 < n_i; i0 += 2 * kIF) {
-        load_batch<K, kIF>(wsrc, b0, b1, i0 + kIF, n_i, g_lo, r0, r1, c);
-        mma_batch<NT, kIF, W>(a0, a1, i0, n_i, xs, row_chunks, ncols, acc);
-        load_batch<K, kIF>(wsrc, a0, a1, i0 + 2 * kIF, n_i, g_lo, r0, r1, c);
-        mma_batch<NT, kIF, W>(b0, b1, i0 + kIF, n_i, xs, row_chunks, ncols, acc);
-      }
+      pipelined_slice<K, NT, kIF, W>(wsrc, a0, a1, n_i, g_lo, r0, r1, c, xs, row_chunks, ncols, acc);
     }
-    // C fragment: acc[nt][0..1] = row r0 of unit g, columns 8nt + 2c, +1; acc[nt][2..3] = row r1
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      part[warp][g][0][8 * nt + 2 * c] = acc[nt][0];
-      part[warp][g][0][8 * nt + 2 * c + 1] = acc[nt][1];
-      part[warp][g][1][8 * nt + 2 * c] = acc[nt][2];
-      part[warp][g][1][8 * nt + 2 * c + 1] = acc[nt][3];
-    }
+    store_fragments<NT>(part, warp, g, c, acc);
     __syncthreads();  // all warps' partials of this tile visible
     for (int i = threadIdx.x; i < 8 * ncols; i += kThreads) {
       const int u = i / ncols, b = i - u * ncols;
@@ -367,22 +384,10 @@ __device__ __forceinline__ void gemv_mma_splitk(const W& wsrc, const uint16_t* _
     float acc[NT][4];
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
-    typename W::Piece a0[kIF], a1[kIF], b0[kIF], b1[kIF];
+    typename W::Piece a0[kIF], a1[kIF];
     load_batch<K, kIF>(wsrc, a0, a1, 0, n_i, g_lo, r0, r1, c);
-    for (int i0 = 0; i0 < n_i; i0 += 2 * kIF) {
-      load_batch<K, kIF>(wsrc, b0, b1, i0 + kIF, n_i, g_lo, r0, r1, c);
-      mma_batch<NT, kIF, W>(a0, a1, i0, n_i, xs, row_chunks, ncols, acc);
-      load_batch<K, kIF>(wsrc, a0, a1, i0 + 2 * kIF, n_i, g_lo, r0, r1, c);
-      mma_batch<NT, kIF, W>(b0, b1, i0 + kIF, n_i, xs, row_chunks, ncols, acc);
-    }
-    // C fragment: acc[nt][0..1] = row r0 of unit g, columns 8nt + 2c, +1; acc[nt][2..3] = row r1
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      part[warp][g][0][8 * nt + 2 * c] = acc[nt][0];
-      part[warp][g][0][8 * nt + 2 * c + 1] = acc[nt][1];
-      part[warp][g][1][8 * nt + 2 * c] = acc[nt][2];
-      part[warp][g][1][8 * nt + 2 * c + 1] = acc[nt][3];
-    }
+    pipelined_slice<K, NT, kIF, W>(wsrc, a0, a1, n_i, g_lo, r0, r1, c, xs, row_chunks, ncols, acc);
+    store_fragments<NT>(part, warp, g, c, acc);
     __syncthreads();  // all warps' partials of this tile visible
     // thread i: unit i % 8 of column i / 8, so 8 neighbouring threads write 64 contiguous bytes of ws
     for (int i = threadIdx.x; i < 8 * ncols; i += kThreads) {
