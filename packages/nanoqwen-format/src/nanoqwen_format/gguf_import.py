@@ -14,8 +14,9 @@ the HF config from the `qwen2.*` keys, a Hugging Face tokenizer.json rebuilt fro
 (byte-level BPE with Qwen2's pre-tokenizer), the chat template from `tokenizer.chat_template`.
 
 Tensor data is read with plain file reads at the offsets the reader reports, not through the reader's
-memmap: pages touched through a memmap stay in the process's RSS until it exits, 1.1 GB for the 1.5B
-Q4_K_M file and 4.7 GB for a 7B; file reads keep the working set at the converter's chunk bound.
+memmap: pages touched through a memmap count in the process's RSS for as long as the map lives (the whole
+file by the end: 1.1 GB for the 1.5B Q4_K_M, 4.7 GB for a 7B); file reads keep the working set at the
+converter's chunk bound (0.57 GB peak RSS converting the 1.5B, measured).
 """
 
 from __future__ import annotations
