@@ -37,7 +37,7 @@ def refused(src, out, match):
     NanoqwenFormatError of convert() into that line; anything else would escape as r.exception); no output."""
     r = CliRunner().invoke(main, [str(src), "-o", str(out), "--quiet"])
     assert r.exit_code == 1 and isinstance(r.exception, SystemExit), (r.output, r.exception)
-    assert r.output.count("\n") == 1 and r.output.startswith("Error: "), r.output
+    assert r.output.count("\n") == 1 and r.output.startswith("error: "), r.output
     assert re.search(match, r.output), r.output
     assert not out.exists()
     assert not [p.name for p in out.parent.iterdir() if p.name.endswith(".tmp")]

@@ -105,7 +105,7 @@ def test_inspect_prints_one_line(bare_file, tmp_path, kind):
     bad.write_bytes(CASES[kind][0](bare_file.read_bytes()))
     r = CliRunner().invoke(main, ["inspect", str(bad), "--verify"])
     assert r.exit_code == 1 and isinstance(r.exception, SystemExit), (r.output, r.exception)
-    assert r.output.count("\n") == 1 and r.output.startswith("Error: "), r.output
+    assert r.output.count("\n") == 1 and r.output.startswith("error: "), r.output
 
 
 def test_crc_mismatch_only_with_verify(bare_file, tmp_path):

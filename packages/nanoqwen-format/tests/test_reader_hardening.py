@@ -40,7 +40,7 @@ def assert_refused(path, match):
     assert "\n" not in str(info.value)
     r = CliRunner().invoke(main, ["inspect", str(path)])
     assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.output
-    assert r.output.count("\n") == 1 and r.output.startswith("Error: "), r.output
+    assert r.output.count("\n") == 1 and r.output.startswith("error: "), r.output
 
 
 # --- shapes and integers are bounded before anything is computed with them -----------------------------
