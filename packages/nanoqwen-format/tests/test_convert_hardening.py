@@ -263,13 +263,13 @@ def _failing_quantize(monkeypatch, seen=None, fail_at=3):
     """quantize_int4 that records the output folder's names and raises on call `fail_at` (0: never)."""
     real, calls = convert_mod.quantize_int4, {"n": 0}
 
-    def hooked(w):
+    def hooked(w, *args):  # args: the converter's quantizer name and importance weights
         calls["n"] += 1
         if seen is not None:
             seen["names"] = sorted(p.name for p in seen["folder"].iterdir())
         if calls["n"] == fail_at:
             raise RuntimeError("stop")
-        return real(w)
+        return real(w, *args)
 
     monkeypatch.setattr(convert_mod, "quantize_int4", hooked)
 
@@ -335,7 +335,7 @@ KILLED_RUN = """
 import sys, time, pathlib
 import nanoqwen_format.converter as c
 real = c.quantize_int4
-def hang(w):
+def hang(w, *args):
     pathlib.Path(sys.argv[3]).write_text("started")
     time.sleep(600)
 c.quantize_int4 = hang
