@@ -3,7 +3,8 @@
 Fresh random weights/activations each test (the seeded `rng` fixture); outputs poisoned with NaN before
 every launch. B runs over 1, 2, 3, 5, 8 (one pass of the 8-column build), 9, 16 (the 32-column build),
 33, 64 (several passes), at the 7B, 1.5B and tiny shapes; B = 1 also on each GEMV variant's bodies; B > 1
-on both batched builds (gemv_mma's passes, and the split-K build of the "splitk" variant).
+on the three batched builds (gemv_mma's passes, the split-K build of the "splitk" variant and the tile
+GEMM of the "tiles" variant).
 Tolerances: the INT4 GEMV's products and 4-term partial sums are fp16 on the half2 loop (refs.gemv_tolerance
 derives the bound; the tensor-core core is tighter); RoPE'd q/k and silu*up are compared at 8 fp16 ulps of
 their own magnitude plus that bound; the fp16 lm_head accumulates in fp32 (4e-5 of the row's
@@ -39,8 +40,8 @@ def kernels(dims, gpu):
 
 def _runs(b):
     """Variants to run at batch b: every variant at B = 1; beyond, one per batched build (gemv_mma's
-    passes: "mixed"; the split-K build: "splitk")."""
-    return sorted(GEMV_VARIANTS) if b == 1 else ["mixed", "splitk"]
+    passes: "mixed"; the split-K build: "splitk"; the tile GEMM: "tiles")."""
+    return sorted(GEMV_VARIANTS) if b == 1 else ["mixed", "splitk", "tiles"]
 
 
 def _check(got, ref, tol, what):
@@ -231,3 +232,56 @@ def test_splitk_is_deterministic(kernels, dims, rng):
         kernels["splitk"].gemv_int4(qw, sc, x, out)
         outs.append(out.get())
     assert np.array_equal(outs[0].view(np.uint16), outs[1].view(np.uint16))
+
+
+def test_tiles_rows_are_batch_invariant_and_deterministic(kernels, dims, rng):
+    """The tile GEMM's stripes depend on the matrix only, so a row of B = 3 and the same row of B = 64
+    agree bit for bit, on down_proj (K = I: partial segments reduced through the tickets) and on the
+    fused gate/up; and a second launch repeats the bits (the tickets were reset by the first)."""
+    import cupy as cp
+
+    h, i = dims.hidden, dims.intermediate
+    u, s = random_int4(rng, h, i)
+    qw, sc = cp.asarray(pack_valueshuffle(u)), cp.asarray(s)
+    x = cp.asarray(rng.standard_normal((64, i)).astype(np.float16))
+    ug, sg = random_int4(rng, 2 * i, h)
+    qg, scg = cp.asarray(pack_valueshuffle(ug)), cp.asarray(sg)
+    xg = cp.asarray(rng.standard_normal((64, h)).astype(np.float16))
+    w = cp.asarray((1 + 0.1 * rng.standard_normal(h)).astype(np.float16))
+    got = {}
+    for b in (3, 64, 64):
+        out = cp.full((b, h), np.nan, dtype=np.float16)
+        kernels["tiles"].gemv_int4(qw, sc, x[:b], out)
+        og = cp.full((b, i), np.nan, dtype=np.float16)
+        kernels["tiles"].gate_up_silu(qg, scg, xg[:b], w, EPS, og)
+        got.setdefault(b, []).append((out.get().view(np.uint16), og.get().view(np.uint16)))
+    (d3, g3), = got[3]
+    (d64a, g64a), (d64b, g64b) = got[64]
+    assert np.array_equal(d64a, d64b) and np.array_equal(g64a, g64b)
+    assert np.array_equal(d3, d64a[:3]) and np.array_equal(g3, g64a[:3])
+
+
+@pytest.mark.parametrize("b", [2, 17, 64])
+def test_tiles_odd_group_count(gpu, rng, b):
+    """The tile GEMM steps K two 128-k groups at a time; a K of an odd number of groups (Qwen2.5-0.5B's
+    hidden 896 has 7) ends on a one-group step and loads its scales without the 4-byte copy. Dims with
+    hidden 384 (3 groups) and intermediate 640 (5), the plain GEMV with norm and residual against numpy."""
+    import cupy as cp
+    from nanoqwen_kernels.dims import ModelDims
+
+    odd = ModelDims(hidden=384, intermediate=640, n_heads=2, n_kv_heads=1, head_dim=128, vocab=1000,
+                    n_layers=1, rope_theta=1e6)
+    g = GemvKernels(odd, _load, "tiles")
+    for n, k in [(odd.hidden, odd.hidden), (odd.hidden, odd.intermediate), (2 * odd.intermediate + 1, odd.hidden)]:
+        u, s = random_int4(rng, n, k)
+        wd = dequant(u, s)
+        x = rng.standard_normal((b, k)).astype(np.float16)
+        w = (1 + 0.1 * rng.standard_normal(k)).astype(np.float16)
+        res = rng.standard_normal((b, n)).astype(np.float16)
+        xin = rmsnorm(x, w, EPS)
+        ref = matvec(wd, xin.T).T + res.astype(np.float64)
+        tol = gemv_tolerance(wd, xin, ref) + 2.0**-10 * np.abs(ref)
+        out = cp.asarray(res)
+        g.gemv_int4(cp.asarray(pack_valueshuffle(u)), cp.asarray(s), cp.asarray(x), out, residual=out,
+                    norm_w=cp.asarray(w), eps=EPS)
+        _check(out.get(), ref, tol, f"tiles odd groups B={b} N={n} K={k}")

@@ -50,14 +50,20 @@ X_SMEM_FEW_TILES = 90 * 1024
 # KernelSet picks one (argument, or $NANOQWEN_GEMV_VARIANT); all pass the same GPU tests.
 #   splitk  : B = 1 as "default"; B > 1 on the split-K build (plan_splitk) instead of gemv_mma's passes.
 #             Opt-in until measured (bench_gemv.py --batch 8,32,64 --variant default,splitk).
+#   tiles   : B = 1 as "default"; B > 1 on the tile GEMM (gemm_tiles.cuh, planned by `plan_tiles`).
+#   tiles1  : every B on the tile GEMM (B = 1 included: measured against the half2 loop).
 GEMV_KINDS = ("h", "i", "qkv", "gu")
 GEMV_VARIANTS: dict[str, frozenset[str]] = {
     "default": frozenset(),
     "mma": frozenset(GEMV_KINDS),
     "mixed": frozenset({"i", "gu"}),
     "splitk": frozenset(),
+    "tiles": frozenset(),
+    "tiles1": frozenset(),
 }
 SPLITK_VARIANTS = frozenset({"splitk"})  # the variants whose B > 1 runs the split-K build
+TILE_VARIANTS = frozenset({"tiles", "tiles1"})  # the variants whose B > 1 runs the tile GEMM
+TILE_AT_B1 = frozenset({"tiles1"})  # ... and B = 1 too
 DEFAULT_GEMV_VARIANT = "default"
 
 
@@ -174,6 +180,49 @@ def plan_splitk(b: int, k: int, units: int, sm_count: int) -> SplitPlan:
     return SplitPlan(build, pass_cols, passes, slice_groups, n_slices, n_chunks, _x_bytes(pass_cols, slice_groups))
 
 
+# ---- the tile GEMM (gemm_tiles.cuh) ---------------------------------------------------------------------
+TILE_BUILDS = (8, 16, 32, 64)  # columns of its entries (suffix _tile8 .. _tile64); B <= 64
+TILE_UNITS = 128  # units (2 rows) per tile: 8 warps x 2 m16 tiles x 8 units
+TILE_STAGES = 3  # gemm_tiles.cuh kTileStages
+TILE_X_ROW_CHUNKS = (2 * GROUP + X_PAD) // 8  # kXRowChunks
+
+
+def tile_smem(cols: int) -> int:
+    """Dynamic shared memory of the tile GEMM built for `cols` columns (gemm_tiles.cuh tile_stage_bytes)."""
+    slots = 2 * TILE_UNITS
+    return TILE_STAGES * (slots * 128 + slots * 4 + cols * TILE_X_ROW_CHUNKS * 16)
+
+
+@dataclass(frozen=True)
+class TilePlan:
+    """How the tile GEMM covers one matrix: `blocks` stripes over tiles x pairs work items."""
+
+    tiles: int  # 256-row tiles
+    pairs: int  # 256-k steps per tile (pairs of 128-k groups)
+    blocks: int  # P: grid.x, one block per SM at most
+
+    @property
+    def items(self) -> int:
+        return self.tiles * self.pairs
+
+    def stripe(self, b: int) -> tuple[int, int]:
+        """Work items [lo, hi) of block b (gemm_tiles.cuh stripe_lo)."""
+        return b * self.items // self.blocks, (b + 1) * self.items // self.blocks
+
+
+@functools.cache
+def plan_tiles(k: int, units: int, sm_count: int) -> TilePlan:
+    """The tile GEMM's stripes for a K-long matrix of `units` 2-row units. Depends on the matrix and the
+    GPU only, never on B: a column's partial sums are then added in the same order at every batch size.
+    One block per SM (P <= SMs), and never more blocks than work items (every block owns >= 1 item, which
+    the tickets' contributor count relies on)."""
+    if k % GROUP or units < 1 or sm_count < 1:
+        raise KernelError(f"plan_tiles: bad shape K={k} units={units} SMs={sm_count}")
+    tiles = -(-units // TILE_UNITS)
+    pairs = -(-(k // GROUP) // 2)
+    return TilePlan(tiles, pairs, min(sm_count, tiles * pairs))
+
+
 class GemvKernels:
     def __init__(self, dims: ModelDims, load_module, variant: str = DEFAULT_GEMV_VARIANT):
         """variant: a key of GEMV_VARIANTS (the body each matrix runs on at B = 1)."""
@@ -210,6 +259,23 @@ class GemvKernels:
             self._ws_cols = 0  # the columns both are sized for
             self._retired: list = []  # buffers replaced by larger ones, kept for the graphs that use them
             self._workspace(SPLITK_MAX_PRESIZED)  # the engine's buckets: no growth in a capture
+        self._tiles = variant in TILE_VARIANTS
+        self._tile_min_b = 1 if variant in TILE_AT_B1 else 2
+        if self._tiles:
+            self._tile = {
+                (kind, c): m.get_function(f"{name}_tile{c}", max_dynamic_smem=tile_smem(c))
+                for kind, name in names.items()
+                for c in TILE_BUILDS
+            }
+            self._norm_cols = {dims.hidden: m.get_function("nq_norm_cols_h"),
+                               dims.intermediate: m.get_function("nq_norm_cols_i")}
+            cp = ck.cupy_module()
+            sms = ck.sm_count()
+            tiles = max(plan_tiles(kk, units, sms).tiles for units, kk in self._splitk_units().values())
+            # partial sums: 2 slots per block x 64 columns x 128 units x float2; tickets zero between launches
+            self._tile_ws = cp.empty(2 * sms * TILE_BUILDS[-1] * TILE_UNITS * 2, dtype=np.float32)
+            self._tile_tickets = cp.zeros(tiles, dtype=np.int32)
+            self._tile_xn = cp.empty(TILE_BUILDS[-1] * max(dims.hidden, dims.intermediate), dtype=np.float16)
 
     # ---- the split-K build's buffers -----------------------------------------------------------------
 
@@ -259,6 +325,22 @@ class GemvKernels:
             fn = self._sk_red[kind]
             ck.launch(fn, ck.even_grid(fn, -(-(b * units) // THREADS), THREADS), THREADS,
                       (ws, np.int32(b), np.int32(plan.n_slices), *epi_args))
+
+    def _launch_tiles(self, kind: str, units: int, k: int, b: int, w_args: tuple, x, norm_w, eps,
+                      epi_args: tuple) -> None:
+        """The tile GEMM: x normalised first when there is a norm (nq_norm_cols_*), then one launch."""
+        if b > TILE_BUILDS[-1]:
+            raise KernelError(f"the tile GEMM takes at most {TILE_BUILDS[-1]} columns, got B = {b}")
+        ck.check_array("scales", w_args[1], np.float16, align=4)  # 4-byte cp.async of a scale pair
+        if norm_w is not None:
+            xn = self._tile_xn[: b * k].reshape(b, k)
+            ck.launch(self._norm_cols[k], b, THREADS, (x, norm_w, eps, xn))
+            x = xn
+        plan = plan_tiles(k, units, ck.sm_count())
+        build = next(c for c in TILE_BUILDS if c >= b)
+        ck.launch(self._tile[(kind, build)], plan.blocks, THREADS,
+                  (*w_args, x, *epi_args, np.int32(b), self._tile_ws, self._tile_tickets),
+                  shared_mem=tile_smem(build))
 
     # ---- argument checks ---------------------------------------------------------------------------
 
@@ -334,7 +416,10 @@ class GemvKernels:
             np.int32(n),
         )
         units = (n + 1) // 2
-        if b > 1 and self._splitk:
+        if self._tiles and b >= self._tile_min_b:
+            epi = (residual if residual is not None else ck.NULL, out, np.int32(n))
+            self._launch_tiles(kind, units, k, b, (qweight, scales), x, norm_w, e, epi)
+        elif b > 1 and self._splitk:
             epi = (residual if residual is not None else ck.NULL, out, np.int32(n))
             self._launch_splitk(kind, units, k, b, (qweight, scales), x, norm_w, e, epi)
         elif b == 1 and kind not in self._mma_at_b1:
@@ -382,7 +467,10 @@ class GemvKernels:
             np.int32(n_pages),
             q_out,
         )
-        if b > 1 and self._splitk:
+        if self._tiles and b >= self._tile_min_b:
+            self._launch_tiles("qkv", rows // 2, d.hidden, b, (qweight, scales), x, norm_w, e,
+                               (bias, *args[6:]))
+        elif b > 1 and self._splitk:
             self._launch_splitk("qkv", rows // 2, d.hidden, b, (qweight, scales), x, norm_w, e,
                                 (bias, *args[6:]))
         elif b == 1 and "qkv" not in self._mma_at_b1:
@@ -404,7 +492,9 @@ class GemvKernels:
         ck.check_array("out", out, np.float16, (*lead, d.intermediate))
         ck.check_distinct(x=x, out=out)
         args = (qweight, scales, x, norm_w if norm_w is not None else ck.NULL, e, out)
-        if b > 1 and self._splitk:
+        if self._tiles and b >= self._tile_min_b:
+            self._launch_tiles("gu", d.intermediate, d.hidden, b, (qweight, scales), x, norm_w, e, (out,))
+        elif b > 1 and self._splitk:
             self._launch_splitk("gu", d.intermediate, d.hidden, b, (qweight, scales), x, norm_w, e, (out,))
         elif b == 1 and "gu" not in self._mma_at_b1:
             fn = self._half2["gu"]

@@ -1,0 +1,291 @@
+// gemm_tiles.cuh: the batched INT4 GEMM of decode (B = 2 .. 64 sequences): out[b] = W . x[b], each weight
+// byte read from HBM once per step, each activation slice read from L2 once per 256-row tile.
+//
+// Why this shape (docs/PERF.md "batched GEMVs" has the measurements that led here): gemv_mma.cuh gives a
+// block 16 rows at a time and stages x of all B sequences per tile, so at B = 32 it moves ~8x more bytes
+// of x (L2 -> shared memory) than of weights (HBM) and ran at 5-10% of the copy rate. Here a block owns
+// 256 rows (a "tile": 128 units of 2 rows) and walks K; every 256-k step it stages 256 x 128 B of weights
+// and B x 512 B of x, so x costs B / 64 of the weight bytes (half of them at B = 32) and both stream.
+//
+// Pipeline (one block per SM, 8 warps): a ring of kStages shared-memory stages filled by cp.async, each
+// stage = one "pair" of 128-k groups of the tile:
+//     W   [256 row slots][128 B]   INT4 words of groups 2pg, 2pg+1; row slot rs = rr * 128 + u holds row
+//                                 r0 (rr = 0) or r1 (rr = 1) of unit u (the Map names them)
+//     S   [256 row slots][2] fp16  their scales (one 4-byte copy per row: groups 2pg, 2pg+1 are adjacent)
+//     X   [B][256 + 16] fp16       x[b][256 pg ..], 16-byte chunks swizzled as gemv_mma.cuh's xs_slot
+//   stage i + kStages - 1 is issued while stage i is multiplied; the barrier at the top of each step is
+//   both "stage i landed" (after cp.async.wait_group) and "stage i - 1 is no longer read" (its slot is
+//   the one refilled).
+//   Bank layout of W: lane (g, c) reads 16 B of unit u = ... + g at chunk 4 gl + c; units g and g + 1 of a
+//   quarter-warp are 128 B apart (the same banks), so an odd row slot stores its two 64-byte halves
+//   swapped (chunk j at j ^ 4): the quarter-warp then covers all 32 banks once.
+//
+// Fragments: warp w owns units 16 w .. 16 w + 15 of the tile as two m16 tiles (m = 0, 1: units
+//   16 w + 8 m + g); per group, per 8-k word: A = 4 half2 of rows r0 / r1 (unpack8, exact), B = x of
+//   columns 8 nt + g (the lane's 16 B); the k order inside an mma is a permutation A and B share, as in
+//   gemv_mma.cuh. Per group d = A B fresh in fp32, then acc += d * scale (fp32), group by group.
+//
+// Stripes (Marlin's load balance): the work items are (tile, pair), tile-major, W_items = tiles x pairs.
+//   Block b of P (gridDim.x) takes items [b W / P, (b + 1) W / P): the tail of one tile, whole tiles, the
+//   head of another. A whole tile's sums go straight through the epilogue functor; a partial segment's
+//   fp32 sums go to ws slot 2 b (the block's first segment) or 2 b + 1 (its last), and the block that
+//   finishes a tile's last segment (an atomic ticket per tile) adds the slots in block order and runs the
+//   epilogue, then resets the ticket for the next launch. P depends on the matrix only (gemv.py
+//   plan_tiles), not on B, so a column's sums are added in the same order at every batch size.
+//
+// Tested: tests/test_gemv_gpu.py (every entry against numpy, B = 2 .. 64, 7B / 1.5B / tiny shapes);
+//   tests/test_gemm_tiles_plan.py emulates the stripes and the reduction's bookkeeping on the CPU.
+#pragma once
+#include "mma.cuh"
+
+namespace nq {
+
+constexpr int kTileMT = 2;                          // m16 tiles per warp
+constexpr int kTileUnits = kWarps * 8 * kTileMT;   // 128 units = 256 rows per tile
+constexpr int kTileSlots = 2 * kTileUnits;         // row slots per stage
+constexpr int kTileStages = 3;                      // ring depth: 2 stages (64 KB of weights) in flight
+constexpr int kXRowChunks = (2 * kGroup + kXPad) / 8;  // 16-byte chunks per staged x row (34)
+
+// bytes of one stage for kCols columns (the launcher sizes dynamic shared memory with the same formula)
+template <int kCols>
+__host__ __device__ constexpr int tile_stage_bytes() {
+  return kTileSlots * 128 + kTileSlots * 4 + kCols * kXRowChunks * 16;
+}
+
+// the block that owns work item j when W items are cut into P stripes (the largest b with b W / P <= j)
+__device__ __forceinline__ int stripe_of(long long j, long long w_items, int p) {
+  return static_cast<int>(((j + 1) * p - 1) / w_items);
+}
+__device__ __forceinline__ long long stripe_lo(int b, long long w_items, int p) { return b * w_items / p; }
+
+// Issue the copies of pair pg of the tile into stage buffers (w, s, xs). rows[j]: the row of slot
+// (tid >> 3) + 32 j; srow: the row of slot tid (its scales).
+template <int K, int kCols>
+__device__ __forceinline__ void issue_pair(const uint32_t* __restrict__ qw, const uint16_t* __restrict__ sc,
+                                           const uint16_t* __restrict__ x, int ncols, int pg,
+                                           const int (&rows)[8], int srow, uint4* w, uint32_t* s, uint4* xs) {
+  constexpr int kG = K / kGroup;
+  const int tid = threadIdx.x;
+  const int chunk = tid & 7, gl = chunk >> 2, c = chunk & 3;
+  const int g = 2 * pg + gl;
+  if (g < kG) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int rs = (tid >> 3) + 32 * j;
+      cp_async16(w + rs * 8 + (chunk ^ ((rs & 1) << 2)),
+                 qw + static_cast<size_t>(rows[j]) * (K / 8) + g * 16 + c * 4);
+    }
+  }
+  if constexpr (kG % 2 == 0) {  // groups 2pg, 2pg+1 of a row: 4 aligned bytes
+    cp_async4(s + tid, sc + static_cast<size_t>(srow) * kG + 2 * pg);
+  } else {  // odd group count (small test shapes only): plain loads, the last pair has one group
+    const uint16_t* p = sc + static_cast<size_t>(srow) * kG + 2 * pg;
+    const uint32_t lo = p[0], hi = (2 * pg + 1 < kG) ? p[1] : 0u;
+    s[tid] = lo | (hi << 16);
+  }
+  for (int i = tid; i < ncols * 32; i += kThreads) {
+    const int b = i >> 5, j = i & 31;
+    const int k = 256 * pg + 8 * j;
+    uint4* dst = xs + b * kXRowChunks + xs_slot(j);
+    if (k < K)
+      cp_async16(dst, x + static_cast<size_t>(b) * K + k);
+    else
+      *dst = make_uint4(0u, 0u, 0u, 0u);  // past K (an odd group count's last pair): never multiplied
+  }
+}
+
+// Multiply one staged pair into acc (the warp's two m16 tiles x NT n-tiles).
+template <int K, int NT>
+__device__ __forceinline__ void multiply_pair(const uint4* w, const uint32_t* s, const uint4* xs, int ncols, int pg,
+                                              float (&acc)[kTileMT][NT][4]) {
+  constexpr int kG = K / kGroup;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, c = lane & 3;
+#pragma unroll
+  for (int gl = 0; gl < 2; ++gl) {
+    if (2 * pg + gl >= kG) break;  // block-uniform (an odd group count's last pair)
+    uint4 wa[kTileMT], wb[kTileMT];
+#pragma unroll
+    for (int m = 0; m < kTileMT; ++m) {
+      const int u = warp * 8 * kTileMT + 8 * m + g;
+      const int rs0 = u, rs1 = kTileUnits + u;  // same parity as u (kTileUnits is even)
+      const int ch = (4 * gl + c) ^ ((u & 1) << 2);
+      wa[m] = w[rs0 * 8 + ch];
+      wb[m] = w[rs1 * 8 + ch];
+    }
+    float d[kTileMT][NT][4];
+#pragma unroll
+    for (int m = 0; m < kTileMT; ++m)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) d[m][nt][0] = d[m][nt][1] = d[m][nt][2] = d[m][nt][3] = 0.f;
+#pragma unroll
+    for (int wd = 0; wd < 4; ++wd) {
+      uint4 xv[NT];
+      const int slot = xs_slot(gl * 16 + 4 * c + wd);
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const int col = 8 * nt + g;
+        xv[nt] = col < ncols ? xs[col * kXRowChunks + slot] : make_uint4(0u, 0u, 0u, 0u);
+      }
+#pragma unroll
+      for (int m = 0; m < kTileMT; ++m) {
+        uint32_t q0[4], q1[4];
+        const uint32_t a[4] = {wa[m].x, wa[m].y, wa[m].z, wa[m].w};
+        const uint32_t b[4] = {wb[m].x, wb[m].y, wb[m].z, wb[m].w};
+        unpack8(a[wd], q0);
+        unpack8(b[wd], q1);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          if (8 * nt >= ncols) break;  // block-uniform: an n-tile with no column costs nothing
+          // A regs {r0, r1, r0, r1}: half2 0 in k-slots 2c, 2c+1, half2 1 in slots 2c+8, 2c+9
+          mma16816(d[m][nt], q0[0], q1[0], q0[1], q1[1], xv[nt].x, xv[nt].y);
+          mma16816(d[m][nt], q0[2], q1[2], q0[3], q1[3], xv[nt].z, xv[nt].w);
+        }
+      }
+    }
+#pragma unroll
+    for (int m = 0; m < kTileMT; ++m) {
+      const int u = warp * 8 * kTileMT + 8 * m + g;
+      const uint32_t s0 = s[u], s1 = s[kTileUnits + u];
+      const float f0 = h2f(static_cast<uint16_t>(gl ? s0 >> 16 : s0 & 0xffffu));
+      const float f1 = h2f(static_cast<uint16_t>(gl ? s1 >> 16 : s1 & 0xffffu));
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        acc[m][nt][0] = fmaf(d[m][nt][0], f0, acc[m][nt][0]);
+        acc[m][nt][1] = fmaf(d[m][nt][1], f0, acc[m][nt][1]);
+        acc[m][nt][2] = fmaf(d[m][nt][2], f1, acc[m][nt][2]);
+        acc[m][nt][3] = fmaf(d[m][nt][3], f1, acc[m][nt][3]);
+      }
+    }
+  }
+}
+
+// out[b] = W . x[b] for b < n_cols (<= 8 NT) over `units` units; x is already normalised (nq_norm_cols_*).
+// ws: fp32 [2 P][8 NT][kTileUnits][2]; tickets: int [tiles], zero before the launch (and after it).
+template <int K, int NT, class Map, class Epi>
+__device__ __forceinline__ void gemm_tiles(const uint32_t* __restrict__ qw, const uint16_t* __restrict__ sc,
+                                           const uint16_t* __restrict__ x, int units, int n_cols,
+                                           float* __restrict__ ws, int* __restrict__ tickets, const Map& map,
+                                           const Epi& epi) {
+  constexpr int kCols = 8 * NT;
+  constexpr int kPairs = (K / kGroup + 1) / 2;
+  extern __shared__ uint4 smem[];
+  __shared__ int last_flag;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, c = lane & 3;
+  const int ncols = n_cols;
+  const int p_blocks = gridDim.x, blk = blockIdx.x;
+  const int tiles = (units + kTileUnits - 1) / kTileUnits;
+  const long long w_items = static_cast<long long>(tiles) * kPairs;
+  const long long lo = stripe_lo(blk, w_items, p_blocks), hi = stripe_lo(blk + 1, w_items, p_blocks);
+  constexpr int kStageChunks = tile_stage_bytes<kCols>() / 16;
+
+  for (long long j = lo; j < hi;) {  // block-uniform loop over this block's segments
+    const int t = static_cast<int>(j / kPairs);
+    const int p0 = static_cast<int>(j - static_cast<long long>(t) * kPairs);
+    const int p1 = static_cast<int>(min(static_cast<long long>(kPairs), p0 + (hi - j)));
+    const bool first = j == lo;
+    j += p1 - p0;
+    // this thread's copy duties in the tile: rows of slots (tid >> 3) + 32 j and of slot tid
+    int rows[8], srow;
+#pragma unroll
+    for (int q = 0; q < 8; ++q) {
+      const int rs = (tid >> 3) + 32 * q;
+      int r0, r1;
+      map(min(t * kTileUnits + (rs % kTileUnits), units - 1), r0, r1);  // a tail tile recomputes the last
+      rows[q] = rs < kTileUnits ? r0 : r1;                              // unit; only real units written
+    }
+    {
+      int r0, r1;
+      map(min(t * kTileUnits + (tid % kTileUnits), units - 1), r0, r1);
+      srow = tid < kTileUnits ? r0 : r1;
+    }
+    auto stage = [&](int i) { return smem + (i % kTileStages) * kStageChunks; };
+    auto issue = [&](int i) {
+      uint4* base = stage(i);
+      issue_pair<K, kCols>(qw, sc, x, ncols, p0 + i, rows, srow, base, reinterpret_cast<uint32_t*>(base + kTileSlots * 8),
+                           base + kTileSlots * 8 + kTileSlots / 4);
+    };
+    const int n = p1 - p0;
+#pragma unroll
+    for (int i = 0; i < kTileStages - 1; ++i) {
+      if (i < n) issue(i);
+      cp_async_commit();  // possibly empty: every thread commits the same number of groups
+    }
+    float acc[kTileMT][NT][4];
+#pragma unroll
+    for (int m = 0; m < kTileMT; ++m)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) acc[m][nt][0] = acc[m][nt][1] = acc[m][nt][2] = acc[m][nt][3] = 0.f;
+    for (int i = 0; i < n; ++i) {
+      cp_async_wait<kTileStages - 2>();
+      __syncthreads();  // stage i landed for every thread's copies; stage i - 1's slot is free
+      if (i + kTileStages - 1 < n) issue(i + kTileStages - 1);
+      cp_async_commit();
+      const uint4* base = stage(i);
+      multiply_pair<K, NT>(base, reinterpret_cast<const uint32_t*>(base + kTileSlots * 8),
+                           base + kTileSlots * 8 + kTileSlots / 4, ncols, p0 + i, acc);
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // every warp done with the ring before the next segment refills it
+
+    if (p0 == 0 && p1 == kPairs) {  // the whole tile: straight to the epilogue
+#pragma unroll
+      for (int m = 0; m < kTileMT; ++m) {
+        const int p = t * kTileUnits + warp * 8 * kTileMT + 8 * m + g;
+        if (p >= units) continue;
+        int r0, r1;
+        map(p, r0, r1);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          const int col = 8 * nt + 2 * c;
+          if (col < ncols) epi(col, p, r0, r1, acc[m][nt][0], acc[m][nt][2]);
+          if (col + 1 < ncols) epi(col + 1, p, r0, r1, acc[m][nt][1], acc[m][nt][3]);
+        }
+      }
+      continue;
+    }
+    // a partial segment: its sums to the block's slot, then a ticket; the tile's last block reduces
+    const int slot = 2 * blk + (first ? 0 : 1);
+    float2* mine = reinterpret_cast<float2*>(ws) + static_cast<size_t>(slot) * kCols * kTileUnits;
+#pragma unroll
+    for (int m = 0; m < kTileMT; ++m) {
+      const int u = warp * 8 * kTileMT + 8 * m + g;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const int col = 8 * nt + 2 * c;
+        if (col < ncols) mine[col * kTileUnits + u] = make_float2(acc[m][nt][0], acc[m][nt][2]);
+        if (col + 1 < ncols) mine[(col + 1) * kTileUnits + u] = make_float2(acc[m][nt][1], acc[m][nt][3]);
+      }
+    }
+    __threadfence();  // this thread's partial sums visible device-wide before the ticket is taken
+    __syncthreads();  // ... for every thread of the block
+    const long long item0 = static_cast<long long>(t) * kPairs;
+    const int b_first = stripe_of(item0, w_items, p_blocks);
+    const int b_last = stripe_of(item0 + kPairs - 1, w_items, p_blocks);
+    if (tid == 0) last_flag = atomicAdd(&tickets[t], 1) == b_last - b_first;
+    __syncthreads();
+    if (!last_flag) continue;  // block-uniform
+    __threadfence();  // the other blocks' partial sums (seen through their tickets) before reading them
+    for (int i = tid; i < kTileUnits * ncols; i += kThreads) {
+      const int col = i / kTileUnits, u = i - col * kTileUnits;
+      const int p = t * kTileUnits + u;
+      if (p >= units) continue;
+      float o0 = 0.f, o1 = 0.f;
+      for (int b = b_first; b <= b_last; ++b) {  // block order: the same sums at every batch size
+        const int tb = static_cast<int>(stripe_lo(b, w_items, p_blocks) / kPairs);
+        const int sb = 2 * b + (tb == t ? 0 : 1);
+        const float2 v = __ldcg(reinterpret_cast<const float2*>(ws) +
+                                (static_cast<size_t>(sb) * kCols + col) * kTileUnits + u);
+        o0 += v.x;
+        o1 += v.y;
+      }
+      int r0, r1;
+      map(p, r0, r1);
+      epi(col, p, r0, r1, o0, o1);
+    }
+    if (tid == 0) tickets[t] = 0;  // ready for the next launch (no other block touches it in this one)
+  }
+}
+
+}  // namespace nq
