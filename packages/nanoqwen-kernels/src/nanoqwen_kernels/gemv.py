@@ -185,6 +185,9 @@ TILE_BUILDS = (8, 16, 32, 64)  # columns of its entries (suffix _tile8 .. _tile6
 TILE_UNITS = 128  # units (2 rows) per tile: 8 warps x 2 m16 tiles x 8 units
 TILE_STAGES = 3  # gemm_tiles.cuh kTileStages
 TILE_X_ROW_CHUNKS = (2 * GROUP + X_PAD) // 8  # kXRowChunks
+# Work items (256-k steps of a tile) per block at least: a small matrix (o_proj, q/k/v) then runs on fewer
+# blocks with fewer contributors per tile for the last block to add up
+TILE_MIN_ITEMS = 3
 
 
 def tile_smem(cols: int) -> int:
@@ -214,13 +217,14 @@ class TilePlan:
 def plan_tiles(k: int, units: int, sm_count: int) -> TilePlan:
     """The tile GEMM's stripes for a K-long matrix of `units` 2-row units. Depends on the matrix and the
     GPU only, never on B: a column's partial sums are then added in the same order at every batch size.
-    One block per SM (P <= SMs), and never more blocks than work items (every block owns >= 1 item, which
-    the tickets' contributor count relies on)."""
+    One block per SM (P <= SMs), and at least TILE_MIN_ITEMS work items per block (so >= 1, which the
+    tickets' contributor count relies on)."""
     if k % GROUP or units < 1 or sm_count < 1:
         raise KernelError(f"plan_tiles: bad shape K={k} units={units} SMs={sm_count}")
     tiles = -(-units // TILE_UNITS)
     pairs = -(-(k // GROUP) // 2)
-    return TilePlan(tiles, pairs, min(sm_count, tiles * pairs))
+    items = tiles * pairs
+    return TilePlan(tiles, pairs, max(1, min(sm_count, items // TILE_MIN_ITEMS)))
 
 
 class GemvKernels:

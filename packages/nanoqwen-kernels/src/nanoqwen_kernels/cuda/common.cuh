@@ -108,6 +108,13 @@ __device__ __forceinline__ void cp_async16(void* smem_dst, const void* gmem_src)
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_u32(smem_dst)), "l"(gmem_src) : "memory");
 }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+// the same for streamed weights, asking L2 to fetch the whole 256-byte block around the copy: a stage
+// of the tile GEMM reads 128 B per row, so the next stage's 128 B of that row are already in L2 and HBM
+// sees 256-byte bursts instead of 128-byte ones
+__device__ __forceinline__ void cp_async16_l2_256(void* smem_dst, const void* gmem_src) {
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"(smem_u32(smem_dst)), "l"(gmem_src)
+               : "memory");
+}
 // 4 bytes global -> shared (cp.async.ca: .cg takes only 16-byte copies)
 __device__ __forceinline__ void cp_async4(void* smem_dst, const void* gmem_src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(smem_u32(smem_dst)), "l"(gmem_src) : "memory");

@@ -72,8 +72,8 @@ __device__ __forceinline__ void issue_pair(const uint32_t* __restrict__ qw, cons
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       const int rs = (tid >> 3) + 32 * j;
-      cp_async16(w + rs * 8 + (chunk ^ ((rs & 1) << 2)),
-                 qw + static_cast<size_t>(rows[j]) * (K / 8) + g * 16 + c * 4);
+      cp_async16_l2_256(w + rs * 8 + (chunk ^ ((rs & 1) << 2)),
+                        qw + static_cast<size_t>(rows[j]) * (K / 8) + g * 16 + c * 4);
     }
   }
   if constexpr (kG % 2 == 0) {  // groups 2pg, 2pg+1 of a row: 4 aligned bytes
@@ -267,22 +267,37 @@ __device__ __forceinline__ void gemm_tiles(const uint32_t* __restrict__ qw, cons
     __syncthreads();
     if (!last_flag) continue;  // block-uniform
     __threadfence();  // the other blocks' partial sums (seen through their tickets) before reading them
-    for (int i = tid; i < kTileUnits * ncols; i += kThreads) {
-      const int col = i / kTileUnits, u = i - col * kTileUnits;
-      const int p = t * kTileUnits + u;
-      if (p >= units) continue;
-      float o0 = 0.f, o1 = 0.f;
-      for (int b = b_first; b <= b_last; ++b) {  // block order: the same sums at every batch size
-        const int tb = static_cast<int>(stripe_lo(b, w_items, p_blocks) / kPairs);
-        const int sb = 2 * b + (tb == t ? 0 : 1);
-        const float2 v = __ldcg(reinterpret_cast<const float2*>(ws) +
-                                (static_cast<size_t>(sb) * kCols + col) * kTileUnits + u);
-        o0 += v.x;
-        o1 += v.y;
+    // Thread tid sums unit u = tid % 128 of columns tid / 128 + 2 q over the contributors, in block order
+    // (the same sums at every batch size). All kPer loads of one contributor are independent and issued
+    // together: the reduction costs (contributors) L2 round trips, not (contributors x outputs per thread).
+    constexpr int kPer = kTileUnits * kCols / kThreads;
+    const int u = tid % kTileUnits, col0 = tid / kTileUnits;
+    float o0[kPer], o1[kPer];
+#pragma unroll
+    for (int q = 0; q < kPer; ++q) o0[q] = o1[q] = 0.f;
+    for (int b = b_first; b <= b_last; ++b) {
+      const int tb = static_cast<int>(stripe_lo(b, w_items, p_blocks) / kPairs);
+      const int sb = 2 * b + (tb == t ? 0 : 1);
+      const float2* src = reinterpret_cast<const float2*>(ws) + static_cast<size_t>(sb) * kCols * kTileUnits + u;
+#pragma unroll
+      for (int q = 0; q < kPer; ++q) {
+        const int col = col0 + (kThreads / kTileUnits) * q;
+        if (col < ncols) {
+          const float2 v = __ldcg(src + col * kTileUnits);
+          o0[q] += v.x;
+          o1[q] += v.y;
+        }
       }
+    }
+    const int p = t * kTileUnits + u;
+    if (p < units) {
       int r0, r1;
       map(p, r0, r1);
-      epi(col, p, r0, r1, o0, o1);
+#pragma unroll
+      for (int q = 0; q < kPer; ++q) {
+        const int col = col0 + (kThreads / kTileUnits) * q;
+        if (col < ncols) epi(col, p, r0, r1, o0[q], o1[q]);
+      }
     }
     if (tid == 0) tickets[t] = 0;  // ready for the next launch (no other block touches it in this one)
   }
