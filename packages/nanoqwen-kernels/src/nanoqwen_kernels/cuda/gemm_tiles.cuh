@@ -23,7 +23,7 @@
 // Fragments: warp w owns units 16 w .. 16 w + 15 of the tile as two m16 tiles (m = 0, 1: units
 //   16 w + 8 m + g); per group, per 8-k word: A = 4 half2 of rows r0 / r1 (unpack8, exact), B = x of
 //   columns 8 nt + g (the lane's 16 B); the k order inside an mma is a permutation A and B share, as in
-//   gemv_mma.cuh. Per group d = A B fresh in fp32, then acc += d * scale (fp32), group by group.
+//   gemv_mma.cuh. A holds q * scale (fp16, one rounding); the mmas accumulate in fp32 (multiply_pair).
 //
 // Stripes (Marlin's load balance): the work items are (tile, pair), tile-major, W_items = tiles x pairs.
 //   Block b of P (gridDim.x) takes items [b W / P, (b + 1) W / P): the tail of one tile, whole tiles, the
@@ -95,6 +95,15 @@ __device__ __forceinline__ void issue_pair(const uint32_t* __restrict__ qw, cons
 }
 
 // Multiply one staged pair into acc (the warp's two m16 tiles x NT n-tiles).
+// Scales: each unpacked weight is multiplied by its group's fp16 scale (one hmul2 per half2: q * s in one
+// rounding, q exact) and the mmas accumulate straight into acc in fp32. The alternative, a fresh fp32
+// d = A B per group then acc += d * s, needs another 4 x MT x NT registers (spills at 64 columns) and as
+// many FFMAs; q * s in fp16 is still finer than the half2 loop's fp16 partial sums (tests/test_gemv_gpu.py
+// holds every build to the same tolerance).
+// No early exit over n-tiles past the batch (the build is the smallest of 8/16/32/64 columns that holds
+// B; those columns multiply zeros): a data-dependent branch between the mmas made ptxas emit each
+// accumulator's two mmas back to back, every second one waiting out the first's latency (4x slower at
+// B = 64, measured). Unbranched, the 2 x MT x NT independent accumulators interleave.
 template <int K, int NT>
 __device__ __forceinline__ void multiply_pair(const uint4* w, const uint32_t* s, const uint4* xs, int ncols, int pg,
                                               float (&acc)[kTileMT][NT][4]) {
@@ -105,19 +114,18 @@ __device__ __forceinline__ void multiply_pair(const uint4* w, const uint32_t* s,
   for (int gl = 0; gl < 2; ++gl) {
     if (2 * pg + gl >= kG) break;  // block-uniform (an odd group count's last pair)
     uint4 wa[kTileMT], wb[kTileMT];
+    uint32_t sa[kTileMT], sb[kTileMT];  // half2 (scale, scale) of rows r0 / r1
 #pragma unroll
     for (int m = 0; m < kTileMT; ++m) {
       const int u = warp * 8 * kTileMT + 8 * m + g;
-      const int rs0 = u, rs1 = kTileUnits + u;  // same parity as u (kTileUnits is even)
-      const int ch = (4 * gl + c) ^ ((u & 1) << 2);
-      wa[m] = w[rs0 * 8 + ch];
-      wb[m] = w[rs1 * 8 + ch];
+      const int ch = (4 * gl + c) ^ ((u & 1) << 2);  // rows u and kTileUnits + u have u's parity
+      wa[m] = w[u * 8 + ch];
+      wb[m] = w[(kTileUnits + u) * 8 + ch];
+      const uint32_t s0 = s[u], s1 = s[kTileUnits + u];
+      const uint32_t h0 = gl ? s0 >> 16 : s0 & 0xffffu, h1 = gl ? s1 >> 16 : s1 & 0xffffu;
+      sa[m] = h0 | (h0 << 16);
+      sb[m] = h1 | (h1 << 16);
     }
-    float d[kTileMT][NT][4];
-#pragma unroll
-    for (int m = 0; m < kTileMT; ++m)
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) d[m][nt][0] = d[m][nt][1] = d[m][nt][2] = d[m][nt][3] = 0.f;
 #pragma unroll
     for (int wd = 0; wd < 4; ++wd) {
       uint4 xv[NT];
@@ -127,35 +135,30 @@ __device__ __forceinline__ void multiply_pair(const uint4* w, const uint32_t* s,
         const int col = 8 * nt + g;
         xv[nt] = col < ncols ? xs[col * kXRowChunks + slot] : make_uint4(0u, 0u, 0u, 0u);
       }
+      uint32_t q0[kTileMT][4], q1[kTileMT][4];
 #pragma unroll
       for (int m = 0; m < kTileMT; ++m) {
-        uint32_t q0[4], q1[4];
         const uint32_t a[4] = {wa[m].x, wa[m].y, wa[m].z, wa[m].w};
         const uint32_t b[4] = {wb[m].x, wb[m].y, wb[m].z, wb[m].w};
-        unpack8(a[wd], q0);
-        unpack8(b[wd], q1);
+        unpack8(a[wd], q0[m]);
+        unpack8(b[wd], q1[m]);
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          if (8 * nt >= ncols) break;  // block-uniform: an n-tile with no column costs nothing
-          // A regs {r0, r1, r0, r1}: half2 0 in k-slots 2c, 2c+1, half2 1 in slots 2c+8, 2c+9
-          mma16816(d[m][nt], q0[0], q1[0], q0[1], q1[1], xv[nt].x, xv[nt].y);
-          mma16816(d[m][nt], q0[2], q1[2], q0[3], q1[3], xv[nt].z, xv[nt].w);
+        for (int i = 0; i < 4; ++i) {
+          q0[m][i] = hmul2(q0[m][i], sa[m]);
+          q1[m][i] = hmul2(q1[m][i], sb[m]);
         }
       }
-    }
+      // A regs {r0, r1, r0, r1}: half2 0 in k-slots 2c, 2c+1, half2 1 in slots 2c+8, 2c+9
 #pragma unroll
-    for (int m = 0; m < kTileMT; ++m) {
-      const int u = warp * 8 * kTileMT + 8 * m + g;
-      const uint32_t s0 = s[u], s1 = s[kTileUnits + u];
-      const float f0 = h2f(static_cast<uint16_t>(gl ? s0 >> 16 : s0 & 0xffffu));
-      const float f1 = h2f(static_cast<uint16_t>(gl ? s1 >> 16 : s1 & 0xffffu));
+      for (int m = 0; m < kTileMT; ++m)
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        acc[m][nt][0] = fmaf(d[m][nt][0], f0, acc[m][nt][0]);
-        acc[m][nt][1] = fmaf(d[m][nt][1], f0, acc[m][nt][1]);
-        acc[m][nt][2] = fmaf(d[m][nt][2], f1, acc[m][nt][2]);
-        acc[m][nt][3] = fmaf(d[m][nt][3], f1, acc[m][nt][3]);
-      }
+        for (int nt = 0; nt < NT; ++nt)
+          mma16816(acc[m][nt], q0[m][0], q1[m][0], q0[m][1], q1[m][1], xv[nt].x, xv[nt].y);
+#pragma unroll
+      for (int m = 0; m < kTileMT; ++m)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+          mma16816(acc[m][nt], q0[m][2], q1[m][2], q0[m][3], q1[m][3], xv[nt].z, xv[nt].w);
     }
   }
 }
