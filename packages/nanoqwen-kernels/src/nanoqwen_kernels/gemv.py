@@ -182,12 +182,13 @@ def plan_splitk(b: int, k: int, units: int, sm_count: int) -> SplitPlan:
 
 # ---- the tile GEMM (gemm_tiles.cuh) ---------------------------------------------------------------------
 TILE_BUILDS = (8, 16, 32, 64)  # columns of its entries (suffix _tile8 .. _tile64); B <= 64
-TILE_UNITS = 128  # units (2 rows) per tile: 8 warps x 2 m16 tiles x 8 units
+TILE_UNITS = 128  # units (2 rows) per tile: 16 warps x 1 m16 tile x 8 units
+TILE_THREADS = 512  # gemm_tiles.cuh kTileThreads (NQ_TILE_WARPS = 16)
 TILE_STAGES = 3  # gemm_tiles.cuh kTileStages
 TILE_X_ROW_CHUNKS = (2 * GROUP + X_PAD) // 8  # kXRowChunks
 # Work items (256-k steps of a tile) per block at least: a small matrix (o_proj, q/k/v) then runs on fewer
 # blocks with fewer contributors per tile for the last block to add up
-TILE_MIN_ITEMS = 3
+TILE_MIN_ITEMS = 2
 
 
 def tile_smem(cols: int) -> int:
@@ -342,7 +343,7 @@ class GemvKernels:
             x = xn
         plan = plan_tiles(k, units, ck.sm_count())
         build = next(c for c in TILE_BUILDS if c >= b)
-        ck.launch(self._tile[(kind, build)], plan.blocks, THREADS,
+        ck.launch(self._tile[(kind, build)], plan.blocks, TILE_THREADS,
                   (*w_args, x, *epi_args, np.int32(b), self._tile_ws, self._tile_tickets),
                   shared_mem=tile_smem(build))
 

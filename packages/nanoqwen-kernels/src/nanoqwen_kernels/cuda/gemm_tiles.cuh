@@ -40,8 +40,15 @@
 
 namespace nq {
 
-constexpr int kTileMT = 2;                          // m16 tiles per warp
-constexpr int kTileUnits = kWarps * 8 * kTileMT;   // 128 units = 256 rows per tile
+#ifndef NQ_TILE_WARPS
+#define NQ_TILE_WARPS 16  // 16 warps x 1 m16 tile, or 8 x 2 (measured: docs/PERF.md)
+#endif
+constexpr int kTileWarps = NQ_TILE_WARPS;          // warps per block
+constexpr int kTileThreads = 32 * kTileWarps;
+constexpr int kTileMT = 128 / (8 * kTileWarps);     // m16 tiles per warp
+constexpr int kTileUnits = kTileWarps * 8 * kTileMT;  // 128 units = 256 rows per tile
+static_assert(kTileUnits == 128, "the tile is 128 units (gemv.py TILE_UNITS)");
+constexpr int kCopyRows = kTileThreads / 8;         // row slots one pass of the block's 16-byte copies covers
 constexpr int kTileSlots = 2 * kTileUnits;         // row slots per stage
 constexpr int kTileStages = 3;                      // ring depth: 2 stages (64 KB of weights) in flight
 constexpr int kXRowChunks = (2 * kGroup + kXPad) / 8;  // 16-byte chunks per staged x row (34)
@@ -59,31 +66,33 @@ __device__ __forceinline__ int stripe_of(long long j, long long w_items, int p) 
 __device__ __forceinline__ long long stripe_lo(int b, long long w_items, int p) { return b * w_items / p; }
 
 // Issue the copies of pair pg of the tile into stage buffers (w, s, xs). rows[j]: the row of slot
-// (tid >> 3) + 32 j; srow: the row of slot tid (its scales).
+// (tid >> 3) + kCopyRows j; srow: the row of slot tid (its scales; threads past the 256 slots copy none).
 template <int K, int kCols>
 __device__ __forceinline__ void issue_pair(const uint32_t* __restrict__ qw, const uint16_t* __restrict__ sc,
                                            const uint16_t* __restrict__ x, int ncols, int pg,
-                                           const int (&rows)[8], int srow, uint4* w, uint32_t* s, uint4* xs) {
+                                           const int (&rows)[kTileSlots / kCopyRows], int srow, uint4* w,
+                                           uint32_t* s, uint4* xs) {
   constexpr int kG = K / kGroup;
   const int tid = threadIdx.x;
   const int chunk = tid & 7, gl = chunk >> 2, c = chunk & 3;
   const int g = 2 * pg + gl;
   if (g < kG) {
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const int rs = (tid >> 3) + 32 * j;
+    for (int j = 0; j < kTileSlots / kCopyRows; ++j) {
+      const int rs = (tid >> 3) + kCopyRows * j;
       cp_async16_l2_256(w + rs * 8 + (chunk ^ ((rs & 1) << 2)),
                         qw + static_cast<size_t>(rows[j]) * (K / 8) + g * 16 + c * 4);
     }
   }
-  if constexpr (kG % 2 == 0) {  // groups 2pg, 2pg+1 of a row: 4 aligned bytes
+  if (tid >= kTileSlots) {
+  } else if constexpr (kG % 2 == 0) {  // groups 2pg, 2pg+1 of a row: 4 aligned bytes
     cp_async4(s + tid, sc + static_cast<size_t>(srow) * kG + 2 * pg);
   } else {  // odd group count (small test shapes only): plain loads, the last pair has one group
     const uint16_t* p = sc + static_cast<size_t>(srow) * kG + 2 * pg;
     const uint32_t lo = p[0], hi = (2 * pg + 1 < kG) ? p[1] : 0u;
     s[tid] = lo | (hi << 16);
   }
-  for (int i = tid; i < ncols * 32; i += kThreads) {
+  for (int i = tid; i < ncols * 32; i += kTileThreads) {
     const int b = i >> 5, j = i & 31;
     const int k = 256 * pg + 8 * j;
     uint4* dst = xs + b * kXRowChunks + xs_slot(j);
@@ -189,11 +198,11 @@ __device__ __forceinline__ void gemm_tiles(const uint32_t* __restrict__ qw, cons
     const int p1 = static_cast<int>(min(static_cast<long long>(kPairs), p0 + (hi - j)));
     const bool first = j == lo;
     j += p1 - p0;
-    // this thread's copy duties in the tile: rows of slots (tid >> 3) + 32 j and of slot tid
-    int rows[8], srow;
+    // this thread's copy duties in the tile: rows of slots (tid >> 3) + kCopyRows j and of slot tid
+    int rows[kTileSlots / kCopyRows], srow;
 #pragma unroll
-    for (int q = 0; q < 8; ++q) {
-      const int rs = (tid >> 3) + 32 * q;
+    for (int q = 0; q < kTileSlots / kCopyRows; ++q) {
+      const int rs = (tid >> 3) + kCopyRows * q;
       int r0, r1;
       map(min(t * kTileUnits + (rs % kTileUnits), units - 1), r0, r1);  // a tail tile recomputes the last
       rows[q] = rs < kTileUnits ? r0 : r1;                              // unit; only real units written
@@ -201,7 +210,7 @@ __device__ __forceinline__ void gemm_tiles(const uint32_t* __restrict__ qw, cons
     {
       int r0, r1;
       map(min(t * kTileUnits + (tid % kTileUnits), units - 1), r0, r1);
-      srow = tid < kTileUnits ? r0 : r1;
+      srow = (tid % kTileSlots) < kTileUnits ? r0 : r1;
     }
     auto stage = [&](int i) { return smem + (i % kTileStages) * kStageChunks; };
     auto issue = [&](int i) {
@@ -273,33 +282,37 @@ __device__ __forceinline__ void gemm_tiles(const uint32_t* __restrict__ qw, cons
     // Thread tid sums unit u = tid % 128 of columns tid / 128 + 2 q over the contributors, in block order
     // (the same sums at every batch size). All kPer loads of one contributor are independent and issued
     // together: the reduction costs (contributors) L2 round trips, not (contributors x outputs per thread).
-    constexpr int kPer = kTileUnits * kCols / kThreads;
+    constexpr int kPer = kTileUnits * kCols / kTileThreads;
+    constexpr int kChunk = kPer < 8 ? kPer : 8;  // outputs summed per pass (registers: 2 x kChunk)
     const int u = tid % kTileUnits, col0 = tid / kTileUnits;
-    float o0[kPer], o1[kPer];
+    const int p = t * kTileUnits + u;
+    int r0 = 0, r1 = 0;
+    if (p < units) map(p, r0, r1);
 #pragma unroll
-    for (int q = 0; q < kPer; ++q) o0[q] = o1[q] = 0.f;
-    for (int b = b_first; b <= b_last; ++b) {
-      const int tb = static_cast<int>(stripe_lo(b, w_items, p_blocks) / kPairs);
-      const int sb = 2 * b + (tb == t ? 0 : 1);
-      const float2* src = reinterpret_cast<const float2*>(ws) + static_cast<size_t>(sb) * kCols * kTileUnits + u;
+    for (int q0 = 0; q0 < kPer; q0 += kChunk) {
+      float o0[kChunk], o1[kChunk];
 #pragma unroll
-      for (int q = 0; q < kPer; ++q) {
-        const int col = col0 + (kThreads / kTileUnits) * q;
-        if (col < ncols) {
-          const float2 v = __ldcg(src + col * kTileUnits);
-          o0[q] += v.x;
-          o1[q] += v.y;
+      for (int q = 0; q < kChunk; ++q) o0[q] = o1[q] = 0.f;
+      for (int b = b_first; b <= b_last; ++b) {
+        const int tb = static_cast<int>(stripe_lo(b, w_items, p_blocks) / kPairs);
+        const int sb = 2 * b + (tb == t ? 0 : 1);
+        const float2* src = reinterpret_cast<const float2*>(ws) + static_cast<size_t>(sb) * kCols * kTileUnits + u;
+#pragma unroll
+        for (int q = 0; q < kChunk; ++q) {
+          const int col = col0 + (kTileThreads / kTileUnits) * (q0 + q);
+          if (col < ncols) {
+            const float2 v = __ldcg(src + col * kTileUnits);
+            o0[q] += v.x;
+            o1[q] += v.y;
+          }
         }
       }
-    }
-    const int p = t * kTileUnits + u;
-    if (p < units) {
-      int r0, r1;
-      map(p, r0, r1);
+      if (p < units) {
 #pragma unroll
-      for (int q = 0; q < kPer; ++q) {
-        const int col = col0 + (kThreads / kTileUnits) * q;
-        if (col < ncols) epi(col, p, r0, r1, o0[q], o1[q]);
+        for (int q = 0; q < kChunk; ++q) {
+          const int col = col0 + (kTileThreads / kTileUnits) * (q0 + q);
+          if (col < ncols) epi(col, p, r0, r1, o0[q], o1[q]);
+        }
       }
     }
     if (tid == 0) tickets[t] = 0;  // ready for the next launch (no other block touches it in this one)
