@@ -88,6 +88,7 @@ def main() -> int:
     from nanoqwen_engine import Engine
     from nanoqwen_engine.kv_pages import pages_for
     from nanoqwen_engine.params import SamplingParams
+    from nanoqwen_kernels.gemv import DEFAULT_GEMV_VARIANT
 
     ctx = args.prompt + args.gen
     n_pages = max(batches) * pages_for(ctx) + 16
@@ -98,7 +99,7 @@ def main() -> int:
     greedy = SamplingParams(temperature=0.0).resolve({})
     rng = np.random.default_rng(0)
     results = []
-    variant = os.environ.get("NANOQWEN_GEMV_VARIANT") or "default"
+    variant = os.environ.get("NANOQWEN_GEMV_VARIANT") or DEFAULT_GEMV_VARIANT
     print(f"batched decode, {be.info.get('device')}, prompt {args.prompt} + {args.gen} generated, greedy, "
           f"GEMV variant {variant}")
     print(f"{'B':>3s} {'decode tok/s':>12s} {'e2e tok/s':>10s} {'step ms p50':>11s} {'itl p99 ms':>10s} "

@@ -56,14 +56,49 @@ def test_gemv_int4_good_call_and_residual_alias(launches):
 
 @pytest.mark.parametrize("b, entry, passes", [(2, "mma8", 1), (8, "mma8", 1), (9, "mma32", 1), (64, "mma32", 2)])
 def test_gemv_int4_batched_launch(launches, b, entry, passes):
+    """The "mixed" variant: B > 1 on gemv_mma's passes."""
     d = TINY
-    g = GemvKernels(d, load)
+    g = GemvKernels(d, load, "mixed")
     qw, sc = dev((300, d.hidden // 8), np.uint32), dev((300, d.hidden // 128), np.float16)
     res = dev((b, 300), np.float16)
     g.gemv_int4(qw, sc, dev((b, d.hidden), np.float16), res, residual=res)
     fn, grid, args = launches[-1]
     assert fn == f"nq_gemv_int4_h_{entry}" and grid[1] == passes and int(args[-3]) == b
     assert int(args[-2]) * passes >= b
+
+
+@pytest.mark.parametrize("b, build", [(2, 8), (8, 8), (9, 16), (17, 32), (33, 64), (64, 64)])
+def test_default_batched_launch_is_the_tile_gemm(launches, b, build):
+    """The default variant: B > 1 on the smallest tile build that holds B, P blocks of 512 threads from
+    plan_tiles (a function of the matrix only), dynamic shared memory for that build."""
+    from nanoqwen_kernels.gemv import TILE_THREADS, plan_tiles, tile_smem
+
+    d = QWEN25_7B
+    g = GemvKernels(d, load)
+    qw, sc = dev((d.hidden, d.intermediate // 8), np.uint32), dev((d.hidden, d.intermediate // 128), np.float16)
+    res = dev((b, d.hidden), np.float16)
+    got = []
+    import nanoqwen_kernels.checks as ck
+
+    real = ck.launch
+    ck.launch = lambda fn, grid, block, args, shared_mem=0: got.append((fn, grid, block, shared_mem)) or real(
+        fn, grid, block, args, shared_mem)
+    try:
+        g.gemv_int4(qw, sc, dev((b, d.intermediate), np.float16), res, residual=res)
+    finally:
+        ck.launch = real
+    fn, grid, block, smem = got[-1]
+    assert fn == f"nq_gemv_int4_i_tile{build}" and block == TILE_THREADS and smem == tile_smem(build)
+    assert grid == plan_tiles(d.intermediate, d.hidden // 2, 132).blocks
+
+
+def test_tile_gemm_takes_at_most_64_columns(launches):
+    d = TINY
+    g = GemvKernels(d, load)
+    qw, sc = dev((64, d.hidden // 8), np.uint32), dev((64, d.hidden // 128), np.float16)
+    with pytest.raises(KernelError, match="at most 64 columns"):
+        g.gemv_int4(qw, sc, dev((65, d.hidden), np.float16), dev((65, 64), np.float16))
+    assert not launches
 
 
 def test_batched_outputs_must_match_the_batch(launches):
@@ -179,8 +214,9 @@ def test_qkv_rope_kv_batched_checks(launches):
     g = GemvKernels(d, load)
     good = _qkv_args(d, 5)
     g.qkv_rope_kv(**good)
-    fn, grid, args = launches[-1]
-    assert fn == "nq_qkv_rope_kv_mma8" and int(args[8]) == 64 and int(args[-3]) == 5
+    (norm, _, nargs), (fn, grid, args) = launches[-2:]
+    assert norm == "nq_norm_cols_h" and nargs[1] is good["norm_w"]  # the tile GEMM takes x normalised
+    assert fn == "nq_qkv_rope_kv_tile8" and int(args[6]) == 64 and int(args[-3]) == 5
     bad = [
         (dict(pos_dev=dev((1,), np.int32)), r"pos_dev must have shape \(5,\)"),
         (dict(page_table=dev((64,), np.int32)), r"page_table must be int32 \[5, max_pages\]"),

@@ -59,12 +59,12 @@ GEMV_VARIANTS: dict[str, frozenset[str]] = {
     "mixed": frozenset({"i", "gu"}),
     "splitk": frozenset(),
     "tiles": frozenset(),
-    "tiles1": frozenset(),
+    "tiles1": frozenset(GEMV_KINDS),
 }
 SPLITK_VARIANTS = frozenset({"splitk"})  # the variants whose B > 1 runs the split-K build
 TILE_VARIANTS = frozenset({"tiles", "tiles1"})  # the variants whose B > 1 runs the tile GEMM
 TILE_AT_B1 = frozenset({"tiles1"})  # ... and B = 1 too
-DEFAULT_GEMV_VARIANT = "default"
+DEFAULT_GEMV_VARIANT = "tiles"  # B = 1 on the half2 loop, B > 1 on the tile GEMM (docs/PERF.md)
 
 
 @dataclass(frozen=True)
