@@ -71,12 +71,26 @@ GEMV_KINDS = ("nq_gemv_int4_h", "nq_gemv_int4_i", "nq_qkv_rope_kv", "nq_gate_up_
 @pytest.mark.parametrize("dims_name", ["7b", "1.5b"])
 def test_gemv_int4_sass(dims_name):
     """Every INT4 GEMV entry: the half2 loop (B = 1), the tensor-core builds for 8 and 32 columns, the
-    split-K builds for 8, 32 and 64 columns with their reductions and the split-K build's RMSNorm."""
+    split-K builds for 8, 32 and 64 columns with their reductions and the split-K build's RMSNorm, and the
+    tile GEMM for 8, 16, 32 and 64 columns."""
     funcs = _functions(_sass("gemv_int4.cu", DIMS[dims_name]))
+    tiles = {f"{k}_tile{c}" for k in GEMV_KINDS for c in (8, 16, 32, 64)}
     gemvs = {f"{k}{suffix}" for k in GEMV_KINDS for suffix in ("", "_mma8", "_mma32", "_sk8", "_sk32", "_sk64")}
+    assert set(funcs) - gemvs - tiles == {"nq_gemv_int4_skred", "nq_qkv_rope_kv_skred", "nq_gate_up_silu_skred",
+                                          "nq_norm_cols_h", "nq_norm_cols_i"}
+    for name in tiles:
+        body = funcs[name]
+        # weights, scales and x reach shared memory by cp.async (weights with the L2::256B hint), and the
+        # products are tensor-core mmas over the prmt-unpacked words
+        assert "LDGSTS.E.BYPASS.LTC256B.128" in body, f"{name}: expected cp.async weight copies with L2::256B"
+        assert "HMMA.16816.F32" in body and body.count("PRMT") >= 16, f"{name}: expected the mma core"
+        # no spills below 64 columns (at 64, 512 threads x 128 registers spill a few words around the
+        # epilogue; the q/k/v entries keep sincosf's local array, see below)
+        if not name.startswith("nq_qkv_rope_kv") and not name.endswith("_tile64"):
+            assert "STL" not in body and "LDL" not in body, f"{name}: local-memory spill"
     helpers = {"nq_gemv_int4_skred", "nq_qkv_rope_kv_skred", "nq_gate_up_silu_skred", "nq_norm_cols_h",
                "nq_norm_cols_i"}
-    assert set(funcs) == gemvs | helpers
+    assert set(funcs) == gemvs | helpers | tiles
     for name in helpers:
         if not name.startswith("nq_qkv_rope_kv"):  # sincosf's slow path: see below
             assert "STL" not in funcs[name] and "LDL" not in funcs[name], f"{name}: local-memory spill"
