@@ -2,7 +2,7 @@
 bandwidth, with cuBLAS (cupy.matmul, fp16 out) as the lm_head's peer.
 
     PYTHONPATH=packages/nanoqwen-kernels/src python packages/nanoqwen-kernels/bench/bench_gemv.py \\
-        --batch 1,8,32,64 [--dims 7b] [--variant default,splitk] [--sweep] [--json out.json]
+        --batch 1,8,32,64 [--dims 7b] [--variant default,tiles] [--sweep] [--json out.json]
 
 Method: each kernel is launched PER_GRAPH times inside one captured CUDA graph, cycling through enough
 copies of its weights that the bytes between two reads of the same copy exceed the L2 (so every launch

@@ -70,14 +70,13 @@ GEMV_KINDS = ("nq_gemv_int4_h", "nq_gemv_int4_i", "nq_qkv_rope_kv", "nq_gate_up_
 
 @pytest.mark.parametrize("dims_name", ["7b", "1.5b"])
 def test_gemv_int4_sass(dims_name):
-    """Every INT4 GEMV entry: the half2 loop (B = 1), the tensor-core builds for 8 and 32 columns, the
-    split-K builds for 8, 32 and 64 columns with their reductions and the split-K build's RMSNorm, and the
-    tile GEMM for 8, 16, 32 and 64 columns."""
+    """Every INT4 GEMV entry: the half2 loop (B = 1), the tensor-core builds for 8 and 32 columns, and the
+    tile GEMM for 8, 16, 32 and 64 columns with its input RMSNorm."""
     funcs = _functions(_sass("gemv_int4.cu", DIMS[dims_name]))
     tiles = {f"{k}_tile{c}" for k in GEMV_KINDS for c in (8, 16, 32, 64)}
-    gemvs = {f"{k}{suffix}" for k in GEMV_KINDS for suffix in ("", "_mma8", "_mma32", "_sk8", "_sk32", "_sk64")}
-    assert set(funcs) - gemvs - tiles == {"nq_gemv_int4_skred", "nq_qkv_rope_kv_skred", "nq_gate_up_silu_skred",
-                                          "nq_norm_cols_h", "nq_norm_cols_i"}
+    gemvs = {f"{k}{suffix}" for k in GEMV_KINDS for suffix in ("", "_mma8", "_mma32")}
+    helpers = {"nq_norm_cols_h", "nq_norm_cols_i"}
+    assert set(funcs) == gemvs | helpers | tiles
     for name in tiles:
         body = funcs[name]
         # weights, scales and x reach shared memory by cp.async (weights with the L2::256B hint), and the
@@ -88,18 +87,14 @@ def test_gemv_int4_sass(dims_name):
         # epilogue; the q/k/v entries keep sincosf's local array, see below)
         if not name.startswith("nq_qkv_rope_kv") and not name.endswith("_tile64"):
             assert "STL" not in body and "LDL" not in body, f"{name}: local-memory spill"
-    helpers = {"nq_gemv_int4_skred", "nq_qkv_rope_kv_skred", "nq_gate_up_silu_skred", "nq_norm_cols_h",
-               "nq_norm_cols_i"}
-    assert set(funcs) == gemvs | helpers | tiles
     for name in helpers:
-        if not name.startswith("nq_qkv_rope_kv"):  # sincosf's slow path: see below
-            assert "STL" not in funcs[name] and "LDL" not in funcs[name], f"{name}: local-memory spill"
+        assert "STL" not in funcs[name] and "LDL" not in funcs[name], f"{name}: local-memory spill"
     for name, body in ((n, funcs[n]) for n in gemvs):
         # the ValueShuffle unpack is byte permutes, not shift-and-mask per nibble
         assert body.count("PRMT") >= 16, f"{name}: expected the prmt unpack"
         # weights: 16-byte non-coherent loads that do not allocate in L1
         assert "LDG.E.NA" in body and ".128" in body, f"{name}: expected 16-byte no-allocate weight loads"
-        if "_mma" in name or "_sk" in name:
+        if "_mma" in name:
             assert "HMMA.16816.F32" in body, f"{name}: expected the tensor-core dot product"
             assert "LDGSTS" in body, f"{name}: expected cp.async staging of x"
         # no register spills. The q/k/v entries are exempt: sincosf's slow-path argument reduction keeps a

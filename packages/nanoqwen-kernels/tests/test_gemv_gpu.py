@@ -3,8 +3,7 @@
 Fresh random weights/activations each test (the seeded `rng` fixture); outputs poisoned with NaN before
 every launch. B runs over 1, 2, 3, 5, 8 (one pass of the 8-column build), 9, 16 (the 32-column build),
 33, 64 (several passes), at the 7B, 1.5B and tiny shapes; B = 1 also on each GEMV variant's bodies; B > 1
-on the three batched builds (gemv_mma's passes, the split-K build of the "splitk" variant and the tile
-GEMM of the "tiles" variant).
+on the two batched builds (gemv_mma's passes and the tile GEMM of the "tiles" variant).
 Tolerances: the INT4 GEMV's products and 4-term partial sums are fp16 on the half2 loop (refs.gemv_tolerance
 derives the bound; the tensor-core core is tighter); RoPE'd q/k and silu*up are compared at 8 fp16 ulps of
 their own magnitude plus that bound; the fp16 lm_head accumulates in fp32 (4e-5 of the row's
@@ -40,8 +39,8 @@ def kernels(dims, gpu):
 
 def _runs(b):
     """Variants to run at batch b: every variant at B = 1; beyond, one per batched build (gemv_mma's
-    passes: "mixed"; the split-K build: "splitk"; the tile GEMM: "tiles")."""
-    return sorted(GEMV_VARIANTS) if b == 1 else ["mixed", "splitk", "tiles"]
+    passes: "mixed"; the tile GEMM: "tiles")."""
+    return sorted(GEMV_VARIANTS) if b == 1 else ["mixed", "tiles"]
 
 
 def _check(got, ref, tol, what):
@@ -215,23 +214,6 @@ def test_a_row_gets_the_same_bits_at_any_batch_size(kernels, dims, rng):
         outs[b] = out.get()
     assert np.array_equal(outs[1][0].view(np.uint16), outs[5][0].view(np.uint16))
     assert np.array_equal(outs[5].view(np.uint16), outs[40][:5].view(np.uint16))
-
-
-def test_splitk_is_deterministic(kernels, dims, rng):
-    """The split-K build adds its slices' partial sums in a fixed order: two launches give the same bits
-    (B = 33: one pass of the 64-column build, down_proj's K in several slices)."""
-    import cupy as cp
-
-    h, i = dims.hidden, dims.intermediate
-    u, s = random_int4(rng, h, i)
-    qw, sc = cp.asarray(pack_valueshuffle(u)), cp.asarray(s)
-    x = cp.asarray(rng.standard_normal((33, i)).astype(np.float16))
-    outs = []
-    for _ in range(2):
-        out = cp.full((33, h), np.nan, dtype=np.float16)
-        kernels["splitk"].gemv_int4(qw, sc, x, out)
-        outs.append(out.get())
-    assert np.array_equal(outs[0].view(np.uint16), outs[1].view(np.uint16))
 
 
 def test_tiles_rows_are_batch_invariant_and_deterministic(kernels, dims, rng):

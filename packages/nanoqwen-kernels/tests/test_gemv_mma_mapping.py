@@ -48,10 +48,9 @@ def xs_slot(j: int) -> int:
     return j ^ ((j >> 3) & 1)
 
 
-def emulate_tile(words, scales, x, nt_count, slice_groups, only_slice=None):
+def emulate_tile(words, scales, x, nt_count, slice_groups):
     """One 16-row tile (units g: rows 2g, 2g+1) of gemv_mma over columns x [ncols, K]; returns the
-    epilogue's sums [8 units, 2 rows, ncols] and every shared-memory chunk address each x read used.
-    only_slice = s: the sums over K slice s alone (a block of gemv_mma_splitk)."""
+    epilogue's sums [8 units, 2 rows, ncols] and every shared-memory chunk address each x read used."""
     ncols, K = x.shape
     kG = K // GROUP
     slice_k = slice_groups * GROUP
@@ -60,7 +59,7 @@ def emulate_tile(words, scales, x, nt_count, slice_groups, only_slice=None):
     part = np.zeros((WARPS, 8, 2, 8 * nt_count))
     acc = np.zeros((WARPS, 32, nt_count, 4))
     reads = []  # (warp, wd, nt, lane -> chunk index) per shared-memory read instruction
-    for s in range(n_slices) if only_slice is None else [only_slice]:
+    for s in range(n_slices):
         xs = np.zeros((ncols * row_chunks, 8))  # stage_slice
         for b in range(ncols):
             for j in range(slice_k // 8):
@@ -135,58 +134,3 @@ def test_staged_x_reads_are_bank_conflict_free(rng, ncols):
         for q in range(4):
             banks = [(c * 16 // 16) % 8 for c in chunks[8 * q : 8 * q + 8] if c is not None]
             assert len(set(banks)) == len(banks), f"bank conflict in quarter {q}: {banks}"
-
-
-def emulate_splitk(words, scales, x, units, build, pass_cols, slice_groups, n_slices, n_chunks):
-    """gemv_mma_splitk + splitk_reduce over every block of the grid (n_chunks * n_slices, passes): each
-    block's tiles and slice, the workspace index each partial is written to, and the reduction's reads.
-    Returns the reduced sums [B, units, 2]; asserts no workspace element is written twice or read unwritten."""
-    b_all, K = x.shape
-    tiles = -(-units // 8)
-    passes = -(-b_all // pass_cols)
-    ws = np.full(n_slices * b_all * units * 2, np.nan)
-    written = np.zeros(ws.size, dtype=bool)
-    for y in range(passes):
-        col0 = y * pass_cols
-        ncols = min(pass_cols, b_all - col0)
-        for bx in range(n_chunks * n_slices):
-            s, chunk = bx % n_slices, bx // n_slices
-            for t in range(chunk, tiles, n_chunks):
-                rows = [min(2 * min(t * 8 + g, units - 1) + r, 2 * units - 1) for g in range(8) for r in range(2)]
-                sums, _ = emulate_tile(words[rows], scales[rows], x[col0 : col0 + ncols], build // 8,
-                                       slice_groups, only_slice=s)
-                for i in range(8 * ncols):
-                    b, u = i >> 3, i & 7
-                    p = t * 8 + u
-                    if p < units:
-                        at = ((s * b_all + col0 + b) * units + p) * 2
-                        assert not written[at : at + 2].any(), f"workspace element {at} written twice"
-                        written[at : at + 2] = True
-                        ws[at : at + 2] = sums[u, :, b]
-    assert written.all(), "a workspace element was never written"
-    total = b_all * units
-    out = np.zeros((b_all, units, 2))
-    for i in range(total):
-        b, p = i // units, i % units
-        for s in range(n_slices):
-            out[b, p] += ws[2 * (s * total + i) : 2 * (s * total + i) + 2]
-    return out
-
-
-@pytest.mark.parametrize(
-    "b, units, K, build, pass_cols, slice_groups, n_chunks",
-    [(3, 19, 1024, 8, 3, 3, 2), (11, 8, 768, 32, 11, 2, 1), (9, 12, 640, 8, 5, 5, 3)],
-    ids=["B3-tail-slice", "B11-one-tile", "B9-two-passes-one-slice"],
-)
-def test_splitk_grid_matches_reference(rng, b, units, K, build, pass_cols, slice_groups, n_chunks):
-    """Every (slice, chunk, pass) block of the split-K grid with the kernel's workspace indexing and the
-    ordered reduction gives W . x for every unit and column (odd units: a tail tile)."""
-    n_slices = -(-(K // GROUP) // slice_groups)
-    u = rng.integers(0, 16, size=(2 * units, K), dtype=np.uint8)
-    words = pack_valueshuffle(u)
-    scales = rng.uniform(0.5, 1.5, size=(2 * units, K // GROUP)).astype(np.float16)
-    x = rng.standard_normal((b, K)).astype(np.float16).astype(np.float64)
-    got = emulate_splitk(words, scales, x, units, build, pass_cols, slice_groups, n_slices, n_chunks)
-    ref = dequant(u, scales).astype(np.float64) @ x.T  # [2 units, B]
-    np.testing.assert_allclose(got[:, :, 0], ref[0::2].T, rtol=1e-9, atol=1e-9)
-    np.testing.assert_allclose(got[:, :, 1], ref[1::2].T, rtol=1e-9, atol=1e-9)

@@ -6,12 +6,10 @@ size serves every step.
 
 Which body runs:
   B = 1   the half2 loop or the tensor-core core, per matrix, as the GEMV variant says (below);
-  B > 1   the tensor-core core: up to 32 columns (sequences) per pass over the weights, planned by
-          `plan_gemv` (passes, and the slices of K that x is staged in); or, in the "splitk" variant,
-          the INT4 GEMVs on the split-K build (gemv_mma.cuh gemv_mma_splitk, planned by `plan_splitk`):
-          each block stages one K slice of x for up to 64 columns once and runs many row tiles over it,
-          the slices' fp32 partial sums added in order by a second kernel that runs the epilogue. The
-          lm_head (gemv_fp16) keeps gemv_mma in every variant.
+  B > 1   the INT4 GEMVs on the tile GEMM (gemm_tiles.cuh, planned by `plan_tiles`) in the "tiles"
+          variants; else on the tensor-core core: up to 32 columns (sequences) per pass over the weights,
+          planned by `plan_gemv` (passes, and the slices of K that x is staged in). The lm_head
+          (gemv_fp16) keeps gemv_mma in every variant.
 """
 
 from __future__ import annotations
@@ -48,8 +46,6 @@ X_SMEM_FEW_TILES = 90 * 1024
 # down 15.35 / 21.51. The core is built for batches (x of up to 32 sequences in shared memory, two
 # batches of loads in flight per warp); at B = 1 it keeps too few bytes in flight (docs/PERF.md).
 # KernelSet picks one (argument, or $NANOQWEN_GEMV_VARIANT); all pass the same GPU tests.
-#   splitk  : B = 1 as "default"; B > 1 on the split-K build (plan_splitk) instead of gemv_mma's passes.
-#             Opt-in until measured (bench_gemv.py --batch 8,32,64 --variant default,splitk).
 #   tiles   : B = 1 as "default"; B > 1 on the tile GEMM (gemm_tiles.cuh, planned by `plan_tiles`).
 #   tiles1  : every B on the tile GEMM (B = 1 included: measured against the half2 loop).
 GEMV_KINDS = ("h", "i", "qkv", "gu")
@@ -57,11 +53,9 @@ GEMV_VARIANTS: dict[str, frozenset[str]] = {
     "default": frozenset(),
     "mma": frozenset(GEMV_KINDS),
     "mixed": frozenset({"i", "gu"}),
-    "splitk": frozenset(),
     "tiles": frozenset(),
     "tiles1": frozenset(GEMV_KINDS),
 }
-SPLITK_VARIANTS = frozenset({"splitk"})  # the variants whose B > 1 runs the split-K build
 TILE_VARIANTS = frozenset({"tiles", "tiles1"})  # the variants whose B > 1 runs the tile GEMM
 TILE_AT_B1 = frozenset({"tiles1"})  # ... and B = 1 too
 DEFAULT_GEMV_VARIANT = "tiles"  # B = 1 on the half2 loop, B > 1 on the tile GEMM (docs/PERF.md)
@@ -107,77 +101,6 @@ def plan_gemv(b: int, k: int, n_tiles: int, sm_count: int) -> GemvPlan:
         slice_groups = max(8, fit // 8 * 8)
     build = next(c for c in MMA_BUILDS if c >= pass_cols)
     return GemvPlan(build, pass_cols, passes, slice_groups, _x_bytes(pass_cols, slice_groups))
-
-
-# ---- the split-K build (gemv_mma.cuh gemv_mma_splitk) -------------------------------------------------
-SPLITK_BUILDS = (8, 32, 64)  # columns per pass of its entries (suffix _sk8, _sk32, _sk64)
-# x slice per block: the 8- and 32-column builds run two blocks per SM (static part[] <= 16.5 KB each:
-# 2 x (88 + 16.5) KB < 227 KB), the 64-column build one (part[] 32 KB; its registers allow no second)
-SPLITK_X_BUDGET = {8: 88 * 1024, 32: 88 * 1024, 64: 180 * 1024}
-SPLITK_BLOCKS_PER_SM = {8: 2, 32: 2, 64: 1}
-# the cost of one more launch (the reduction) in L2 bytes moved: ~1.5 us at ~3 TB/s
-SPLITK_LAUNCH_BYTES = 4 << 20
-SPLITK_MAX_PRESIZED = 64  # columns the split-K buffers are sized for at construction (the largest bucket)
-
-
-@dataclass(frozen=True)
-class SplitPlan:
-    """How the split-K build covers B columns of one GEMV."""
-
-    build: int  # columns per pass at most (SPLITK_BUILDS)
-    pass_cols: int  # columns per pass (the last pass may have fewer)
-    passes: int  # grid.y
-    slice_groups: int  # 128-k groups per K slice
-    n_slices: int  # K slices (1: no partial sums, the epilogue runs in the main kernel)
-    n_chunks: int  # blocks per slice and pass; grid.x = n_chunks * n_slices
-    smem: int  # dynamic shared memory bytes
-
-    @property
-    def grid(self) -> tuple[int, int]:
-        return (self.n_chunks * self.n_slices, self.passes)
-
-    def workspace_floats(self, b: int, units: int) -> int:
-        """fp32 partial sums the plan writes: [n_slices, B, units, 2] (none with one slice)."""
-        return self.n_slices * b * units * 2 if self.n_slices > 1 else 0
-
-
-def splitk_traffic(b: int, k: int, units: int, n_slices: int, n_chunks: int) -> int:
-    """Bytes moved through L2 besides the weights: x staged by every block (each chunk stages all of K once
-    per pass), the partial sums written and read back, and the reduction's launch."""
-    x = n_chunks * b * k * 2
-    partials = 2 * n_slices * b * units * 2 * 4 + SPLITK_LAUNCH_BYTES if n_slices > 1 else 0
-    return x + partials
-
-
-@functools.cache  # a pure function of its integers, asked at every launch
-def plan_splitk(b: int, k: int, units: int, sm_count: int) -> SplitPlan:
-    """Build, passes, K slices and chunks for B columns of a K-long GEMV of `units` 2-row units.
-
-    The blocks resident at once (SPLITK_BLOCKS_PER_SM x SMs, shared by the passes) are n_slices x n_chunks:
-    x traffic falls with more slices (fewer chunks each stage x), partial-sum traffic rises; the plan
-    takes the slice count with the least of both (splitk_traffic) among those whose slice fits in shared
-    memory, the slices being equal (the last possibly shorter)."""
-    if b < 1 or k % GROUP or units < 1 or sm_count < 1:
-        raise KernelError(f"plan_splitk: bad shape B={b} K={k} units={units} SMs={sm_count}")
-    groups = k // GROUP
-    tiles = -(-units // 8)
-    build = next((c for c in SPLITK_BUILDS if c >= b), SPLITK_BUILDS[-1])
-    passes = -(-b // build)
-    pass_cols = -(-b // passes)
-    budget = SPLITK_X_BUDGET[build]
-    fit = max(1, (budget // (2 * pass_cols) - X_PAD) // GROUP)  # groups of one slice that fit
-    blocks = max(1, sm_count * SPLITK_BLOCKS_PER_SM[build] // passes)
-    best = None
-    for want in range(-(-groups // fit), groups + 1):
-        slice_groups = -(-groups // want)
-        n_slices = -(-groups // slice_groups)
-        cap = max(1, min(tiles, blocks // n_slices))
-        n_chunks = -(-tiles // -(-tiles // cap))  # every chunk the same number of tiles (or one fewer)
-        cost = splitk_traffic(b, k, units, n_slices, n_chunks)
-        if best is None or cost < best[0]:
-            best = (cost, slice_groups, n_slices, n_chunks)
-    _, slice_groups, n_slices, n_chunks = best
-    return SplitPlan(build, pass_cols, passes, slice_groups, n_slices, n_chunks, _x_bytes(pass_cols, slice_groups))
 
 
 # ---- the tile GEMM (gemm_tiles.cuh) ---------------------------------------------------------------------
@@ -248,22 +171,6 @@ class GemvKernels:
         }
         self._fp16 = f.get_function("nq_gemv_fp16")
         self._fp16_mma = {c: f.get_function(f"nq_gemv_fp16_mma{c}", max_dynamic_smem=smem) for c in MMA_BUILDS}
-        self._splitk = variant in SPLITK_VARIANTS
-        if self._splitk:
-            self._sk = {
-                (kind, c): m.get_function(f"{name}_sk{c}", max_dynamic_smem=SPLITK_X_BUDGET[c])
-                for kind, name in names.items()
-                for c in SPLITK_BUILDS
-            }
-            red = {"h": "nq_gemv_int4_skred", "i": "nq_gemv_int4_skred"}
-            self._sk_red = {kind: m.get_function(red.get(kind, f"{name}_skred")) for kind, name in names.items()}
-            self._norm_cols = {dims.hidden: m.get_function("nq_norm_cols_h"),
-                               dims.intermediate: m.get_function("nq_norm_cols_i")}
-            self._ws = None  # fp32 partial sums, grown on demand (_workspace)
-            self._xn = None  # the normalised x, [rows, H or I] fp16
-            self._ws_cols = 0  # the columns both are sized for
-            self._retired: list = []  # buffers replaced by larger ones, kept for the graphs that use them
-            self._workspace(SPLITK_MAX_PRESIZED)  # the engine's buckets: no growth in a capture
         self._tiles = variant in TILE_VARIANTS
         self._tile_min_b = 1 if variant in TILE_AT_B1 else 2
         if self._tiles:
@@ -276,60 +183,19 @@ class GemvKernels:
                                dims.intermediate: m.get_function("nq_norm_cols_i")}
             cp = ck.cupy_module()
             sms = ck.sm_count()
-            tiles = max(plan_tiles(kk, units, sms).tiles for units, kk in self._splitk_units().values())
+            tiles = max(plan_tiles(kk, units, sms).tiles for units, kk in self._units_by_kind().values())
             # partial sums: 2 slots per block x 64 columns x 128 units x float2; tickets zero between launches
             self._tile_ws = cp.empty(2 * sms * TILE_BUILDS[-1] * TILE_UNITS * 2, dtype=np.float32)
             self._tile_tickets = cp.zeros(tiles, dtype=np.int32)
             self._tile_xn = cp.empty(TILE_BUILDS[-1] * max(dims.hidden, dims.intermediate), dtype=np.float16)
 
-    # ---- the split-K build's buffers -----------------------------------------------------------------
+    # ---- the tile GEMM ------------------------------------------------------------------------------
 
-    def _splitk_units(self) -> dict[str, tuple[int, int]]:
+    def _units_by_kind(self) -> dict[str, tuple[int, int]]:
+        """(units, K) of each INT4 matrix kind: o_proj, down_proj, the fused q/k/v and gate/up."""
         d = self.dims
         return {"h": ((d.hidden + 1) // 2, d.hidden), "i": ((d.hidden + 1) // 2, d.intermediate),
                 "qkv": (d.qkv_rows // 2, d.hidden), "gu": (d.intermediate, d.hidden)}
-
-    def _workspace(self, b: int):
-        """(ws, xn) large enough for any split-K GEMV of up to b columns. Allocated at construction for
-        SPLITK_MAX_PRESIZED columns (every engine bucket), so a graph capture never allocates; a larger
-        batch grows them, and the old ones are kept (a captured graph may still use them)."""
-        if b <= self._ws_cols:
-            return self._ws, self._xn
-        cp = ck.cupy_module()
-        floats = max(  # every batch up to b: a smaller one may cut K in more slices
-            plan_splitk(bb, kk, units, ck.sm_count()).workspace_floats(bb, units)
-            for bb in range(1, b + 1)
-            for units, kk in self._splitk_units().values()
-        )
-        if self._ws is not None:
-            self._retired.append((self._ws, self._xn))
-        self._ws = cp.empty(max(floats, 2), dtype=np.float32)
-        self._xn = cp.empty(b * max(self.dims.hidden, self.dims.intermediate), dtype=np.float16)
-        self._ws_cols = b
-        return self._ws, self._xn
-
-    def _launch_splitk(self, kind: str, units: int, k: int, b: int, w_args: tuple, x, norm_w, eps,
-                       epi_args: tuple) -> None:
-        """The split-K build: with a norm and K in slices, x normalised first (nq_norm_cols_*); the main
-        kernel; with K in slices, the reduction + epilogue kernel."""
-        plan = plan_splitk(b, k, units, ck.sm_count())
-        ws, xn = self._workspace(b)
-        if norm_w is not None and plan.n_slices > 1:  # one slice: each block normalises as it stages
-            xn_b = xn[: b * k].reshape(b, k)
-            ck.launch(self._norm_cols[k], b, THREADS, (x, norm_w, eps, xn_b))
-            x, norm_w = xn_b, None
-        ck.launch(
-            self._sk[(kind, plan.build)],
-            plan.grid,
-            THREADS,
-            (*w_args, x, norm_w if norm_w is not None else ck.NULL, eps, *epi_args, np.int32(b), np.int32(plan.pass_cols), np.int32(plan.slice_groups),
-             np.int32(plan.n_slices), ws),
-            shared_mem=plan.smem,
-        )
-        if plan.n_slices > 1:
-            fn = self._sk_red[kind]
-            ck.launch(fn, ck.even_grid(fn, -(-(b * units) // THREADS), THREADS), THREADS,
-                      (ws, np.int32(b), np.int32(plan.n_slices), *epi_args))
 
     def _launch_tiles(self, kind: str, units: int, k: int, b: int, w_args: tuple, x, norm_w, eps,
                       epi_args: tuple) -> None:
@@ -424,9 +290,6 @@ class GemvKernels:
         if self._tiles and b >= self._tile_min_b:
             epi = (residual if residual is not None else ck.NULL, out, np.int32(n))
             self._launch_tiles(kind, units, k, b, (qweight, scales), x, norm_w, e, epi)
-        elif b > 1 and self._splitk:
-            epi = (residual if residual is not None else ck.NULL, out, np.int32(n))
-            self._launch_splitk(kind, units, k, b, (qweight, scales), x, norm_w, e, epi)
         elif b == 1 and kind not in self._mma_at_b1:
             fn = self._half2[kind]
             ck.launch(fn, ck.even_grid(fn, -(-units // WARPS), THREADS), THREADS, args)
@@ -475,9 +338,6 @@ class GemvKernels:
         if self._tiles and b >= self._tile_min_b:
             self._launch_tiles("qkv", rows // 2, d.hidden, b, (qweight, scales), x, norm_w, e,
                                (bias, *args[6:]))
-        elif b > 1 and self._splitk:
-            self._launch_splitk("qkv", rows // 2, d.hidden, b, (qweight, scales), x, norm_w, e,
-                                (bias, *args[6:]))
         elif b == 1 and "qkv" not in self._mma_at_b1:
             fn = self._half2["qkv"]
             ck.launch(fn, ck.even_grid(fn, -(-(rows // 2) // WARPS), THREADS), THREADS, args)
@@ -499,8 +359,6 @@ class GemvKernels:
         args = (qweight, scales, x, norm_w if norm_w is not None else ck.NULL, e, out)
         if self._tiles and b >= self._tile_min_b:
             self._launch_tiles("gu", d.intermediate, d.hidden, b, (qweight, scales), x, norm_w, e, (out,))
-        elif b > 1 and self._splitk:
-            self._launch_splitk("gu", d.intermediate, d.hidden, b, (qweight, scales), x, norm_w, e, (out,))
         elif b == 1 and "gu" not in self._mma_at_b1:
             fn = self._half2["gu"]
             ck.launch(fn, ck.even_grid(fn, -(-d.intermediate // WARPS), THREADS), THREADS, args)

@@ -26,7 +26,7 @@ from .sampling import SamplingKernels
 
 class KernelSet:
     def __init__(self, dims: ModelDims, arch: str | None = None, gemv_variant: str | None = None):
-        """gemv_variant: a key of gemv.GEMV_VARIANTS (default: $NANOQWEN_GEMV_VARIANT, else "default")."""
+        """gemv_variant: a key of gemv.GEMV_VARIANTS (default: $NANOQWEN_GEMV_VARIANT, else gemv.DEFAULT_GEMV_VARIANT)."""
         if not isinstance(dims, ModelDims):
             raise KernelError(f"KernelSet needs a ModelDims, got {type(dims).__name__}")
         variant = gemv_variant or os.environ.get("NANOQWEN_GEMV_VARIANT") or DEFAULT_GEMV_VARIANT

@@ -1,7 +1,8 @@
 // gemv_int4.cu: the INT4 x FP16 GEMVs of decode over ValueShuffle-v1 words, for B sequences at once,
-// with their fused variants. Two bodies share the row maps and epilogues below:
+// with their fused variants. Three bodies share the row maps and epilogues below:
 //   the half2 loop (this file)      B = 1; products in half2 FMAs
 //   the tensor-core core            any B; gemv_mma.cuh (mma.sync, one column per sequence)
+//   the tile GEMM                   B <= 64; gemm_tiles.cuh (entries at the end of this file)
 //
 // What: out[b][n] = sum_k W[n,k] * xin[b][k], W[n,k] = scale[n, k/128] * q[n,k] (q = u - 8, u in 0..15),
 //   xin[b] = x[b], or RMSNorm(x[b]) * norm_w when norm_w is given (HF Qwen2RMSNorm: fp32 mean of
@@ -350,79 +351,8 @@ extern "C" __global__ void __launch_bounds__(kThreads) nq_gate_up_silu(
 NQ_INT4_MMA_ENTRIES(8, 2)
 NQ_INT4_MMA_ENTRIES(32, 2)
 
-// The split-K build (gemv_mma.cuh gemv_mma_splitk; the "splitk" variant of gemv.py, B > 1), up to 8, 32
-// or 64 columns per pass. Main entries (suffix _sk8 / _sk32 / _sk64): the weights, x (already normalised:
-// nq_norm_cols_*), the epilogue's arguments, then n_cols, pass_cols, slice_groups, n_slices and the fp32
-// workspace ws [n_slices, B, units, 2]; grid (n_chunks * n_slices, passes); dynamic shared memory =
-// pass_cols x (slice_groups * 128 + 16) x 2 bytes. With n_slices > 1 the matching _skred entry follows
-// on the stream: (ws, n_cols, n_slices, the epilogue's arguments), 1-D grid-stride over B x units.
-#define NQ_INT4_SPLITK_ENTRIES(COLS, MIN_BLOCKS)                                                               \
-  extern "C" __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) nq_gemv_int4_h_sk##COLS(                  \
-      const uint32_t* __restrict__ qweight, const uint16_t* __restrict__ scales,                               \
-      const uint16_t* __restrict__ x, const uint16_t* __restrict__ norm_w, float eps,                          \
-      const uint16_t* residual, uint16_t* out, int n_rows, int n_cols, int pass_cols, int slice_groups,        \
-      int n_slices, float* __restrict__ ws) {                                                                  \
-    gemv_mma_splitk<kHidden, COLS / 8>(Int4Weights{qweight, scales}, x, norm_w, eps, (n_rows + 1) / 2,         \
-                                       n_cols, pass_cols, slice_groups, n_slices, ws, PlainRows{n_rows},       \
-                                       PlainEpi{residual, out, n_rows});                                       \
-  }                                                                                                            \
-  extern "C" __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) nq_gemv_int4_i_sk##COLS(                  \
-      const uint32_t* __restrict__ qweight, const uint16_t* __restrict__ scales,                               \
-      const uint16_t* __restrict__ x, const uint16_t* __restrict__ norm_w, float eps,                          \
-      const uint16_t* residual, uint16_t* out, int n_rows, int n_cols, int pass_cols, int slice_groups,        \
-      int n_slices, float* __restrict__ ws) {                                                                  \
-    gemv_mma_splitk<kInter, COLS / 8>(Int4Weights{qweight, scales}, x, norm_w, eps, (n_rows + 1) / 2,          \
-                                      n_cols, pass_cols, slice_groups, n_slices, ws, PlainRows{n_rows},        \
-                                      PlainEpi{residual, out, n_rows});                                        \
-  }                                                                                                            \
-  extern "C" __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) nq_qkv_rope_kv_sk##COLS(                  \
-      const uint32_t* __restrict__ qweight, const uint16_t* __restrict__ scales,                               \
-      const uint16_t* __restrict__ x, const uint16_t* __restrict__ norm_w, float eps,                          \
-      const uint16_t* __restrict__ bias, const int32_t* __restrict__ pos,                                      \
-      const int32_t* __restrict__ page_table, int max_pages, uint16_t* __restrict__ k_cache,                   \
-      uint16_t* __restrict__ v_cache, int layer, int n_pages, uint16_t* __restrict__ q_out, int n_cols,        \
-      int pass_cols, int slice_groups, int n_slices, float* __restrict__ ws) {                                 \
-    gemv_mma_splitk<kHidden, COLS / 8>(                                                                        \
-        Int4Weights{qweight, scales}, x, norm_w, eps, kQkvRows / 2, n_cols, pass_cols, slice_groups,           \
-        n_slices, ws, QkvRows{},                                                                               \
-        QkvEpi{bias, pos, page_table, max_pages, k_cache, v_cache, layer, n_pages, q_out});                    \
-  }                                                                                                            \
-  extern "C" __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) nq_gate_up_silu_sk##COLS(                 \
-      const uint32_t* __restrict__ qweight, const uint16_t* __restrict__ scales,                               \
-      const uint16_t* __restrict__ x, const uint16_t* __restrict__ norm_w, float eps,                          \
-      uint16_t* __restrict__ out, int n_cols, int pass_cols, int slice_groups, int n_slices,                   \
-      float* __restrict__ ws) {                                                                                \
-    gemv_mma_splitk<kHidden, COLS / 8>(Int4Weights{qweight, scales}, x, norm_w, eps, kInter, n_cols,           \
-                                       pass_cols, slice_groups, n_slices, ws, GateUpRows{},                    \
-                                       GateUpEpi{out});                                                        \
-  }
-
-NQ_INT4_SPLITK_ENTRIES(8, 2)
-NQ_INT4_SPLITK_ENTRIES(32, 2)
-NQ_INT4_SPLITK_ENTRIES(64, 1)
-
-// The split-K reductions + epilogues (one per epilogue: o_proj and down share PlainEpi).
-extern "C" __global__ void __launch_bounds__(kThreads) nq_gemv_int4_skred(
-    const float* __restrict__ ws, int n_cols, int n_slices, const uint16_t* residual, uint16_t* out,
-    int n_rows) {
-  splitk_reduce(ws, (n_rows + 1) / 2, n_cols, n_slices, PlainRows{n_rows}, PlainEpi{residual, out, n_rows});
-}
-
-extern "C" __global__ void __launch_bounds__(kThreads) nq_qkv_rope_kv_skred(
-    const float* __restrict__ ws, int n_cols, int n_slices, const uint16_t* __restrict__ bias,
-    const int32_t* __restrict__ pos, const int32_t* __restrict__ page_table, int max_pages,
-    uint16_t* __restrict__ k_cache, uint16_t* __restrict__ v_cache, int layer, int n_pages,
-    uint16_t* __restrict__ q_out) {
-  splitk_reduce(ws, kQkvRows / 2, n_cols, n_slices, QkvRows{},
-                QkvEpi{bias, pos, page_table, max_pages, k_cache, v_cache, layer, n_pages, q_out});
-}
-
-extern "C" __global__ void __launch_bounds__(kThreads) nq_gate_up_silu_skred(
-    const float* __restrict__ ws, int n_cols, int n_slices, uint16_t* __restrict__ out) {
-  splitk_reduce(ws, kInter, n_cols, n_slices, GateUpRows{}, GateUpEpi{out});
-}
-
-// The split-K build's input RMSNorm, one block per column (grid = B): xn [B, K] = RMSNorm(x) * norm_w.
+// The tile GEMM's input RMSNorm, one block per column (grid = B): xn [B, K] = RMSNorm(x) * norm_w, run
+// before the tile entries when the GEMV has a norm (they read x already normalised).
 extern "C" __global__ void __launch_bounds__(kThreads) nq_norm_cols_h(
     const uint16_t* __restrict__ x, const uint16_t* __restrict__ norm_w, float eps, uint16_t* __restrict__ xn) {
   norm_cols<kHidden>(x, norm_w, eps, xn);

@@ -34,8 +34,7 @@
 //   Columns past the batch read zeros (a select, no shared-memory access) and are never written out.
 //
 // Tested: tests/test_gemv_mma_mapping.py emulates this lane mapping, the swizzle and the mma fragments
-//   in numpy (CPU), and the split-K grid below (gemv_mma_splitk, splitk_reduce) block by block;
-//   tests/test_gemv_gpu.py runs every entry against numpy for B = 1 .. 64.
+//   in numpy (CPU); tests/test_gemv_gpu.py runs every entry against numpy for B = 1 .. 64.
 #pragma once
 #include "mma.cuh"
 
@@ -327,116 +326,8 @@ __device__ __forceinline__ void gemv_mma(const W& wsrc, const uint16_t* __restri
   }
 }
 
-
-// ---- split-K with persistent blocks (the "splitk" GEMV variant, B > 1) --------------------------------
-// Why: gemv_mma stages x per block, and with few tiles per block (o_proj, q/k/v, down) or K too long for
-// shared memory (down: restaged per tile) x is read from L2 once per tile, B x K x 2 bytes each time.
-// Here a block owns ONE slice of K (slice_groups 128-k groups) for all the pass's columns, stages it once
-// and runs many tiles over it, so x costs (blocks of the pass) x B x slice bytes = n_chunks x B x K x 2
-// per GEMV, whatever the number of tiles.
-// Work split: blockIdx.x = chunk * n_slices + s; block (chunk, s) runs tiles chunk, chunk + n_chunks, ...
-//   (n_chunks = gridDim.x / n_slices) over groups [s * slice_groups, (s + 1) * slice_groups) of K.
-//   blockIdx.y is the pass, as in gemv_mma. Inside a tile the lanes, warps, fragments and the warps'
-//   sum in shared memory are gemv_mma's (load_batch, mma_batch); warp w takes the groups g_lo + w + 8 i.
-// Partial sums: with n_slices == 1 (all of K fits) the tile's sums go straight to the epilogue functor;
-//   else block (chunk, s) writes the tile's fp32 sums to ws[s][column][unit][2] (float2 per unit) and
-//   splitk_reduce (its own launch, after this one on the stream) adds the slices in order s = 0, 1, ...
-//   and runs the epilogue. Every sum's order is fixed by (slice, warp, group): deterministic, and the
-//   same as gemv_mma's except that slices are added last.
-// RMSNorm: with norm_w given, the block normalises x as gemv_mma does (column_rms over all of K, then
-// rms_apply8 while staging): the launcher asks for that only with one slice, where each block stages all
-// of K anyway. With several slices the launcher normalises x first (nq_norm_cols: the same bits), since
-// every block would otherwise read all of x for the factor.
-template <int K, int NT, class W, class Map, class Epi>
-__device__ __forceinline__ void gemv_mma_splitk(const W& wsrc, const uint16_t* __restrict__ x,
-                                                const uint16_t* __restrict__ norm_w, float eps, int units,
-                                                int n_cols, int pass_cols, int slice_groups, int n_slices,
-                                                float* __restrict__ ws, const Map& map, const Epi& epi) {
-  constexpr int kCols = 8 * NT;
-  constexpr int kG = K / kGroup;
-  constexpr int kIF = W::in_flight(NT);
-  extern __shared__ uint4 xs[];                // [ncols][slice_k + kXPad] fp16, swizzled chunks
-  __shared__ float part[kWarps][8][2][kCols];  // per warp: unit, row (r0 / r1), column
-  __shared__ float red[kWarps][kCols];
-  __shared__ float rs[kCols];
-  const int col0 = blockIdx.y * pass_cols;
-  const int ncols = min(pass_cols, n_cols - col0);
-  const uint16_t* xp = x + static_cast<size_t>(col0) * K;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int g = lane >> 2, c = lane & 3;
-  const int s = blockIdx.x % n_slices, chunk = blockIdx.x / n_slices, n_chunks = gridDim.x / n_slices;
-  const int slice_k = slice_groups * kGroup;
-  const int row_chunks = (slice_k + kXPad) / 8;
-  const int g_lo = s * slice_groups, g_hi = min(kG, g_lo + slice_groups);
-  const int n_i = (g_hi - g_lo - warp + kWarps - 1) / kWarps;  // this warp's groups in the slice (>= 0)
-
-  if (norm_w != nullptr) {  // block-uniform
-    column_rms<K, kCols>(xp, ncols, eps, rs, red);
-    __syncthreads();  // rs visible
-  }
-  stage_slice<K>(xp, norm_w, rs, ncols, s, slice_k, xs);
-  __syncthreads();  // xs complete; it is never written again
-  const int tiles = (units + 7) / 8;
-  // block-uniform loop (t depends on the block only): the barriers inside are reached by every thread
-  for (int t = chunk; t < tiles; t += n_chunks) {
-    int r0, r1;
-    map(min(t * 8 + g, units - 1), r0, r1);  // a tail tile recomputes the last unit; only real units written
-    float acc[NT][4];
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
-    typename W::Piece a0[kIF], a1[kIF];
-    load_batch<K, kIF>(wsrc, a0, a1, 0, n_i, g_lo, r0, r1, c);
-    pipelined_slice<K, NT, kIF, W>(wsrc, a0, a1, n_i, g_lo, r0, r1, c, xs, row_chunks, ncols, acc);
-    store_fragments<NT>(part, warp, g, c, acc);
-    __syncthreads();  // all warps' partials of this tile visible
-    // thread i: unit i % 8 of column i / 8, so 8 neighbouring threads write 64 contiguous bytes of ws
-    for (int i = threadIdx.x; i < 8 * ncols; i += kThreads) {
-      const int b = i >> 3, u = i & 7;
-      const int p = t * 8 + u;
-      if (p < units) {
-        float o0 = 0.f, o1 = 0.f;
-#pragma unroll
-        for (int w = 0; w < kWarps; ++w) {
-          o0 += part[w][u][0][b];
-          o1 += part[w][u][1][b];
-        }
-        if (n_slices == 1) {
-          int q0, q1;
-          map(p, q0, q1);
-          epi(col0 + b, p, q0, q1, o0, o1);
-        } else {
-          const size_t at = (static_cast<size_t>(s) * n_cols + col0 + b) * units + p;
-          reinterpret_cast<float2*>(ws)[at] = make_float2(o0, o1);
-        }
-      }
-    }
-    __syncthreads();  // part[] read before the next tile overwrites it
-  }
-}
-
-// The slices' partial sums of gemv_mma_splitk, added in slice order, through the epilogue functor: thread
-// i (grid-stride) takes unit i % units of column i / units (neighbouring threads read neighbouring float2).
-template <class Map, class Epi>
-__device__ __forceinline__ void splitk_reduce(const float* __restrict__ ws, int units, int n_cols, int n_slices,
-                                              const Map& map, const Epi& epi) {
-  const int total = n_cols * units;
-  const float2* w2 = reinterpret_cast<const float2*>(ws);
-  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x) {
-    const int b = i / units, p = i - b * units;
-    float o0 = 0.f, o1 = 0.f;
-    for (int s = 0; s < n_slices; ++s) {
-      const float2 v = w2[static_cast<size_t>(s) * total + i];
-      o0 += v.x;
-      o1 += v.y;
-    }
-    int r0, r1;
-    map(p, r0, r1);
-    epi(b, p, r0, r1, o0, o1);
-  }
-}
-
 // xn[b] = RMSNorm(x[b]) * norm_w for column b = blockIdx.x: the same column_rms factor and rms_apply8 that
-// gemv_mma's staging uses, so the split-K build multiplies the same normalised x bits.
+// gemv_mma's staging uses, so the tile GEMM (gemm_tiles.cuh) multiplies the same normalised x bits.
 template <int K>
 __device__ __forceinline__ void norm_cols(const uint16_t* __restrict__ x, const uint16_t* __restrict__ norm_w,
                                           float eps, uint16_t* __restrict__ xn) {
