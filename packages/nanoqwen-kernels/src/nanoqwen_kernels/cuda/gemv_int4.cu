@@ -368,21 +368,18 @@ extern "C" __global__ void __launch_bounds__(kThreads) nq_norm_cols_i(
 // the epilogue's arguments, n_cols = B, the fp32 workspace ws [2 P, COLS, 128, 2] and the tickets [tiles]
 // (int32, zero). Grid: P blocks (gemv.py plan_tiles), kTileThreads threads, dynamic shared memory =
 // kTileStages x tile_stage_bytes<COLS>().
+// o_proj (K = H) and down_proj (K = I): the same entry but for K
+#define NQ_PLAIN_TILE_ENTRY(NAME, K, COLS)                                                                  \
+  extern "C" __global__ void __launch_bounds__(kTileThreads, 1) NAME##_tile##COLS(                          \
+      const uint32_t* __restrict__ qweight, const uint16_t* __restrict__ scales,                            \
+      const uint16_t* __restrict__ x, const uint16_t* residual, uint16_t* out, int n_rows, int n_cols,      \
+      float* __restrict__ ws, int* __restrict__ tickets) {                                                  \
+    gemm_tiles<K, COLS / 8>(qweight, scales, x, (n_rows + 1) / 2, n_cols, ws, tickets, PlainRows{n_rows},  \
+                            PlainEpi{residual, out, n_rows});                                               \
+  }
 #define NQ_INT4_TILE_ENTRIES(COLS)                                                                          \
-  extern "C" __global__ void __launch_bounds__(kTileThreads, 1) nq_gemv_int4_h_tile##COLS(                      \
-      const uint32_t* __restrict__ qweight, const uint16_t* __restrict__ scales,                            \
-      const uint16_t* __restrict__ x, const uint16_t* residual, uint16_t* out, int n_rows, int n_cols,      \
-      float* __restrict__ ws, int* __restrict__ tickets) {                                                  \
-    gemm_tiles<kHidden, COLS / 8>(qweight, scales, x, (n_rows + 1) / 2, n_cols, ws, tickets,               \
-                                  PlainRows{n_rows}, PlainEpi{residual, out, n_rows});                      \
-  }                                                                                                         \
-  extern "C" __global__ void __launch_bounds__(kTileThreads, 1) nq_gemv_int4_i_tile##COLS(                      \
-      const uint32_t* __restrict__ qweight, const uint16_t* __restrict__ scales,                            \
-      const uint16_t* __restrict__ x, const uint16_t* residual, uint16_t* out, int n_rows, int n_cols,      \
-      float* __restrict__ ws, int* __restrict__ tickets) {                                                  \
-    gemm_tiles<kInter, COLS / 8>(qweight, scales, x, (n_rows + 1) / 2, n_cols, ws, tickets,                \
-                                 PlainRows{n_rows}, PlainEpi{residual, out, n_rows});                       \
-  }                                                                                                         \
+  NQ_PLAIN_TILE_ENTRY(nq_gemv_int4_h, kHidden, COLS)                                                        \
+  NQ_PLAIN_TILE_ENTRY(nq_gemv_int4_i, kInter, COLS)                                                         \
   extern "C" __global__ void __launch_bounds__(kTileThreads, 1) nq_qkv_rope_kv_tile##COLS(                      \
       const uint32_t* __restrict__ qweight, const uint16_t* __restrict__ scales,                            \
       const uint16_t* __restrict__ x, const uint16_t* __restrict__ bias, const int32_t* __restrict__ pos,   \
