@@ -37,7 +37,10 @@ def _batch1_kernels(variant, monkeypatch) -> dict[str, str]:
     monkeypatch.setattr(checks, "launch", lambda fn, grid, block, args, shared_mem=0: calls.append(fn))
     monkeypatch.setattr(checks, "even_grid", lambda fn, units, threads, shared_mem=0, copies=1: 1)
     monkeypatch.setattr(checks, "sm_count", lambda device_id=None: 132)
-    monkeypatch.setattr(checks, "cupy_module", lambda: SimpleNamespace(empty=np.empty, zeros=np.zeros))
+    monkeypatch.setattr(checks, "cupy_module", lambda: SimpleNamespace(
+        empty=np.empty, zeros=np.zeros,
+        cuda=SimpleNamespace(get_current_stream=lambda: SimpleNamespace(ptr=0),
+                             runtime=SimpleNamespace(streamIsCapturing=lambda ptr: 0))))
     d = TINY
     g = GemvKernels(d, lambda sources, defines: _Module(), variant)
     h, i = d.hidden, d.intermediate
@@ -52,7 +55,8 @@ def _batch1_kernels(variant, monkeypatch) -> dict[str, str]:
                   0, dev((d.q_dim,), np.float16))
     g.gate_up_silu(dev((2 * i, h // 8), np.uint32), dev((2 * i, h // 128), np.float16), dev((h,), np.float16),
                    None, 1e-6, dev((i,), np.float16))
-    gemvs = [c for c in calls if not c.startswith("nq_norm_cols")]  # the tile GEMM's input norm
+    # the tile GEMM's input norm and the packed variants' tile-major copies are not the GEMV itself
+    gemvs = [c for c in calls if not c.startswith(("nq_norm_cols", "nq_tile_pack"))]
     return dict(zip(GEMV_KINDS, gemvs, strict=True))
 
 
@@ -60,7 +64,7 @@ def _batch1_kernels(variant, monkeypatch) -> dict[str, str]:
 def test_variant_picks_the_body_per_matrix(variant, monkeypatch):
     got = _batch1_kernels(variant, monkeypatch)
     for kind, kernel in got.items():
-        on_tensor_cores = kernel.endswith(("_mma8", "_tile8"))
+        on_tensor_cores = kernel.endswith(("_mma8", "_tile8", "_ptile8"))
         assert on_tensor_cores == (kind in GEMV_VARIANTS[variant]), (variant, kind, kernel)
 
 
