@@ -71,11 +71,13 @@ GEMV_KINDS = ("nq_gemv_int4_h", "nq_gemv_int4_i", "nq_qkv_rope_kv", "nq_gate_up_
 @pytest.mark.parametrize("dims_name", ["7b", "1.5b"])
 def test_gemv_int4_sass(dims_name):
     """Every INT4 GEMV entry: the half2 loop (B = 1), the tensor-core builds for 8 and 32 columns, and the
-    tile GEMM for 8, 16, 32 and 64 columns with its input RMSNorm."""
+    tile GEMM for 8, 16, 32 and 64 columns with its input RMSNorm, and its packed builds (8, 16 columns)
+    with the tile-major copy's kernels."""
     funcs = _functions(_sass("gemv_int4.cu", DIMS[dims_name]))
     tiles = {f"{k}_tile{c}" for k in GEMV_KINDS for c in (8, 16, 32, 64)}
+    tiles |= {f"{k}_ptile{c}" for k in GEMV_KINDS for c in (8, 16)}
     gemvs = {f"{k}{suffix}" for k in GEMV_KINDS for suffix in ("", "_mma8", "_mma32")}
-    helpers = {"nq_norm_cols_h", "nq_norm_cols_i"}
+    helpers = {"nq_norm_cols_h", "nq_norm_cols_i"} | {f"nq_tile_pack_{k}" for k in ("h", "i", "qkv", "gu")}
     assert set(funcs) == gemvs | helpers | tiles
     for name in tiles:
         body = funcs[name]
@@ -122,7 +124,7 @@ def test_every_kernel_entry_is_named_nq():
     """Kernel entries carry the nq_ prefix, so a profiler's kernel list finds the code."""
     import re
 
-    entry = re.compile(r'extern "C" __global__ void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+?)(?:##\w+)?\(')
+    entry = re.compile(r'extern "C" __global__ void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+?)(?:##\w+)*\(')
     found = 0
     for path in sorted(loader.CUDA_DIR.glob("*.cu")):
         if path.name in NAMED_ELSEWHERE:

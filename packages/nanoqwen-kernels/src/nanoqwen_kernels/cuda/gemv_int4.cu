@@ -371,7 +371,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) nq_norm_cols_i(
 // kTileStages x tile_stage_bytes<COLS>().
 // o_proj (K = H) and down_proj (K = I): the same entry but for K
 #define NQ_PLAIN_TILE_ENTRY(NAME, K, SUF, COLS, PACKED)                                                     \
-  extern "C" __global__ void __launch_bounds__(kTileThreads, 1) NAME##SUF##COLS(                            \
+  extern "C" __global__ void __launch_bounds__(kTileThreads, 1) nq_##NAME##SUF##COLS(                       \
       const uint32_t* __restrict__ qweight, const uint16_t* __restrict__ scales,                            \
       const uint4* __restrict__ packed, const uint16_t* __restrict__ x, const uint16_t* residual,           \
       uint16_t* out, int n_rows, int n_cols, float* __restrict__ ws, int* __restrict__ tickets) {           \
@@ -381,8 +381,8 @@ extern "C" __global__ void __launch_bounds__(kThreads) nq_norm_cols_i(
 // SUF _tile: weights read row by row; _ptile: from the tile-major copy (8 and 16 columns only: where the
 // GEMM streams HBM rather than waits on the SMs)
 #define NQ_INT4_TILE_ENTRIES(SUF, COLS, PACKED)                                                             \
-  NQ_PLAIN_TILE_ENTRY(nq_gemv_int4_h, kHidden, SUF, COLS, PACKED)                                           \
-  NQ_PLAIN_TILE_ENTRY(nq_gemv_int4_i, kInter, SUF, COLS, PACKED)                                            \
+  NQ_PLAIN_TILE_ENTRY(gemv_int4_h, kHidden, SUF, COLS, PACKED)                                              \
+  NQ_PLAIN_TILE_ENTRY(gemv_int4_i, kInter, SUF, COLS, PACKED)                                               \
   extern "C" __global__ void __launch_bounds__(kTileThreads, 1) nq_qkv_rope_kv##SUF##COLS(                  \
       const uint32_t* __restrict__ qweight, const uint16_t* __restrict__ scales,                            \
       const uint4* __restrict__ packed, const uint16_t* __restrict__ x, const uint16_t* __restrict__ bias,  \
@@ -410,13 +410,13 @@ NQ_INT4_TILE_ENTRIES(_ptile, 16, true)
 
 // The tile-major copy of a matrix for the tile GEMM (gemm_tiles.cuh tile_pack), one entry per row map:
 // packed uint4 [tiles x pairs x 2112] from qweight [N, K/8] and scales [N, K/128]; any grid, 1-D.
-#define NQ_TILE_PACK_ENTRY(NAME, K, UNITS, MAP)                                                            \
-  extern "C" __global__ void __launch_bounds__(kThreads) NAME(                                              \
+#define NQ_TILE_PACK_ENTRY(KIND, K, UNITS, MAP)                                                            \
+  extern "C" __global__ void __launch_bounds__(kThreads) nq_tile_pack_##KIND(                               \
       const uint32_t* __restrict__ qweight, const uint16_t* __restrict__ scales, int n_rows,               \
       uint4* __restrict__ packed) {                                                                         \
     tile_pack<K>(qweight, scales, UNITS, MAP, packed);                                                     \
   }
-NQ_TILE_PACK_ENTRY(nq_tile_pack_h, kHidden, (n_rows + 1) / 2, PlainRows{n_rows})
-NQ_TILE_PACK_ENTRY(nq_tile_pack_i, kInter, (n_rows + 1) / 2, PlainRows{n_rows})
-NQ_TILE_PACK_ENTRY(nq_tile_pack_qkv, kHidden, kQkvRows / 2, QkvRows{})
-NQ_TILE_PACK_ENTRY(nq_tile_pack_gu, kHidden, kInter, GateUpRows{})
+NQ_TILE_PACK_ENTRY(h, kHidden, (n_rows + 1) / 2, PlainRows{n_rows})
+NQ_TILE_PACK_ENTRY(i, kInter, (n_rows + 1) / 2, PlainRows{n_rows})
+NQ_TILE_PACK_ENTRY(qkv, kHidden, kQkvRows / 2, QkvRows{})
+NQ_TILE_PACK_ENTRY(gu, kHidden, kInter, GateUpRows{})
