@@ -52,6 +52,20 @@ __device__ __forceinline__ size_t kv_offset(const int* __restrict__ page_table, 
 
 }  // namespace nq_pre_common
 
+// Chunk ch of the K/V tile that starts at key kb, in both bodies' tile loops: declares kk (the key in the
+// tile), dd (its first dim), kp (its position) and kr, vr (16 bytes of K and of V; zeros beyond the
+// sequence, never a page's stale, maybe NaN, bytes). A macro rather than a function for the reason
+// kv_offset gives: the same source text, so the same SASS as measured.
+#define NQ_KV_CHUNK(ch, kb)                                                        \
+  const int kk = (ch) >> 4, dd = ((ch) & 15) * 8;                                  \
+  const int kp = (kb) + kk;                                                        \
+  uint4 kr = make_uint4(0u, 0u, 0u, 0u), vr = make_uint4(0u, 0u, 0u, 0u);          \
+  if (kp < blk.kv_len) {                                                           \
+    const size_t off = kv_offset(page_table, layer, n_pages, blk.kvh, kp, dd);     \
+    kr = *reinterpret_cast<const uint4*>(k_cache + off);                           \
+    vr = *reinterpret_cast<const uint4*>(v_cache + off);                           \
+  }
+
 // The arguments of both bodies: one contract, so prefill.py launches either with the same tuple.
 #define NQ_ATTENTION_PREFILL_ARGS                                                                   \
   const nq::uint16_t *__restrict__ q,          /* [T, kQDim], roped */                              \
@@ -112,14 +126,7 @@ extern "C" __global__ void __launch_bounds__(nq_pre::kThreads) nq_attention_pref
   for (int kb = 0; kb < blk.kv_end; kb += kBK) {
     __syncthreads();  // previous tile's K/V reads done (and, first time round, Q tile written)
     for (int ch = tid; ch < kBK * 16; ch += kThreads) {
-      const int kk = ch >> 4, dd = (ch & 15) * 8;
-      const int kp = kb + kk;
-      uint4 kr = make_uint4(0u, 0u, 0u, 0u), vr = make_uint4(0u, 0u, 0u, 0u);
-      if (kp < blk.kv_len) {  // beyond the sequence: zeros, never the page's stale (maybe NaN) bytes
-        const size_t off = kv_offset(page_table, layer, n_pages, blk.kvh, kp, dd);
-        kr = *reinterpret_cast<const uint4*>(k_cache + off);
-        vr = *reinterpret_cast<const uint4*>(v_cache + off);
-      }
+      NQ_KV_CHUNK(ch, kb)
       const float2 a = nq::h22f2(kr.x), b = nq::h22f2(kr.y), e = nq::h22f2(kr.z), f = nq::h22f2(kr.w);
       float* dst = ks + kk * kRowF + dd;
       *reinterpret_cast<float4*>(dst) = make_float4(a.x, a.y, b.x, b.y);
@@ -266,14 +273,7 @@ extern "C" __global__ void __launch_bounds__(nq_pre_mma::kThreads)
   for (int kb = 0; kb < blk.kv_end; kb += kBK) {
     __syncthreads();  // the previous tile's ldmatrix reads are done
     for (int ch = tid; ch < kBK * 16; ch += kThreads) {
-      const int kk = ch >> 4, dd = (ch & 15) * 8;
-      const int kp = kb + kk;
-      uint4 kr = make_uint4(0u, 0u, 0u, 0u), vr = make_uint4(0u, 0u, 0u, 0u);
-      if (kp < blk.kv_len) {  // beyond the sequence: zeros, never a page's stale (maybe NaN) bytes
-        const size_t off = kv_offset(page_table, layer, n_pages, blk.kvh, kp, dd);
-        kr = *reinterpret_cast<const uint4*>(k_cache + off);
-        vr = *reinterpret_cast<const uint4*>(v_cache + off);
-      }
+      NQ_KV_CHUNK(ch, kb)
       *reinterpret_cast<uint4*>(ks + kk * kRowH + dd) = kr;
       *reinterpret_cast<uint4*>(vs + kk * kRowH + dd) = vr;
     }
