@@ -6,7 +6,9 @@
 #   bash scripts/peer_llamacpp.sh build              # unpack + configure + build in the background (setsid);
 #                                                     #   ~5 min with 16 jobs; log in $LLAMA_WORK/build.log
 #   bash scripts/peer_llamacpp.sh wait [SECONDS]     # block until the build is done (or failed)
-#   bash scripts/peer_llamacpp.sh make7b REAL.gguf   # 7B-shaped F16 GGUF (write_gguf_7b.py) -> Q4_K_M
+#   bash scripts/peer_llamacpp.sh make7b REAL.gguf   # 7B-shaped F16 GGUF (write_gguf_7b.py) -> Q4_K_M; REAL.gguf
+#                                                    # only lends its tokenizer fields: the ~6 MB file of
+#                                                    # scripts/peer_tokenizer_gguf.py (carried in .peer/) will do
 #   bash scripts/peer_llamacpp.sh bench NAME MODEL.gguf   # llama-bench + llama-batched-bench -> $OUT/llamacpp-NAME.json
 #
 # Protocol (the same prompt lengths and batch sizes as nanoqwen's bench): llama-bench -p 512 -n 128 -fa 1
