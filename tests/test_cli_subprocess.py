@@ -109,9 +109,7 @@ def test_chat_through_stdin_with_reset_and_exit(tiny_model, env):
 
 def test_chat_ctrl_c_stops_the_answer_not_the_session(tiny_model, env):
     # -n 300 bounds each answer (finish "length") so the second turn ends by itself, and makes the first
-    # one last seconds on the CPU: the SIGINT below lands while it is still streaming. (A 64-token
-    # context used to bound it, and on a fast, idle machine the ~35-token answer could finish in the
-    # milliseconds between its first bytes and the signal.)
+    # one last seconds on the CPU: the SIGINT below lands while it is still streaming.
     proc = popen(
         ["chat", "--model", tiny_model, "--device", "cpu", "-t", "0", "--max-context", 512, "-n", 300],
         env,

@@ -4,6 +4,7 @@ subprocess tests: the one place that spells the command line. The callers pass t
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 
@@ -19,6 +20,15 @@ def cli(args, env, input=None, timeout: float = TIMEOUT) -> subprocess.Completed
     return subprocess.run(argv(args), input=input, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def _default_sigint() -> None:
+    # A process started in the background by a non-interactive shell (`cmd &`, nohup, some CI runners)
+    # inherits SIGINT as ignored, and Python then installs no KeyboardInterrupt handler: a test that sends
+    # the CLI a Ctrl-C would see it ignored. The child starts with the default disposition instead.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def popen(args, env, stdin=subprocess.DEVNULL) -> subprocess.Popen:
-    """Started, not waited for; stdout and stderr are binary pipes (the caller reads them as they come)."""
-    return subprocess.Popen(argv(args), stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    """Started, not waited for; stdout and stderr are binary pipes (the caller reads them as they come).
+    SIGINT has its default disposition in the child whatever the test runner's (see _default_sigint)."""
+    return subprocess.Popen(argv(args), stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                            preexec_fn=_default_sigint)
