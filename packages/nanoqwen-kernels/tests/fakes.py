@@ -37,3 +37,12 @@ def assert_each_refused(call, good: dict, bad) -> None:
             assert re.search(pattern, str(e)), f"{sorted(change)}: {e!r} does not match {pattern!r}"
         else:
             raise AssertionError(f"{sorted(change)} was not refused")
+
+
+def fake_cupy(capturing=lambda: False) -> SimpleNamespace:
+    """What the launchers ask of CuPy on a CPU: host buffers for their workspaces, and the current
+    stream's capture status (`capturing()`: a graph capture in progress)."""
+    return SimpleNamespace(
+        empty=np.empty, zeros=np.zeros,
+        cuda=SimpleNamespace(get_current_stream=lambda: SimpleNamespace(ptr=0),
+                             runtime=SimpleNamespace(streamIsCapturing=lambda ptr: int(bool(capturing())))))

@@ -1,11 +1,9 @@
 """KernelSet's choice of GEMV variant (CPU: the choice is checked before anything compiles), and what each
 variant runs at B = 1, seen through the launches it makes."""
 
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
-from fakes import dev
+from fakes import dev, fake_cupy
 from nanoqwen_kernels import KernelError, KernelSet, checks
 from nanoqwen_kernels.dims import TINY
 from nanoqwen_kernels.gemv import DEFAULT_GEMV_VARIANT, GEMV_KINDS, GEMV_VARIANTS, GemvKernels
@@ -37,10 +35,7 @@ def _batch1_kernels(variant, monkeypatch) -> dict[str, str]:
     monkeypatch.setattr(checks, "launch", lambda fn, grid, block, args, shared_mem=0: calls.append(fn))
     monkeypatch.setattr(checks, "even_grid", lambda fn, units, threads, shared_mem=0, copies=1: 1)
     monkeypatch.setattr(checks, "sm_count", lambda device_id=None: 132)
-    monkeypatch.setattr(checks, "cupy_module", lambda: SimpleNamespace(
-        empty=np.empty, zeros=np.zeros,
-        cuda=SimpleNamespace(get_current_stream=lambda: SimpleNamespace(ptr=0),
-                             runtime=SimpleNamespace(streamIsCapturing=lambda ptr: 0))))
+    monkeypatch.setattr(checks, "cupy_module", fake_cupy)
     d = TINY
     g = GemvKernels(d, lambda sources, defines: _Module(), variant)
     h, i = d.hidden, d.intermediate

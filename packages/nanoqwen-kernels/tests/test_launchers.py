@@ -2,11 +2,10 @@
 reaches the launch with the expected grid and argument list. Device arrays are stood in for by numpy
 arrays that expose a device-style pointer (the checks are duck-typed on exactly that)."""
 
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from fakes import Dev, assert_each_refused, dev
+from fakes import Dev, assert_each_refused, dev, fake_cupy
 from nanoqwen_kernels import KernelError, checks
 from nanoqwen_kernels.dims import QWEN25_7B, TINY
 from nanoqwen_kernels.embed import EmbedKernels
@@ -38,10 +37,7 @@ def launches(monkeypatch):
     )
     monkeypatch.setattr(checks, "sm_count", lambda device_id=None: 132)
     capturing = []  # tests append a truthy value to fake a CUDA graph capture in progress
-    monkeypatch.setattr(checks, "cupy_module", lambda: SimpleNamespace(
-        zeros=np.zeros, empty=np.empty,
-        cuda=SimpleNamespace(get_current_stream=lambda: SimpleNamespace(ptr=0),
-                             runtime=SimpleNamespace(streamIsCapturing=lambda ptr: int(bool(capturing))))))
+    monkeypatch.setattr(checks, "cupy_module", lambda: fake_cupy(lambda: capturing))
     calls.capturing = capturing
     return calls
 
@@ -79,7 +75,7 @@ def test_gemv_int4_batched_launch(launches, b, entry, passes):
 
 
 @pytest.mark.parametrize("b, build", [(2, 8), (8, 8), (9, 16), (17, 32), (33, 64), (64, 64)])
-def test_default_batched_launch_is_the_tile_gemm(launches, b, build):
+def test_default_batched_launch_is_the_tile_gemm(launches, monkeypatch, b, build):
     """The default variant: B > 1 on the smallest tile build that holds B, P blocks of 512 threads from
     plan_tiles (a function of the matrix only), dynamic shared memory for that build."""
     from nanoqwen_kernels.gemv import TILE_THREADS, plan_tiles, tile_smem
@@ -89,15 +85,9 @@ def test_default_batched_launch_is_the_tile_gemm(launches, b, build):
     qw, sc = dev((d.hidden, d.intermediate // 8), np.uint32), dev((d.hidden, d.intermediate // 128), np.float16)
     res = dev((b, d.hidden), np.float16)
     got = []
-    import nanoqwen_kernels.checks as ck
-
-    real = ck.launch
-    ck.launch = lambda fn, grid, block, args, shared_mem=0: got.append((fn, grid, block, shared_mem)) or real(
-        fn, grid, block, args, shared_mem)
-    try:
-        g.gemv_int4(qw, sc, dev((b, d.intermediate), np.float16), res, residual=res)
-    finally:
-        ck.launch = real
+    monkeypatch.setattr(checks, "launch", lambda fn, grid, block, args, shared_mem=0: got.append(
+        (fn, grid, block, shared_mem)))
+    g.gemv_int4(qw, sc, dev((b, d.intermediate), np.float16), res, residual=res)
     fn, grid, block, smem = got[-1]
     assert fn == f"nq_gemv_int4_i_tile{build}" and block == TILE_THREADS and smem == tile_smem(build)
     assert grid == plan_tiles(d.intermediate, d.hidden // 2, 132).blocks
