@@ -208,15 +208,16 @@ __device__ __forceinline__ void gemm_tiles(const uint32_t* __restrict__ qw, cons
     const bool first = j == lo;
     j += p1 - p0;
     // this thread's copy duties in the tile: rows of slots (tid >> 3) + kCopyRows j and of slot tid
-    int rows[kTileSlots / kCopyRows], srow;
+    int rows[kTileSlots / kCopyRows] = {}, srow = 0;  // unused by the packed build (its copy is tile-major)
 #pragma unroll
     for (int q = 0; q < kTileSlots / kCopyRows; ++q) {
+      if constexpr (kPacked) break;
       const int rs = (tid >> 3) + kCopyRows * q;
       int r0, r1;
       map(min(t * kTileUnits + (rs % kTileUnits), units - 1), r0, r1);  // a tail tile recomputes the last
       rows[q] = rs < kTileUnits ? r0 : r1;                              // unit; only real units written
     }
-    {
+    if constexpr (!kPacked) {
       int r0, r1;
       map(min(t * kTileUnits + (tid % kTileUnits), units - 1), r0, r1);
       srow = (tid % kTileSlots) < kTileUnits ? r0 : r1;
