@@ -84,7 +84,13 @@ def main(argv=None) -> int:
     import cupy as cp
     from nanoqwen_kernels import gpu_status, loader
     from nanoqwen_kernels.dims import PRESETS
-    from nanoqwen_kernels.gemv import DEFAULT_GEMV_VARIANT, GEMV_VARIANTS, GemvKernels
+    from nanoqwen_kernels.gemv import (
+        DEFAULT_GEMV_VARIANT,
+        DEFAULT_LM_HEAD,
+        GEMV_VARIANTS,
+        LM_HEAD_BODIES,
+        GemvKernels,
+    )
 
     ok, why = gpu_status()
     if not ok:
@@ -160,6 +166,11 @@ def main(argv=None) -> int:
             bench("gate_up_silu (norm+gate/up+silu)", "layer", b, variant, 2 * inter, H, call, list(zip(qw, sc, strict=True)), one)
             call = functools.partial(g.gemv_fp16, x=xh, out=cp.zeros((*lead, V), dtype=np.float32))
             bench("gemv_fp16 (lm_head)", "head", b, variant, V, H, call, lm, V * H * 2)
+        if b > 1:  # the lm_head's other B > 1 body (gemv_mma's passes), beside the default (cuBLAS)
+            other = next(h for h in LM_HEAD_BODIES if h != DEFAULT_LM_HEAD)
+            gh = GemvKernels(D, lambda s, defs: loader.load_module(s, defs), chosen[0], other)
+            call = functools.partial(gh.gemv_fp16, x=xh, out=cp.zeros((*lead, V), dtype=np.float32))
+            bench(f"gemv_fp16 (lm_head, {other})", "peer", b, chosen[0], V, H, call, lm, V * H * 2)
         if not args.no_peer:
             call = functools.partial(cp.matmul, x_h[:b], out=cp.zeros((b, V), dtype=np.float16))
             bench("cuBLAS fp16 out (lm_head peer)", "peer", b, "-", V, H, call, [(w.T,) for (w,) in lm], V * H * 2)

@@ -16,6 +16,12 @@ class Dev:
         self.flags = a.flags
         self.data = SimpleNamespace(ptr=a.ctypes.data)
 
+    def __getitem__(self, key):  # a view, as a device array's slice is
+        return Dev(self.a[key])
+
+    def reshape(self, *shape):
+        return Dev(self.a.reshape(*shape))
+
 
 def dev(shape, dtype):
     # over-allocate and align to 256 bytes like a CUDA allocation

@@ -6,7 +6,7 @@ every launch. B runs over 1, 2, 3, 5, 8 (one pass of the 8-column build), 9, 16 
 on the two batched builds (gemv_mma's passes and the tile GEMM of the "tiles" variant).
 Tolerances: the INT4 GEMV's products and 4-term partial sums are fp16 on the half2 loop (refs.gemv_tolerance
 derives the bound; the tensor-core core is tighter); RoPE'd q/k and silu*up are compared at 8 fp16 ulps of
-their own magnitude plus that bound; the fp16 lm_head accumulates in fp32 (4e-5 of the row's
+their own magnitude plus that bound; the fp16 lm_head accumulates in fp32 on either B > 1 body (4e-5 of the row's
 sqrt(sum (w x)^2) plus 1e-5 |ref|).
 """
 
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from nanoqwen_kernels import loader
 from nanoqwen_kernels.dims import PRESETS
-from nanoqwen_kernels.gemv import GEMV_VARIANTS, GemvKernels
+from nanoqwen_kernels.gemv import DEFAULT_LM_HEAD, GEMV_VARIANTS, LM_HEAD_BODIES, GemvKernels
 from refs import dequant, gemv_tolerance, matvec, pack_valueshuffle, random_int4, rmsnorm, rope
 
 pytestmark = pytest.mark.gpu
@@ -181,7 +181,9 @@ def test_gate_up_silu(kernels, dims, rng, b):
 
 
 @pytest.mark.parametrize("b", BATCHES)
-def test_gemv_fp16(kernels, dims, rng, b):
+@pytest.mark.parametrize("head", LM_HEAD_BODIES)
+def test_gemv_fp16(kernels, dims, rng, b, head):
+    """The lm_head on both of its B > 1 bodies (cuBLAS, gemv_mma's passes); B = 1 is the same kernel in both."""
     import cupy as cp
 
     # the full vocab where the plan differs (many tiles: passes) and at B = 1; an odd N otherwise
@@ -189,7 +191,8 @@ def test_gemv_fp16(kernels, dims, rng, b):
     w = (0.02 * rng.standard_normal((n, dims.hidden), dtype=np.float32)).astype(np.float16)
     x = rng.standard_normal((b, dims.hidden)).astype(np.float16)
     out = cp.full((b, n), np.nan, dtype=np.float32)
-    kernels["mixed"].gemv_fp16(cp.asarray(w), _batch(b, cp.asarray(x)), _batch(b, out))
+    g = kernels["mixed"] if head == DEFAULT_LM_HEAD else GemvKernels(dims, _load, "mixed", head)
+    g.gemv_fp16(cp.asarray(w), _batch(b, cp.asarray(x)), _batch(b, out))
     wf, xf = w.astype(np.float32), x.astype(np.float32)
     ref = matvec(wf, xf.T).T
     spread = np.sqrt(np.square(xf) @ np.square(wf, out=wf).T).astype(np.float64)  # wf squared in place

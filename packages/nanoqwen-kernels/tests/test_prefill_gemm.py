@@ -63,3 +63,27 @@ def test_gemm_matches_reference(kernels, rng, T, name, n, k):
     tol = 2e-3 * np.abs(ref) + 2e-3 * np.sqrt(np.mean(ref**2))
     assert np.isfinite(got).all()
     assert (np.abs(got - ref) <= tol).all(), f"max err {np.abs(got - ref).max():.3g}"
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 17, 513])
+def test_gemm_accumulates_into_out(kernels, rng, T):
+    """accumulate=True: out = X W^T + out (the prefill's residual add, cuBLAS beta = 1), one fp16 rounding."""
+    import cupy as cp
+
+    n, k = 3584, 3584
+    qw, sc, w = int4_weight(rng, n, k)
+    x = rng.standard_normal((T, k)).astype(np.float16)
+    res = (4 * rng.standard_normal((T, n))).astype(np.float16)
+    out = cp.asarray(res)
+    kernels["7b"].gemm_int4(cp.asarray(qw), cp.asarray(sc), cp.asarray(x), out, accumulate=True)
+    ref = x.astype(np.float64) @ w.astype(np.float64).T + res.astype(np.float64)
+    got = cp.asnumpy(out).astype(np.float64)
+    tol = 2e-3 * np.abs(ref) + 2e-3 * np.sqrt(np.mean(ref**2))
+    assert np.isfinite(got).all()
+    assert (np.abs(got - ref) <= tol).all(), f"max err {np.abs(got - ref).max():.3g}"
+    # and without accumulate the residual is gone (out overwritten, beta = 0)
+    kernels["7b"].gemm_int4(cp.asarray(qw), cp.asarray(sc), cp.asarray(x), out)
+    ref0 = ref - res.astype(np.float64)
+    assert (np.abs(cp.asnumpy(out).astype(np.float64) - ref0) <= tol).all()

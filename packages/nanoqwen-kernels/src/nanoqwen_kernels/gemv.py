@@ -9,7 +9,7 @@ Which body runs:
   B > 1   the INT4 GEMVs on the tile GEMM (gemm_tiles.cuh, planned by `plan_tiles`) in the "tiles"
           variants; else on the tensor-core core: up to 32 columns (sequences) per pass over the weights,
           planned by `plan_gemv` (passes, and the slices of K that x is staged in). The lm_head
-          (gemv_fp16) keeps gemv_mma in every variant.
+          (gemv_fp16) at B > 1 is one cuBLAS GEMM (blas.py; LM_HEAD_BODIES), or gemv_mma's passes.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import checks as ck
+from .blas import Blas
 from .dims import GROUP, ModelDims
 from .errors import KernelError
 
@@ -65,6 +66,14 @@ TILE_VARIANTS = frozenset({"tiles", "tiles1", "packed", "packed1"})  # B > 1 on 
 TILE_AT_B1 = frozenset({"tiles1", "packed1"})  # ... and B = 1 too
 PACKED_VARIANTS = frozenset({"packed", "packed1"})  # ... reading the tile-major copy
 DEFAULT_GEMV_VARIANT = "tiles"  # B = 1 on the half2 loop, B > 1 on the tile GEMM (docs/PERF.md)
+
+# The lm_head (gemv_fp16) at B > 1; B = 1 is always the fp16 half2 GEMV (99% of the copy bandwidth).
+#   blas : one cuBLAS GEMM, fp16 in, fp32 sums and logits (blas.py): W read once at any B;
+#   mma  : gemv_mma's passes: x of up to ~28 sequences staged per pass, so B = 32 reads the 1.09 GB
+#          (7B) twice and B = 64 three times (0.97 ms of a 5.97 ms step at B = 32, c89cb93).
+# KernelSet picks one (argument, or $NANOQWEN_LM_HEAD).
+LM_HEAD_BODIES = ("blas", "mma")
+DEFAULT_LM_HEAD = "blas"
 
 
 @dataclass(frozen=True)
@@ -168,12 +177,18 @@ def plan_tiles(k: int, units: int, sm_count: int) -> TilePlan:
 
 
 class GemvKernels:
-    def __init__(self, dims: ModelDims, load_module, variant: str = DEFAULT_GEMV_VARIANT):
-        """variant: a key of GEMV_VARIANTS (the body each matrix runs on at B = 1)."""
+    def __init__(self, dims: ModelDims, load_module, variant: str = DEFAULT_GEMV_VARIANT,
+                 lm_head: str = DEFAULT_LM_HEAD):
+        """variant: a key of GEMV_VARIANTS (the body each matrix runs on at B = 1); lm_head: one of
+        LM_HEAD_BODIES (the lm_head's body at B > 1)."""
         if variant not in GEMV_VARIANTS:
             raise KernelError(f"unknown INT4 GEMV variant {variant!r}; one of {', '.join(GEMV_VARIANTS)}")
+        if lm_head not in LM_HEAD_BODIES:
+            raise KernelError(f"unknown lm_head body {lm_head!r}; one of {', '.join(LM_HEAD_BODIES)}")
         self.dims = dims
         self.variant = variant
+        self.lm_head = lm_head
+        self._blas = Blas()
         self._mma_at_b1 = GEMV_VARIANTS[variant]
         m = load_module(INT4_SOURCES, dims.defines())
         f = load_module(FP16_SOURCES, dims.defines())
@@ -428,5 +443,7 @@ class GemvKernels:
         if b == 1:
             grid = ck.even_grid(self._fp16, -(-units // WARPS), THREADS)
             ck.launch(self._fp16, grid, THREADS, (w, x, out, np.int32(n)))
+        elif self.lm_head == "blas":
+            self._blas.gemm_nt(x, w, out)
         else:
             self._launch_mma(lambda c: self._fp16_mma[c], units, self.dims.hidden, b, (w, x, out, np.int32(n)))

@@ -17,7 +17,7 @@ from .attention import AttentionKernels
 from .dims import ModelDims
 from .embed import EmbedKernels
 from .errors import KernelError
-from .gemv import DEFAULT_GEMV_VARIANT, GEMV_VARIANTS, GemvKernels
+from .gemv import DEFAULT_GEMV_VARIANT, DEFAULT_LM_HEAD, GEMV_VARIANTS, LM_HEAD_BODIES, GemvKernels
 from .loader import device_arch, load_module
 from .norm import NormKernels
 from .prefill import PrefillKernels
@@ -25,8 +25,11 @@ from .sampling import SamplingKernels
 
 
 class KernelSet:
-    def __init__(self, dims: ModelDims, arch: str | None = None, gemv_variant: str | None = None):
-        """gemv_variant: a key of gemv.GEMV_VARIANTS (default: $NANOQWEN_GEMV_VARIANT, else gemv.DEFAULT_GEMV_VARIANT)."""
+    def __init__(self, dims: ModelDims, arch: str | None = None, gemv_variant: str | None = None,
+                 lm_head: str | None = None):
+        """gemv_variant: a key of gemv.GEMV_VARIANTS (default: $NANOQWEN_GEMV_VARIANT, else
+        gemv.DEFAULT_GEMV_VARIANT); lm_head: one of gemv.LM_HEAD_BODIES, the lm_head's body at B > 1
+        (default: $NANOQWEN_LM_HEAD, else gemv.DEFAULT_LM_HEAD)."""
         if not isinstance(dims, ModelDims):
             raise KernelError(f"KernelSet needs a ModelDims, got {type(dims).__name__}")
         variant = gemv_variant or os.environ.get("NANOQWEN_GEMV_VARIANT") or DEFAULT_GEMV_VARIANT
@@ -34,11 +37,15 @@ class KernelSet:
             raise KernelError(
                 f"unknown INT4 GEMV variant {variant!r} (NANOQWEN_GEMV_VARIANT); one of {', '.join(GEMV_VARIANTS)}"
             )
+        head = lm_head or os.environ.get("NANOQWEN_LM_HEAD") or DEFAULT_LM_HEAD
+        if head not in LM_HEAD_BODIES:
+            raise KernelError(f"unknown lm_head body {head!r} (NANOQWEN_LM_HEAD); one of {', '.join(LM_HEAD_BODIES)}")
         self.dims = dims
         self.gemv_variant = variant
+        self.lm_head = head
         self.arch = arch or device_arch()
         load = functools.partial(_load, arch=self.arch)
-        g = GemvKernels(dims, load, variant)
+        g = GemvKernels(dims, load, variant, head)
         n = NormKernels(dims, load)
         e = EmbedKernels(dims, load)
         s = SamplingKernels(dims, load)

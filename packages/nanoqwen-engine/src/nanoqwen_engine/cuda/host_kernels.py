@@ -205,8 +205,11 @@ class HostKernels:
 
     # --- prefill launchers ---
     @_launcher
-    def gemm_int4(self, qweight, scales, X, out, workspace=None):
-        out[...] = (X.astype(np.float32) @ self._w(qweight, scales).T).astype(out.dtype)
+    def gemm_int4(self, qweight, scales, X, out, workspace=None, accumulate=False):
+        acc = X.astype(np.float32) @ self._w(qweight, scales).T
+        if accumulate:  # the GEMM's beta = 1: the sum in fp32, one rounding
+            acc += out.astype(np.float32)
+        out[...] = acc.astype(out.dtype)
 
     @_launcher
     def rope_kv_prefill(self, qkv, start_pos, page_table, k_cache, v_cache, layer, q_out):

@@ -5,9 +5,11 @@ Q = n_heads * 128, I intermediate; every activation f16, row-major):
 
     x [T,H] --rmsnorm_rows--> h [T,H] --gemm_int4 qkv + bias--> qkv [T,R]
         --rope_kv_prefill--> q [T,Q] (+ K/V of the T rows written into their pages)
-        --attention_prefill (causal over [0, start+T))--> a [T,Q] --gemm_int4 o--> x += o
+        --attention_prefill (causal over [0, start+T))--> a [T,Q] --gemm_int4 o, accumulate--> x += o
     x --rmsnorm_rows--> h --gemm_int4 gate|up--> gu [T,2I] --silu(gate)*up--> act [T,I]
-        --gemm_int4 down--> x += d
+        --gemm_int4 down, accumulate--> x += d
+
+(The residual adds are the GEMMs' beta = 1: cuBLAS adds x while it writes, in fp32, no extra kernel.)
 
 Long prompts go through in chunks of PREFILL_CHUNK rows: each chunk is a prefill at a later start
 position whose attention also reads the pages the earlier chunks wrote, so the temporaries stay bounded
@@ -75,12 +77,11 @@ class PrefillPass:
         return x
 
     def buffers(self, T: int) -> dict:
-        """The per-chunk temporaries (f16, row-major): h [T,H], qkv [T,R], q/a [T,Q], o [T,H],
-        gu [T,2I], act [T,I]."""
+        """The per-chunk temporaries (f16, row-major): h [T,H], qkv [T,R], q/a [T,Q], gu [T,2I], act [T,I]."""
         xp, c = self.dev.xp, self.cfg
         H, Q, Im = c.hidden, c.q_dim, c.intermediate
         R = c.qkv_rows
-        shapes = {"h": (T, H), "qkv": (T, R), "q": (T, Q), "a": (T, Q), "o": (T, H), "gu": (T, 2 * Im),
+        shapes = {"h": (T, H), "qkv": (T, R), "q": (T, Q), "a": (T, Q), "gu": (T, 2 * Im),
                   "act": (T, Im)}
         return {k: xp.empty(s, dtype=np.float16) for k, s in shapes.items()}
 
@@ -104,13 +105,11 @@ class PrefillPass:
         b["qkv"] += lw.qkv_bias
         ks.rope_kv_prefill(b["qkv"], start, page_table, self.k_cache, self.v_cache, i, b["q"])
         ks.attention_prefill(b["q"], self.k_cache, self.v_cache, page_table, start, T, i, b["a"])
-        ks.gemm_int4(lw.o.qweight, lw.o.scales, b["a"], b["o"], ws)
-        x += b["o"]
+        ks.gemm_int4(lw.o.qweight, lw.o.scales, b["a"], x, ws, accumulate=True)
         ks.rmsnorm_rows(x, lw.post_norm, b["h"], eps)
         ks.gemm_int4(lw.gate_up.qweight, lw.gate_up.scales, b["h"], b["gu"], ws)
         silu_mul(self.dev.xp, b["gu"], self.cfg.intermediate, b["act"])
-        ks.gemm_int4(lw.down.qweight, lw.down.scales, b["act"], b["o"], ws)
-        x += b["o"]
+        ks.gemm_int4(lw.down.qweight, lw.down.scales, b["act"], x, ws, accumulate=True)
 
     def all_logits(self, x):
         """f32 [T,V] logits of every row of x (final norm + lm_head in fp32), on the host."""
