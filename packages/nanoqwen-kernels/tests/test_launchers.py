@@ -509,8 +509,14 @@ def test_rope_kv_prefill_checks(launches):
     p.rope_kv_prefill(**good)  # positions 61..63: the last slots of 4 pages
     fn, grid, args = launches[-1]
     assert fn == "nq_rope_kv_prefill" and grid == (3, d.n_heads + 2 * d.n_kv_heads, 1)
-    assert [int(args[i]) for i in (1, 5, 6)] == [61, 1, 4]  # start_pos, layer, n_pages
+    assert int(args[1]) == 0  # no bias: a null pointer
+    assert [int(args[i]) for i in (2, 6, 7)] == [61, 1, 4]  # start_pos, layer, n_pages
+    bias = dev((d.qkv_rows,), np.float16)
+    p.rope_kv_prefill(**good, bias=bias)
+    assert launches[-1][2][1] is bias
     bad = [
+        (dict(bias=dev((d.qkv_rows - 1,), np.float16)), "bias must have shape"),
+        (dict(bias=dev((d.qkv_rows,), np.float32)), "bias must be float16"),
         (dict(qkv=dev((3, d.qkv_rows - 128), np.float16)), "qkv must be fp16"),
         (dict(q_out=dev((2, d.q_dim), np.float16)), "q_out must have shape"),
         (dict(start_pos=62), r"start_pos \+ T = 65 exceeds the page table's 64 positions"),

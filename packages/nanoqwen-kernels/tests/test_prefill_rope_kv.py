@@ -31,7 +31,9 @@ def kernels():
 @pytest.mark.parametrize("name", ["7b", "tiny"])
 @pytest.mark.parametrize("start_pos", [0, 37])
 @pytest.mark.parametrize("T", [1, 15, 16, 17, 100, 513])
-def test_rope_kv_prefill(kernels, rng, name, start_pos, T):
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_rope_kv_prefill(kernels, rng, name, start_pos, T, with_bias):
+    """with_bias: the projection's bias is added in the kernel (fp32, before RoPE and the K/V write)."""
     import cupy as cp
 
     d = DIMS[name]
@@ -42,16 +44,19 @@ def test_rope_kv_prefill(kernels, rng, name, start_pos, T):
     qkv = rng.standard_normal((T, d.qkv_rows)).astype(np.float16)
     q_out = cp.full((T, d.q_dim), np.nan, dtype=cp.float16)
     layer = 1
+    bias = rng.standard_normal(d.qkv_rows).astype(np.float16) if with_bias else None
     kernels[name].rope_kv_prefill(
-        cp.asarray(qkv), start_pos, cp.asarray(table), k_cache, v_cache, layer, q_out
+        cp.asarray(qkv), start_pos, cp.asarray(table), k_cache, v_cache, layer, q_out,
+        bias=None if bias is None else cp.asarray(bias),
     )
 
     pos = np.arange(start_pos, start_pos + T)
-    x = qkv.astype(np.float64)
+    x = qkv.astype(np.float64) + (0.0 if bias is None else bias.astype(np.float64))
     nh, nkv = d.n_heads, d.n_kv_heads
     q_ref = rope(x[:, : nh * 128].reshape(T, nh, 128), pos, d.rope_theta).reshape(T, -1)
     k_ref = rope(x[:, nh * 128 : (nh + nkv) * 128].reshape(T, nkv, 128), pos, d.rope_theta)
-    v_ref = qkv[:, (nh + nkv) * 128 :].reshape(T, nkv, 128)
+    # V is x rounded once to fp16 (the sum is exact in fp32: two fp16 values of similar magnitude)
+    v_ref = x[:, (nh + nkv) * 128 :].astype(np.float16).reshape(T, nkv, 128)
 
     got_q = cp.asnumpy(q_out).astype(np.float64)
     assert (np.abs(got_q - q_ref) <= 2e-3 + 2e-3 * np.abs(q_ref)).all()

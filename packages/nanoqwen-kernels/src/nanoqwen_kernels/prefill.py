@@ -117,10 +117,11 @@ class PrefillKernels:
 
     # ---- RoPE + KV page write ---------------------------------------------------------------------
 
-    def rope_kv_prefill(self, qkv, start_pos, page_table, k_cache, v_cache, layer, q_out) -> None:
-        """RoPE on q and k of T tokens at positions start_pos.., K/V into the pages, q into q_out.
+    def rope_kv_prefill(self, qkv, start_pos, page_table, k_cache, v_cache, layer, q_out, bias=None) -> None:
+        """RoPE on q and k of T tokens at positions start_pos.., K/V into the pages, q into q_out; the
+        projection's bias (fp16 [(n_heads + 2*n_kv)*128], optional) is added first, in fp32.
 
-        qkv: fp16 [T, (n_heads + 2*n_kv)*128] (bias added); q_out: fp16 [T, n_heads*128];
+        qkv: fp16 [T, (n_heads + 2*n_kv)*128]; q_out: fp16 [T, n_heads*128];
         page_table int32 [max_pages] must cover positions < start_pos + T.
         """
         d = self.dims
@@ -129,6 +130,8 @@ class PrefillKernels:
             raise KernelError(f"qkv must be fp16 [T, {d.qkv_rows}], got shape {tuple(qkv.shape)}")
         t = int(qkv.shape[0])
         ck.check_array("q_out", q_out, np.float16, shape=(t, d.q_dim))
+        if bias is not None:
+            ck.check_array("bias", bias, np.float16, shape=(d.qkv_rows,))
         layer, n_pages, start_pos = _check_pages(d, k_cache, v_cache, layer, page_table, start_pos, t)
         ck.launch(
             self._rope,
@@ -136,6 +139,7 @@ class PrefillKernels:
             (HEAD_DIM // 2, 1, 1),
             (
                 qkv,
+                bias if bias is not None else ck.NULL,
                 np.int32(start_pos),
                 page_table,
                 k_cache,

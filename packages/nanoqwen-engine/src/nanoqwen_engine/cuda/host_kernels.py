@@ -212,9 +212,12 @@ class HostKernels:
         out[...] = acc.astype(out.dtype)
 
     @_launcher
-    def rope_kv_prefill(self, qkv, start_pos, page_table, k_cache, v_cache, layer, q_out):
+    def rope_kv_prefill(self, qkv, start_pos, page_table, k_cache, v_cache, layer, q_out, bias=None):
         T = qkv.shape[0]
-        self._rope_kv(qkv.astype(np.float32), np.arange(start_pos, start_pos + T), page_table, k_cache,
+        x = qkv.astype(np.float32)
+        if bias is not None:  # in fp32, as the kernel adds it
+            x += bias.astype(np.float32)
+        self._rope_kv(x, np.arange(start_pos, start_pos + T), page_table, k_cache,
                       v_cache, layer, q_out, self.cfg)
 
     @_launcher

@@ -3,8 +3,8 @@
 Per layer, for T prompt rows at positions start .. start+T-1 (H hidden, R = (n_heads + 2 n_kv) * 128,
 Q = n_heads * 128, I intermediate; every activation f16, row-major):
 
-    x [T,H] --rmsnorm_rows--> h [T,H] --gemm_int4 qkv + bias--> qkv [T,R]
-        --rope_kv_prefill--> q [T,Q] (+ K/V of the T rows written into their pages)
+    x [T,H] --rmsnorm_rows--> h [T,H] --gemm_int4 qkv--> qkv [T,R]
+        --rope_kv_prefill (+ bias, in fp32)--> q [T,Q] (+ K/V of the T rows written into their pages)
         --attention_prefill (causal over [0, start+T))--> a [T,Q] --gemm_int4 o, accumulate--> x += o
     x --rmsnorm_rows--> h --gemm_int4 gate|up--> gu [T,2I] --silu(gate)*up--> act [T,I]
         --gemm_int4 down, accumulate--> x += d
@@ -102,8 +102,7 @@ class PrefillPass:
         ws = self._gemm_workspace()
         ks.rmsnorm_rows(x, lw.in_norm, b["h"], eps)
         ks.gemm_int4(lw.qkv.qweight, lw.qkv.scales, b["h"], b["qkv"], ws)
-        b["qkv"] += lw.qkv_bias
-        ks.rope_kv_prefill(b["qkv"], start, page_table, self.k_cache, self.v_cache, i, b["q"])
+        ks.rope_kv_prefill(b["qkv"], start, page_table, self.k_cache, self.v_cache, i, b["q"], bias=lw.qkv_bias)
         ks.attention_prefill(b["q"], self.k_cache, self.v_cache, page_table, start, T, i, b["a"])
         ks.gemm_int4(lw.o.qweight, lw.o.scales, b["a"], x, ws, accumulate=True)
         ks.rmsnorm_rows(x, lw.post_norm, b["h"], eps)

@@ -1,16 +1,17 @@
 // prefill_rope_kv.cu: RoPE on q and k of a whole prompt, K and V written into the KV pages.
 //
-// What, for token i at position p = start_pos + i (qkv has the bias added already):
-//   q_out[i, h]        = rope(qkv[i, q head h], p)            h < NQ_NHEADS
-//   k_cache[layer, page_table[p/16], j, p%16, :] = rope(qkv[i, k head j], p)
-//   v_cache[layer, page_table[p/16], j, p%16, :] = qkv[i, v head j]
+// What, for token i at position p = start_pos + i, x = qkv[i] + bias (bias optional: NULL adds nothing):
+//   q_out[i, h]        = rope(x[q head h], p)                 h < NQ_NHEADS
+//   k_cache[layer, page_table[p/16], j, p%16, :] = rope(x[k head j], p)
+//   v_cache[layer, page_table[p/16], j, p%16, :] = x[v head j]
 //   rope (HF rotate-half): for d < 64, with f = p * theta^(-2d/128) in fp32,
 //     y[d] = x[d] cos f - x[d+64] sin f,   y[d+64] = x[d+64] cos f + x[d] sin f
 // Shapes: qkv fp16 [T, (NQ_NHEADS + 2 NQ_NKV) * 128] (rows q heads, then k, then v: the fused
 //   projection's order), q_out fp16 [T, NQ_NHEADS*128], k/v_cache fp16 [L, n_pages, NQ_NKV, 16, 128],
 //   page_table int32 [max_pages] (pages for positions < start_pos + T must be assigned).
 // Launch: nq_rope_kv_prefill grid (T, NQ_NHEADS + 2*NQ_NKV), 64 threads: thread d owns the pair (d, d+64).
-// Why: one small elementwise pass; T and start_pos are host ints because prefill is launched eagerly
+// Why: one small elementwise pass, with the projection's bias added here in fp32 (as the decode path's
+//   qkv_rope_kv adds it: one rounding to fp16, and no separate bias-add kernel per layer); T and start_pos are host ints because prefill is launched eagerly
 //   (the decode path, captured in a graph, reads its position from the device instead).
 //   inv_freq = 1 / theta^(2d/128) is computed in fp64 and rounded once to fp32 (the correctly rounded
 //   value, as the numpy reference and the decode path's qkv_rope_kv in gemv_int4.cu compute it), then
@@ -21,6 +22,7 @@
 
 extern "C" __global__ void __launch_bounds__(64)
     nq_rope_kv_prefill(const nq::uint16_t* __restrict__ qkv,     // [T, kQkvRows] fp16
+                    const nq::uint16_t* __restrict__ bias,    // [kQkvRows] fp16, or NULL
                     int start_pos,
                     const int* __restrict__ page_table,       // [max_pages]
                     nq::uint16_t* __restrict__ k_cache,       // [L, n_pages, NQ_NKV, 16, 128]
@@ -32,7 +34,11 @@ extern "C" __global__ void __launch_bounds__(64)
   const int d = threadIdx.x;    // 0..63
   const int pos = start_pos + i;
   const nq::uint16_t* x = qkv + static_cast<size_t>(i) * nq::kQkvRows + head * 128;
-  const float x0 = nq::h2f(x[d]), x1 = nq::h2f(x[d + 64]);
+  float x0 = nq::h2f(x[d]), x1 = nq::h2f(x[d + 64]);
+  if (bias != nullptr) {
+    x0 += nq::h2f(bias[head * 128 + d]);
+    x1 += nq::h2f(bias[head * 128 + d + 64]);
+  }
   float y0 = x0, y1 = x1;
   if (head < nq::kHeads + nq::kKvHeads) {
     const float inv_freq = static_cast<float>(1.0 / pow(static_cast<double>(NQ_ROPE_THETA), (2.0 * d) / 128.0));
