@@ -621,3 +621,34 @@ def test_gemv_plan_invariants(k, tiles):
         assert p.passes * p.pass_cols >= b > (p.passes - 1) * p.pass_cols  # every pass has columns
         assert p.smem <= X_SMEM_BUDGET
         assert p.slice_groups == k // 128 or p.slice_groups % 8 == 0  # sliced: the same sums' order
+
+
+def test_cublas_status_is_a_kernel_error():
+    """blas._CublasLib (ctypes, not CuPy's wrapper, which refuses calls during a graph capture): a
+    non-zero cublasStatus_t is one KernelError naming the call; handles and streams pass through."""
+    from nanoqwen_kernels.blas import _CublasLib
+
+    seen = []
+
+    class Lib:
+        def __init__(self, gemm_status):
+            self.cublasCreate_v2 = _Fn(lambda h: 0)
+            self.cublasSetStream_v2 = _Fn(lambda h, s: seen.append((h, s)) or 0)
+            self.cublasGemmEx = _Fn(lambda *a: gemm_status)
+
+    lib = _CublasLib(Lib(0))
+    lib.setStream(5, 9)
+    assert seen[-1] == (5, 9)
+    lib.gemmEx(*range(19))
+    with pytest.raises(KernelError, match="cuBLAS GemmEx failed with status 13"):
+        _CublasLib(Lib(13)).gemmEx(*range(19))
+
+
+class _Fn:
+    """A ctypes function stand-in: settable argtypes/restype, callable."""
+
+    def __init__(self, f):
+        self.f, self.argtypes, self.restype = f, None, None
+
+    def __call__(self, *args):
+        return self.f(*args)

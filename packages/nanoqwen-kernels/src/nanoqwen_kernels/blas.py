@@ -9,10 +9,11 @@ are at the bandwidth or compute limit and a hand-written kernel would only match
     add folded into the GEMM), W the INT4 weight dequantized into a scratch buffer.
 
 Why not cupy.matmul: it cannot write fp32 from fp16 inputs (the logits must not round to fp16 before
-sampling: near-ties), cannot accumulate into its output (beta = 1), and costs ~20 us of Python per call
-where the prefill makes ~4 calls per layer. This calls cublasGemmEx through CuPy's thin wrapper on a
-handle of its own (so CuPy's handle keeps its stream and mode), with the stream set per call: inside a
-CUDA graph capture the call is recorded like a kernel launch. cuBLAS (12.2 and later) takes its
+sampling: near-ties), cannot accumulate into its output (beta = 1), costs ~20 us of Python per call
+where the prefill makes ~4 calls per layer, and (like all of CuPy's cuBLAS wrapper) refuses to run
+while a stream captures a graph. This calls cublasGemmEx through ctypes on a handle of its own (so
+CuPy's handle keeps its stream and mode), with the stream set per call: inside a CUDA graph capture the
+call is recorded like a kernel launch. cuBLAS (12.2 and later) takes its
 workspace with cudaMallocAsync on that stream, which a capture records too, so no workspace is set.
 
 Layout: all arrays are row-major (C order); cuBLAS is column-major. A row-major [R, C] array is a
@@ -21,6 +22,9 @@ out (N x T, ld N) = op_T(W as K x N, ld K) . X as (K x T, ld K): transa = T, tra
 """
 
 from __future__ import annotations
+
+import ctypes
+import functools
 
 import numpy as np
 
@@ -37,14 +41,69 @@ CUBLAS_COMPUTE_32F = 68
 CUBLAS_GEMM_DEFAULT = -1
 
 
-def _cublas():
-    """CuPy's cuBLAS wrapper module, imported on first use (no GPU needed to import nanoqwen_kernels)."""
+class _CublasLib:
+    """cublasCreate / cublasSetStream / cublasGemmEx called straight through ctypes. Not CuPy's
+    wrapper: it refuses every cuBLAS call while a stream is capturing ("calling cuBLAS API during
+    stream capture is currently unsupported"), and capturing the lm_head into the decode step's graph
+    is the point. The library is the one CuPy loaded (found in the process's mappings), so there is
+    one cuBLAS in the process."""
+
+    def __init__(self, lib):
+        c = ctypes
+        self._lib = lib
+        lib.cublasCreate_v2.argtypes = [c.POINTER(c.c_void_p)]
+        lib.cublasSetStream_v2.argtypes = [c.c_void_p, c.c_void_p]
+        lib.cublasGemmEx.argtypes = [c.c_void_p, c.c_int, c.c_int, c.c_int, c.c_int, c.c_int,
+                                     c.c_void_p, c.c_void_p, c.c_int, c.c_int, c.c_void_p, c.c_int, c.c_int,
+                                     c.c_void_p, c.c_void_p, c.c_int, c.c_int, c.c_int, c.c_int]
+        for f in (lib.cublasCreate_v2, lib.cublasSetStream_v2, lib.cublasGemmEx):
+            f.restype = c.c_int
+
+    @staticmethod
+    def _ok(status: int, what: str) -> None:
+        if status != 0:  # cublasStatus_t: 0 = CUBLAS_STATUS_SUCCESS
+            raise KernelError(f"cuBLAS {what} failed with status {status}")
+
+    def create(self) -> int:
+        h = ctypes.c_void_p()
+        self._ok(self._lib.cublasCreate_v2(ctypes.byref(h)), "create")
+        return int(h.value or 0)
+
+    def setStream(self, handle: int, stream_ptr: int) -> None:  # noqa: N802 (cuBLAS's name)
+        self._ok(self._lib.cublasSetStream_v2(handle, stream_ptr), "setStream")
+
+    def gemmEx(self, *args) -> None:  # noqa: N802
+        self._ok(self._lib.cublasGemmEx(*args), "GemmEx")
+
+
+def _library_path() -> str | None:
+    """The libcublas.so CuPy has loaded into this process, if any."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line.split()[-1] if len(line.split()) >= 6 else ""
+                if "/libcublas.so" in path:
+                    return path
+    except OSError:
+        pass
+    return None
+
+
+@functools.cache
+def _cublas() -> _CublasLib:
+    """cuBLAS, loaded on first use (no GPU needed to import nanoqwen_kernels)."""
     ck.cupy_module()
     try:
-        from cupy_backends.cuda.libs import cublas
+        from cupy_backends.cuda.libs import cublas  # noqa: F401  (loads libcublas into the process)
     except Exception as e:  # the library missing from the CUDA install
         raise KernelError(f"cuBLAS is needed for the batched lm_head and the prefill GEMMs: {e}") from None
-    return cublas
+    names = [p for p in (_library_path(),) if p] + ["libcublas.so.13", "libcublas.so.12", "libcublas.so"]
+    for name in names:
+        try:
+            return _CublasLib(ctypes.CDLL(name))
+        except OSError:
+            continue
+    raise KernelError(f"cuBLAS is needed for the batched lm_head and the prefill GEMMs: none of {names} loads")
 
 
 class Blas:
