@@ -14,7 +14,9 @@ measured from the arrival of all B), then every decode step feeds all B sequence
 
 Each B first runs a short warm-up (its bucket's graph is captured on its second use, decode.py), so the
 timed steps are graph replays. Timings are host wall-clock around calls that end with the device->host
-read of the sampled ids, i.e. what a caller of the backend sees.
+read of the sampled ids, i.e. what a caller of the backend sees. Each call passes run_ahead as the
+engine's scheduler does in a steady batch (every step but the last: the backend launches the next step
+before returning, so the host's work overlaps it); --no-run-ahead measures the step-by-step path.
 
     python3 scripts/bench_batch.py MODEL.nanoqwen [--batch 1,8,32,64] [--prompt 128] [--gen 256] [--json out.json]
 
@@ -38,7 +40,7 @@ import numpy as np
 TARGETS = {1: "<= 2.1 ms/token", 8: ">= 3000 tok/s", 32: ">= 8000 tok/s", 64: ">= 12000 tok/s"}  # issue 13
 
 
-def run_batch(be, B: int, prompt: int, gen: int, rng, greedy) -> dict:
+def run_batch(be, B: int, prompt: int, gen: int, rng, greedy, run_ahead: bool = True) -> dict:
     from nanoqwen_engine.sampler import SamplerState
 
     V = be.config.vocab
@@ -52,9 +54,10 @@ def run_batch(be, B: int, prompt: int, gen: int, rng, greedy) -> dict:
         ttft.append(time.perf_counter() - t0)
     t_prefill = time.perf_counter() - t0
     steps = []
-    for _ in range(gen - 1):
+    for i in range(gen - 1):
         t = time.perf_counter()
-        toks = be.decode(seqs, toks, samplers)
+        # run_ahead as the engine's scheduler passes it: every step but the last (the caller knows)
+        toks = be.decode(seqs, toks, samplers, run_ahead=run_ahead and i < gen - 2)
         steps.append(time.perf_counter() - t)
     for s in seqs:
         be.pool.free(s)
@@ -82,7 +85,10 @@ def main() -> int:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--gen", type=int, default=256)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--no-run-ahead", action="store_true",
+                    help="every step waits for the caller (no step launched ahead: Backend.decode run_ahead)")
     args = ap.parse_args()
+    ahead = not args.no_run_ahead
     batches = [int(b) for b in args.batch.split(",")]
 
     from nanoqwen_engine import Engine
@@ -101,21 +107,23 @@ def main() -> int:
     results = []
     variant = os.environ.get("NANOQWEN_GEMV_VARIANT") or DEFAULT_GEMV_VARIANT
     print(f"batched decode, {be.info.get('device')}, prompt {args.prompt} + {args.gen} generated, greedy, "
-          f"GEMV variant {variant}")
+          f"GEMV variant {variant}, run ahead {'on' if ahead else 'off'}")
     print(f"{'B':>3s} {'decode tok/s':>12s} {'e2e tok/s':>10s} {'step ms p50':>11s} {'itl p99 ms':>10s} "
           f"{'ttft p50 ms':>11s} {'ttft max ms':>11s}  target")
     for B in batches:
-        run_batch(be, B, 16, 4, rng, greedy)  # warm-up: the bucket's eager step and its capture
-        r = run_batch(be, B, args.prompt, args.gen, rng, greedy)
+        run_batch(be, B, 16, 4, rng, greedy, ahead)  # warm-up: the bucket's eager step and its capture
+        r = run_batch(be, B, args.prompt, args.gen, rng, greedy, ahead)
         results.append(r)
         print(f"{B:3d} {r['decode_tok_s']:12.0f} {r['e2e_tok_s']:10.0f} {r['itl_ms_p50']:11.3f} "
               f"{r['itl_ms_p99']:10.3f} {r['ttft_ms_p50']:11.1f} {r['ttft_ms_max']:11.1f}  {TARGETS.get(B, '')}",
               flush=True)
     if args.json:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        # $NQ_COMMIT first: on the GPU machine the checkout's git metadata can lag the tree that was copied
+        commit = os.environ.get("NQ_COMMIT") or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
         with open(args.json, "w") as f:
             json.dump({"gpu_name": be.info.get("device"), "date": time.strftime("%Y-%m-%d"), "model": args.model,
-                       "commit": commit or None, "gemv_variant": variant, "load_s": load_s, "max_batch": be.info.get("max_batch"),
+                       "commit": commit or None, "gemv_variant": variant, "run_ahead": ahead, "load_s": load_s, "max_batch": be.info.get("max_batch"),
                        "graph_kernel_nodes": {k: v for k, v in be.info.items() if k.startswith("graph_kernel")},
                        "results": results}, f, indent=2)
     return 0

@@ -195,10 +195,13 @@ def test_each_row_of_a_batch_gets_its_tokens_alone(model_path, kind, rng):
     assert be.last_logits().shape == (6, be.config.vocab)
 
 
-def test_buckets_replay_as_the_batch_changes(tied_path, kind, rng):
+@pytest.mark.parametrize("run_ahead", [False, True])
+def test_buckets_replay_as_the_batch_changes(tied_path, kind, rng, run_ahead):
     """Sequences join and leave between steps (B = 1, 3, 3, 6, 6, 2, 2, 5, 1, 1 ...): rows are reassigned,
     idle rows padded, each bucket's graph captured once and replayed; every sequence still gets its
-    tokens alone, and the pool gets all its pages back."""
+    tokens alone, and the pool gets all its pages back. With run_ahead on every call (the hint wrong
+    whenever the batch changes, new prompts prefilled while a step runs ahead), the same tokens: a step
+    run ahead serves the next call when it is the same batch and is discarded otherwise."""
     be = _backend(tied_path, kind, max_context=96, max_batch=8, n_pages=64)
     V = be.config.vocab
     # (start step, number of tokens) per sequence
@@ -223,7 +226,8 @@ def test_buckets_replay_as_the_batch_changes(tied_path, kind, rng):
             continue
         order = list(live)
         rng.shuffle(order)  # the caller's order changes from step to step; rows must not
-        out = be.decode([live[i][0] for i in order], [live[i][2][-1] for i in order], [live[i][1] for i in order])
+        out = be.decode([live[i][0] for i in order], [live[i][2][-1] for i in order], [live[i][1] for i in order],
+                        run_ahead=run_ahead)
         batch_sizes.append(len(order))
         for i, o in zip(order, out, strict=True):
             live[i][2].append(o)
@@ -235,6 +239,35 @@ def test_buckets_replay_as_the_batch_changes(tied_path, kind, rng):
     assert len(set(batch_sizes)) >= 4, batch_sizes
     buckets = {k[0] for k in be.step.graphs}
     assert buckets <= {1, 2, 4, 8} and len(buckets) >= 3, be.step.graphs
+    if run_ahead:
+        assert be.info.get("ahead_steps", 0) >= 1 and be.info.get("ahead_discarded", 0) >= 3, be.info
+    else:
+        assert "ahead_steps" not in be.info and "ahead_discarded" not in be.info
+
+
+def test_run_ahead_serves_the_same_tokens_across_pages(tied_path, kind, rng):
+    """One sequence, 60 greedy steps from a 13-token prompt (positions cross pages at 16, 32, 48, 64),
+    every call with run_ahead: the same tokens as without; every step but the first three of the bucket
+    (eager, capture, first replay) and those whose next position opens a page is served by a step that
+    ran ahead. last_logits() refuses while a step is ahead, and works again once a call runs without."""
+    be = _backend(tied_path, kind, max_context=96, n_pages=32)
+    V = be.config.vocab
+    prompt = rng.integers(0, V, size=13)
+    want, _ = _alone(be, [prompt], 61)[0]
+    s, st = be.pool.new_sequence(), SamplerState(GREEDY, V)
+    toks = [be.prefill(s, prompt, st)]
+    for _ in range(60):
+        toks.append(be.decode([s], [toks[-1]], [st], run_ahead=True)[0])
+    assert toks == want
+    opens = sum(1 for n in range(14, 74) if n % 16 == 0)  # lengths after a step that open a page next
+    assert be.info["ahead_steps"] >= 60 - 3 - opens - 1, be.info
+    with pytest.raises(InvalidRequestError, match="ran ahead"):
+        be.last_logits()
+    toks.append(be.decode([s], [toks[-1]], [st])[0])  # served by the step ahead, none launched after it
+    assert toks == _alone(be, [prompt], 62)[0][0]
+    assert be.last_logits().shape == (1, V)
+    be.pool.free(s)
+    assert be.pool.n_used == 0
 
 
 def test_mixed_greedy_and_sampled_rows(tied_path, kind, rng):

@@ -147,11 +147,11 @@ def test_an_error_inside_a_step_reaches_every_row_and_the_engine_goes_on(tied_en
     boom = NanoqwenError("device fell over")
     calls = {"n": 0}
 
-    def flaky(seqs, ids, samplers):
+    def flaky(seqs, ids, samplers, run_ahead=False):
         calls["n"] += 1
         if calls["n"] == 3:
             raise boom
-        return real(seqs, ids, samplers)
+        return real(seqs, ids, samplers, run_ahead=run_ahead)
 
     monkeypatch.setattr(tied_engine.backend, "decode", flaky)
     hs = [tied_engine.submit(p, SamplingParams(temperature=0, max_tokens=30)) for p in ps]

@@ -50,6 +50,7 @@ class PagedEcho:
         self.max_context = max_context
         self.cache = np.full((n_pages, PAGE_TOKENS), -1, dtype=np.int64)
         self.calls: list[tuple[str, int]] = []  # ("decode", B) / ("prefill", T)
+        self.ahead: list[tuple[tuple[int, ...], bool]] = []  # per decode: (seq ids, the run_ahead hint)
 
     def _write(self, seq, ids) -> None:
         for t in ids:
@@ -67,7 +68,8 @@ class PagedEcho:
         self.calls.append(("prefill", len(token_ids)))
         return None if sampler is None else next_id(self._read(seq), sampler)
 
-    def decode(self, seqs, token_ids, samplers):
+    def decode(self, seqs, token_ids, samplers, run_ahead=False):
+        self.ahead.append((tuple(s.seq_id for s in seqs), run_ahead))
         need = sum(pages_for(s.length + 1) - s.n_pages for s in seqs)
         assert need <= self.pool.n_free, "the scheduler must reserve decode pages"
         for s in seqs:
@@ -149,6 +151,43 @@ def test_long_prompt_is_chunked_while_others_decode(tokenizer, rng):
     drain(sched)
     assert short.handle.result().token_ids == solo(short.prompt, short.params, 512)
     assert long.handle.result().token_ids == solo(long.prompt, long.params, 512)
+
+
+def test_run_ahead_hint_only_when_the_next_step_is_foreseeably_the_same(tokenizer, rng):
+    """Backend.decode's run_ahead: given while the same rows will decode next, withheld at a step that
+    prefills (a completing prompt joins), while a waiting request could be admitted, and at a row's
+    last token by max_tokens. Whenever it was given, the next decode call had the same sequences unless
+    one stopped on an end token (unforeseeable: that backend step is discarded)."""
+    be = PagedEcho(n_pages=40, max_context=512)
+    sched = Scheduler(be, max_batch=4, prefill_chunk=32)
+    a = make_request(0, rng.integers(0, V, 5).tolist(), params_for(12, None), tokenizer, 512)
+    sched.waiting.append(a)
+    sched.step()  # a's prompt, first token
+    owner = {a.seq.seq_id: a}
+    for _ in range(3):
+        sched.step()
+    assert be.ahead[-1][1] is True  # a alone, decoding, more to come
+    b = make_request(1, rng.integers(0, V, 40).tolist(), params_for(12, None), tokenizer, 512)
+    sched.waiting.append(b)
+    plan = sched.step()  # b admitted and its first chunk prefilled beside a's decode
+    assert plan.prefill and be.ahead[-1][1] is False
+    owner[b.seq.seq_id] = b
+    plan = sched.step()  # b's last chunk: still a prefill step
+    assert plan.prefill and be.ahead[-1][1] is False
+    drain(sched)
+    ids = [ids for ids, _ in be.ahead]
+    hinted = 0
+    for k, (seq_ids, hint) in enumerate(be.ahead):
+        if not hint:
+            continue
+        hinted += 1
+        nxt = ids[k + 1] if k + 1 < len(ids) else ()
+        gone = [owner[i] for i in seq_ids if i not in nxt]
+        assert set(nxt) <= set(seq_ids), f"step {k}: hinted, then a new row joined ({nxt})"
+        assert all(r.handle.result().finish_reason == "stop" for r in gone), f"step {k}: hinted, then {nxt}"
+    assert hinted >= 10
+    for r in (a, b):
+        assert r.handle.result().token_ids == solo(r.prompt, r.params, 512)
 
 
 def test_dry_pool_preempts_the_newest_and_it_recomputes_without_reemitting(tokenizer, rng):

@@ -32,10 +32,15 @@ class Backend(Protocol):
         ...
 
     def decode(self, seqs: Sequence[SequenceState], token_ids: Sequence[int],
-               samplers: Sequence[SamplerState]) -> list[int]:
+               samplers: Sequence[SamplerState], run_ahead: bool = False) -> list[int]:
         """One batched step: row b feeds token_ids[b] at position seqs[b].length of seqs[b] and samples
         with samplers[b] (its own params, seed and history). Grows every sequence by one token first,
-        all-or-nothing across the batch. Returns the B sampled ids."""
+        all-or-nothing across the batch. Returns the B sampled ids.
+
+        run_ahead is a hint: the caller expects to call next with the same sequences, fed the ids
+        returned now. A backend may start that step before returning (the CUDA backend does, to hide
+        its host work behind the device's); any other next call must still be served exactly, as if
+        the hint had not been given. The results never depend on it."""
         ...
 
     def score(self, token_ids: np.ndarray) -> np.ndarray:

@@ -13,7 +13,8 @@ The loop has the shape of vLLM v1's engine core, one iteration per step:
          `max_batch` run, and the pages of the request's WHOLE prompt can be had beside step 2's reserve;
          those pages are allocated at admission, so a prompt is never caught half-prefilled by a dry pool
     execute(plan)  (no lock)
-      one batched backend.decode(seqs, ids, samplers) for all decode rows, then one
+      one batched backend.decode(seqs, ids, samplers, run_ahead) for all decode rows (run_ahead when
+      the next step will most likely be the same rows: _steady), then one
       backend.prefill(seq, chunk, sampler or None) per prefill chunk (the sampler only with a prompt's
       last chunk, whose logits give the first token)
     update
@@ -148,7 +149,7 @@ class Scheduler:
             rows = plan.decode
             try:
                 toks = self.backend.decode([_seq(r) for r in rows], [r.output[-1] for r in rows],
-                                           [r.sampler for r in rows])
+                                           [r.sampler for r in rows], run_ahead=self._steady(plan))
             except Exception as e:  # the batch is one call: every row shares its failure
                 for r in rows:
                     self._end(r, error=e)
@@ -170,6 +171,17 @@ class Scheduler:
             self.counters.prefill_tokens += n
             if first is not None:
                 self._token(r, first)
+
+    def _steady(self, plan: StepPlan) -> bool:
+        """Whether the next step will most likely decode exactly this step's rows again (the backend may
+        then run that step ahead: Backend.decode's run_ahead). Not when this step prefills (a prompt that
+        completes joins the decode rows), when a waiting request could be admitted next, or when a row's
+        token of this step is its last by max_tokens or the context. A row that stops on an end token or
+        a stop string, or is cancelled, cannot be foreseen: that step is then discarded."""
+        if plan.prefill or (self.waiting and len(self.running) < self.max_batch):
+            return False
+        return all(len(r.output) + 1 < r.params.max_tokens  # type: ignore[operator]  # resolved params
+                   and _seq(r).length + 1 < r.max_context for r in plan.decode)
 
     def step(self) -> StepPlan:
         plan = self.schedule()

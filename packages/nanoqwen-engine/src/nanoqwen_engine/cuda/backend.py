@@ -39,7 +39,7 @@ from .errors import GPUBackendError, GPUOutOfMemoryError, WrongGPUError
 from .plan import build_upload_plan, size_pool
 from .prefill import PrefillPass
 from .rows import RowAssignment
-from .sampling import DeviceSampler, batch_mode, mode_of
+from .sampling import GREEDY, DeviceSampler, batch_mode, mode_of
 from .weights import GpuWeights, gpu_weights
 
 DECODE_MODES = ("graph", "eager")
@@ -88,6 +88,7 @@ class CudaBackend:
         self.pf_logits = xp.zeros((1, config.vocab), dtype=np.float32)
         self.pf_token = xp.zeros(1, dtype=np.int32)
         self._last: tuple = ()  # what last_logits() reads: ("prefill",) or ("decode", bucket, rows)
+        self._ahead: _Ahead | None = None  # a step launched before its call (decode's run_ahead)
         self.info = info
         self.info["max_batch"] = max_batch
         self.info["workspace_bytes"] = self.step.workspace_bytes
@@ -216,20 +217,40 @@ class CudaBackend:
         return tok
 
     def decode(self, seqs: Sequence[SequenceState], token_ids: Sequence[int],
-               samplers: Sequence[SamplerState]) -> list[int]:
+               samplers: Sequence[SamplerState], run_ahead: bool = False) -> list[int]:
         """One batched step: row b feeds token_ids[b] at position seqs[b].length and samples with
         samplers[b]. Every sequence grows by one token first, all of them or none.
 
         Host work per step is kept to a few vectorised operations and one pass over the rows (it adds
         to every token's latency: the step is launched and waited for): a steady batch re-sends nothing
         (decode.py) and re-observes nothing (a fed token the device itself drew is already in both the
-        host's and the device's seen-ids sets)."""
+        host's and the device's seen-ids sets).
+
+        run_ahead: the caller expects its next call to feed these same sequences the ids returned now.
+        The step after this one is then launched before returning (when it can be: see _may_run_ahead),
+        so the host's work between two calls overlaps the device's next step instead of idling it
+        (H200, 7B: ~0.2 ms of host work per step at batch 1, ~0.4 ms at 32; docs/PERF.md). A next call
+        that differs (a sequence left or joined, another id fed) waits for that step and discards it:
+        greedy rows only, so it consumed no random draw, and its K/V write sits at a position past each
+        sequence's length, which nothing reads until a real step writes it again."""
         toks_in = self._check_batch(seqs, token_ids, samplers)
         if not toks_in:
+            self._settle_ahead()
             return []
+        mode = batch_mode(samplers)
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead.serves(seqs, toks_in, mode, self.rows):
+            # the step was enqueued at the end of the previous call: only its ids are left to read
+            rows, bucket = ahead.rows, ahead.bucket
+            with self._guard():
+                out = self.step.collect(bucket)
+            self.info["ahead_steps"] = self.info.get("ahead_steps", 0) + 1
+            return self._finish(seqs, samplers, rows, bucket, mode, out, run_ahead)
+        if ahead is not None:  # it ran for nothing: the device's ctrl is one step past the host's copy
+            self.info["ahead_discarded"] = self.info.get("ahead_discarded", 0) + 1
+            self.step.invalidate()
         self._grow_all(seqs)
         rows, bucket, moved = self.rows.assign([s.seq_id for s in seqs])
-        mode = batch_mode(samplers)
         fresh = set(moved)
         with self._guard(), self.dev.use():
             fed_changed = self.step.write_rows(rows, toks_in, [s.length for s in seqs],
@@ -244,12 +265,36 @@ class CudaBackend:
                         self.sampler_dev.mark(r, t)
             out = self.step.run(bucket, mode, eager=self.decode_mode == "eager")
         self._count_launches()
+        return self._finish(seqs, samplers, rows, bucket, mode, out, run_ahead)
+
+    def _finish(self, seqs, samplers, rows, bucket, mode, out, run_ahead) -> list[int]:
+        """The step's ids back to the caller's order; lengths and seen-sets advanced; maybe run ahead."""
         toks = out[rows].tolist()
         for s, samp, t in zip(seqs, samplers, toks, strict=True):
             s.length += 1
             samp.seen[t] = True  # what observe([t]) does, for an id the device drew (in range by construction)
         self._last = ("decode", bucket, rows)
+        if run_ahead and self._may_run_ahead(seqs, bucket, mode):
+            with self._guard():
+                self.step.launch(bucket, mode, eager=False)
+            self._ahead = _Ahead(bucket, rows, {s.seq_id: (r, s.length, t) for s, r, t in
+                                                zip(seqs, rows, toks, strict=True)}, mode)
         return toks
+
+    def _may_run_ahead(self, seqs, bucket: int, mode: str) -> bool:
+        """The next step may be launched before the caller asks for it when it needs nothing from the
+        host: a captured greedy graph (a sampled row would spend a random draw and mark its seen-ids set
+        on a step that may be discarded) and, for every sequence, a next position inside the page its
+        last token went to (the page table the device holds covers it; a new page is the host's to give)."""
+        return (self.decode_mode == "graph" and mode == GREEDY and self.step.captured(bucket, mode)
+                and all(s.length % PAGE_TOKENS != 0 and s.length < s.capacity for s in seqs))
+
+    def _settle_ahead(self) -> None:
+        """Discard a step that ran ahead (its ids are never read; ctrl is rewritten at the next step)."""
+        if self._ahead is not None:
+            self._ahead = None
+            self.info["ahead_discarded"] = self.info.get("ahead_discarded", 0) + 1
+            self.step.invalidate()
 
     def score(self, token_ids: np.ndarray) -> np.ndarray:
         """float32 [T, V]: the logits after each prefix, teacher-forced, in a temporary sequence freed
@@ -269,6 +314,10 @@ class CudaBackend:
     def last_logits(self) -> np.ndarray:
         """float32 [B, V] of the last decode step (rows in the order its sequences were given), [1, V]
         after a prefill that sampled; a D2H copy, for debugging and the ladder."""
+        if self._ahead is not None:
+            raise InvalidRequestError(
+                "last_logits: the next decode step already ran ahead (decode(..., run_ahead=True)) and "
+                "overwrote the logits; call decode without run_ahead to read them")
         with self.dev.use():
             if not self._last:
                 return np.zeros((0, self.config.vocab), dtype=np.float32)
@@ -336,6 +385,7 @@ class CudaBackend:
 
     def close(self) -> None:
         """Drop every device buffer (the pool of cupy frees them) so another model can load."""
+        self._ahead = None
         for name in ("w", "k_cache", "v_cache", "step", "prefill_pass", "sampler_dev", "ks"):
             setattr(self, name, None)
         self.dev.release_cached()
@@ -354,6 +404,7 @@ class _RequestGuard:
         if e is None:
             return False
         be = self.be
+        be._ahead = None
         be.step.invalidate()
         be.rows.clear()  # every row's sampler state is uploaded again when next used
         be._last = ()
@@ -361,3 +412,24 @@ class _RequestGuard:
             be.dev.release_cached()
             raise GPUOutOfMemoryError(f"out of GPU memory during the request: {e}") from None
         return False
+
+
+class _Ahead:
+    """A decode step launched before its call: which rows it ran and, per sequence, (row, the length the
+    step started from, the id it was fed)."""
+
+    def __init__(self, bucket: int, rows: list[int], by_seq: dict[int, tuple[int, int, int]], mode: str):
+        self.bucket, self.rows, self.by_seq, self.mode = bucket, rows, by_seq, mode
+
+    def serves(self, seqs, toks_in: list[int], mode: str, assignment: RowAssignment) -> bool:
+        """Whether the call (seqs, toks_in) is the one this step computed: the same sequences, each still
+        in its row, at the length and fed the id the step assumed, in the same mode."""
+        if mode != self.mode or len(seqs) != len(self.by_seq):
+            return False
+        for s, t in zip(seqs, toks_in, strict=True):
+            want = self.by_seq.get(s.seq_id)
+            if want is None or (want[1], want[2]) != (s.length, t) or assignment.owner[want[0]] != s.seq_id:
+                return False
+        # the rows in the caller's order (the step's own order may differ: same rows, another listing)
+        self.rows = [self.by_seq[s.seq_id][0] for s in seqs]
+        return True

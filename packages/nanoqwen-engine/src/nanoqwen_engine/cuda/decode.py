@@ -255,8 +255,18 @@ class DecodeStep:
         """Forget what ctrl holds (after an error): the next step copies all of it."""
         self.shadow = None
 
+    def captured(self, bucket: int, mode: str) -> bool:
+        """Whether (bucket, mode) has its graph: the next step of it is a plain replay."""
+        g = self.graphs.get((bucket, mode))
+        return g is not None and not isinstance(g, str)
+
     def run(self, bucket: int, mode: str, eager: bool) -> np.ndarray:
         """Run one step of rows [0, bucket) (ctrl already written); returns their sampled ids, int32 [bucket]."""
+        self.launch(bucket, mode, eager)
+        return self.collect(bucket)
+
+    def launch(self, bucket: int, mode: str, eager: bool) -> None:
+        """Enqueue one step of rows [0, bucket) on the device's stream; nothing waits for it."""
         dev, key = self.dev, (bucket, mode)
         with dev.use():
             if eager or key not in self.graphs:
@@ -275,7 +285,12 @@ class DecodeStep:
                 dev.replay(graph)
             else:
                 dev.replay(self.graphs[key])
-            toks = dev.d2h(self.ctrl[0:bucket])
+
+    def collect(self, bucket: int) -> np.ndarray:
+        """Wait for the enqueued step and read its sampled ids, int32 [bucket]; the host's copy of ctrl
+        then mirrors what the step did on the device (each active row fed the id it drew, one position on)."""
+        with self.dev.use():
+            toks = self.dev.d2h(self.ctrl[0:bucket])
         s = self.shadow
         if s is not None:  # mirror what the step did on the device
             lay = self.layout

@@ -110,8 +110,9 @@ class ReferenceBackend:
         return sampler.sample(self._last[0])
 
     def decode(self, seqs: Sequence[SequenceState], token_ids: Sequence[int],
-               samplers: Sequence[SamplerState]) -> list[int]:
-        """One batched step: row b feeds token_ids[b] to seqs[b] and samples with samplers[b]."""
+               samplers: Sequence[SamplerState], run_ahead: bool = False) -> list[int]:
+        """One batched step: row b feeds token_ids[b] to seqs[b] and samples with samplers[b]. run_ahead
+        (Backend.decode's hint) changes nothing here: the reference computes each step when asked."""
         if not len(seqs) == len(token_ids) == len(samplers) or not seqs:
             raise InvalidRequestError(f"decode needs one token and one sampler per sequence, got "
                                       f"{len(seqs)} sequences, {len(token_ids)} tokens, {len(samplers)} samplers")
