@@ -8,7 +8,7 @@
 #   GPU_ALL_QUICK=1 bash scripts/gpu_all.sh       # a reduced ladder (30 prompts x 32 tokens, 7B 1 x 4)
 #   GPU_ALL_SECTIONS="kernels ladder" bash ...    # some sections only (clibench_graph: graph mode only)
 #
-# Sections (real, serve and llamacpp need $NQ_REAL_GGUF / the carried .whl and .peer; see their comments):
+# Sections (real, serve, llamacpp and peers need $NQ_REAL_GGUF / the carried .whl and .peer; see their comments):
 # info, model7b (writes the 7B-shaped synthetic file once, shared by the ladder and the bench),
 # kernels / engine / ladder / cli (pytest -m gpu of each suite; cli = tests/test_cli_gpu.py), kbench (packages/nanoqwen-kernels/bench/*.py),
 # gemvvariants (bench_gemv.py: the default, tiles1 and packed1 GEMV variants at B = 1 .. 64),
@@ -16,11 +16,16 @@
 # batched decode throughput, B = 1, 8, 32, 64 requests of 128 + 256 tokens at once), breakdown
 # (scripts/decode_breakdown.py: the decode step's time per kernel family vs its byte floor, batch 1 at
 # context 640, then batch 32 at context 384), peer (scripts/peer_transformers.py: HF transformers bf16
-# eager, same shape and protocol; needs torch). Each section runs under its own
+# eager, same shape and protocol; needs torch), real (the real 1.5B: conversion, tier, bench), serve,
+# llamacpp (llama.cpp on the real 1.5B only), and, not in the default set, peers (issue 18: nanoqwen beside
+# llama.cpp and transformers on the 7B-shaped model and the real 1.5B, the same shapes on both sides, and
+# scripts/peer_tables.py's markdown tables; after `peer_llamacpp.sh build` and `prep7b` earlier in the
+# lease: GPU_ALL_SECTIONS="info model7b peers"). Each section runs under its own
 # timeout (SECTION_TIMEOUT_<name>, seconds), so one hang costs one section, not the call.
 # Files back from $OUT (the device tool returns at most 8): gpu_all.log (everything), summary.txt,
 # bench_7b_graph.json, bench_7b_eager.json, bench_batch_7b.json, breakdown_7b.json, peer_transformers.json,
-# details.tar.gz (per-section logs, ladder JSON reports, the batch-32 breakdown JSON).
+# details.tar.gz (per-section logs, ladder JSON reports, the batch-32 breakdown JSON); peers adds
+# peer_tables.md and peers.tar.gz (its JSON records).
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}
@@ -144,10 +149,88 @@ if want serve; then
     $PY scripts/load_openai.py --base-url http://127.0.0.1:8765/v1 --concurrency 1 --requests 4 --prompt-tokens 512 \
       --max-tokens 128 --out '$WORK/logs/serve_c1_protocol.json'; kill -TERM \$pid; wait \$pid; exit \$rc"
 fi
-# llama.cpp in the same call (issue 18): scripts/peer_llamacpp.sh build must have run earlier in the lease.
+# llama.cpp in the same call (issue 18), the real 1.5B only: scripts/peer_llamacpp.sh build must have run
+# earlier in the lease. Superseded by `peers` (both models, ours beside it, the tables made).
 if want llamacpp && [ -n "${NQ_REAL_GGUF:-}" ]; then
   run llamacpp_wait 540 bash scripts/peer_llamacpp.sh wait 530
-  OUT=$OUT run llamacpp_real 240 bash scripts/peer_llamacpp.sh bench real-1.5b "$NQ_REAL_GGUF"
+  run llamacpp_real 240 env OUT="$OUT" bash scripts/peer_llamacpp.sh bench real-1.5b "$NQ_REAL_GGUF"
+fi
+# nanoqwen beside llama.cpp (and transformers) on both models, one call (issue 18; docs/PERF.md, "How the
+# llama.cpp comparison is run"). Earlier calls of the lease must have started `peer_llamacpp.sh build` and
+# `peer_llamacpp.sh prep7b TOK.gguf`; this waits for them at most $PEERS_WAIT seconds each (default 60)
+# and benches the llama.cpp side only where they are done. Per model (the 7B-shaped: our
+# $NANOQWEN_LADDER_7B, from section model7b, vs the Q4_K_M 7B-shaped GGUF; the real 1.5B: our conversion
+# of $NQ_REAL_GGUF vs that GGUF): our bench on the decode protocol (512 + 128: decode at depth 512..640)
+# and with a 1-token prompt (decode at depth 0), scripts/bench_batch.py (128 + 256 at 1 / 8 / 32 / 64),
+# transformers on the 7B where torch is importable, then llama-bench / llama-batched-bench. The records go
+# to $WORK/peers and back as $OUT/peers.tar.gz; scripts/peer_tables.py's tables as $OUT/peer_tables.md
+# (both rewritten after each model, so a call cut short still returns the first). PEERS_MODELS="7b" or
+# "real-1.5b" runs one model (default both; the records of an earlier call of the lease stay in $WORK/peers
+# and come back with the next).
+if want peers; then
+  peers_models=" ${PEERS_MODELS:-7b real-1.5b} "
+  PEERS=$WORK/peers
+  LLAMA_W=${LLAMA_WORK:-/tmp/nq-llama}
+  mkdir -p "$PEERS"
+  peers_commit=${NQ_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+  peers_tables() {
+    $PY scripts/peer_tables.py --dir "$PEERS" --commit "$peers_commit" --date "$(date -u +%F)" \
+      >"$OUT/peer_tables.md" 2>>"$LOG"
+    tar -czf "$OUT/peers.tar.gz" -C "$WORK" peers
+  }
+  # peers_ours NAME MODEL: our three benches of one model (sections peers_TAG_*: TAG is NAME as a variable name)
+  peers_ours() {
+    local tag=${1//[^A-Za-z0-9_]/_}
+    run "peers_${tag}_bench" 150 bash -c "$PY -m nanoqwen_cli bench --model '$2' --json >'$PEERS/bench-$1.json'; \
+      rc=\$?; cat '$PEERS/bench-$1.json'; exit \$rc"
+    run "peers_${tag}_bench_d0" 90 bash -c "$PY -m nanoqwen_cli bench --model '$2' --prompt-tokens 1 --json \
+      >'$PEERS/bench-$1-d0.json'; rc=\$?; cat '$PEERS/bench-$1-d0.json'; exit \$rc"
+    run "peers_${tag}_batch" 180 $PY scripts/bench_batch.py "$2" --json "$PEERS/bench-batch-$1.json"
+  }
+  llama_built=0
+  if [ -e "$LLAMA_W/build.log" ]; then
+    run peers_llama_wait $((${PEERS_WAIT:-60} + 20)) bash scripts/peer_llamacpp.sh wait "${PEERS_WAIT:-60}"
+    [ -e "$LLAMA_W/build.done" ] && llama_built=1
+    [ -e "$LLAMA_W/prep7b.log" ] && run peers_7b_gguf_wait $((${PEERS_WAIT:-60} + 20)) \
+      bash scripts/peer_llamacpp.sh wait7b "${PEERS_WAIT:-60}"
+  else
+    echo "peers: no llama.cpp build in $LLAMA_W (run scripts/peer_llamacpp.sh build earlier in the lease): llama.cpp skipped" | tee -a "$LOG"
+  fi
+  if [[ "$peers_models" != *" 7b "* ]]; then
+    :
+  elif [ -f "$NANOQWEN_LADDER_7B" ]; then
+    peers_ours 7b "$NANOQWEN_LADDER_7B"
+    if $PY -c "import torch, transformers" 2>/dev/null; then
+      run peers_7b_transformers 180 $PY scripts/peer_transformers.py --out "$PEERS/peer-transformers-7b.json"
+    else
+      echo "peers: no torch/transformers here: the transformers peer skipped" | tee -a "$LOG"
+    fi
+    GGUF_7B=$LLAMA_W/qwen2-7b-shaped-q4_k_m.gguf
+    if [ "$llama_built" = 1 ] && [ -s "$GGUF_7B" ]; then
+      run peers_7b_llama 240 env OUT="$PEERS" bash scripts/peer_llamacpp.sh bench 7b "$GGUF_7B"
+    else
+      echo "peers: no llama.cpp build or no $GGUF_7B: llama.cpp on the 7B skipped" | tee -a "$LOG"
+    fi
+    peers_tables
+  else
+    echo "peers: no $NANOQWEN_LADDER_7B (add section model7b before peers): the 7B skipped" | tee -a "$LOG"
+  fi
+  if [[ "$peers_models" != *" real-1.5b "* ]]; then
+    :
+  elif [ -n "${NQ_REAL_GGUF:-}" ] && [ -s "$NQ_REAL_GGUF" ]; then
+    [ -f "$REAL_NQ" ] || run real_convert 240 $PY -c "import sys; from nanoqwen_format import convert; \
+print(convert(sys.argv[1], sys.argv[2], progress=False))" "$NQ_REAL_GGUF" "$REAL_NQ"
+    if [ -f "$REAL_NQ" ]; then
+      peers_ours real-1.5b "$REAL_NQ"
+    fi
+    if [ "$llama_built" = 1 ]; then
+      run peers_real_llama 180 env OUT="$PEERS" bash scripts/peer_llamacpp.sh bench real-1.5b "$NQ_REAL_GGUF"
+    fi
+    peers_tables
+  else
+    echo "peers: \$NQ_REAL_GGUF unset or missing: the real 1.5B skipped" | tee -a "$LOG"
+  fi
+  cat "$OUT/peer_tables.md" 2>/dev/null | tee -a "$LOG"
 fi
 
 tar -czf "$OUT/details.tar.gz" -C "$WORK" logs ladder 2>/dev/null
