@@ -45,10 +45,8 @@ def assert_each_refused(call, good: dict, bad) -> None:
             raise AssertionError(f"{sorted(change)} was not refused")
 
 
-def fake_cupy(capturing=lambda: False) -> SimpleNamespace:
+def fake_cupy() -> SimpleNamespace:
     """What the launchers ask of CuPy on a CPU: host buffers for their workspaces, and the current
-    stream's capture status (`capturing()`: a graph capture in progress)."""
-    return SimpleNamespace(
-        empty=np.empty, zeros=np.zeros,
-        cuda=SimpleNamespace(get_current_stream=lambda: SimpleNamespace(ptr=0),
-                             runtime=SimpleNamespace(streamIsCapturing=lambda ptr: int(bool(capturing())))))
+    stream (blas.py binds its cuBLAS handle to it)."""
+    return SimpleNamespace(empty=np.empty, zeros=np.zeros,
+                           cuda=SimpleNamespace(get_current_stream=lambda: SimpleNamespace(ptr=0)))

@@ -71,13 +71,11 @@ GEMV_KINDS = ("nq_gemv_int4_h", "nq_gemv_int4_i", "nq_qkv_rope_kv", "nq_gate_up_
 @pytest.mark.parametrize("dims_name", ["7b", "1.5b"])
 def test_gemv_int4_sass(dims_name):
     """Every INT4 GEMV entry: the half2 loop (B = 1), the tensor-core builds for 8 and 32 columns, and the
-    tile GEMM for 8, 16, 32 and 64 columns with its input RMSNorm, and its packed builds (8, 16 columns)
-    with the tile-major copy's kernels."""
+    tile GEMM for 8, 16, 32 and 64 columns with its input RMSNorm."""
     funcs = _functions(_sass("gemv_int4.cu", DIMS[dims_name]))
     tiles = {f"{k}_tile{c}" for k in GEMV_KINDS for c in (8, 16, 32, 64)}
-    tiles |= {f"{k}_ptile{c}" for k in GEMV_KINDS for c in (8, 16)}
     gemvs = {f"{k}{suffix}" for k in GEMV_KINDS for suffix in ("", "_mma8", "_mma32")}
-    helpers = {"nq_norm_cols_h", "nq_norm_cols_i"} | {f"nq_tile_pack_{k}" for k in ("h", "i", "qkv", "gu")}
+    helpers = {"nq_norm_cols_h", "nq_norm_cols_i"}
     assert set(funcs) == gemvs | helpers | tiles
     for name in tiles:
         body = funcs[name]

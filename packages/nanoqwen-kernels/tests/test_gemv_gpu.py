@@ -40,7 +40,7 @@ def kernels(dims, gpu):
 def _runs(b):
     """Variants to run at batch b: every variant at B = 1; beyond, one per batched build (gemv_mma's
     passes: "mixed"; the tile GEMM: "tiles")."""
-    return sorted(GEMV_VARIANTS) if b == 1 else ["mixed", "packed", "tiles"]
+    return sorted(GEMV_VARIANTS) if b == 1 else ["mixed", "tiles"]
 
 
 def _check(got, ref, tol, what):
@@ -270,71 +270,3 @@ def test_tiles_odd_group_count(gpu, rng, b):
         g.gemv_int4(cp.asarray(pack_valueshuffle(u)), cp.asarray(s), cp.asarray(x), out, residual=out,
                     norm_w=cp.asarray(w), eps=EPS)
         _check(out.get(), ref, tol, f"tiles odd groups B={b} N={n} K={k}")
-
-
-def _pack_reference(qw: np.ndarray, sc: np.ndarray) -> np.ndarray:
-    """numpy's tile-major copy of a plain matrix (rows 2p, 2p+1 per unit): for each (tile, pair of
-    groups) the 256 row slots' 128 bytes of words, odd slots' 64-byte halves swapped, then their scale
-    pairs (gemm_tiles.cuh tile_pack), as uint32 words."""
-    n, k8 = qw.shape
-    groups = k8 // 16
-    units = (n + 1) // 2
-    tiles, pairs = -(-units // 128), -(-groups // 2)
-    out = []
-    for t in range(tiles):
-        u = np.minimum(t * 128 + np.arange(128), units - 1)
-        rows = np.concatenate([2 * u, np.minimum(2 * u + 1, n - 1)])  # slot rs < 128: r0, else r1
-        for pg in range(pairs):
-            words = np.zeros((256, 32), np.uint32)  # 2 groups x 16 words
-            scales = np.zeros((256, 2), np.uint16)
-            for gl in range(2):
-                g = 2 * pg + gl
-                if g < groups:
-                    words[:, 16 * gl: 16 * gl + 16] = qw[rows, 16 * g: 16 * g + 16]
-                    scales[:, gl] = sc[rows, g].view(np.uint16)
-            chunks = words.reshape(256, 8, 4)
-            chunks[1::2] = chunks[1::2][:, [4, 5, 6, 7, 0, 1, 2, 3]]
-            out += [chunks.reshape(-1), scales.reshape(-1).view(np.uint32)]
-    return np.concatenate(out)
-
-
-def test_tile_pack_is_the_stage_image(gpu, rng):
-    """nq_tile_pack_i writes exactly numpy's stage images (7B down_proj shape cut to 300 rows: a tail tile)."""
-    import cupy as cp
-    from nanoqwen_kernels.dims import QWEN25_7B
-
-    g = GemvKernels(QWEN25_7B, _load, "packed")
-    n, k = 300, QWEN25_7B.intermediate
-    u, s = random_int4(rng, n, k)
-    qw = pack_valueshuffle(u)
-    copy = g._packed_copy("i", cp.asarray(qw), cp.asarray(s), (n + 1) // 2, k)
-    assert np.array_equal(copy.get(), _pack_reference(qw, s))
-
-
-@pytest.mark.parametrize("b", [1, 5, 16])
-def test_packed_gives_the_row_by_row_bits(kernels, dims, rng, b):
-    """The packed build multiplies the same stage contents as the row-by-row tile build, so every output
-    is the same bits (B = 1 on "packed1" against "tiles1"; B = 5, 16 on "packed" against "tiles"), for
-    the plain GEMV with residual and the fused gate/up."""
-    import cupy as cp
-
-    h, i = dims.hidden, dims.intermediate
-    pk, rw = ("packed1", "tiles1") if b == 1 else ("packed", "tiles")
-    if rw not in kernels:
-        kernels[rw] = GemvKernels(dims, _load, rw)
-    u, s = random_int4(rng, h, i)
-    qw, sc = cp.asarray(pack_valueshuffle(u)), cp.asarray(s)
-    x = cp.asarray(rng.standard_normal((b, i)).astype(np.float16))
-    res = rng.standard_normal((b, h)).astype(np.float16)
-    ug, sg = random_int4(rng, 2 * i, h)
-    qg, scg = cp.asarray(pack_valueshuffle(ug)), cp.asarray(sg)
-    xg = cp.asarray(rng.standard_normal((b, h)).astype(np.float16))
-    w = cp.asarray((1 + 0.1 * rng.standard_normal(h)).astype(np.float16))
-    got = {}
-    for v in (pk, rw):
-        out = cp.asarray(res)
-        kernels[v].gemv_int4(qw, sc, _batch(b, x), _batch(b, out), residual=_batch(b, out))
-        og = cp.full((b, i), np.nan, dtype=np.float16)
-        kernels[v].gate_up_silu(qg, scg, _batch(b, xg), w, EPS, _batch(b, og))
-        got[v] = (out.get().view(np.uint16), og.get().view(np.uint16))
-    assert np.array_equal(got[pk][0], got[rw][0]) and np.array_equal(got[pk][1], got[rw][1])

@@ -15,12 +15,6 @@ from nanoqwen_kernels.prefill import ATTENTION_VARIANTS, PrefillKernels
 from nanoqwen_kernels.sampling import SamplingKernels, pack_params, pack_rng
 
 
-class _Calls(list):
-    """The launches made, and `capturing` (append to fake a graph capture in progress)."""
-
-    capturing: list
-
-
 class Loaded:
     def get_function(self, name, max_dynamic_smem=0):
         return name
@@ -28,7 +22,7 @@ class Loaded:
 
 @pytest.fixture
 def launches(monkeypatch):
-    calls = _Calls()
+    calls = []
     monkeypatch.setattr(
         checks, "launch", lambda fn, grid, block, args, shared_mem=0: calls.append((fn, grid, args))
     )
@@ -36,9 +30,7 @@ def launches(monkeypatch):
         checks, "even_grid", lambda fn, units, threads, shared_mem=0, copies=1: min(units, 132 * 4 // copies)
     )
     monkeypatch.setattr(checks, "sm_count", lambda device_id=None: 132)
-    capturing = []  # tests append a truthy value to fake a CUDA graph capture in progress
-    monkeypatch.setattr(checks, "cupy_module", lambda: fake_cupy(lambda: capturing))
-    calls.capturing = capturing
+    monkeypatch.setattr(checks, "cupy_module", fake_cupy)
     return calls
 
 
@@ -91,34 +83,6 @@ def test_default_batched_launch_is_the_tile_gemm(launches, monkeypatch, b, build
     fn, grid, block, smem = got[-1]
     assert fn == f"nq_gemv_int4_i_tile{build}" and block == TILE_THREADS and smem == tile_smem(build)
     assert grid == plan_tiles(d.intermediate, d.hidden // 2, 132).blocks
-
-
-def test_packed_variant_copies_each_matrix_once_and_only_where_it_reads_the_copy(launches):
-    """"packed": B <= 16 runs the _ptile entries on a tile-major copy made by nq_tile_pack_* on the
-    matrix's first launch (sized by tile_packed_words) and reused after; B > 16 runs the row-by-row tile
-    entries with a null copy; making a copy while a graph is being captured is a clear error."""
-    from nanoqwen_kernels.gemv import tile_packed_words
-
-    d = QWEN25_7B
-    g = GemvKernels(d, load, "packed")
-    n, k = d.hidden, d.intermediate
-    qw, sc = dev((n, k // 8), np.uint32), dev((n, k // 128), np.float16)
-    res = dev((5, n), np.float16)
-    g.gemv_int4(qw, sc, dev((5, k), np.float16), res, residual=res)
-    (pack, _, pargs), (fn, _, args) = launches[-2:]
-    assert pack == "nq_tile_pack_i" and fn == "nq_gemv_int4_i_ptile8"
-    copy = pargs[-1]
-    assert copy.dtype == np.uint32 and copy.size == tile_packed_words(k, n // 2) and args[2] is copy
-    g.gemv_int4(qw, sc, dev((5, k), np.float16), res, residual=res)
-    assert launches[-1][0] == "nq_gemv_int4_i_ptile8" and launches[-2][0] != "nq_tile_pack_i"
-    assert launches[-1][2][2] is copy
-    res20 = dev((20, n), np.float16)
-    g.gemv_int4(qw, sc, dev((20, k), np.float16), res20, residual=res20)
-    assert launches[-1][0] == "nq_gemv_int4_i_tile32" and launches[-1][2][2] is checks.NULL
-    qo, so = dev((n, n // 8), np.uint32), dev((n, n // 128), np.float16)
-    launches.capturing.append(1)
-    with pytest.raises(KernelError, match="run one step eagerly before capturing"):
-        g.gemv_int4(qo, so, dev((5, n), np.float16), res, residual=res)
 
 
 def test_tile_gemm_takes_at_most_64_columns(launches):
@@ -245,7 +209,7 @@ def test_qkv_rope_kv_batched_checks(launches):
     g.qkv_rope_kv(**good)
     (norm, _, nargs), (fn, grid, args) = launches[-2:]
     assert norm == "nq_norm_cols_h" and nargs[1] is good["norm_w"]  # the tile GEMM takes x normalised
-    assert fn == "nq_qkv_rope_kv_tile8" and int(args[7]) == 64 and int(args[-3]) == 5  # after the null copy
+    assert fn == "nq_qkv_rope_kv_tile8" and int(args[6]) == 64 and int(args[-3]) == 5
     bad = [
         (dict(pos_dev=dev((1,), np.int32)), r"pos_dev must have shape \(5,\)"),
         (dict(page_table=dev((64,), np.int32)), r"page_table must be int32 \[5, max_pages\]"),

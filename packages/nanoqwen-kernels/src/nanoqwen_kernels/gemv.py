@@ -49,9 +49,11 @@ X_SMEM_FEW_TILES = 90 * 1024
 # KernelSet picks one (argument, or $NANOQWEN_GEMV_VARIANT); all pass the same GPU tests.
 #   tiles   : B = 1 as "default"; B > 1 on the tile GEMM (gemm_tiles.cuh, planned by `plan_tiles`).
 #   tiles1  : every B on the tile GEMM (B = 1 included: measured against the half2 loop).
-#   packed, packed1 : as tiles, tiles1, but B <= 16 reads each matrix's tile-major copy (tile_pack; made
-#             on a matrix's first launch, kept beside the row-major weights: twice the INT4 memory).
-#             Opt-in: written after the session's GPU time was spent, NOT YET RUN ON A GPU.
+# Removed after measuring: "packed" / "packed1", the tile GEMM reading a tile-major copy of each matrix
+# at B <= 16 (twice the INT4 weight memory). H200, 2026-11-30, commit 226e4e9, bench_gemv.py 7B, us per
+# layer of the four INT4 GEMVs, tiles / packed1: B = 8 96.3 / 93.3, B = 16 108.1 / 114.5, B = 32
+# 151.2 / 151.3 and B = 64 252.0 / 254.6 (the same row-by-row entries: noise); B = 1 195.7 (eager-timed:
+# the copy's first launch cannot be captured) vs tiles1 90.8 and the half2 loop 54.5.
 GEMV_KINDS = ("h", "i", "qkv", "gu")
 GEMV_VARIANTS: dict[str, frozenset[str]] = {
     "default": frozenset(),
@@ -59,12 +61,9 @@ GEMV_VARIANTS: dict[str, frozenset[str]] = {
     "mixed": frozenset({"i", "gu"}),
     "tiles": frozenset(),
     "tiles1": frozenset(GEMV_KINDS),
-    "packed": frozenset(),
-    "packed1": frozenset(GEMV_KINDS),
 }
-TILE_VARIANTS = frozenset({"tiles", "tiles1", "packed", "packed1"})  # B > 1 on the tile GEMM
-TILE_AT_B1 = frozenset({"tiles1", "packed1"})  # ... and B = 1 too
-PACKED_VARIANTS = frozenset({"packed", "packed1"})  # ... reading the tile-major copy
+TILE_VARIANTS = frozenset({"tiles", "tiles1"})  # B > 1 on the tile GEMM
+TILE_AT_B1 = frozenset({"tiles1"})  # ... and B = 1 too
 DEFAULT_GEMV_VARIANT = "tiles"  # B = 1 on the half2 loop, B > 1 on the tile GEMM (docs/PERF.md)
 
 # The lm_head (gemv_fp16) at B > 1; B = 1 is always the fp16 half2 GEMV (99% of the copy bandwidth).
@@ -127,16 +126,6 @@ TILE_X_ROW_CHUNKS = (2 * GROUP + X_PAD) // 8  # kXRowChunks
 # Work items (256-k steps of a tile) per block at least: a small matrix (o_proj, q/k/v) then runs on fewer
 # blocks with fewer contributors per tile for the last block to add up
 TILE_MIN_ITEMS = 2
-
-
-PACKED_BUILDS = (8, 16)  # columns of the entries that read the tile-major copy (suffix _ptile8, _ptile16)
-TILE_IMAGE_CHUNKS = 2 * TILE_UNITS * 8 + 2 * TILE_UNITS // 4  # 16-byte chunks of a packed stage (kImageChunks)
-
-
-def tile_packed_words(k: int, units: int) -> int:
-    """uint32 words of a matrix's tile-major copy (gemm_tiles.cuh tile_pack): one stage image per
-    (tile, pair of 128-k groups)."""
-    return -(-units // TILE_UNITS) * -(-(k // GROUP) // 2) * TILE_IMAGE_CHUNKS * 4
 
 
 def tile_smem(cols: int) -> int:
@@ -204,19 +193,11 @@ class GemvKernels:
         self._fp16_mma = {c: f.get_function(f"nq_gemv_fp16_mma{c}", max_dynamic_smem=smem) for c in MMA_BUILDS}
         self._tiles = variant in TILE_VARIANTS
         self._tile_min_b = 1 if variant in TILE_AT_B1 else 2
-        self._tile_packed = variant in PACKED_VARIANTS
-        self._packed: dict[tuple[str, int], tuple] = {}  # (kind, qweight ptr) -> (qweight, scales, copy)
         if self._tiles:
             self._tile = {
                 (kind, c): m.get_function(f"{name}_tile{c}", max_dynamic_smem=tile_smem(c))
                 for kind, name in names.items()
                 for c in TILE_BUILDS
-            }
-            self._tile_pack = {kind: m.get_function(f"nq_tile_pack_{kind}") for kind in GEMV_KINDS}
-            self._ptile = {
-                (kind, c): m.get_function(f"{name}_ptile{c}", max_dynamic_smem=tile_smem(c))
-                for kind, name in names.items()
-                for c in PACKED_BUILDS
             }
             self._norm_cols = {dims.hidden: m.get_function("nq_norm_cols_h"),
                                dims.intermediate: m.get_function("nq_norm_cols_i")}
@@ -248,36 +229,9 @@ class GemvKernels:
             x = xn
         plan = plan_tiles(k, units, ck.sm_count())
         build = next(c for c in TILE_BUILDS if c >= b)
-        if self._tile_packed and build in PACKED_BUILDS:
-            fn, packed = self._ptile[(kind, build)], self._packed_copy(kind, *w_args, units, k)
-        else:
-            fn, packed = self._tile[(kind, build)], ck.NULL
-        ck.launch(fn, plan.blocks, TILE_THREADS,
-                  (*w_args, packed, x, *epi_args, np.int32(b), self._tile_ws, self._tile_tickets),
+        ck.launch(self._tile[(kind, build)], plan.blocks, TILE_THREADS,
+                  (*w_args, x, *epi_args, np.int32(b), self._tile_ws, self._tile_tickets),
                   shared_mem=tile_smem(build))
-
-    def _packed_copy(self, kind: str, qweight, scales, units: int, k: int):
-        """The tile-major copy of this matrix, made on its first launch (the engine's first step of each
-        batch bucket runs eagerly, before any graph capture) and kept while this GemvKernels lives; the
-        cache holds the source arrays too, so their memory cannot be reused under a stale key."""
-        key = (kind, int(qweight.data.ptr))
-        hit = self._packed.get(key)
-        if hit is not None:
-            return hit[2]
-        cp = ck.cupy_module()
-        stream = cp.cuda.get_current_stream()
-        if cp.cuda.runtime.streamIsCapturing(stream.ptr):
-            raise KernelError(
-                "the packed GEMV variant makes each matrix's tile-major copy on its first launch, which a "
-                "CUDA graph capture cannot hold: run one step eagerly before capturing"
-            )
-        words = tile_packed_words(k, units)
-        copy = cp.empty(words, dtype=np.uint32)
-        fn = self._tile_pack[kind]
-        n_rows = int(qweight.shape[0])
-        ck.launch(fn, max(1, min(4096, -(-(words // 4) // THREADS))), THREADS, (qweight, scales, np.int32(n_rows), copy))
-        self._packed[key] = (qweight, scales, copy)
-        return copy
 
     # ---- argument checks ---------------------------------------------------------------------------
 

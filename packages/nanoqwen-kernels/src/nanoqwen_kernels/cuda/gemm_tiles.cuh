@@ -50,7 +50,6 @@ constexpr int kTileUnits = kTileWarps * 8 * kTileMT;  // 128 units = 256 rows pe
 static_assert(kTileUnits == 128, "the tile is 128 units (gemv.py TILE_UNITS)");
 constexpr int kCopyRows = kTileThreads / 8;         // row slots one pass of the block's 16-byte copies covers
 constexpr int kTileSlots = 2 * kTileUnits;         // row slots per stage
-constexpr int kImageChunks = kTileSlots * 8 + kTileSlots / 4;  // a packed stage: 32 KB of words + 1 KB of scales
 constexpr int kTileStages = 3;                      // ring depth: 2 stages (64 KB of weights) in flight
 constexpr int kXRowChunks = (2 * kGroup + kXPad) / 8;  // 16-byte chunks per staged x row (34)
 
@@ -68,9 +67,8 @@ __device__ __forceinline__ long long stripe_lo(int b, long long w_items, int p) 
 
 // Issue the copies of pair pg of the tile into stage buffers (w, s, xs). rows[j]: the row of slot
 // (tid >> 3) + kCopyRows j; srow: the row of slot tid (its scales; threads past the 256 slots copy none).
-template <int K, int kCols, bool kPacked>
+template <int K, int kCols>
 __device__ __forceinline__ void issue_pair(const uint32_t* __restrict__ qw, const uint16_t* __restrict__ sc,
-                                           const uint4* __restrict__ packed, int tile,
                                            const uint16_t* __restrict__ x, int ncols, int pg,
                                            const int (&rows)[kTileSlots / kCopyRows], int srow, uint4* w,
                                            uint32_t* s, uint4* xs) {
@@ -78,10 +76,7 @@ __device__ __forceinline__ void issue_pair(const uint32_t* __restrict__ qw, cons
   const int tid = threadIdx.x;
   const int chunk = tid & 7, gl = chunk >> 2, c = chunk & 3;
   const int g = 2 * pg + gl;
-  if constexpr (kPacked) {  // the stage's words and scales are one contiguous image
-    const uint4* src = packed + (static_cast<size_t>(tile) * ((kG + 1) / 2) + pg) * kImageChunks;
-    for (int i = tid; i < kImageChunks; i += kTileThreads) cp_async16_l2_256(w + i, src + i);
-  } else if (g < kG) {
+  if (g < kG) {
 #pragma unroll
     for (int j = 0; j < kTileSlots / kCopyRows; ++j) {
       const int rs = (tid >> 3) + kCopyRows * j;
@@ -89,7 +84,7 @@ __device__ __forceinline__ void issue_pair(const uint32_t* __restrict__ qw, cons
                         qw + static_cast<size_t>(rows[j]) * (K / 8) + g * 16 + c * 4);
     }
   }
-  if (kPacked || tid >= kTileSlots) {
+  if (tid >= kTileSlots) {
   } else if constexpr (kG % 2 == 0) {  // groups 2pg, 2pg+1 of a row: 4 aligned bytes
     cp_async4(s + tid, sc + static_cast<size_t>(srow) * kG + 2 * pg);
   } else {  // odd group count (small test shapes only): plain loads, the last pair has one group
@@ -178,13 +173,9 @@ __device__ __forceinline__ void multiply_pair(const uint4* w, const uint32_t* s,
 }
 
 // out[b] = W . x[b] for b < n_cols (<= 8 NT) over `units` units; x is already normalised (nq_norm_cols_*).
-// kPacked: read each stage from `packed`, the tile-major copy tile_pack wrote (one contiguous 33 KB read;
-// qw and sc are then not read), else from qw / sc row by row (packed is not read). A template flag, not a
-// run-time branch: the branch cost the row-by-row build registers (spills at 32 columns).
 // ws: fp32 [2 P][8 NT][kTileUnits][2]; tickets: int [tiles], zero before the launch (and after it).
-template <int K, int NT, bool kPacked, class Map, class Epi>
+template <int K, int NT, class Map, class Epi>
 __device__ __forceinline__ void gemm_tiles(const uint32_t* __restrict__ qw, const uint16_t* __restrict__ sc,
-                                           const uint4* __restrict__ packed,
                                            const uint16_t* __restrict__ x, int units, int n_cols,
                                            float* __restrict__ ws, int* __restrict__ tickets, const Map& map,
                                            const Epi& epi) {
@@ -208,16 +199,15 @@ __device__ __forceinline__ void gemm_tiles(const uint32_t* __restrict__ qw, cons
     const bool first = j == lo;
     j += p1 - p0;
     // this thread's copy duties in the tile: rows of slots (tid >> 3) + kCopyRows j and of slot tid
-    int rows[kTileSlots / kCopyRows] = {}, srow = 0;  // unused by the packed build (its copy is tile-major)
+    int rows[kTileSlots / kCopyRows], srow;
 #pragma unroll
     for (int q = 0; q < kTileSlots / kCopyRows; ++q) {
-      if constexpr (kPacked) break;
       const int rs = (tid >> 3) + kCopyRows * q;
       int r0, r1;
       map(min(t * kTileUnits + (rs % kTileUnits), units - 1), r0, r1);  // a tail tile recomputes the last
       rows[q] = rs < kTileUnits ? r0 : r1;                              // unit; only real units written
     }
-    if constexpr (!kPacked) {
+    {
       int r0, r1;
       map(min(t * kTileUnits + (tid % kTileUnits), units - 1), r0, r1);
       srow = (tid % kTileSlots) < kTileUnits ? r0 : r1;
@@ -225,7 +215,7 @@ __device__ __forceinline__ void gemm_tiles(const uint32_t* __restrict__ qw, cons
     auto stage = [&](int i) { return smem + (i % kTileStages) * kStageChunks; };
     auto issue = [&](int i) {
       uint4* base = stage(i);
-      issue_pair<K, kCols, kPacked>(qw, sc, packed, t, x, ncols, p0 + i, rows, srow, base, reinterpret_cast<uint32_t*>(base + kTileSlots * 8),
+      issue_pair<K, kCols>(qw, sc, x, ncols, p0 + i, rows, srow, base, reinterpret_cast<uint32_t*>(base + kTileSlots * 8),
                            base + kTileSlots * 8 + kTileSlots / 4);
     };
     const int n = p1 - p0;
@@ -326,50 +316,6 @@ __device__ __forceinline__ void gemm_tiles(const uint32_t* __restrict__ qw, cons
       }
     }
     if (tid == 0) tickets[t] = 0;  // ready for the next launch (no other block touches it in this one)
-  }
-}
-
-// ---- the tile-major copy ---------------------------------------------------------------------------
-// Why: a stage reads 128 B from each of 256 rows (rows K/2 bytes apart), a scattered pattern for HBM
-// (the GEMM reaches 44% of the copy rate at B = 1 where the half2 loop, reading 512 B runs of a row,
-// reaches 65%). The packed copy stores every (tile, pair) stage as the exact image the ring holds: the
-// 256 row slots' 128 B of words (odd slots' halves swapped, as in shared memory) then their 256 scale
-// pairs, images in (tile, pair) order. Tail units repeat the last unit; past an odd K's last group the
-// words and the scale are zero. One thread per 16-byte chunk of the output, grid-stride.
-template <int K, class Map>
-__device__ __forceinline__ void tile_pack(const uint32_t* __restrict__ qw, const uint16_t* __restrict__ sc,
-                                          int units, const Map& map, uint4* __restrict__ packed) {
-  constexpr int kG = K / kGroup;
-  constexpr int kPairs = (kG + 1) / 2;
-  const int tiles = (units + kTileUnits - 1) / kTileUnits;
-  const long long total = static_cast<long long>(tiles) * kPairs * kImageChunks;
-  for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < total;
-       i += static_cast<long long>(gridDim.x) * blockDim.x) {
-    const long long image = i / kImageChunks;
-    const int at = static_cast<int>(i - image * kImageChunks);
-    const int t = static_cast<int>(image / kPairs), pg = static_cast<int>(image % kPairs);
-    uint4 v = make_uint4(0u, 0u, 0u, 0u);
-    if (at < kTileSlots * 8) {  // words: slot rs, stored chunk at -> logical chunk (the swap is its own inverse)
-      const int rs = at >> 3, lc = (at & 7) ^ ((rs & 1) << 2);
-      const int g = 2 * pg + (lc >> 2), c = lc & 3;
-      int r0, r1;
-      map(min(t * kTileUnits + rs % kTileUnits, units - 1), r0, r1);
-      const int row = rs < kTileUnits ? r0 : r1;
-      if (g < kG) v = reinterpret_cast<const uint4*>(qw + static_cast<size_t>(row) * (K / 8) + g * 16)[c];
-    } else {  // scales: 4 row slots per chunk, (scale of group 2pg) | (scale of group 2pg + 1) << 16
-      uint32_t out[4];
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const int rs = 4 * (at - kTileSlots * 8) + q;
-        int r0, r1;
-        map(min(t * kTileUnits + rs % kTileUnits, units - 1), r0, r1);
-        const uint16_t* p = sc + static_cast<size_t>(rs < kTileUnits ? r0 : r1) * kG;
-        const uint32_t lo = p[2 * pg], hi = (2 * pg + 1 < kG) ? p[2 * pg + 1] : 0u;
-        out[q] = lo | (hi << 16);
-      }
-      v = make_uint4(out[0], out[1], out[2], out[3]);
-    }
-    packed[i] = v;
   }
 }
 

@@ -364,59 +364,41 @@ extern "C" __global__ void __launch_bounds__(kThreads) nq_norm_cols_i(
 }
 
 // The batched tile GEMM (gemm_tiles.cuh; the "tiles" variant of gemv.py, B > 1), up to 8, 16, 32 or 64
-// columns (suffix _tile8 .. _tile64). Arguments: the weights, their tile-major copy (nq_tile_pack_*) or
-// null, x [B, K] (already normalised: nq_norm_cols_*),
+// columns (suffix _tile8 .. _tile64). Arguments: the weights, x [B, K] (already normalised: nq_norm_cols_*),
 // the epilogue's arguments, n_cols = B, the fp32 workspace ws [2 P, COLS, 128, 2] and the tickets [tiles]
 // (int32, zero). Grid: P blocks (gemv.py plan_tiles), kTileThreads threads, dynamic shared memory =
 // kTileStages x tile_stage_bytes<COLS>().
 // o_proj (K = H) and down_proj (K = I): the same entry but for K
-#define NQ_PLAIN_TILE_ENTRY(NAME, K, SUF, COLS, PACKED)                                                     \
-  extern "C" __global__ void __launch_bounds__(kTileThreads, 1) nq_##NAME##SUF##COLS(                       \
+#define NQ_PLAIN_TILE_ENTRY(NAME, K, COLS)                                                                  \
+  extern "C" __global__ void __launch_bounds__(kTileThreads, 1) nq_##NAME##_tile##COLS(                     \
       const uint32_t* __restrict__ qweight, const uint16_t* __restrict__ scales,                            \
-      const uint4* __restrict__ packed, const uint16_t* __restrict__ x, const uint16_t* residual,           \
-      uint16_t* out, int n_rows, int n_cols, float* __restrict__ ws, int* __restrict__ tickets) {           \
-    gemm_tiles<K, COLS / 8, PACKED>(qweight, scales, packed, x, (n_rows + 1) / 2, n_cols, ws, tickets,     \
-                                    PlainRows{n_rows}, PlainEpi{residual, out, n_rows});                    \
+      const uint16_t* __restrict__ x, const uint16_t* residual, uint16_t* out, int n_rows, int n_cols,      \
+      float* __restrict__ ws, int* __restrict__ tickets) {                                                  \
+    gemm_tiles<K, COLS / 8>(qweight, scales, x, (n_rows + 1) / 2, n_cols, ws, tickets, PlainRows{n_rows},  \
+                            PlainEpi{residual, out, n_rows});                                               \
   }
-// SUF _tile: weights read row by row; _ptile: from the tile-major copy (8 and 16 columns only: where the
-// GEMM streams HBM rather than waits on the SMs)
-#define NQ_INT4_TILE_ENTRIES(SUF, COLS, PACKED)                                                             \
-  NQ_PLAIN_TILE_ENTRY(gemv_int4_h, kHidden, SUF, COLS, PACKED)                                              \
-  NQ_PLAIN_TILE_ENTRY(gemv_int4_i, kInter, SUF, COLS, PACKED)                                               \
-  extern "C" __global__ void __launch_bounds__(kTileThreads, 1) nq_qkv_rope_kv##SUF##COLS(                  \
+#define NQ_INT4_TILE_ENTRIES(COLS)                                                                          \
+  NQ_PLAIN_TILE_ENTRY(gemv_int4_h, kHidden, COLS)                                                           \
+  NQ_PLAIN_TILE_ENTRY(gemv_int4_i, kInter, COLS)                                                            \
+  extern "C" __global__ void __launch_bounds__(kTileThreads, 1) nq_qkv_rope_kv_tile##COLS(                  \
       const uint32_t* __restrict__ qweight, const uint16_t* __restrict__ scales,                            \
-      const uint4* __restrict__ packed, const uint16_t* __restrict__ x, const uint16_t* __restrict__ bias,  \
-      const int32_t* __restrict__ pos, const int32_t* __restrict__ page_table, int max_pages,               \
-      uint16_t* __restrict__ k_cache, uint16_t* __restrict__ v_cache, int layer, int n_pages,               \
-      uint16_t* __restrict__ q_out, int n_cols, float* __restrict__ ws, int* __restrict__ tickets) {        \
-    gemm_tiles<kHidden, COLS / 8, PACKED>(                                                                  \
-        qweight, scales, packed, x, kQkvRows / 2, n_cols, ws, tickets, QkvRows{},                           \
-        QkvEpi{bias, pos, page_table, max_pages, k_cache, v_cache, layer, n_pages, q_out});                 \
+      const uint16_t* __restrict__ x, const uint16_t* __restrict__ bias, const int32_t* __restrict__ pos,   \
+      const int32_t* __restrict__ page_table, int max_pages, uint16_t* __restrict__ k_cache,                \
+      uint16_t* __restrict__ v_cache, int layer, int n_pages, uint16_t* __restrict__ q_out, int n_cols,     \
+      float* __restrict__ ws, int* __restrict__ tickets) {                                                  \
+    gemm_tiles<kHidden, COLS / 8>(qweight, scales, x, kQkvRows / 2, n_cols, ws, tickets, QkvRows{},        \
+                                  QkvEpi{bias, pos, page_table, max_pages, k_cache, v_cache, layer,         \
+                                         n_pages, q_out});                                                  \
   }                                                                                                         \
-  extern "C" __global__ void __launch_bounds__(kTileThreads, 1) nq_gate_up_silu##SUF##COLS(                 \
+  extern "C" __global__ void __launch_bounds__(kTileThreads, 1) nq_gate_up_silu_tile##COLS(                 \
       const uint32_t* __restrict__ qweight, const uint16_t* __restrict__ scales,                            \
-      const uint4* __restrict__ packed, const uint16_t* __restrict__ x, uint16_t* __restrict__ out,         \
-      int n_cols, float* __restrict__ ws, int* __restrict__ tickets) {                                      \
-    gemm_tiles<kHidden, COLS / 8, PACKED>(qweight, scales, packed, x, kInter, n_cols, ws, tickets,          \
-                                          GateUpRows{}, GateUpEpi{out});                                    \
+      const uint16_t* __restrict__ x, uint16_t* __restrict__ out, int n_cols, float* __restrict__ ws,       \
+      int* __restrict__ tickets) {                                                                          \
+    gemm_tiles<kHidden, COLS / 8>(qweight, scales, x, kInter, n_cols, ws, tickets, GateUpRows{},           \
+                                  GateUpEpi{out});                                                          \
   }
 
-NQ_INT4_TILE_ENTRIES(_tile, 8, false)
-NQ_INT4_TILE_ENTRIES(_tile, 16, false)
-NQ_INT4_TILE_ENTRIES(_tile, 32, false)
-NQ_INT4_TILE_ENTRIES(_tile, 64, false)
-NQ_INT4_TILE_ENTRIES(_ptile, 8, true)
-NQ_INT4_TILE_ENTRIES(_ptile, 16, true)
-
-// The tile-major copy of a matrix for the tile GEMM (gemm_tiles.cuh tile_pack), one entry per row map:
-// packed uint4 [tiles x pairs x 2112] from qweight [N, K/8] and scales [N, K/128]; any grid, 1-D.
-#define NQ_TILE_PACK_ENTRY(KIND, K, UNITS, MAP)                                                            \
-  extern "C" __global__ void __launch_bounds__(kThreads) nq_tile_pack_##KIND(                               \
-      const uint32_t* __restrict__ qweight, const uint16_t* __restrict__ scales, int n_rows,               \
-      uint4* __restrict__ packed) {                                                                         \
-    tile_pack<K>(qweight, scales, UNITS, MAP, packed);                                                     \
-  }
-NQ_TILE_PACK_ENTRY(h, kHidden, (n_rows + 1) / 2, PlainRows{n_rows})
-NQ_TILE_PACK_ENTRY(i, kInter, (n_rows + 1) / 2, PlainRows{n_rows})
-NQ_TILE_PACK_ENTRY(qkv, kHidden, kQkvRows / 2, QkvRows{})
-NQ_TILE_PACK_ENTRY(gu, kHidden, kInter, GateUpRows{})
+NQ_INT4_TILE_ENTRIES(8)
+NQ_INT4_TILE_ENTRIES(16)
+NQ_INT4_TILE_ENTRIES(32)
+NQ_INT4_TILE_ENTRIES(64)
