@@ -155,6 +155,81 @@ def test_chunked_prefill_gives_the_whole_prefill(tied_path, kind, rng):
     np.testing.assert_allclose(be.last_logits(), whole_logits, rtol=0, atol=1e-2 * np.abs(whole_logits).max())
 
 
+@pytest.mark.parametrize("chunk", [4096, 24])
+def test_prefill_many_is_the_separate_prefills(tied_path, kind, rng, monkeypatch, chunk):
+    """prefill_many of 4 sequences (prompt lengths 1, 17, 30, 45; two of them starting mid-sequence after
+    an earlier chunk; two sampled) gives what 4 separate prefill calls give: the same first ids, logits
+    of the sampled rows equal to rounding (the rows share GEMMs of another M), and K/V that decode the
+    same continuations. chunk = 24 makes the pass split segments into pieces and group pieces into
+    passes (prefill.PREFILL_CHUNK)."""
+    from nanoqwen_engine.cuda import prefill as prefill_mod
+
+    monkeypatch.setattr(prefill_mod, "PREFILL_CHUNK", chunk)
+    be = _backend(tied_path, kind, max_context=128, n_pages=64)
+    V = be.config.vocab
+    heads = [0, 0, 11, 7]  # tokens prefilled before (no sampler) in a separate call
+    lengths = [1, 17, 30, 45]
+    sampled = [True, False, True, False]
+    prompts = [rng.integers(0, V, size=h + n) for h, n in zip(heads, lengths, strict=True)]
+
+    def run(together: bool):
+        seqs = [be.pool.new_sequence() for _ in prompts]
+        sts = [SamplerState(GREEDY, V) if smp else None for smp in sampled]
+        for s, p, h in zip(seqs, prompts, heads, strict=True):
+            if h:
+                be.prefill(s, p[:h], None)
+        items = [(s, p[h:], st) for s, p, h, st in zip(seqs, prompts, heads, sts, strict=True)]
+        if together:
+            firsts = be.prefill_many(items)
+            logits = be.last_logits()
+        else:
+            firsts, rows = [], []
+            for it in items:
+                firsts.append(be.prefill(*it))
+                if it[2] is not None:
+                    rows.append(be.last_logits()[0])
+            logits = np.stack(rows)
+        assert [s.length for s in seqs] == [h + n for h, n in zip(heads, lengths, strict=True)]
+        # 6 greedy steps of all four together, from their own first ids (the unsampled: their last prompt id)
+        dec_st = [st or SamplerState(GREEDY, V) for st in sts]
+        toks = [[f if f is not None else int(p[-1])] for f, p in zip(firsts, prompts, strict=True)]
+        for _ in range(6):
+            out = be.decode(seqs, [t[-1] for t in toks], dec_st)
+            for t, o in zip(toks, out, strict=True):
+                t.append(o)
+        for s in seqs:
+            be.pool.free(s)
+        return firsts, logits, toks
+
+    f1, l1, t1 = run(False)
+    f2, l2, t2 = run(True)
+    assert [f is None for f in f2] == [not smp for smp in sampled]
+    assert f1 == f2
+    assert l2.shape == (2, V)
+    np.testing.assert_allclose(l2, l1, rtol=0, atol=1e-2 * np.abs(l1).max())
+    for a, b in zip(t1, t2, strict=True):
+        assert a == b
+    assert be.pool.n_used == 0
+
+
+def test_prefill_many_is_all_or_nothing(tied_path, kind, rng):
+    """A prefill_many whose second sequence cannot have its pages: KVPagesExhaustedError, and the first
+    sequence keeps its pages and length (nothing ran); bad input is refused before anything too."""
+    be = _backend(tied_path, kind, max_context=128, n_pages=4)
+    a, b = be.pool.new_sequence(), be.pool.new_sequence()
+    with pytest.raises(KVPagesExhaustedError):
+        be.prefill_many([(a, rng.integers(0, 4096, 40), None), (b, rng.integers(0, 4096, 40), None)])
+    assert (a.length, a.n_pages, b.length, b.n_pages, be.pool.n_free) == (0, 0, 0, 0, 4)
+    with pytest.raises(InvalidRequestError, match="twice"):
+        be.prefill_many([(a, [1, 2], None), (a, [3], None)])
+    with pytest.raises(InvalidRequestError, match="out of range"):
+        be.prefill_many([(a, [1, 2], None), (b, [4096], None)])
+    assert be.pool.n_free == 4
+    assert be.prefill_many([]) == []
+    assert be.prefill_many([(a, [1, 2, 3], None), (b, [4, 5], None)]) == [None, None]
+    assert (a.length, b.length) == (3, 2)
+
+
 def test_graph_and_eager_give_the_same_tokens(tied_path, kind, rng):
     ids = rng.integers(0, 4096, size=20)
     g = _backend(tied_path, kind, "graph", max_context=64)
@@ -418,7 +493,7 @@ def test_out_of_memory_during_a_request_is_clean(tied_path, kind, monkeypatch, r
         def oom(*a, **k):
             raise MemoryError("injected")
 
-        monkeypatch.setattr(be.prefill_pass, "hidden", oom)
+        monkeypatch.setattr(be.prefill_pass, "hidden_many", oom)
     seq = be.pool.new_sequence()
     try:
         with pytest.raises(GPUOutOfMemoryError, match="out of GPU memory"):

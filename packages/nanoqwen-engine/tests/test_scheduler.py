@@ -11,6 +11,7 @@ a second. The real model's numbers under batching are test_batching.py's.
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from engine_testutil import pool_idle
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -67,6 +68,10 @@ class PagedEcho:
         self._write(seq, [int(t) for t in token_ids])
         self.calls.append(("prefill", len(token_ids)))
         return None if sampler is None else next_id(self._read(seq), sampler)
+
+    def prefill_many(self, items):
+        self.calls.append(("prefill_many", len(items)))
+        return [self.prefill(*it) for it in items]
 
     def decode(self, seqs, token_ids, samplers, run_ahead=False):
         self.ahead.append((tuple(s.seq_id for s in seqs), run_ahead))
@@ -188,6 +193,45 @@ def test_run_ahead_hint_only_when_the_next_step_is_foreseeably_the_same(tokenize
     assert hinted >= 10
     for r in (a, b):
         assert r.handle.result().token_ids == solo(r.prompt, r.params, 512)
+
+
+def test_a_steps_prefill_chunks_go_in_one_call_and_a_failure_ends_only_its_request(tokenizer, rng):
+    """Three prompts admitted in one step are prefilled by one prefill_many; when that call fails, each
+    chunk is retried alone and only the request whose own prefill fails ends (with that error)."""
+    be = PagedEcho(n_pages=40, max_context=256)
+    sched = Scheduler(be, max_batch=4, prefill_chunk=512)
+    reqs = [make_request(i, rng.integers(0, V, 10 + 5 * i).tolist(), params_for(6, None), tokenizer, 256)
+            for i in range(3)]
+    sched.waiting.extend(reqs)
+    sched.step()
+    assert ("prefill_many", 3) in be.calls and all(r.output for r in reqs)
+    drain(sched)
+    for r in reqs:
+        assert r.handle.result().token_ids == solo(r.prompt, r.params, 256)
+
+    be = PagedEcho(n_pages=40, max_context=256)
+    sched = Scheduler(be, max_batch=4, prefill_chunk=512)
+    boom = RuntimeError("chunk 1 fell over")
+    real_prefill = be.prefill
+
+    def prefill_many(items):
+        raise RuntimeError("the batch fell over")
+
+    def prefill(seq, ids, sampler):
+        if len(ids) == 15:  # request 1's prompt
+            raise boom
+        return real_prefill(seq, ids, sampler)
+
+    be.prefill_many, be.prefill = prefill_many, prefill
+    reqs = [make_request(i, rng.integers(0, V, 10 + 5 * i).tolist(), params_for(6, None), tokenizer, 256)
+            for i in range(3)]
+    sched.waiting.extend(reqs)
+    drain(sched)
+    with pytest.raises(RuntimeError, match="chunk 1 fell over"):
+        reqs[1].handle.result()
+    for r in (reqs[0], reqs[2]):
+        assert r.handle.result().token_ids == solo(r.prompt, r.params, 256)
+    assert sched.counters.requests_failed == 1 and be.pool.n_free == be.pool.n_pages
 
 
 def test_dry_pool_preempts_the_newest_and_it_recomputes_without_reemitting(tokenizer, rng):

@@ -31,6 +31,14 @@ class Backend(Protocol):
         prompt's last chunk), else None."""
         ...
 
+    def prefill_many(self, items: Sequence[tuple[SequenceState, np.ndarray, SamplerState | None]]
+                     ) -> list[int | None]:
+        """prefill(seq, token_ids, sampler) of each item (distinct sequences), as one call: what each
+        returns, in order. A backend may run them as one pass (the CUDA backend shares every GEMM across
+        the items' rows); the K/V and ids are those of the separate calls. Grows every sequence first,
+        all-or-nothing across the items."""
+        ...
+
     def decode(self, seqs: Sequence[SequenceState], token_ids: Sequence[int],
                samplers: Sequence[SamplerState], run_ahead: bool = False) -> list[int]:
         """One batched step: row b feeds token_ids[b] at position seqs[b].length of seqs[b] and samples

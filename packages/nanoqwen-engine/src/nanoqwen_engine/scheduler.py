@@ -14,9 +14,10 @@ The loop has the shape of vLLM v1's engine core, one iteration per step:
          those pages are allocated at admission, so a prompt is never caught half-prefilled by a dry pool
     execute(plan)  (no lock)
       one batched backend.decode(seqs, ids, samplers, run_ahead) for all decode rows (run_ahead when
-      the next step will most likely be the same rows: _steady), then one
-      backend.prefill(seq, chunk, sampler or None) per prefill chunk (the sampler only with a prompt's
-      last chunk, whose logits give the first token)
+      the next step will most likely be the same rows: _steady), then one backend.prefill_many of every
+      prefill chunk (seq, chunk, sampler or None; the sampler only with a prompt's last chunk, whose
+      logits give the first token); if that call fails, each chunk alone, so a failure ends only the
+      request it belongs to
     update
       each sampled id goes through the request's detokenizer and stop logic and out as an event; a
       finished request's pages go back to the pool at once
@@ -157,20 +158,35 @@ class Scheduler:
                 self.counters.decode_rows += len(rows)
                 for r, tok in zip(rows, toks, strict=True):
                     self._token(r, tok)
+        items = []
         for r, n in plan.prefill:
             if r.finished or r.seq is None:
                 continue
-            last = r.seq.length + n == r.prefill_target
-            sample = last and not r.output
-            try:
-                first = self.backend.prefill(_seq(r), np.asarray(r.prefill_ids(n), dtype=np.int32),
-                                             r.sampler if sample else None)
-            except Exception as e:
-                self._end(r, error=e)
+            sample = r.seq.length + n == r.prefill_target and not r.output  # the prompt's last chunk
+            items.append((r, n, (_seq(r), np.asarray(r.prefill_ids(n), dtype=np.int32),
+                                 r.sampler if sample else None)))
+        if not items:
+            return
+        firsts: list[object] = []
+        before = [it[0].length for _, _, it in items]
+        try:  # one call: the chunks of this step share the backend's GEMMs
+            firsts = list(self.backend.prefill_many([it for _, _, it in items]))
+        except Exception as batch_error:  # find which one fails: each alone (its K/V written again)
+            firsts = []
+            for (r, _, it), length in zip(items, before, strict=True):
+                try:
+                    if it[0].length != length:  # the failed call took this one's tokens: not again
+                        raise batch_error
+                    firsts.append(self.backend.prefill(*it))
+                except Exception as e:
+                    self._end(r, error=e)
+                    firsts.append(_FAILED)
+        for (r, n, _), first in zip(items, firsts, strict=True):
+            if first is _FAILED:
                 continue
             self.counters.prefill_tokens += n
             if first is not None:
-                self._token(r, first)
+                self._token(r, int(first))  # type: ignore[call-overload]  # an id: not None, not _FAILED
 
     def _steady(self, plan: StepPlan) -> bool:
         """Whether the next step will most likely decode exactly this step's rows again (the backend may
@@ -222,6 +238,9 @@ class Scheduler:
             self._end(self.waiting.popleft(), error=error)
         for r in list(self.running):
             self._end(r, error=error)
+
+
+_FAILED = object()  # a prefill chunk whose request ended with its error
 
 
 def _seq(r: Request) -> SequenceState:

@@ -82,12 +82,14 @@ class CudaBackend:
                                scratch_page=pool.n_pages)
         self.rows = RowAssignment(max_batch)
         self.prefill_pass = PrefillPass(dev, ks, weights, config, k_cache, v_cache)
-        # prefill's own page table and head buffers, so a prefill leaves the decode rows' state alone
-        self.pf_table = xp.full(P, -1, dtype=np.int32)  # int32 [P]
-        self.pf_xn = xp.zeros((1, config.hidden), dtype=np.float16)
-        self.pf_logits = xp.zeros((1, config.vocab), dtype=np.float32)
-        self.pf_token = xp.zeros(1, dtype=np.int32)
-        self._last: tuple = ()  # what last_logits() reads: ("prefill",) or ("decode", bucket, rows)
+        # prefill's own page tables and head buffers (a row per sequence of a prefill_many), so a prefill
+        # leaves the decode rows' state alone
+        self.pf_tables = xp.full((max_batch, P), -1, dtype=np.int32)  # int32 [max_batch, P]
+        self.pf_table = self.pf_tables[0]  # score()'s
+        self.pf_xn = xp.zeros((max_batch, config.hidden), dtype=np.float16)
+        self.pf_logits = xp.zeros((max_batch, config.vocab), dtype=np.float32)
+        self.pf_token = xp.zeros(max_batch, dtype=np.int32)
+        self._last: tuple = ()  # what last_logits() reads: ("prefill", n) or ("decode", bucket, rows)
         self._ahead: _Ahead | None = None  # a step launched before its call (decode's run_ahead)
         self.info = info
         self.info["max_batch"] = max_batch
@@ -190,31 +192,76 @@ class CudaBackend:
     def prefill(self, seq: SequenceState, token_ids: np.ndarray, sampler: SamplerState | None) -> int | None:
         """K/V of token_ids at positions seq.length.. (a prompt, or one chunk of it); the next id sampled
         from the last position when `sampler` is given, else None."""
-        ids = self._check_ids(token_ids)
-        start, T = seq.length, int(ids.shape[0])
-        self.pool.grow(seq, start + T)  # raises before any GPU work; pool and seq unchanged then
-        # the sequence's decode row (if it had one) no longer describes it
-        self.rows.release(seq.seq_id)
-        tok = None
+        return self.prefill_many([(seq, token_ids, sampler)])[0]
+
+    def prefill_many(self, items: Sequence[tuple[SequenceState, np.ndarray, SamplerState | None]]
+                     ) -> list[int | None]:
+        """prefill() of several sequences in one pass (Backend.prefill_many): their rows share every GEMM
+        and so the dequantization of each weight, the larger cost of a short prompt (prefill.py). Every
+        sequence grows first, all of them or none; a sampled item's id is drawn from its last row."""
+        checked = []
+        for seq, token_ids, sampler in items:
+            checked.append((seq, self._check_ids(token_ids), sampler))
+        if len({seq.seq_id for seq, _, _ in checked}) != len(checked):
+            raise InvalidRequestError("prefill_many got the same sequence twice")
+        if len(checked) > self.max_batch:
+            raise InvalidRequestError(f"prefill_many takes at most max_batch = {self.max_batch} sequences, "
+                                      f"got {len(checked)}")
+        if not checked:
+            return []
+        self._settle_ahead()  # a step run ahead is for the decode rows as they were
+        self._grow_prefills(checked)  # raises before any GPU work; the pool and every seq unchanged then
+        for seq, _, _ in checked:  # a sequence's decode row (if it had one) no longer describes it
+            self.rows.release(seq.seq_id)
+        sampled = [k for k, (_, _, sm) in enumerate(checked) if sm is not None]
+        toks: list[int | None] = [None] * len(checked)
         with self._guard(), self.dev.use():
-            self.dev.h2d(self.pf_table, seq.page_table)
-            x = self.prefill_pass.hidden(ids, start, self.pf_table)
-            if sampler is not None:
-                sampler.observe(ids)
-                self.step.launch_head(self.ks, x[T - 1:T], self.pf_xn, self.pf_logits)
+            segs = []
+            for k, (seq, ids, _) in enumerate(checked):
+                self.dev.h2d(self.pf_tables[k], seq.page_table)
+                segs.append((ids, seq.length, self.pf_tables[k]))
+            x = self.prefill_pass.hidden_many(segs)
+            if sampled:
+                n = len(sampled)
+                ends = np.cumsum([int(ids.shape[0]) for _, ids, _ in checked]) - 1
+                rows = self.dev.xp.empty(n, dtype=np.int32)
+                self.dev.h2d(rows, ends[sampled].astype(np.int32))
+                last = x[rows]  # f16 [n, H]: each sampled sequence's last row
+                self.step.launch_head(self.ks, last, self.pf_xn[:n], self.pf_logits[:n])
                 row = self.sampler_dev.prefill_row
-                # the draw counter is the drawn token's position (sampling.py)
-                self.sampler_dev.load(row, sampler, step=start + T)
-                self.sampler_dev.launch(self.ks, mode_of(sampler.params), self.pf_logits, self.pf_token,
-                                        row, row + 1)
-                tok = int(self.dev.d2h(self.pf_token)[0])
-                self._last = ("prefill",)
+                for j, k in enumerate(sampled):  # one sampler row serves them in turn (stream order)
+                    seq, ids, sm = checked[k]
+                    assert sm is not None
+                    sm.observe(ids)
+                    # the draw counter is the drawn token's position (sampling.py)
+                    self.sampler_dev.load(row, sm, step=seq.length + int(ids.shape[0]))
+                    self.sampler_dev.launch(self.ks, mode_of(sm.params), self.pf_logits[j:j + 1],
+                                            self.pf_token[j:j + 1], row, row + 1)
+                out = self.dev.d2h(self.pf_token[:n])
+                for j, k in enumerate(sampled):
+                    toks[k] = int(out[j])
+                self._last = ("prefill", n)
             else:
                 self.dev.synchronize()  # a chunk's failure surfaces here, inside the guard
-        seq.length = start + T
-        if sampler is not None:
-            sampler.observe([tok])
-        return tok
+        for (seq, ids, sm), tok in zip(checked, toks, strict=True):
+            seq.length += int(ids.shape[0])
+            if sm is not None:
+                sm.observe([tok])
+        return toks
+
+    def _grow_prefills(self, checked) -> None:
+        """Pages for every item's new tokens, all or none (PagePool.grow is all-or-nothing per sequence;
+        the ones grown before a failure are shrunk back)."""
+        grown = []
+        try:
+            for seq, ids, _ in checked:
+                before = seq.n_pages
+                self.pool.grow(seq, seq.length + int(ids.shape[0]))
+                grown.append((seq, before))
+        except Exception:
+            for seq, before in grown:
+                self.pool.shrink(seq, before)
+            raise
 
     def decode(self, seqs: Sequence[SequenceState], token_ids: Sequence[int],
                samplers: Sequence[SamplerState], run_ahead: bool = False) -> list[int]:
@@ -322,7 +369,7 @@ class CudaBackend:
             if not self._last:
                 return np.zeros((0, self.config.vocab), dtype=np.float32)
             if self._last[0] == "prefill":
-                return self.dev.d2h(self.pf_logits)
+                return self.dev.d2h(self.pf_logits[:self._last[1]])
             _, bucket, rows = self._last
             return self.dev.d2h(self.step.logits[:bucket])[rows]
 

@@ -109,6 +109,24 @@ class ReferenceBackend:
         sampler.observe(ids)
         return sampler.sample(self._last[0])
 
+    def prefill_many(self, items: Sequence[tuple[SequenceState, np.ndarray, SamplerState | None]]
+                     ) -> list[int | None]:
+        """prefill() of each item in turn (the reference computes sequence by sequence anyway), after
+        checking them all: ids, distinct sequences, and pages for every one (nothing changes if any fails)."""
+        if len({seq.seq_id for seq, _, _ in items}) != len(items):
+            raise InvalidRequestError("prefill_many got the same sequence twice")
+        checked = [(seq, self._ids(ids), sampler) for seq, ids, sampler in items]
+        grown = []
+        try:
+            for seq, ids, _ in checked:
+                grown.append((seq, seq.n_pages))
+                self.pool.grow(seq, seq.length + len(ids))
+        except Exception:
+            for seq, n in grown:
+                self.pool.shrink(seq, n)
+            raise
+        return [self.prefill(seq, ids, sampler) for seq, ids, sampler in checked]
+
     def decode(self, seqs: Sequence[SequenceState], token_ids: Sequence[int],
                samplers: Sequence[SamplerState], run_ahead: bool = False) -> list[int]:
         """One batched step: row b feeds token_ids[b] to seqs[b] and samples with samplers[b]. run_ahead
