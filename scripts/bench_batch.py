@@ -2,9 +2,10 @@
 
 For each batch size B: B requests arrive at once, each a prompt of --prompt random token ids and
 --gen generated tokens (greedy, no eos: every request produces exactly --gen tokens). The prompts are
-prefilled one after another (each prefill returns the request's first token: its time to first token is
-measured from the arrival of all B), then every decode step feeds all B sequences at once until each has
---gen tokens. Reported per B:
+prefilled in groups of --prefill-tokens tokens (default 512, the engine's per-step budget: 4 prompts of
+128 per prefill_many call; each call returns its requests' first tokens: their time to first token is
+measured from the arrival of all B), then every decode step feeds all B sequences at once until each
+has --gen tokens. Reported per B:
 
     decode_tok_s      B x (gen - 1) / the decode steps' total time (the aggregate throughput)
     e2e_tok_s         B x gen / (prefills + decode steps)
@@ -40,7 +41,8 @@ import numpy as np
 TARGETS = {1: "<= 2.1 ms/token", 8: ">= 3000 tok/s", 32: ">= 8000 tok/s", 64: ">= 12000 tok/s"}  # issue 13
 
 
-def run_batch(be, B: int, prompt: int, gen: int, rng, greedy, run_ahead: bool = True) -> dict:
+def run_batch(be, B: int, prompt: int, gen: int, rng, greedy, run_ahead: bool = True,
+              prefill_tokens: int = 512) -> dict:
     from nanoqwen_engine.sampler import SamplerState
 
     V = be.config.vocab
@@ -49,9 +51,11 @@ def run_batch(be, B: int, prompt: int, gen: int, rng, greedy, run_ahead: bool = 
     samplers = [SamplerState(greedy, V) for _ in range(B)]
     t0 = time.perf_counter()
     ttft, toks = [], []
-    for s, p, st in zip(seqs, prompts, samplers, strict=True):
-        toks.append(be.prefill(s, p, st))
-        ttft.append(time.perf_counter() - t0)
+    group = max(1, prefill_tokens // max(prompt, 1))  # prompts per prefill_many call (a step's budget)
+    for g in range(0, B, group):
+        items = list(zip(seqs[g:g + group], prompts[g:g + group], samplers[g:g + group], strict=True))
+        toks += be.prefill_many(items) if group > 1 else [be.prefill(*items[0])]
+        ttft += [time.perf_counter() - t0] * len(items)
     t_prefill = time.perf_counter() - t0
     steps = []
     for i in range(gen - 1):
@@ -85,6 +89,9 @@ def main() -> int:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--gen", type=int, default=256)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--prefill-tokens", type=int, default=512,
+                    help="prompt tokens per prefill_many call, as the engine's per-step budget (prefill_chunk, "
+                         "default 512: 4 prompts of 128); at most one prompt per call when below --prompt")
     ap.add_argument("--no-run-ahead", action="store_true",
                     help="every step waits for the caller (no step launched ahead: Backend.decode run_ahead)")
     args = ap.parse_args()
@@ -111,8 +118,8 @@ def main() -> int:
     print(f"{'B':>3s} {'decode tok/s':>12s} {'e2e tok/s':>10s} {'step ms p50':>11s} {'itl p99 ms':>10s} "
           f"{'ttft p50 ms':>11s} {'ttft max ms':>11s}  target")
     for B in batches:
-        run_batch(be, B, 16, 4, rng, greedy, ahead)  # warm-up: the bucket's eager step and its capture
-        r = run_batch(be, B, args.prompt, args.gen, rng, greedy, ahead)
+        run_batch(be, B, 16, 4, rng, greedy, ahead, args.prefill_tokens)  # warm-up: eager step, capture
+        r = run_batch(be, B, args.prompt, args.gen, rng, greedy, ahead, args.prefill_tokens)
         results.append(r)
         print(f"{B:3d} {r['decode_tok_s']:12.0f} {r['e2e_tok_s']:10.0f} {r['itl_ms_p50']:11.3f} "
               f"{r['itl_ms_p99']:10.3f} {r['ttft_ms_p50']:11.1f} {r['ttft_ms_max']:11.1f}  {TARGETS.get(B, '')}",
@@ -123,7 +130,7 @@ def main() -> int:
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
         with open(args.json, "w") as f:
             json.dump({"gpu_name": be.info.get("device"), "date": time.strftime("%Y-%m-%d"), "model": args.model,
-                       "commit": commit or None, "gemv_variant": variant, "run_ahead": ahead, "load_s": load_s, "max_batch": be.info.get("max_batch"),
+                       "commit": commit or None, "gemv_variant": variant, "run_ahead": ahead, "prefill_tokens": args.prefill_tokens, "load_s": load_s, "max_batch": be.info.get("max_batch"),
                        "graph_kernel_nodes": {k: v for k, v in be.info.items() if k.startswith("graph_kernel")},
                        "results": results}, f, indent=2)
     return 0
