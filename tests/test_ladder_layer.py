@@ -62,7 +62,7 @@ def _layer_tier(path, name, T, rng):
         for b in bufs.values():
             b.fill(np.nan)
         x = xp.array(x0)  # a copy (layer() updates it in place)
-        be.prefill_pass.layer(0, x, 0, be.pf_table, bufs)
+        be.prefill_pass.layer(0, x, [(0, T, 0, be.pf_table)], bufs)
         got_prefill = d2h(x)
     be.pool.free(seq)
 
@@ -75,7 +75,7 @@ def _layer_tier(path, name, T, rng):
         be.dev.h2d(be.pf_table, seq.page_table)
         if T > 1:
             bufs = be.prefill_pass.buffers(T - 1)
-            be.prefill_pass.layer(0, xp.array(x0[: T - 1]), 0, be.pf_table, bufs)
+            be.prefill_pass.layer(0, xp.array(x0[: T - 1]), [(0, T - 1, 0, be.pf_table)], bufs)
         step.write_rows([0], [0], [T - 1], [seq.page_table], 1)  # row 0: POS = T-1, SEQ_LEN = T
         v = step.views(1)
         for b in (v.q, v.attn, v.y, v.act):

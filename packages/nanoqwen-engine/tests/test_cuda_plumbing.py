@@ -315,7 +315,10 @@ def test_buckets_replay_as_the_batch_changes(tied_path, kind, rng, run_ahead):
     buckets = {k[0] for k in be.step.graphs}
     assert buckets <= {1, 2, 4, 8} and len(buckets) >= 3, be.step.graphs
     if run_ahead:
-        assert be.info.get("ahead_steps", 0) >= 1 and be.info.get("ahead_discarded", 0) >= 3, be.info
+        # every join (a prefill between calls) and leave discards a step that ran ahead; whether two
+        # calls in a row ever match here depends on the random prompt lengths (page crossings), so the
+        # serving path is test_run_ahead_serves_the_same_tokens_across_pages's to check
+        assert be.info.get("ahead_discarded", 0) >= 3, be.info
     else:
         assert "ahead_steps" not in be.info and "ahead_discarded" not in be.info
 
