@@ -8,7 +8,7 @@ prints, per piece, the command that checks the piece's sha256 on the device and 
 into /tmp/nq-model/NAME (with dd seek, so a repeated or out-of-order call does no harm), then the command
 that checks the whole file's size and sha256 there. /tmp/nq-model lasts while the machine stays warm.
 
-    python scripts/device_model_pieces.py [FILE] [--piece-mib 60] [--out .model]
+    python scripts/device_model_pieces.py [FILE] [--piece-mib 54] [--out .model]
 
 FILE defaults to the real Qwen2.5-Coder-1.5B-Instruct GGUF (fetched and cached by tests/ladder/real_model.py).
 """
@@ -71,7 +71,7 @@ def commands(m: dict, out_rel: str) -> list[tuple[str, str]]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("file", type=Path, nargs="?", default=None)
-    ap.add_argument("--piece-mib", type=int, default=60, help="piece size in MiB (default 60; a call takes 64)")
+    ap.add_argument("--piece-mib", type=int, default=54, help="piece size in MiB (default 54: a call carries 64 MiB with the working tree counted in; 63 was refused)")
     ap.add_argument("--out", type=Path, default=REPO / ".model", help="where the pieces go (git-ignored)")
     args = ap.parse_args()
     if not 1 <= args.piece_mib <= 63:
