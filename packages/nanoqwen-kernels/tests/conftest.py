@@ -22,3 +22,22 @@ def _private_kernel_cache(tmp_path_factory, monkeypatch):
     # filled beforehand (the GPU runs carry cubins compiled on the CPU machine with the same NVRTC).
     pre = os.environ.get("NANOQWEN_TEST_KERNEL_CACHE")
     monkeypatch.setenv("NANOQWEN_KERNEL_CACHE", pre or str(tmp_path_factory.getbasetemp() / "kcache"))
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """The launches a launcher makes, as (function name, grid, args), with nothing compiled or run: the
+    launch helpers of nanoqwen_kernels.checks replaced (132 SMs; CuPy stood in for by fakes.fake_cupy)."""
+    from fakes import fake_cupy
+    from nanoqwen_kernels import checks
+
+    calls = []
+    monkeypatch.setattr(
+        checks, "launch", lambda fn, grid, block, args, shared_mem=0: calls.append((fn, grid, args))
+    )
+    monkeypatch.setattr(
+        checks, "even_grid", lambda fn, units, threads, shared_mem=0, copies=1: min(units, 132 * 4 // copies)
+    )
+    monkeypatch.setattr(checks, "sm_count", lambda device_id=None: 132)
+    monkeypatch.setattr(checks, "cupy_module", fake_cupy)
+    return calls

@@ -1,0 +1,114 @@
+"""The cuBLAS launches (blas.py) on the CPU: the batched lm_head and the prefill GEMM reach cublasGemmEx with
+the column-major arguments, types and alpha/beta they must; a failed cuBLAS call is one KernelError."""
+
+import numpy as np
+import pytest
+from fakes import dev, load
+from nanoqwen_kernels import KernelError
+from nanoqwen_kernels.dims import TINY
+from nanoqwen_kernels.gemv import GemvKernels
+from nanoqwen_kernels.prefill import PrefillKernels
+
+
+def _f32_at(address: int) -> float:
+    """The float32 a host pointer (cuBLAS's alpha/beta in host pointer mode) points at."""
+    import ctypes
+
+    return ctypes.c_float.from_address(address).value
+
+
+class FakeCublas:
+    """cupy_backends' cuBLAS wrapper as blas.Blas calls it: records setStream and gemmEx."""
+
+    def __init__(self):
+        self.calls = []
+
+    def create(self):
+        return 77
+
+    def setStream(self, handle, ptr):
+        self.calls.append(("setStream", handle, ptr))
+
+    def gemmEx(self, *args):
+        self.calls.append(("gemmEx", *args))
+
+
+def test_lm_head_batch_is_one_cublas_gemm_with_fp32_logits(launches, monkeypatch):
+    """The default lm_head body at B > 1: one cublasGemmEx, column-major out^T = W^T' x^T: op(A) = T on
+    W (ld K), x as is (ld K), m = N, n = B, k = H, fp16 inputs, fp32 output and compute, beta = 0."""
+    from nanoqwen_kernels import blas
+
+    fake = FakeCublas()
+    monkeypatch.setattr(blas, "_cublas", lambda: fake)
+    d = TINY
+    g = GemvKernels(d, load, "tiles")
+    w, x, out = dev((1001, d.hidden), np.float16), dev((5, d.hidden), np.float16), dev((5, 1001), np.float32)
+    n_launches = len(launches)
+    g.gemv_fp16(w, x, out)
+    assert len(launches) == n_launches  # no kernel of ours
+    (_, h, _), (name, h2, ta, tb, m, n, k, alpha, a, atype, lda, b, btype, ldb, beta, c, ctype, ldc, comp, algo) = \
+        fake.calls
+    assert name == "gemmEx" and h == h2 == 77
+    assert (ta, tb, m, n, k) == (blas.CUBLAS_OP_T, blas.CUBLAS_OP_N, 1001, 5, d.hidden)
+    assert (a, lda, b, ldb, c, ldc) == (w.data.ptr, d.hidden, x.data.ptr, d.hidden, out.data.ptr, 1001)
+    assert (atype, btype, ctype, comp) == (blas.CUDA_R_16F, blas.CUDA_R_16F, blas.CUDA_R_32F, blas.CUBLAS_COMPUTE_32F)
+    assert _f32_at(beta) == 0.0 and _f32_at(alpha) == 1.0
+    # B = 1 stays on the fp16 GEMV kernel
+    g.gemv_fp16(w, dev((d.hidden,), np.float16), dev((1001,), np.float32))
+    assert launches[-1][0] == "nq_gemv_fp16" and len(fake.calls) == 2
+    with pytest.raises(KernelError, match="unknown lm_head body"):
+        GemvKernels(d, load, "tiles", "cutlass")
+
+
+def test_prefill_gemm_accumulate_is_cublas_beta_one(launches, monkeypatch):
+    """gemm_int4: dequantize into the workspace, then one GEMM into out, fp16 out, beta = 1 when
+    accumulating (the residual add folded in), 0 otherwise."""
+    from nanoqwen_kernels import blas
+
+    fake = FakeCublas()
+    monkeypatch.setattr(blas, "_cublas", lambda: fake)
+    p = PrefillKernels(TINY, load)
+    qw, sc = dev((8, 256 // 8), np.uint32), dev((8, 2), np.float16)
+    X, out, ws = dev((4, 256), np.float16), dev((4, 8), np.float16), dev((8 * 256,), np.float16)
+
+    for acc, beta in ((False, 0.0), (True, 1.0)):
+        p.gemm_int4(qw, sc, X, out, ws, accumulate=acc)
+        fn, _, args = launches[-1]
+        assert fn == "nq_dequantize_int4" and args[2].data.ptr == ws.data.ptr  # W lands in the workspace
+        call = fake.calls[-1]
+        assert call[0] == "gemmEx" and call[4:7] == (8, 4, 256) and call[16] == blas.CUDA_R_16F
+        assert call[8] == ws.data.ptr and call[15] == out.data.ptr and _f32_at(call[14]) == beta
+    aliased = X.reshape(-1)[:32].reshape(4, 8)  # out's shape, X's memory
+    with pytest.raises(KernelError, match="X and out overlap"):
+        p.gemm_int4(qw, sc, X, aliased, ws)
+
+
+def test_cublas_status_is_a_kernel_error():
+    """blas._CublasLib (ctypes, not CuPy's wrapper, which refuses calls during a graph capture): a
+    non-zero cublasStatus_t is one KernelError naming the call; handles and streams pass through."""
+    from nanoqwen_kernels.blas import _CublasLib
+
+    seen = []
+
+    class Lib:
+        def __init__(self, gemm_status):
+            self.cublasCreate_v2 = _Fn(lambda h: 0)
+            self.cublasSetStream_v2 = _Fn(lambda h, s: seen.append((h, s)) or 0)
+            self.cublasGemmEx = _Fn(lambda *a: gemm_status)
+
+    lib = _CublasLib(Lib(0))
+    lib.setStream(5, 9)
+    assert seen[-1] == (5, 9)
+    lib.gemmEx(*range(19))
+    with pytest.raises(KernelError, match="cuBLAS GemmEx failed with status 13"):
+        _CublasLib(Lib(13)).gemmEx(*range(19))
+
+
+class _Fn:
+    """A ctypes function stand-in: settable argtypes/restype, callable."""
+
+    def __init__(self, f):
+        self.f, self.argtypes, self.restype = f, None, None
+
+    def __call__(self, *args):
+        return self.f(*args)

@@ -1,0 +1,258 @@
+"""The INT4 GEMV and lm_head launchers on the CPU (test_launchers.py's method): each bad argument is one
+KernelError naming it; a good call reaches the launch with the body, grid and arguments its plan says
+(half2 loop, tensor-core passes, tile GEMM), and the plans keep their invariants."""
+
+import numpy as np
+import pytest
+from fakes import Dev, assert_each_refused, dev, load
+from nanoqwen_kernels import KernelError, checks
+from nanoqwen_kernels.dims import QWEN25_7B, TINY
+from nanoqwen_kernels.gemv import GemvKernels
+
+
+def test_gemv_int4_good_call_and_residual_alias(launches):
+    d = TINY
+    g = GemvKernels(d, load, "mixed")  # at B = 1: K = H on the half2 loop, K = I on tensor cores
+    qw, sc = dev((300, d.hidden // 8), np.uint32), dev((300, d.hidden // 128), np.float16)
+    x, out = dev((d.hidden,), np.float16), dev((300,), np.float16)
+    g.gemv_int4(qw, sc, x, out, residual=out)  # in-place residual is allowed
+    fn, grid, args = launches[-1]
+    assert fn == "nq_gemv_int4_h" and grid == -(-150 // 8) and int(args[-1]) == 300
+    qi, si = dev((7, d.intermediate // 8), np.uint32), dev((7, d.intermediate // 128), np.float16)
+    g.gemv_int4(qi, si, dev((d.intermediate,), np.float16), dev((7,), np.float16))
+    fn, grid, args = launches[-1]
+    assert fn == "nq_gemv_int4_i_mma8" and grid == (1, 1)
+    assert [int(a) for a in args[-3:]] == [1, 1, d.intermediate // 128]  # B, columns per pass, K whole
+
+
+@pytest.mark.parametrize("b, entry, passes", [(2, "mma8", 1), (8, "mma8", 1), (9, "mma32", 1), (64, "mma32", 2)])
+def test_gemv_int4_batched_launch(launches, b, entry, passes):
+    """The "mixed" variant: B > 1 on gemv_mma's passes."""
+    d = TINY
+    g = GemvKernels(d, load, "mixed")
+    qw, sc = dev((300, d.hidden // 8), np.uint32), dev((300, d.hidden // 128), np.float16)
+    res = dev((b, 300), np.float16)
+    g.gemv_int4(qw, sc, dev((b, d.hidden), np.float16), res, residual=res)
+    fn, grid, args = launches[-1]
+    assert fn == f"nq_gemv_int4_h_{entry}" and grid[1] == passes and int(args[-3]) == b
+    assert int(args[-2]) * passes >= b
+
+
+@pytest.mark.parametrize("b, build", [(2, 8), (8, 8), (9, 16), (17, 32), (33, 64), (64, 64)])
+def test_default_batched_launch_is_the_tile_gemm(launches, monkeypatch, b, build):
+    """The default variant: B > 1 on the smallest tile build that holds B, P blocks of 512 threads from
+    plan_tiles (a function of the matrix only), dynamic shared memory for that build."""
+    from nanoqwen_kernels.gemv import TILE_THREADS, plan_tiles, tile_smem
+
+    d = QWEN25_7B
+    g = GemvKernels(d, load)
+    qw, sc = dev((d.hidden, d.intermediate // 8), np.uint32), dev((d.hidden, d.intermediate // 128), np.float16)
+    res = dev((b, d.hidden), np.float16)
+    got = []
+    monkeypatch.setattr(checks, "launch", lambda fn, grid, block, args, shared_mem=0: got.append(
+        (fn, grid, block, shared_mem)))
+    g.gemv_int4(qw, sc, dev((b, d.intermediate), np.float16), res, residual=res)
+    fn, grid, block, smem = got[-1]
+    assert fn == f"nq_gemv_int4_i_tile{build}" and block == TILE_THREADS and smem == tile_smem(build)
+    assert grid == plan_tiles(d.intermediate, d.hidden // 2, 132).blocks
+
+
+def test_tile_gemm_takes_at_most_64_columns(launches):
+    d = TINY
+    g = GemvKernels(d, load)
+    qw, sc = dev((64, d.hidden // 8), np.uint32), dev((64, d.hidden // 128), np.float16)
+    with pytest.raises(KernelError, match="at most 64 columns"):
+        g.gemv_int4(qw, sc, dev((65, d.hidden), np.float16), dev((65, 64), np.float16))
+    assert not launches
+
+
+def test_batched_outputs_must_match_the_batch(launches):
+    d = TINY
+    g = GemvKernels(d, load)
+    qw, sc = dev((64, d.hidden // 8), np.uint32), dev((64, d.hidden // 128), np.float16)
+    with pytest.raises(KernelError, match=r"out must have shape \(3, 64\)"):
+        g.gemv_int4(qw, sc, dev((3, d.hidden), np.float16), dev((64,), np.float16))
+    with pytest.raises(KernelError, match=r"x must be \[B, 256\]"):
+        g.gemv_int4(qw, sc, dev((3, 2, d.hidden), np.float16), dev((3, 64), np.float16))
+    with pytest.raises(KernelError, match=r"residual must have shape \(3, 64\)"):
+        g.gemv_int4(qw, sc, dev((3, d.hidden), np.float16), dev((3, 64), np.float16), residual=dev((64,), np.float16))
+    assert not launches
+
+
+@pytest.mark.parametrize(
+    "mutate, word",
+    [
+        (dict(qweight=lambda d: dev((64, d.hidden // 8), np.int32)), "qweight must be uint32"),
+        (dict(qweight=lambda d: dev((64, 40), np.uint32)), "neither hidden"),
+        (dict(scales=lambda d: dev((64, 3), np.float16)), "scales must be"),
+        (dict(scales=lambda d: dev((64, d.hidden // 128), np.float32)), "scales must be float16"),
+        (dict(x=lambda d: dev((d.hidden + 8,), np.float16)), r"x must be \[B, 256\]"),
+        (dict(out=lambda d: dev((63,), np.float16)), "out must have shape"),
+        (dict(residual=lambda d: dev((64,), np.float32)), "residual must be float16"),
+        (dict(norm_w=lambda d: dev((5,), np.float16)), "norm_w must have shape"),
+        (dict(eps=lambda d: -1.0), "eps"),
+        (dict(x=lambda d: np.zeros(d.hidden, np.float16)), "x must be a CuPy array"),
+    ],
+)
+def test_gemv_int4_rejects(launches, mutate, word):
+    d = TINY
+    args = dict(
+        qweight=dev((64, d.hidden // 8), np.uint32),
+        scales=dev((64, d.hidden // 128), np.float16),
+        x=dev((d.hidden,), np.float16),
+        out=dev((64,), np.float16),
+        residual=None,
+        norm_w=None,
+        eps=1e-6,
+    )
+    for k, f in mutate.items():
+        args[k] = f(d)
+    with pytest.raises(KernelError, match=word):
+        GemvKernels(d, load).gemv_int4(**args)
+    assert not launches
+
+
+def test_gemv_rejects_non_contiguous_misaligned_and_overlap(launches):
+    d = TINY
+    g = GemvKernels(d, load)
+    qw, sc = dev((64, d.hidden // 8), np.uint32), dev((64, d.hidden // 128), np.float16)
+    big = dev((2 * d.hidden,), np.float16)
+    strided = Dev(big.a[::2])
+    with pytest.raises(KernelError, match="x must be C-contiguous"):
+        g.gemv_int4(qw, sc, strided, dev((64,), np.float16))
+    shifted = Dev(dev((d.hidden + 8,), np.float16).a[1 : d.hidden + 1])
+    with pytest.raises(KernelError, match="x must be 16-byte aligned"):
+        g.gemv_int4(qw, sc, shifted, dev((64,), np.float16))
+    both = dev((d.hidden,), np.float16)
+    q2, s2 = dev((d.hidden, d.hidden // 8), np.uint32), dev((d.hidden, d.hidden // 128), np.float16)
+    with pytest.raises(KernelError, match="overlap"):
+        g.gemv_int4(q2, s2, both, both)
+    assert not launches
+
+
+def _qkv_args(d, b):
+    rows = d.qkv_rows
+    lead = (b,) if b > 1 else ()
+    return dict(
+        qweight=dev((rows, d.hidden // 8), np.uint32),
+        scales=dev((rows, d.hidden // 128), np.float16),
+        bias=dev((rows,), np.float16),
+        x=dev((*lead, d.hidden), np.float16),
+        norm_w=dev((d.hidden,), np.float16),
+        eps=1e-6,
+        pos_dev=dev((b,), np.int32),
+        page_table=dev((b, 64), np.int32) if b > 1 else dev((64,), np.int32),
+        k_cache=dev((2, 4, d.n_kv_heads, 16, 128), np.float16),
+        v_cache=dev((2, 4, d.n_kv_heads, 16, 128), np.float16),
+        layer=1,
+        q_out=dev((*lead, d.q_dim), np.float16),
+    )
+
+
+def test_qkv_rope_kv_checks(launches):
+    d = QWEN25_7B
+    g = GemvKernels(d, load)
+    rows = d.qkv_rows
+    good = _qkv_args(d, 1)
+    g.qkv_rope_kv(**good)
+    fn, grid, args = launches[-1]
+    assert fn == "nq_qkv_rope_kv" and int(args[-3]) == 1 and int(args[-2]) == 4 and int(args[8]) == 64
+    bad = [
+        (
+            dict(qweight=dev((rows - 2, d.hidden // 8), np.uint32), scales=dev((rows - 2, 28), np.float16)),
+            "rows",
+        ),
+        (dict(bias=dev((rows - 1,), np.float16)), "bias"),
+        (dict(layer=2), "layer"),
+        (dict(layer=True), "layer"),
+        (dict(k_cache=dev((2, 4, d.n_kv_heads, 8, 128), np.float16)), "k_cache"),
+        (dict(v_cache=dev((2, 5, d.n_kv_heads, 16, 128), np.float16)), "v_cache"),
+        (dict(pos_dev=dev((2,), np.int32)), "pos_dev"),
+        (dict(page_table=dev((4,), np.int64)), "page_table"),
+        (dict(q_out=dev((d.q_dim,), np.float32)), "q_out"),
+    ]
+    assert_each_refused(g.qkv_rope_kv, good, bad)
+
+
+def test_qkv_rope_kv_batched_checks(launches):
+    d = QWEN25_7B
+    g = GemvKernels(d, load)
+    good = _qkv_args(d, 5)
+    g.qkv_rope_kv(**good)
+    (norm, _, nargs), (fn, grid, args) = launches[-2:]
+    assert norm == "nq_norm_cols_h" and nargs[1] is good["norm_w"]  # the tile GEMM takes x normalised
+    assert fn == "nq_qkv_rope_kv_tile8" and int(args[6]) == 64 and int(args[-3]) == 5
+    bad = [
+        (dict(pos_dev=dev((1,), np.int32)), r"pos_dev must have shape \(5,\)"),
+        (dict(page_table=dev((64,), np.int32)), r"page_table must be int32 \[5, max_pages\]"),
+        (dict(page_table=dev((4, 64), np.int32)), "page_table"),
+        (dict(q_out=dev((4, d.q_dim), np.float16)), "q_out must have shape"),
+    ]
+    assert_each_refused(g.qkv_rope_kv, good, bad)
+
+
+def test_gate_up_and_fp16_checks(launches):
+    d = TINY
+    g = GemvKernels(d, load, "mixed")
+    qw, sc = dev((2 * d.intermediate, d.hidden // 8), np.uint32), dev((2 * d.intermediate, 2), np.float16)
+    g.gate_up_silu(
+        qw,
+        sc,
+        dev((d.hidden,), np.float16),
+        dev((d.hidden,), np.float16),
+        1e-6,
+        dev((d.intermediate,), np.float16),
+    )
+    assert launches[-1][0] == "nq_gate_up_silu_mma8"  # "mixed": gate/up on tensor cores at B = 1
+    with pytest.raises(KernelError, match="2 x intermediate"):
+        g.gate_up_silu(
+            dev((d.intermediate, d.hidden // 8), np.uint32),
+            dev((d.intermediate, 2), np.float16),
+            dev((d.hidden,), np.float16),
+            None,
+            1e-6,
+            dev((d.intermediate,), np.float16),
+        )
+    g.gemv_fp16(dev((1001, d.hidden), np.float16), dev((d.hidden,), np.float16), dev((1001,), np.float32))
+    assert launches[-1][0] == "nq_gemv_fp16" and int(launches[-1][2][-1]) == 1001
+    gm = GemvKernels(d, load, "mixed", "mma")  # the lm_head's gemv_mma body at B > 1
+    gm.gemv_fp16(dev((1001, d.hidden), np.float16), dev((3, d.hidden), np.float16), dev((3, 1001), np.float32))
+    assert launches[-1][0] == "nq_gemv_fp16_mma8" and int(launches[-1][2][-3]) == 3
+    with pytest.raises(KernelError, match="out must be float32"):
+        g.gemv_fp16(dev((10, d.hidden), np.float16), dev((d.hidden,), np.float16), dev((10,), np.float16))
+    with pytest.raises(KernelError, match="w must be"):
+        g.gemv_fp16(
+            dev((10, d.hidden + 128), np.float16), dev((d.hidden,), np.float16), dev((10,), np.float32)
+        )
+
+
+def test_gemv_plan_examples():
+    """The 7B's matrices: x of a pass in shared memory whole when it fits; else restaged per tile (few
+    tiles) or more passes (many tiles)."""
+    from nanoqwen_kernels.gemv import X_SMEM_BUDGET, plan_gemv
+
+    h, i = QWEN25_7B.hidden, QWEN25_7B.intermediate
+    p = plan_gemv(1, i, 224, 132)  # down_proj at B = 1: 38 KB of x, staged once
+    assert (p.build, p.passes, p.pass_cols, p.slice_groups) == (8, 1, 1, i // 128)
+    p = plan_gemv(32, i, 224, 132)  # down_proj at B = 32: one pass, K in slices of a multiple of 8 groups
+    assert (p.build, p.passes, p.pass_cols) == (32, 1, 32) and p.slice_groups % 8 == 0
+    assert p.smem <= X_SMEM_BUDGET
+    p = plan_gemv(32, h, 2368, 132)  # gate/up at B = 32: two passes of 16 columns, K whole
+    assert (p.build, p.passes, p.pass_cols, p.slice_groups) == (32, 2, 16, h // 128)
+    p = plan_gemv(64, h, 2368, 132)
+    assert (p.passes, p.pass_cols, p.slice_groups) == (3, 22, h // 128)
+    p = plan_gemv(8, h, 224, 132)
+    assert (p.build, p.passes, p.pass_cols, p.slice_groups) == (8, 1, 8, h // 128)
+
+
+@pytest.mark.parametrize("k", [256, 1536, 3584, 8960, 18944])
+@pytest.mark.parametrize("tiles", [1, 224, 2368, 9504])
+def test_gemv_plan_invariants(k, tiles):
+    from nanoqwen_kernels.gemv import MMA_BUILDS, X_SMEM_BUDGET, plan_gemv
+
+    for b in range(1, 65):
+        p = plan_gemv(b, k, tiles, 132)
+        assert p.build in MMA_BUILDS and p.pass_cols <= p.build
+        assert p.passes * p.pass_cols >= b > (p.passes - 1) * p.pass_cols  # every pass has columns
+        assert p.smem <= X_SMEM_BUDGET
+        assert p.slice_groups == k // 128 or p.slice_groups % 8 == 0  # sliced: the same sums' order
