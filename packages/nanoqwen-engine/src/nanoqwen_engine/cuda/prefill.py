@@ -82,21 +82,22 @@ class PrefillPass:
                 c1 = min(T, c0 + PREFILL_CHUNK)
                 pieces.append((ids[c0:c1], start + c0, table, row + c0))
             row += T
+        passes: list[list] = [[]]  # the pieces in order, at most PREFILL_CHUNK rows a pass
+        rows = 0
+        for piece in pieces:
+            n = int(piece[0].shape[0])
+            if passes[-1] and rows + n > PREFILL_CHUNK:
+                passes.append([])
+                rows = 0
+            passes[-1].append(piece)
+            rows += n
         out = xp.empty((row, self.cfg.hidden), dtype=np.float16)
-        group: list = []
-        for piece in pieces + [None]:
-            if piece is None or (group and sum(int(p[0].shape[0]) for p in group) + int(piece[0].shape[0])
-                                 > PREFILL_CHUNK):
-                if group:
-                    x = self._pass(group)
-                    r = 0
-                    for ids, _, _, at in group:
-                        T = int(ids.shape[0])
-                        out[at:at + T] = x[r:r + T]
-                        r += T
-                group = []
-            if piece is not None:
-                group.append(piece)
+        for group in passes:
+            x, r = self._pass(group), 0
+            for ids, _, _, at in group:
+                T = int(ids.shape[0])
+                out[at:at + T] = x[r:r + T]
+                r += T
         return out
 
     def _pass(self, pieces):
