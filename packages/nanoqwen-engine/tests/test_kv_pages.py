@@ -53,6 +53,23 @@ def test_exhaustion_leaves_everything_unchanged():
     assert pool.n_free == 0
 
 
+def test_grow_many_is_all_or_nothing():
+    """grow_many: every sequence grows, or (the second cannot) none does: the first is shrunk back to
+    its pages before the call and the error is the one grow raised."""
+    pool = PagePool(5, 8)
+    a, b, c = pool.new_sequence(), pool.new_sequence(), pool.new_sequence()
+    pool.grow(a, 10)  # 1 page
+    before = snapshot(pool)
+    with pytest.raises(KVPagesExhaustedError):
+        pool.grow_many([(a, 40), (b, 40)])  # a takes 2 more, b would need 3 of the 2 left
+    assert snapshot(pool) == before
+    with pytest.raises(PromptTooLongError):
+        pool.grow_many([(b, 16), (c, 8 * 16 + 1)])
+    assert snapshot(pool) == before
+    pool.grow_many([(a, 32), (b, 16), (c, 17)])
+    assert (a.n_pages, b.n_pages, c.n_pages, pool.n_free) == (2, 1, 2, 0)
+
+
 def test_free_returns_pages_for_reuse():
     pool = PagePool(4, 4)
     a = pool.new_sequence()

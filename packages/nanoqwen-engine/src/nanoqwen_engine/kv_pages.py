@@ -146,6 +146,19 @@ class PagePool:
             seq.page_table[seq.n_pages] = self._free.pop()
             seq.n_pages += 1
 
+    def grow_many(self, wants) -> None:
+        """grow(seq, n_tokens) for each (seq, n_tokens) of `wants`, all or none: on a failure the
+        sequences grown before it are shrunk back and the error raised (a batched prefill's growth)."""
+        grown = []
+        try:
+            for seq, n_tokens in wants:
+                grown.append((seq, seq.n_pages))
+                self.grow(seq, n_tokens)
+        except Exception:
+            for seq, n_pages in grown:
+                self.shrink(seq, n_pages)
+            raise
+
     def shrink(self, seq: SequenceState, n_pages: int) -> None:
         """Give back seq's pages past its first n_pages (undoes a `grow`; the tokens they held are gone,
         so `length` is capped at what the remaining pages hold)."""

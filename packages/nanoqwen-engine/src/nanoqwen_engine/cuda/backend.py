@@ -210,7 +210,8 @@ class CudaBackend:
         if not checked:
             return []
         self._settle_ahead()  # a step run ahead is for the decode rows as they were
-        self._grow_prefills(checked)  # raises before any GPU work; the pool and every seq unchanged then
+        # raises before any GPU work; the pool and every seq unchanged then
+        self.pool.grow_many([(seq, seq.length + int(ids.shape[0])) for seq, ids, _ in checked])
         for seq, _, _ in checked:  # a sequence's decode row (if it had one) no longer describes it
             self.rows.release(seq.seq_id)
         sampled = [k for k, (_, _, sm) in enumerate(checked) if sm is not None]
@@ -248,20 +249,6 @@ class CudaBackend:
             if sm is not None:
                 sm.observe([tok])
         return toks
-
-    def _grow_prefills(self, checked) -> None:
-        """Pages for every item's new tokens, all or none (PagePool.grow is all-or-nothing per sequence;
-        the ones grown before a failure are shrunk back)."""
-        grown = []
-        try:
-            for seq, ids, _ in checked:
-                before = seq.n_pages
-                self.pool.grow(seq, seq.length + int(ids.shape[0]))
-                grown.append((seq, before))
-        except Exception:
-            for seq, before in grown:
-                self.pool.shrink(seq, before)
-            raise
 
     def decode(self, seqs: Sequence[SequenceState], token_ids: Sequence[int],
                samplers: Sequence[SamplerState], run_ahead: bool = False) -> list[int]:

@@ -116,15 +116,7 @@ class ReferenceBackend:
         if len({seq.seq_id for seq, _, _ in items}) != len(items):
             raise InvalidRequestError("prefill_many got the same sequence twice")
         checked = [(seq, self._ids(ids), sampler) for seq, ids, sampler in items]
-        grown = []
-        try:
-            for seq, ids, _ in checked:
-                grown.append((seq, seq.n_pages))
-                self.pool.grow(seq, seq.length + len(ids))
-        except Exception:
-            for seq, n in grown:
-                self.pool.shrink(seq, n)
-            raise
+        self.pool.grow_many([(seq, seq.length + len(ids)) for seq, ids, _ in checked])
         return [self.prefill(seq, ids, sampler) for seq, ids, sampler in checked]
 
     def decode(self, seqs: Sequence[SequenceState], token_ids: Sequence[int],
