@@ -46,7 +46,7 @@ if [ "${GPU_ALL_QUICK:-0}" = 1 ]; then
   export NANOQWEN_LADDER_PROMPTS=${NANOQWEN_LADDER_PROMPTS:-30} NANOQWEN_LADDER_TOKENS=${NANOQWEN_LADDER_TOKENS:-32}
   export NANOQWEN_LADDER_7B_PROMPTS=${NANOQWEN_LADDER_7B_PROMPTS:-1} NANOQWEN_LADDER_7B_TOKENS=${NANOQWEN_LADDER_7B_TOKENS:-4}
 fi
-SECTIONS=${GPU_ALL_SECTIONS:-info model7b kernels engine ladder cli kbench gemvvariants clibench batchbench breakdown peer real serve llamacpp}
+SECTIONS=${GPU_ALL_SECTIONS:-info model7b kernels engine ladder cli kbench gemvvariants clibench batchbench pdl breakdown peer real serve llamacpp}
 TABLE=$WORK/sections.tsv
 : >"$TABLE"
 LOG=$OUT/gpu_all.log
@@ -119,6 +119,25 @@ fi
 
 # Issue 13's protocol at the backend level (aggregate tok/s, inter-token latency, TTFT per batch size).
 want batchbench && run batchbench 300 $PY scripts/bench_batch.py "$NANOQWEN_LADDER_7B" --json "$OUT/bench_batch_7b.json"
+# Programmatic dependent launch A/B (issue 15): the same benches with NANOQWEN_PDL=0 (plain launches) and
+# =1 (the default), each in its own process: the 7B decode (512 + 128, and a 1-token prompt for depth 0),
+# bench_batch at 1 / 8 / 32 / 64, and the real 1.5B's decode where its conversion exists. Records in
+# $WORK/logs/pdl{0,1}-*.json (back in details.tar.gz).
+if want pdl; then
+  for v in 0 1; do
+    run "pdl${v}_bench" 120 bash -c "NANOQWEN_PDL=$v $PY -m nanoqwen_cli bench --synthetic 7b --json \
+      >'$WORK/logs/pdl$v-7b.json'; rc=\$?; cat '$WORK/logs/pdl$v-7b.json'; exit \$rc"
+    run "pdl${v}_bench_d0" 90 bash -c "NANOQWEN_PDL=$v $PY -m nanoqwen_cli bench --synthetic 7b --prompt-tokens 1 \
+      --json >'$WORK/logs/pdl$v-7b-d0.json'; rc=\$?; cat '$WORK/logs/pdl$v-7b-d0.json'; exit \$rc"
+    if [ -f "$NANOQWEN_CACHE/qwen2.5-coder-1.5b-instruct.nanoqwen" ]; then
+      run "pdl${v}_real" 90 bash -c "NANOQWEN_PDL=$v $PY -m nanoqwen_cli bench \
+        --model '$NANOQWEN_CACHE/qwen2.5-coder-1.5b-instruct.nanoqwen' --json >'$WORK/logs/pdl$v-real.json'; \
+        rc=\$?; cat '$WORK/logs/pdl$v-real.json'; exit \$rc"
+    fi
+    run "pdl${v}_batch" 240 env NANOQWEN_PDL=$v $PY scripts/bench_batch.py "$NANOQWEN_LADDER_7B" \
+      --json "$WORK/logs/pdl$v-batch-7b.json"
+  done
+fi
 # The per-step breakdown by kernel family (batch 1, and batch 32: where a batched step's time goes), and the
 # transformers peer in the same call.
 if want breakdown; then

@@ -26,15 +26,19 @@ def _private_kernel_cache(tmp_path_factory, monkeypatch):
 
 @pytest.fixture
 def launches(monkeypatch):
-    """The launches a launcher makes, as (function name, grid, args), with nothing compiled or run: the
+    """The launches a launcher makes, as (function name, grid, args), with nothing compiled or run (each
+    one's arguments packed as the PDL launch would: pdl.pack_args refuses what it cannot pass): the
     launch helpers of nanoqwen_kernels.checks replaced (132 SMs; CuPy stood in for by fakes.fake_cupy)."""
     from fakes import fake_cupy
-    from nanoqwen_kernels import checks
+    from nanoqwen_kernels import checks, pdl
 
     calls = []
-    monkeypatch.setattr(
-        checks, "launch", lambda fn, grid, block, args, shared_mem=0: calls.append((fn, grid, args))
-    )
+
+    def record(fn, grid, block, args, shared_mem=0):
+        pdl.pack_args(args)  # every launch's arguments must be marshallable for cuLaunchKernelEx
+        calls.append((fn, grid, args))
+
+    monkeypatch.setattr(checks, "launch", record)
     monkeypatch.setattr(
         checks, "even_grid", lambda fn, units, threads, shared_mem=0, copies=1: min(units, 132 * 4 // copies)
     )

@@ -48,7 +48,8 @@ def assert_each_refused(call, good: dict, bad) -> None:
 def fake_cupy() -> SimpleNamespace:
     """What the launchers ask of CuPy on a CPU: host buffers for their workspaces, and the current
     stream (blas.py binds its cuBLAS handle to it)."""
-    return SimpleNamespace(empty=np.empty, zeros=np.zeros,
+    return SimpleNamespace(empty=lambda *a, **k: Dev(np.empty(*a, **k)),
+                           zeros=lambda *a, **k: Dev(np.zeros(*a, **k)),
                            cuda=SimpleNamespace(get_current_stream=lambda: SimpleNamespace(ptr=0)))
 
 

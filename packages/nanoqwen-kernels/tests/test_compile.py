@@ -2,6 +2,7 @@
 the SASS holds what the designs rely on."""
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -120,7 +121,6 @@ NAMED_ELSEWHERE = {"attention_decode.cu"}
 
 def test_every_kernel_entry_is_named_nq():
     """Kernel entries carry the nq_ prefix, so a profiler's kernel list finds the code."""
-    import re
 
     entry = re.compile(r'extern "C" __global__ void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+?)(?:##\w+)*\(')
     found = 0
@@ -131,3 +131,23 @@ def test_every_kernel_entry_is_named_nq():
             found += 1
             assert name.startswith("nq_"), f"{path.name}: kernel {name} lacks the nq_ prefix"
     assert found >= 12
+
+
+# global-memory instructions (loads, stores, cp.async, atomics, bulk copies); CCTL (the L2 prefetch) is not
+_GLOBAL_MEM = re.compile(r"\b(LDG|STG|LDGSTS|ATOMG|ATOM|RED|REDG|ST|LD|UBLKCP|UTMALDG|UTMASTG)\b")
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_every_kernel_waits_for_its_predecessor_before_touching_memory(source):
+    """Every kernel is launched with programmatic dependent launch (pdl.py), so it may start before the
+    previous kernel has finished: each entry must release its successor (griddepcontrol.launch_dependents
+    = PREEXIT) and wait (griddepcontrol.wait = ACQBULK) before any global load, store or atomic. Only the
+    weights' L2 prefetch (CCTL) may come before the wait."""
+    funcs = _functions(_sass(source, QWEN25_7B))
+    assert funcs
+    for name, body in funcs.items():
+        wait = body.find("ACQBULK")
+        assert wait >= 0, f"{name}: no griddepcontrol.wait"
+        assert "PREEXIT" in body, f"{name}: no griddepcontrol.launch_dependents"
+        early = _GLOBAL_MEM.findall(body[:wait])
+        assert not early, f"{name}: global memory access before griddepcontrol.wait: {early[:4]}"

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from . import pdl
 from .dims import HEAD_DIM, PAGE_TOKENS, ModelDims
 from .errors import KernelError
 
@@ -156,8 +157,13 @@ def even_grid(fn, block_units: int, threads: int, shared_mem: int = 0, copies: i
 
 def launch(fn, grid: int | tuple, block: int | tuple, args: tuple, shared_mem: int = 0) -> None:
     """On the current CuPy stream, named explicitly so a graph capture on it records the launch.
-    grid/block: an int (1-D) or a tuple."""
+    grid/block: an int (1-D) or a tuple. On Hopper every kernel goes out with programmatic dependent
+    launch (pdl.py: it may start while the previous kernel drains); $NANOQWEN_PDL=0 launches plainly."""
     cupy = cupy_module()
     grid = grid if isinstance(grid, tuple) else (grid,)
     block = block if isinstance(block, tuple) else (block,)
-    fn(grid, block, args, shared_mem=shared_mem, stream=cupy.cuda.get_current_stream())
+    stream = cupy.cuda.get_current_stream()
+    if pdl.supported(cupy.cuda.Device().id):
+        pdl.launch(fn, grid, block, args, shared_mem, stream.ptr)
+    else:
+        fn(grid, block, args, shared_mem=shared_mem, stream=stream)

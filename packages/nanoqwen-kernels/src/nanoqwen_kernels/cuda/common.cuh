@@ -115,6 +115,35 @@ __device__ __forceinline__ void cp_async16_l2_256(void* smem_dst, const void* gm
   asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"(smem_u32(smem_dst)), "l"(gmem_src)
                : "memory");
 }
+// ---- programmatic dependent launch (docs/KERNELS.md "Launch overlap") ----------------------------------
+// Every kernel is launched with the programmatic-stream-serialization attribute (nanoqwen_kernels.pdl),
+// so it may start while the kernel before it in the stream is still running. The contract, kept by
+// every entry in this directory (tests/test_compile.py checks the SASS: ACQBULK before any global load
+// or store):
+//   pdl_release()  lets the next kernel launch: every entry calls it first. The next kernel's blocks
+//                  then take whatever SM room is free (the tail of this kernel) and run their prologue.
+//   pdl_wait()     blocks until the previous kernel has finished and its writes are visible. Nothing
+//                  produced by an earlier kernel (activations, KV, positions, tables) is read, and
+//                  nothing at all is written, before it. Only the weights (written once at load) may be
+//                  touched before it: prefetch_l2 below.
+// Without the attribute (NANOQWEN_PDL=0, or a launch by CuPy) both are no-ops.
+__device__ __forceinline__ void pdl_release() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+// the common entry: release the next kernel, then wait for the previous one
+__device__ __forceinline__ void pdl_enter() {
+  pdl_release();
+  pdl_wait();
+}
+// ask L2 for the 128-byte line at p (no register, no wait): the weight prefetch before pdl_wait()
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p) : "memory");
+}
+// the lines of [p, p + bytes), spread over the 32 lanes of a warp
+__device__ __forceinline__ void prefetch_l2_warp(const void* p, int bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int off = 128 * (threadIdx.x & 31); off < bytes; off += 32 * 128) prefetch_l2(c + off);
+}
+
 // 4 bytes global -> shared (cp.async.ca: .cg takes only 16-byte copies)
 __device__ __forceinline__ void cp_async4(void* smem_dst, const void* gmem_src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(smem_u32(smem_dst)), "l"(gmem_src) : "memory");
