@@ -130,11 +130,26 @@ def _get_cubin(prog: int) -> bytes:
     return image + b"\0" * (want - len(image))
 
 
+def extra_defines() -> dict[str, int]:
+    """$NANOQWEN_KERNEL_DEFINES ("NAME=INT,NAME=INT"): tuning knobs added to every build, for A/B runs
+    (e.g. NQ_PDL_RELEASE=0, NQ_GEMV_STAGE_PIECES=2). They enter the options, hence the cache key."""
+    out: dict[str, int] = {}
+    for item in filter(None, (s.strip() for s in os.environ.get("NANOQWEN_KERNEL_DEFINES", "").split(","))):
+        name, sep, value = item.partition("=")
+        try:
+            out[name.strip()] = int(value)
+        except ValueError:
+            raise KernelError(f"NANOQWEN_KERNEL_DEFINES: {item!r} is not NAME=INT") from None
+        if not sep:
+            raise KernelError(f"NANOQWEN_KERNEL_DEFINES: {item!r} is not NAME=INT")
+    return out
+
+
 def build_options(defines: dict[str, int | float], arch: str) -> list[str]:
     opts = ["-std=c++17", f"--gpu-architecture={arch}", "--extra-device-vectorization"]
     if _debug():
         opts.append("-lineinfo")
-    opts += [_format_define(k, v) for k, v in sorted(defines.items())]
+    opts += [_format_define(k, v) for k, v in sorted({**defines, **extra_defines()}.items())]
     return opts
 
 

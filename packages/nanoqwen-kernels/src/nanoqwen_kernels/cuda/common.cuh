@@ -127,7 +127,19 @@ __device__ __forceinline__ void cp_async16_l2_256(void* smem_dst, const void* gm
 //                  nothing at all is written, before it. Only the weights (written once at load) may be
 //                  touched before it: prefetch_l2 below.
 // Without the attribute (NANOQWEN_PDL=0, or a launch by CuPy) both are no-ops.
-__device__ __forceinline__ void pdl_release() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+// Tuning knobs (-D through $NANOQWEN_KERNEL_DEFINES, loader.py): NQ_PDL_RELEASE=0 drops the explicit
+// release (the next kernel then launches as this one's blocks exit); NQ_PDL_PREFETCH=0 drops the prefetch.
+#ifndef NQ_PDL_RELEASE
+#define NQ_PDL_RELEASE 1
+#endif
+#ifndef NQ_PDL_PREFETCH
+#define NQ_PDL_PREFETCH 1
+#endif
+__device__ __forceinline__ void pdl_release() {
+#if NQ_PDL_RELEASE
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 // the common entry: release the next kernel, then wait for the previous one
 __device__ __forceinline__ void pdl_enter() {
@@ -136,7 +148,9 @@ __device__ __forceinline__ void pdl_enter() {
 }
 // ask L2 for the 128-byte line at p (no register, no wait): the weight prefetch before pdl_wait()
 __device__ __forceinline__ void prefetch_l2(const void* p) {
+#if NQ_PDL_PREFETCH
   asm volatile("prefetch.global.L2 [%0];" ::"l"(p) : "memory");
+#endif
 }
 // the lines of [p, p + bytes), spread over the 32 lanes of a warp
 __device__ __forceinline__ void prefetch_l2_warp(const void* p, int bytes) {
