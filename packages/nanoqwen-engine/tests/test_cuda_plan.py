@@ -97,3 +97,18 @@ def test_count_kernel_nodes_reads_a_dot_dump():
         "}", "}",
     ])
     assert count_kernel_nodes(dot) == 2
+
+
+def test_prefill_weights_choice():
+    from nanoqwen_engine.cuda.plan import HEADROOM_MIN, choose_prefill_weights
+
+    gib = 2**30
+    seven = 13 * gib  # the 7B's INT4 matrices as f16
+    assert choose_prefill_weights("auto", seven, 130 * gib) == "fp16"  # an H200 after the upload
+    assert choose_prefill_weights("auto", seven, 40 * gib) == "int4"  # more than a quarter of what is free
+    assert choose_prefill_weights("int4", seven, 130 * gib) == "int4"
+    assert choose_prefill_weights("fp16", seven, seven + HEADROOM_MIN) == "fp16"
+    with pytest.raises(ValueError, match="resident fp16 prefill weights need"):
+        choose_prefill_weights("fp16", seven, seven + HEADROOM_MIN - 1)
+    with pytest.raises(ValueError, match="must be one of"):
+        choose_prefill_weights("bf16", seven, 130 * gib)

@@ -555,3 +555,31 @@ def test_ctrl_is_copied_only_where_it_changed(tied_path, monkeypatch, rng):
             assert copies == [], f"step {step}: nothing changed, yet {copies} entries were copied"
     assert _spans(np.array([5, 3, 9, 100_000, 100_001])) == [(3, 10), (100_000, 100_002)]
     assert _spans(np.array([], dtype=np.int64)) == []
+
+
+def test_resident_fp16_prefill_weights_give_the_int4_path_bits(tied_path, kind, rng, monkeypatch):
+    """prefill_weights "fp16" (each matrix dequantized once at load, kept resident) and "int4" (dequantized
+    before every GEMM, by the same kernel) give the same logits bit for bit, prompts of 1 and 37 tokens;
+    "auto" takes fp16 where it fits; $NANOQWEN_PREFILL_WEIGHTS is the default; a bad value is refused."""
+    ids = rng.integers(0, 1000, size=37)
+    logits, toks = {}, {}
+    for mode in ("fp16", "int4"):
+        be = _backend(tied_path, kind, max_context=128, prefill_weights=mode)
+        assert be.info["prefill_weights"] == mode
+        assert (be.prefill_pass.dense is not None) == (mode == "fp16")
+        out = []
+        for n in (1, 37):
+            seq = be.pool.new_sequence()
+            out.append(be.prefill(seq, ids[:n], SamplerState(GREEDY, be.config.vocab)))
+            out.append(be.last_logits()[0].copy())
+            be.pool.free(seq)
+        toks[mode], logits[mode] = out[0::2], out[1::2]
+    assert toks["fp16"] == toks["int4"]
+    for a, b in zip(logits["fp16"], logits["int4"], strict=True):
+        assert np.array_equal(a, b)
+    be = _backend(tied_path, kind, max_context=128)  # auto: the tiny model's copy fits easily
+    assert be.info["prefill_weights"] == "fp16" and be.info["prefill_dense_bytes"] > 0
+    monkeypatch.setenv("NANOQWEN_PREFILL_WEIGHTS", "int4")
+    assert _backend(tied_path, kind, max_context=128).info["prefill_weights"] == "int4"
+    with pytest.raises(InvalidRequestError, match="prefill_weights"):
+        _backend(tied_path, kind, max_context=128, prefill_weights="fp8")

@@ -227,6 +227,7 @@ def test_kernelset_exposes_the_interface(monkeypatch, launches):
         "sample",
         "advance",
         "gemm_int4",
+        "gemm_f16",
         "rope_kv_prefill",
         "attention_prefill",
         "dequantize_int4",

@@ -3,7 +3,7 @@ the column-major arguments, types and alpha/beta they must; a failed cuBLAS call
 
 import numpy as np
 import pytest
-from fakes import dev, load
+from fakes import assert_each_refused, dev, load
 from nanoqwen_kernels import KernelError
 from nanoqwen_kernels.dims import TINY
 from nanoqwen_kernels.gemv import GemvKernels
@@ -81,6 +81,35 @@ def test_prefill_gemm_accumulate_is_cublas_beta_one(launches, monkeypatch):
     aliased = X.reshape(-1)[:32].reshape(4, 8)  # out's shape, X's memory
     with pytest.raises(KernelError, match="X and out overlap"):
         p.gemm_int4(qw, sc, X, aliased, ws)
+
+
+def test_prefill_gemm_f16_is_one_cublas_call_on_the_resident_weight(launches, monkeypatch):
+    """gemm_f16: no dequantization launch, one GEMM reading w itself (N x K), beta as gemm_int4's; bad
+    shapes and aliasing refused by name."""
+    from nanoqwen_kernels import blas
+
+    fake = FakeCublas()
+    monkeypatch.setattr(blas, "_cublas", lambda: fake)
+    p = PrefillKernels(TINY, load)
+    w, X, out = dev((24, 256), np.float16), dev((5, 256), np.float16), dev((5, 24), np.float16)
+    for acc, beta in ((False, 0.0), (True, 1.0)):
+        p.gemm_f16(w, X, out, accumulate=acc)
+        call = fake.calls[-1]
+        assert call[0] == "gemmEx" and call[4:7] == (24, 5, 256)
+        assert call[8] == w.data.ptr and call[15] == out.data.ptr and _f32_at(call[14]) == beta
+    assert not launches  # nothing dequantized
+    good = dict(w=w, X=X, out=out)
+    assert_each_refused(
+        p.gemm_f16,
+        good,
+        [
+            ({"w": dev((24, 256), np.float32)}, "w must be float16"),
+            ({"w": dev((24 * 256,), np.float16)}, r"w must be fp16 \[N, K\]"),
+            ({"X": dev((5, 128), np.float16)}, r"X must be fp16 \[T, 256\]"),
+            ({"out": dev((5, 23), np.float16)}, "out"),
+            ({"out": X.reshape(-1)[:120].reshape(5, 24)}, "X and out overlap"),
+        ],
+    )
 
 
 def test_cublas_status_is_a_kernel_error():

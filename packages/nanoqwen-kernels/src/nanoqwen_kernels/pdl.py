@@ -1,19 +1,20 @@
 """Kernel launches with programmatic dependent launch (PDL): cuLaunchKernelEx through ctypes.
 
-Why: a decode step is ~170 small kernels in a CUDA graph. Launched plainly, each one starts only after
-the previous one has drained, and then spends its prologue (stage and norm x, first weight loads) before
-its first weight byte arrives: an idle gap at every kernel boundary. With the launch attribute
-CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, a kernel may be launched as soon as every block of
-the previous one has executed `griddepcontrol.launch_dependents`; its blocks take the SM room the
-previous kernel's tail frees, ask L2 for their first weights, and block in `griddepcontrol.wait` until
-the previous kernel has completed and its writes are visible (the contract of every entry: cuda/common.cuh,
-"programmatic dependent launch"). A stream capture turns the attribute into a programmatic graph edge, so
-the captured decode graphs keep it.
+Why: a decode step is ~170 small kernels in a CUDA graph, and between two plain launches the GPU drains
+the first grid, flushes its writes, then processes the second launch and places its blocks: an idle gap
+at every kernel boundary. With the launch attribute CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+the second kernel's launch is processed while the first drains and its blocks are placed as the first
+one's blocks exit; each entry then blocks in `griddepcontrol.wait` until the first kernel has completed
+and its writes are visible (the contract of every entry: cuda/common.cuh, "programmatic dependent
+launch"). A stream capture turns the attribute into a programmatic graph edge, so the captured decode
+graphs keep it. Measured on the H200 (7B, docs/PERF.md "Launch overlap"): decode at depth 0 2.20 ->
+2.12 ms/token, the batch-1 step of the batched protocol 2.24 -> 2.09 ms; B >= 8 unchanged. Releasing the
+next kernel early (griddepcontrol.launch_dependents at entry) measured slower and is not used.
 
 CuPy's launch (`Function.__call__`) takes no launch attributes, so this module builds the driver's
 CUlaunchConfig itself and calls cuLaunchKernelEx from libcuda (already loaded by CuPy). Arguments are
-marshalled as CuPy would: a device array is its pointer, a numpy scalar its bytes (int32, float32, the
-uint64 null pointer).
+marshalled as CuPy would: a device array is its pointer, a numpy scalar its value in its C type (int32,
+float32, the uint64 null pointer).
 
 Switch: $NANOQWEN_PDL = 0 launches every kernel plainly (through CuPy); default on, on compute capability
 >= 9.0 (the attribute needs Hopper; the kernels are built for sm_90a).

@@ -115,6 +115,21 @@ class PrefillKernels:
         self.dequantize_int4(qweight, scales, w)
         self._blas.gemm_nt(X, w, out, accumulate=accumulate)
 
+    def gemm_f16(self, w, X, out, accumulate: bool = False) -> None:
+        """out[T, N] fp16 = X[T, K] . w^T (+ out when accumulate), w an fp16 [N, K] weight kept dense on the
+        device (the engine's resident copy of a dequantized INT4 matrix: gemm_int4 without its per-call
+        dequantization); fp32 sums on tensor cores (cuBLAS)."""
+        ck.check_array("w", w, np.float16)
+        if w.ndim != 2 or w.shape[0] < 1 or w.shape[1] < 1:
+            raise KernelError(f"w must be fp16 [N, K], got shape {tuple(w.shape)}")
+        n, k = int(w.shape[0]), int(w.shape[1])
+        ck.check_array("X", X, np.float16)
+        if X.ndim != 2 or X.shape[1] != k or X.shape[0] < 1:
+            raise KernelError(f"X must be fp16 [T, {k}], got shape {tuple(X.shape)}")
+        ck.check_array("out", out, np.float16, shape=(int(X.shape[0]), n))
+        ck.check_distinct(X=X, out=out)
+        self._blas.gemm_nt(X, w, out, accumulate=accumulate)
+
     # ---- RoPE + KV page write ---------------------------------------------------------------------
 
     def rope_kv_prefill(self, qkv, start_pos, page_table, k_cache, v_cache, layer, q_out, bias=None) -> None:

@@ -18,6 +18,7 @@ stale, so the next step uploads it again and the loaded model stays usable.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 
@@ -36,11 +37,11 @@ from ..sampler import SamplerState
 from .decode import DecodeStep
 from .device import CupyDevice, Timer
 from .errors import GPUBackendError, GPUOutOfMemoryError, WrongGPUError
-from .plan import build_upload_plan, size_pool
+from .plan import PREFILL_WEIGHTS, build_upload_plan, choose_prefill_weights, size_pool
 from .prefill import PrefillPass
 from .rows import RowAssignment
 from .sampling import GREEDY, DeviceSampler, batch_mode, mode_of
-from .weights import GpuWeights, gpu_weights
+from .weights import DenseLayer, GpuWeights, dense_bytes, dense_layers, gpu_weights
 
 DECODE_MODES = ("graph", "eager")
 MAX_BATCH = 64  # decode rows the buffers are sized for unless create() is given max_batch
@@ -69,7 +70,7 @@ def _check_gpu() -> None:
 
 class CudaBackend:
     def __init__(self, dev, ks, weights: GpuWeights, config: ModelConfig, pool: PagePool, k_cache, v_cache,
-                 decode_mode: str, max_batch: int, info: dict):
+                 decode_mode: str, max_batch: int, info: dict, dense: list[DenseLayer] | None = None):
         self.dev, self.ks, self.w, self.config, self.pool = dev, ks, weights, config, pool
         self.k_cache, self.v_cache = k_cache, v_cache  # f16 [L, n_pages + 1, n_kv, 16, 128] each
         self.decode_mode = decode_mode
@@ -81,7 +82,7 @@ class CudaBackend:
         self.step = DecodeStep(dev, ks, weights, config, k_cache, v_cache, P, max_batch, self.sampler_dev,
                                scratch_page=pool.n_pages)
         self.rows = RowAssignment(max_batch)
-        self.prefill_pass = PrefillPass(dev, ks, weights, config, k_cache, v_cache)
+        self.prefill_pass = PrefillPass(dev, ks, weights, config, k_cache, v_cache, dense)
         # prefill's own page tables and head buffers (a row per sequence of a prefill_many), so a prefill
         # leaves the decode rows' state alone
         self.pf_tables = xp.full((max_batch, P), -1, dtype=np.int32)  # int32 [max_batch, P]
@@ -103,7 +104,8 @@ class CudaBackend:
         """Load nqfile (an open NanoqwenFile) onto the GPU.
 
         kwargs: decode_mode "graph" (default) or "eager"; n_pages (pool size, overriding the sizing from
-        max_context / free memory); max_batch (decode rows, default 64). Test hooks: `device` (a
+        max_context / free memory); max_batch (decode rows, default 64); prefill_weights "auto" (default:
+        $NANOQWEN_PREFILL_WEIGHTS, else auto), "fp16" or "int4" (plan.choose_prefill_weights). Test hooks: `device` (a
         HostDevice) and `kernels` (a KernelSet stand-in) replace the GPU and the compiled kernels.
         """
         decode_mode = kwargs.pop("decode_mode", None) or "graph"
@@ -114,6 +116,11 @@ class CudaBackend:
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or not 1 <= max_batch <= 512:
             raise InvalidRequestError(f"max_batch must be an int in 1..512, got {max_batch!r}")
         n_pages = kwargs.pop("n_pages", None)
+        prefill_weights = kwargs.pop("prefill_weights", None) or os.environ.get("NANOQWEN_PREFILL_WEIGHTS") or "auto"
+        if prefill_weights not in PREFILL_WEIGHTS:
+            raise InvalidRequestError(
+                f"prefill_weights (NANOQWEN_PREFILL_WEIGHTS) must be one of {PREFILL_WEIGHTS}, got {prefill_weights!r}"
+            )
         dev = kwargs.pop("device", None)
         ks = kwargs.pop("kernels", None)
         if kwargs:
@@ -143,6 +150,18 @@ class CudaBackend:
                 weights = gpu_weights(dev.upload(plan, nqfile.tensor, progress), config.n_layers)
             free, total = dev.mem_info()
             try:
+                pw = choose_prefill_weights(prefill_weights, dense_bytes(weights), free)
+            except ValueError as e:
+                raise GPUOutOfMemoryError(str(e)) from None
+            dense = None
+            if pw == "fp16":
+                with Timer() as td, dev.use():
+                    dense = dense_layers(dev.xp, ks, weights)
+                    dev.synchronize()
+                info.update(prefill_dense_bytes=dense_bytes(weights), prefill_dense_s=td.s)
+                free, total = dev.mem_info()
+            info["prefill_weights"] = pw
+            try:
                 ps = size_pool(n_layers=config.n_layers, n_kv_heads=config.n_kv_heads,
                                head_dim=config.head_dim, max_position=config.max_position,
                                max_context=max_context, free_bytes=free, total_bytes=total,
@@ -171,7 +190,7 @@ class CudaBackend:
         )
         pool = PagePool(ps.n_pages, ps.max_pages_per_seq)
         with dev.use():  # buffers zeroed on the backend's stream, ordered before its first launch
-            be = cls(dev, ks, weights, config, pool, k_cache, v_cache, decode_mode, max_batch, info)
+            be = cls(dev, ks, weights, config, pool, k_cache, v_cache, decode_mode, max_batch, info, dense)
         dev.synchronize()
         info["load_s"] = time.perf_counter() - t_all
         return be

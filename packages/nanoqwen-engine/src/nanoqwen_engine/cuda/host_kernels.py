@@ -205,8 +205,21 @@ class HostKernels:
 
     # --- prefill launchers ---
     @_launcher
+    def dequantize_int4(self, qweight, scales, out):
+        out[...] = self._w(qweight, scales).astype(np.float16)
+
+    @_launcher
     def gemm_int4(self, qweight, scales, X, out, workspace=None, accumulate=False):
-        acc = X.astype(np.float32) @ self._w(qweight, scales).T
+        # the kernel dequantizes W to fp16 (one rounding of s * q), then multiplies: so does this
+        self._gemm(X, self._w(qweight, scales).astype(np.float16), out, accumulate)
+
+    @_launcher
+    def gemm_f16(self, w, X, out, accumulate=False):
+        self._gemm(X, w, out, accumulate)
+
+    @staticmethod
+    def _gemm(X, w16, out, accumulate) -> None:
+        acc = X.astype(np.float32) @ w16.astype(np.float32).T
         if accumulate:  # the GEMM's beta = 1: the sum in fp32, one rounding
             acc += out.astype(np.float32)
         out[...] = acc.astype(out.dtype)

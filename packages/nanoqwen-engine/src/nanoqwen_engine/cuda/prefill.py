@@ -10,6 +10,9 @@ Q = n_heads * 128, I intermediate; every activation f16, row-major):
         --gemm_int4 down, accumulate--> x += d
 
 (The residual adds are the GEMMs' beta = 1: cuBLAS adds x while it writes, in fp32, no extra kernel.)
+Each GEMM reads the layer's resident f16 copy of its matrix when the backend keeps one (gemm_f16;
+plan.choose_prefill_weights), else dequantizes the INT4 matrix into a scratch first (gemm_int4): the same
+f16 bits either way.
 
 Several sequences' prompts (or chunks) can go through together (hidden_many): their rows are stacked and
 share the GEMMs, while RoPE + K/V write and attention run per sequence. Passes hold PREFILL_CHUNK rows
@@ -24,7 +27,7 @@ import functools
 
 import numpy as np
 
-from .weights import GpuWeights
+from .weights import DenseLayer, GpuWeights
 
 PREFILL_CHUNK = 4096
 VOCAB_CHUNK = 16384  # score(): lm_head rows per fp32 matmul (7B: 16384 x 3584 x 4 B = 235 MB temporary)
@@ -53,9 +56,12 @@ def silu_mul(xp, gu, inter: int, out) -> None:
 
 
 class PrefillPass:
-    def __init__(self, dev, ks, weights: GpuWeights, cfg, k_cache, v_cache):
+    def __init__(self, dev, ks, weights: GpuWeights, cfg, k_cache, v_cache, dense: list[DenseLayer] | None = None):
+        """dense: every layer's matrices resident in f16 (weights.dense_layers): the GEMMs read them
+        instead of dequantizing each INT4 matrix first (plan.choose_prefill_weights)."""
         self.dev, self.ks, self.w, self.cfg = dev, ks, weights, cfg
         self.k_cache, self.v_cache = k_cache, v_cache
+        self.dense = dense
         self._ws = None
 
     def hidden(self, token_ids: np.ndarray, start: int, page_table):
@@ -141,20 +147,29 @@ class PrefillPass:
         """Decoder layer i over the rows of x [T,H] (updated in place); segs lists (r0, r1, start,
         page_table): rows r0..r1-1 are one sequence's tokens at positions start..start+r1-r0-1."""
         ks, lw, eps = self.ks, self.w.layers[i], self.cfg.rms_eps
-        ws = self._gemm_workspace()
+        dl = self.dense[i] if self.dense is not None else None
+        ws = self._gemm_workspace() if dl is None else None
+
+        def gemm(name: str, X, out, accumulate: bool = False) -> None:
+            if dl is not None:  # the resident f16 copy
+                ks.gemm_f16(getattr(dl, name), X, out, accumulate=accumulate)
+            else:  # dequantize into ws, then the same GEMM
+                w = getattr(lw, name)
+                ks.gemm_int4(w.qweight, w.scales, X, out, ws, accumulate=accumulate)
+
         ks.rmsnorm_rows(x, lw.in_norm, b["h"], eps)
-        ks.gemm_int4(lw.qkv.qweight, lw.qkv.scales, b["h"], b["qkv"], ws)
+        gemm("qkv", b["h"], b["qkv"])
         for r0, r1, start, table in segs:
             ks.rope_kv_prefill(b["qkv"][r0:r1], start, table, self.k_cache, self.v_cache, i, b["q"][r0:r1],
                                bias=lw.qkv_bias)
         for r0, r1, start, table in segs:  # after every segment's K/V of this layer is written
             ks.attention_prefill(b["q"][r0:r1], self.k_cache, self.v_cache, table, start, r1 - r0, i,
                                  b["a"][r0:r1])
-        ks.gemm_int4(lw.o.qweight, lw.o.scales, b["a"], x, ws, accumulate=True)
+        gemm("o", b["a"], x, accumulate=True)
         ks.rmsnorm_rows(x, lw.post_norm, b["h"], eps)
-        ks.gemm_int4(lw.gate_up.qweight, lw.gate_up.scales, b["h"], b["gu"], ws)
+        gemm("gate_up", b["h"], b["gu"])
         silu_mul(self.dev.xp, b["gu"], self.cfg.intermediate, b["act"])
-        ks.gemm_int4(lw.down.qweight, lw.down.scales, b["act"], x, ws, accumulate=True)
+        gemm("down", b["act"], x, accumulate=True)
 
     def all_logits(self, x):
         """f32 [T,V] logits of every row of x (final norm + lm_head in fp32), on the host."""

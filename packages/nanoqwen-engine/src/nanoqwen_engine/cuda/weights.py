@@ -8,12 +8,16 @@ matrices are the reference's projections stacked by rows (plan.py): `qkv` = q|k|
                 final_norm [H] f16, layers: list[GpuLayer]
     GpuLayer:   in_norm, post_norm [H] f16; qkv, o, gate_up, down: Int4Weight; qkv_bias [Nq + 2 Nkv] f16
     Int4Weight: qweight uint32 [N, K/8] (ValueShuffle words), scales f16 [N, K/128]
+    DenseLayer: the same layer's four matrices dequantized to f16 [N, K] (prefill's resident copy,
+                plan.choose_prefill_weights), built on the device by dense_layers
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -57,3 +61,30 @@ def gpu_weights(bufs: dict[str, Any], n_layers: int) -> GpuWeights:
         for i in range(n_layers)
     ]
     return GpuWeights(embed=bufs["embed"], lm_head=bufs["lm_head"], final_norm=bufs["norm"], layers=layers)
+
+
+@dataclass(frozen=True)
+class DenseLayer:
+    qkv: Any  # f16 [Nq + 2 Nkv, H]
+    o: Any  # f16 [H, Nq]
+    gate_up: Any  # f16 [2 I, H]
+    down: Any  # f16 [H, I]
+
+
+def dense_bytes(weights: GpuWeights) -> int:
+    """Bytes of every layer's four matrices as f16 (4x their INT4 words)."""
+    return sum(4 * int(w.qweight.nbytes) for lw in weights.layers for w in (lw.qkv, lw.o, lw.gate_up, lw.down))
+
+
+def dense_layers(xp, ks, weights: GpuWeights) -> list[DenseLayer]:
+    """Each layer's matrices dequantized once into resident f16 buffers (ks.dequantize_int4, the kernel
+    gemm_int4 runs before every GEMM: the same bits)."""
+
+    def dense(w: Int4Weight):
+        n, k8 = (int(v) for v in w.qweight.shape)
+        out = xp.empty((n, 8 * k8), dtype=np.float16)
+        ks.dequantize_int4(w.qweight, w.scales, out)
+        return out
+
+    return [DenseLayer(qkv=dense(lw.qkv), o=dense(lw.o), gate_up=dense(lw.gate_up), down=dense(lw.down))
+            for lw in weights.layers]

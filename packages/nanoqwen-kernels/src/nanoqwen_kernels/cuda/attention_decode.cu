@@ -444,7 +444,7 @@ extern "C" __global__ void __launch_bounds__(nq_dec::kThreads, 1)
                               const int* __restrict__ seq_len_dev,         // [B]
                               int layer, int n_pages, int max_pages, int n_splits,
                               float* __restrict__ workspace) {             // ws_acc, then ws_ml (header)
-  nq::pdl_enter();  // launch overlap (common.cuh): nothing read or written before it
+  nq::pdl_wait();  // launch overlap (common.cuh): nothing read or written before it
   using namespace nq_dec;
   float* ws_acc = workspace;
   float* ws_ml = workspace + static_cast<size_t>(gridDim.z) * n_splits * nq::kHeads * 128;
@@ -544,7 +544,7 @@ extern "C" __global__ void __launch_bounds__(128)
                                 const int* __restrict__ seq_len_dev,   // [B]
                                 int max_pages, int n_splits,
                                 nq::uint16_t* __restrict__ out) {      // [B, NQ_NHEADS*128]
-  nq::pdl_enter();  // launch overlap (common.cuh): nothing read or written before it
+  nq::pdl_wait();  // launch overlap (common.cuh): nothing read or written before it
   using namespace nq_dec;
   const float* ws_acc = workspace;
   const float* ws_ml = workspace + static_cast<size_t>(gridDim.y) * n_splits * nq::kHeads * 128;

@@ -90,7 +90,7 @@ using nq_pre_common::kv_offset;
 }  // namespace nq_pre
 
 extern "C" __global__ void __launch_bounds__(nq_pre::kThreads) nq_attention_prefill(NQ_ATTENTION_PREFILL_ARGS) {
-  nq::pdl_enter();  // launch overlap (common.cuh): nothing read or written before it
+  nq::pdl_wait();  // launch overlap (common.cuh): nothing read or written before it
   using namespace nq_pre;
   __shared__ __align__(16) float qs[kBQ * kRowF];   // [32][132] fp32, pre-scaled to the log2 domain
   __shared__ __align__(16) float ks[kBK * kRowF];   // [32][132] fp32
@@ -240,7 +240,7 @@ using nq_pre_common::kv_offset;
 
 extern "C" __global__ void __launch_bounds__(nq_pre_mma::kThreads)
     nq_attention_prefill_mma(NQ_ATTENTION_PREFILL_ARGS) {
-  nq::pdl_enter();  // launch overlap (common.cuh): nothing read or written before it
+  nq::pdl_wait();  // launch overlap (common.cuh): nothing read or written before it
   using namespace nq_pre_mma;
   __shared__ __align__(16) uint16_t ks[kBK * kRowH];  // [64 keys][136] fp16 (128 used)
   __shared__ __align__(16) uint16_t vs[kBK * kRowH];  // [64 keys][136] fp16

@@ -116,47 +116,18 @@ __device__ __forceinline__ void cp_async16_l2_256(void* smem_dst, const void* gm
                : "memory");
 }
 // ---- programmatic dependent launch (docs/KERNELS.md "Launch overlap") ----------------------------------
-// Every kernel is launched with the programmatic-stream-serialization attribute (nanoqwen_kernels.pdl),
-// so it may start while the kernel before it in the stream is still running. The contract, kept by
-// every entry in this directory (tests/test_compile.py checks the SASS: ACQBULK before any global load
-// or store):
-//   pdl_release()  lets the next kernel launch: every entry calls it first. The next kernel's blocks
-//                  then take whatever SM room is free (the tail of this kernel) and run their prologue.
-//   pdl_wait()     blocks until the previous kernel has finished and its writes are visible. Nothing
-//                  produced by an earlier kernel (activations, KV, positions, tables) is read, and
-//                  nothing at all is written, before it. Only the weights (written once at load) may be
-//                  touched before it: prefetch_l2 below.
-// Without the attribute (NANOQWEN_PDL=0, or a launch by CuPy) both are no-ops.
-// Tuning knobs (-D through $NANOQWEN_KERNEL_DEFINES, loader.py): NQ_PDL_RELEASE=0 drops the explicit
-// release (the next kernel then launches as this one's blocks exit); NQ_PDL_PREFETCH=0 drops the prefetch.
-#ifndef NQ_PDL_RELEASE
-#define NQ_PDL_RELEASE 1
-#endif
-#ifndef NQ_PDL_PREFETCH
-#define NQ_PDL_PREFETCH 1
-#endif
-__device__ __forceinline__ void pdl_release() {
-#if NQ_PDL_RELEASE
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
+// Every kernel is launched with the programmatic-stream-serialization attribute (nanoqwen_kernels.pdl), so
+// the launch of a kernel is processed while the kernel before it in the stream drains, and its blocks are
+// placed as that kernel's blocks exit, instead of after the whole grid has completed and been flushed.
+// The contract, kept by every entry in this directory (tests/test_compile.py checks the SASS: ACQBULK
+// before any global load or store): pdl_wait() comes first; it returns once the previous kernel has
+// completed and its writes are visible. Without the attribute (NANOQWEN_PDL=0, a launch by CuPy) it is a
+// no-op.
+// What was measured and not kept (H200, 7B decode at depth 0, docs/PERF.md "Launch overlap"): an explicit
+// griddepcontrol.launch_dependents at each entry (the next kernel launched at once, its blocks waiting
+// beside the running ones) took 2.20 -> 2.55 ms/token, 2.43 without the weight prefetch; an L2 prefetch
+// of the first weights before the wait cost 0.06 ms on its own; the wait alone gave 2.12 ms.
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-// the common entry: release the next kernel, then wait for the previous one
-__device__ __forceinline__ void pdl_enter() {
-  pdl_release();
-  pdl_wait();
-}
-// ask L2 for the 128-byte line at p (no register, no wait): the weight prefetch before pdl_wait()
-__device__ __forceinline__ void prefetch_l2(const void* p) {
-#if NQ_PDL_PREFETCH
-  asm volatile("prefetch.global.L2 [%0];" ::"l"(p) : "memory");
-#endif
-}
-// the lines of [p, p + bytes), spread over the 32 lanes of a warp
-__device__ __forceinline__ void prefetch_l2_warp(const void* p, int bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (int off = 128 * (threadIdx.x & 31); off < bytes; off += 32 * 128) prefetch_l2(c + off);
-}
 
 // 4 bytes global -> shared (cp.async.ca: .cg takes only 16-byte copies)
 __device__ __forceinline__ void cp_async4(void* smem_dst, const void* gmem_src) {

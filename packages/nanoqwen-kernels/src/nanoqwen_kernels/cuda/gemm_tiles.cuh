@@ -192,21 +192,7 @@ __device__ __forceinline__ void gemm_tiles(const uint32_t* __restrict__ qw, cons
   const long long lo = stripe_lo(blk, w_items, p_blocks), hi = stripe_lo(blk + 1, w_items, p_blocks);
   constexpr int kStageChunks = tile_stage_bytes<kCols>() / 16;
 
-  // Launch overlap (common.cuh): while the previous kernel finishes, ask L2 for the weights of the first
-  // kTileStages - 1 pairs this block will stage (one 128-byte line per row slot and pair), then wait for
-  // the x it produced. Tickets and ws are touched only after the wait.
-  pdl_release();
-  if (lo < hi && tid < kTileSlots) {
-    const int t = static_cast<int>(lo / kPairs);
-    const int p0 = static_cast<int>(lo - static_cast<long long>(t) * kPairs);
-    int r0, r1;
-    map(min(t * kTileUnits + tid % kTileUnits, units - 1), r0, r1);
-    const uint32_t* row = qw + static_cast<size_t>(tid < kTileUnits ? r0 : r1) * (K / 8);
-#pragma unroll
-    for (int i = 0; i < kTileStages - 1; ++i)
-      if (p0 + i < kPairs && lo + i < hi) prefetch_l2(row + 32 * (p0 + i));  // 32 words = one pair
-  }
-  pdl_wait();
+  pdl_wait();  // launch overlap (common.cuh): nothing read or written before the previous kernel ends
 
   for (long long j = lo; j < hi;) {  // block-uniform loop over this block's segments
     const int t = static_cast<int>(j / kPairs);

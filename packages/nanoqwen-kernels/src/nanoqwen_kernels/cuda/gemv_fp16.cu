@@ -47,16 +47,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) nq_gemv_fp16(
   constexpr int kNU = kHidden / 8;           // 16-byte pieces per row
   constexpr int kNJ = (kNU + 31) / 32;       // pieces per lane
   __shared__ float4 xs[kHidden / 4];         // [H] fp32 = H * 4 bytes
-  // launch overlap (common.cuh): the warp's first two rows are asked of L2 before the wait for x
-  pdl_release();
-  {
-    const int p = blockIdx.x * (kThreads / 32) + (threadIdx.x >> 5);
-    if (p < (n_rows + 1) / 2) {
-      prefetch_l2_warp(w + static_cast<size_t>(2 * p) * kHidden, 2 * kHidden);
-      prefetch_l2_warp(w + static_cast<size_t>(min(2 * p + 1, n_rows - 1)) * kHidden, 2 * kHidden);
-    }
-  }
-  pdl_wait();
+  pdl_wait();  // launch overlap (common.cuh): x is the previous kernel's output
   for (int i = threadIdx.x; i < kHidden / 2; i += kThreads) {
     const float2 f = h22f2(reinterpret_cast<const uint32_t*>(x)[i]);
     reinterpret_cast<float2*>(xs)[i] = f;

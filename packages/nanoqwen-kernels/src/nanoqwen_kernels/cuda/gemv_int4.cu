@@ -157,17 +157,7 @@ __device__ __forceinline__ void gemv_units(const uint32_t* __restrict__ qw, cons
   __shared__ uint4 xs[K / 8];  // [4][K/32] x 16 B: K * 2 bytes (37.9 KB at K = 18944)
   __shared__ float red[32];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  // Launch overlap (common.cuh): while the previous kernel finishes, ask L2 for this warp's first unit
-  // (both rows: at the 7B's launch shapes the first unit of every warp covers all of q/k/v, o_proj and
-  // down_proj, and a fifth of gate/up), then wait for the activations it produced.
-  pdl_release();
-  if (blockIdx.x * kWarps + warp < units) {
-    int r0, r1;
-    map(blockIdx.x * kWarps + warp, r0, r1);
-    prefetch_l2_warp(qw + static_cast<size_t>(r0) * (K / 8), K / 2);
-    prefetch_l2_warp(qw + static_cast<size_t>(r1) * (K / 8), K / 2);
-  }
-  pdl_wait();
+  pdl_wait();  // launch overlap (common.cuh): x is the previous kernel's output
   stage_x<K>(x, norm_w, eps, xs, red);
   // no barrier below: warps leave the loop independently
   for (int p = blockIdx.x * kWarps + warp; p < units; p += gridDim.x * kWarps) {

@@ -280,7 +280,7 @@ __device__ __forceinline__ void gemv_mma(const W& wsrc, const uint16_t* __restri
   const int row_chunks = (slice_k + kXPad) / 8;
   const int n_slices = (kG + slice_groups - 1) / slice_groups;
 
-  pdl_enter();  // launch overlap (common.cuh): nothing read or written before the previous kernel ends
+  pdl_wait();  // launch overlap (common.cuh): nothing read or written before the previous kernel ends
   if (norm_w != nullptr) column_rms<K, kCols>(xp, ncols, eps, rs, red);  // block-uniform branch
   // block-uniform loop (t depends on the block only): the barriers inside are reached by every thread
   const int tiles = (units + 7) / 8;
@@ -335,7 +335,7 @@ __device__ __forceinline__ void norm_cols(const uint16_t* __restrict__ x, const 
   __shared__ float red[kWarps][1];
   __shared__ float rs[1];
   const size_t base = static_cast<size_t>(blockIdx.x) * K;
-  pdl_enter();  // launch overlap (common.cuh)
+  pdl_wait();  // launch overlap (common.cuh)
   column_rms<K, 1>(x + base, 1, eps, rs, red);
   __syncthreads();  // rs visible
   const uint4* x4 = reinterpret_cast<const uint4*>(x + base);

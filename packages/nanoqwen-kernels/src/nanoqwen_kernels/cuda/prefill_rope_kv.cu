@@ -29,7 +29,7 @@ extern "C" __global__ void __launch_bounds__(64)
                     nq::uint16_t* __restrict__ v_cache,       // same
                     int layer, int n_pages,
                     nq::uint16_t* __restrict__ q_out) {       // [T, kQDim] fp16
-  nq::pdl_enter();  // launch overlap (common.cuh): nothing read or written before it
+  nq::pdl_wait();  // launch overlap (common.cuh): nothing read or written before it
   const int i = blockIdx.x;
   const int head = blockIdx.y;  // 0..kHeads-1 q, then kKvHeads k heads, then kKvHeads v heads
   const int d = threadIdx.x;    // 0..63
