@@ -5,8 +5,9 @@
 #
 # Per variant: the kernels compiled with those -D knobs ($NANOQWEN_KERNEL_DEFINES, loader.py; in parallel,
 # bench/precompile.py), then `nanoqwen-cli bench` with a 1-token prompt (decode at depth 0) and
-# scripts/bench_batch.py at $AB_BATCH (default 1,8,32,64), each under the variant's environment.
-# Records in $AB_DIR (default /tmp/nq-ab): <label>-d0.json, <label>-batch.json; a table printed last.
+# the same with a 512-token prompt (prefill time, decode at depth 512; AB_P512=0 skips it) and
+# scripts/bench_batch.py at $AB_BATCH (default 1,8,32,64; AB_BATCH= skips it), each under the variant's
+# environment. Records in $AB_DIR (default /tmp/nq-ab): <label>-{d0,p512,batch}.json; a table printed last.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 MODEL=$1; shift
@@ -23,7 +24,10 @@ for spec in "$@"; do
     >"$AB_DIR/$label-compile.log" 2>&1 || tail -5 "$AB_DIR/$label-compile.log"
   env NANOQWEN_KERNEL_DEFINES="$defines" $envs timeout 120 $PY -m nanoqwen_cli bench --model "$MODEL" \
     --prompt-tokens 1 --json >"$AB_DIR/$label-d0.json" 2>"$AB_DIR/$label-d0.err" || tail -5 "$AB_DIR/$label-d0.err"
-  env NANOQWEN_KERNEL_DEFINES="$defines" $envs timeout 240 $PY scripts/bench_batch.py "$MODEL" \
+  [ "${AB_P512:-1}" = 1 ] && { env NANOQWEN_KERNEL_DEFINES="$defines" $envs timeout 120 $PY -m nanoqwen_cli bench \
+    --model "$MODEL" --prompt-tokens 512 --json >"$AB_DIR/$label-p512.json" 2>"$AB_DIR/$label-p512.err" \
+    || tail -5 "$AB_DIR/$label-p512.err"; }
+  [ -n "${AB_BATCH-x}" ] && env NANOQWEN_KERNEL_DEFINES="$defines" $envs timeout 240 $PY scripts/bench_batch.py "$MODEL" \
     --batch "${AB_BATCH:-1,8,32,64}" --json "$AB_DIR/$label-batch.json" >"$AB_DIR/$label-batch.log" 2>&1 \
     || tail -5 "$AB_DIR/$label-batch.log"
 done
@@ -31,16 +35,19 @@ $PY - "$AB_DIR" "${labels[@]}" <<'PYEOF'
 import json, sys
 from pathlib import Path
 d = Path(sys.argv[1])
-print(f"{'variant':12s} {'d0 ms/tok':>9s}  batch: step ms (tok/s)")
+print(f"{'variant':12s} {'d0 ms/tok':>9s} {'d512':>6s} {'pf512':>6s} {'pf1':>6s}  batch: step ms (tok/s)")
 for label in sys.argv[2:]:
-    try:
-        ms = f"{json.load(open(d / f'{label}-d0.json'))['decode_ms_per_token']:.3f}"
-    except Exception as e:
-        ms = "fail"
+    def get(kind, key):
+        try:
+            return f"{json.load(open(d / f'{label}-{kind}.json'))[key]:.3f}"
+        except Exception:
+            return "-"
+    ms = f"{get('d0', 'decode_ms_per_token'):>9s} {get('p512', 'decode_ms_per_token'):>6s} " \
+         f"{get('p512', 'prefill_ms'):>6s} {get('d0', 'prefill_ms'):>6s}"
     try:
         rows = json.load(open(d / f"{label}-batch.json"))["results"]
         b = "  ".join(f"B={r['batch']}: {r['step_ms_mean']:.2f} ({r['decode_tok_s']:.0f})" for r in rows)
     except Exception as e:
-        b = f"fail ({e})"
-    print(f"{label:12s} {ms:>9s}  {b}")
+        b = f"- ({type(e).__name__})"
+    print(f"{label:12s} {ms}  {b}")
 PYEOF

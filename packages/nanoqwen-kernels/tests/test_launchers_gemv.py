@@ -256,3 +256,15 @@ def test_gemv_plan_invariants(k, tiles):
         assert p.passes * p.pass_cols >= b > (p.passes - 1) * p.pass_cols  # every pass has columns
         assert p.smem <= X_SMEM_BUDGET
         assert p.slice_groups == k // 128 or p.slice_groups % 8 == 0  # sliced: the same sums' order
+
+
+def test_tile_knobs_size_the_launch(launches, monkeypatch):
+    """NQ_TILE_WARPS / NQ_TILE_STAGES ($NANOQWEN_KERNEL_DEFINES) reach the launch's block and shared
+    memory; a build whose stages would not fit the cap gets fewer (gemm_tiles.cuh tile_stages)."""
+    from nanoqwen_kernels import gemv
+
+    assert gemv.tile_threads() == gemv.TILE_THREADS and gemv.tile_stages(64) == gemv.TILE_STAGES
+    monkeypatch.setenv("NANOQWEN_KERNEL_DEFINES", "NQ_TILE_WARPS=8,NQ_TILE_STAGES=4")
+    assert gemv.tile_threads() == 256
+    assert [gemv.tile_stages(c) for c in (8, 16, 32, 64)] == [4, 4, 4, 3]
+    assert all(gemv.tile_smem(c) <= gemv.TILE_SMEM_CAP for c in (8, 16, 32, 64))

@@ -23,6 +23,7 @@ from . import checks as ck
 from .blas import Blas
 from .dims import GROUP, ModelDims
 from .errors import KernelError
+from .loader import extra_defines
 
 INT4_SOURCES = ["gemv_int4.cu"]
 FP16_SOURCES = ["gemv_fp16.cu"]
@@ -120,18 +121,34 @@ def plan_gemv(b: int, k: int, n_tiles: int, sm_count: int) -> GemvPlan:
 # ---- the tile GEMM (gemm_tiles.cuh) ---------------------------------------------------------------------
 TILE_BUILDS = (8, 16, 32, 64)  # columns of its entries (suffix _tile8 .. _tile64); B <= 64
 TILE_UNITS = 128  # units (2 rows) per tile: 16 warps x 1 m16 tile x 8 units
-TILE_THREADS = 512  # gemm_tiles.cuh kTileThreads (NQ_TILE_WARPS = 16)
-TILE_STAGES = 3  # gemm_tiles.cuh kTileStages
+TILE_THREADS = 512  # gemm_tiles.cuh kTileThreads (NQ_TILE_WARPS = 16, the default)
+TILE_STAGES = 3  # gemm_tiles.cuh NQ_TILE_STAGES default
+TILE_SMEM_CAP = 220 * 1024  # gemm_tiles.cuh kTileSmemCap
 TILE_X_ROW_CHUNKS = (2 * GROUP + X_PAD) // 8  # kXRowChunks
 # Work items (256-k steps of a tile) per block at least: a small matrix (o_proj, q/k/v) then runs on fewer
 # blocks with fewer contributors per tile for the last block to add up
 TILE_MIN_ITEMS = 2
 
 
+def tile_threads() -> int:
+    """Threads of a tile GEMM block: 32 x NQ_TILE_WARPS (a $NANOQWEN_KERNEL_DEFINES knob, default 16)."""
+    return 32 * extra_defines().get("NQ_TILE_WARPS", TILE_THREADS // 32)
+
+
+def tile_stages(cols: int) -> int:
+    """Ring stages of the build for `cols` columns (gemm_tiles.cuh tile_stages): NQ_TILE_STAGES (default 3),
+    fewer where they would not fit TILE_SMEM_CAP."""
+    return min(extra_defines().get("NQ_TILE_STAGES", TILE_STAGES), TILE_SMEM_CAP // _tile_stage_bytes(cols))
+
+
+def _tile_stage_bytes(cols: int) -> int:
+    slots = 2 * TILE_UNITS
+    return slots * 128 + slots * 4 + cols * TILE_X_ROW_CHUNKS * 16
+
+
 def tile_smem(cols: int) -> int:
     """Dynamic shared memory of the tile GEMM built for `cols` columns (gemm_tiles.cuh tile_stage_bytes)."""
-    slots = 2 * TILE_UNITS
-    return TILE_STAGES * (slots * 128 + slots * 4 + cols * TILE_X_ROW_CHUNKS * 16)
+    return tile_stages(cols) * _tile_stage_bytes(cols)
 
 
 @dataclass(frozen=True)
@@ -229,7 +246,7 @@ class GemvKernels:
             x = xn
         plan = plan_tiles(k, units, ck.sm_count())
         build = next(c for c in TILE_BUILDS if c >= b)
-        ck.launch(self._tile[(kind, build)], plan.blocks, TILE_THREADS,
+        ck.launch(self._tile[(kind, build)], plan.blocks, tile_threads(),
                   (*w_args, x, *epi_args, np.int32(b), self._tile_ws, self._tile_tickets),
                   shared_mem=tile_smem(build))
 

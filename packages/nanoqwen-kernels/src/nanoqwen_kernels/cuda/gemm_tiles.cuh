@@ -50,13 +50,23 @@ constexpr int kTileUnits = kTileWarps * 8 * kTileMT;  // 128 units = 256 rows pe
 static_assert(kTileUnits == 128, "the tile is 128 units (gemv.py TILE_UNITS)");
 constexpr int kCopyRows = kTileThreads / 8;         // row slots one pass of the block's 16-byte copies covers
 constexpr int kTileSlots = 2 * kTileUnits;         // row slots per stage
-constexpr int kTileStages = 3;                      // ring depth: 2 stages (64 KB of weights) in flight
 constexpr int kXRowChunks = (2 * kGroup + kXPad) / 8;  // 16-byte chunks per staged x row (34)
 
 // bytes of one stage for kCols columns (the launcher sizes dynamic shared memory with the same formula)
 template <int kCols>
 __host__ __device__ constexpr int tile_stage_bytes() {
   return kTileSlots * 128 + kTileSlots * 4 + kCols * kXRowChunks * 16;
+}
+// Ring depth: NQ_TILE_STAGES (default 3: 2 stages, 64 KB of weights, in flight), fewer where the stages of
+// a wide build would not fit kTileSmemCap (gemv.py tile_stages mirrors this)
+#ifndef NQ_TILE_STAGES
+#define NQ_TILE_STAGES 3
+#endif
+constexpr int kTileSmemCap = 220 * 1024;
+template <int kCols>
+__host__ __device__ constexpr int tile_stages() {
+  return NQ_TILE_STAGES < kTileSmemCap / tile_stage_bytes<kCols>() ? NQ_TILE_STAGES
+                                                                    : kTileSmemCap / tile_stage_bytes<kCols>();
 }
 
 // the block that owns work item j when W items are cut into P stripes (the largest b with b W / P <= j)
@@ -191,6 +201,8 @@ __device__ __forceinline__ void gemm_tiles(const uint32_t* __restrict__ qw, cons
   const long long w_items = static_cast<long long>(tiles) * kPairs;
   const long long lo = stripe_lo(blk, w_items, p_blocks), hi = stripe_lo(blk + 1, w_items, p_blocks);
   constexpr int kStageChunks = tile_stage_bytes<kCols>() / 16;
+  constexpr int kTileStages = tile_stages<kCols>();
+  static_assert(kTileStages >= 2, "the ring needs two stages");
 
   pdl_wait();  // launch overlap (common.cuh): nothing read or written before the previous kernel ends
 
