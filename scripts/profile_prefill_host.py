@@ -33,7 +33,7 @@ def main() -> int:
     be = eng.backend
     rng = np.random.default_rng(0)
     ids = rng.integers(0, be.config.vocab, size=args.tokens).astype(np.int32)
-    greedy = SamplingParams(temperature=0.0)
+    greedy = SamplingParams(temperature=0.0).resolve({})
 
     def once():
         seq = be.pool.new_sequence()
