@@ -583,3 +583,36 @@ def test_resident_fp16_prefill_weights_give_the_int4_path_bits(tied_path, kind, 
     assert _backend(tied_path, kind, max_context=128).info["prefill_weights"] == "int4"
     with pytest.raises(InvalidRequestError, match="prefill_weights"):
         _backend(tied_path, kind, max_context=128, prefill_weights="fp8")
+
+
+def test_prefill_graphs_replay_the_eager_pass(tied_path, kind, rng):
+    """One sequence's prefill of <= 512 tokens replays its bucket's captured pass (the first use of a
+    bucket runs eagerly, the second captures, later ones replay): the same next token and logits as the
+    eager pass (graphs off), for prompts of several lengths within a bucket and across buckets, from
+    position 0 and mid-sequence (a second chunk), and the K/V it leaves decodes the same tokens."""
+    graph = _backend(tied_path, kind, max_context=128)
+    eager = _backend(tied_path, kind, max_context=128, decode_mode="eager")
+    assert graph.prefill_pass.graphs and not eager.prefill_pass.graphs
+    V = graph.config.vocab
+    for n in (5, 9, 16, 3, 40, 17, 33, 12):
+        ids = rng.integers(0, V, size=n)
+        split = n // 3  # a first chunk without a sampler, then the rest from position `split`
+        got = []
+        for be in (graph, eager):
+            seq = be.pool.new_sequence()
+            st = SamplerState(GREEDY, V)
+            if split:
+                assert be.prefill(seq, ids[:split], None) is None
+            toks = [be.prefill(seq, ids[split:], st)]
+            logits = [be.last_logits()[0].copy()]
+            for _ in range(3):
+                toks.append(be.decode([seq], [toks[-1]], [st])[0])
+                logits.append(be.last_logits()[0].copy())
+            be.pool.free(seq)
+            got.append((toks, logits))
+        (gt, gl), (et, el) = got
+        np.testing.assert_allclose(gl[0], el[0], rtol=0, atol=2e-2 * np.abs(el[0]).max())
+        _same_or_near_tie(gt, et, el, f"prompt of {n}")
+    used = {k[0]: g for k, g in graph.prefill_pass._graphs.items()}
+    assert used[16].graph is not None and used[16].uses >= 4  # 5, 9, 16, 3, 12 and the chunks below 16
+    assert set(used) <= {16, 32, 64}

@@ -132,3 +132,35 @@ def test_attention_prefill_32k_rows(kernels, rng, variant):
         ref, pv_abs = causal_ref(qi, kf[: i + 1], vf[: i + 1], int(i), g, with_pv_abs=True)
         ref, pv_abs = ref.reshape(-1), pv_abs.reshape(-1)
         assert (np.abs(got[i] - ref) <= tolerance(ref, pv_abs, variant)).all(), f"row {i}"
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize(("start_pos", "T", "bucket"), [(0, 1, 16), (37, 17, 64), (3, 100, 128)])
+def test_attention_prefill_from_device_ctl(kernels, rng, variant, start_pos, T, bucket):
+    """ctl = (start_pos, T) on the device over a launch of `bucket` rows (a captured prefill graph's form):
+    the T real rows are the host-scalar launch's bits; the padding rows are not written (still NaN) and no
+    slot past the sequence is read (the pages past it are NaN, the table ends with the sequence)."""
+    import cupy as cp
+
+    d = DIMS["tiny"]
+    L = start_pos + T
+    table, n_pages = scattered_pages(rng, L)
+    shape = (2, n_pages, d.n_kv_heads, 16, 128)
+    kc = np.full(shape, np.nan, dtype=np.float16)
+    vc = np.full(shape, np.nan, dtype=np.float16)
+    pos = np.arange(L)
+    kc[1, table[pos // 16], :, pos % 16] = rng.standard_normal((L, d.n_kv_heads, 128)).astype(np.float16)
+    vc[1, table[pos // 16], :, pos % 16] = rng.standard_normal((L, d.n_kv_heads, 128)).astype(np.float16)
+    q = cp.asarray((2.0 * rng.standard_normal((bucket, d.q_dim))).astype(np.float16))
+    args = (cp.asarray(kc), cp.asarray(vc), cp.asarray(table))
+    ref = cp.full((T, d.q_dim), np.nan, dtype=cp.float16)
+    kernels["tiny", variant].attention_prefill(q[:T], *args, start_pos, T, 1, ref)
+    got = cp.full((bucket, d.q_dim), np.nan, dtype=cp.float16)
+    ctl = cp.asarray(np.array([start_pos, T], dtype=np.int32))
+    kernels["tiny", variant].attention_prefill(q, *args, None, bucket, 1, got, ctl=ctl)
+    got, ref = cp.asnumpy(got), cp.asnumpy(ref)
+    assert np.isfinite(ref).all()
+    assert np.array_equal(got[:T].view(np.uint16), ref.view(np.uint16))
+    assert np.isnan(got[T:]).all()

@@ -161,10 +161,18 @@ def test_rope_kv_prefill_checks(launches):
     fn, grid, args = launches[-1]
     assert fn == "nq_rope_kv_prefill" and grid == (3, d.n_heads + 2 * d.n_kv_heads, 1)
     assert int(args[1]) == 0  # no bias: a null pointer
-    assert [int(args[i]) for i in (2, 6, 7)] == [61, 1, 4]  # start_pos, layer, n_pages
+    assert [int(args[i]) for i in (2, 3, 7, 8)] == [61, 0, 1, 4]  # start_pos, no ctl, layer, n_pages
     bias = dev((d.qkv_rows,), np.float16)
     p.rope_kv_prefill(**good, bias=bias)
     assert launches[-1][2][1] is bias
+    # a captured graph's form: start_pos and the valid rows on the device, start_pos None
+    ctl = dev((2,), np.int32)
+    p.rope_kv_prefill(**{**good, "start_pos": None}, ctl=ctl)
+    assert launches[-1][2][3] is ctl and int(launches[-1][2][2]) == 0
+    with pytest.raises(KernelError, match="start_pos must be None when ctl"):
+        p.rope_kv_prefill(**good, ctl=ctl)
+    with pytest.raises(KernelError, match=r"ctl must have shape \(2,\)"):
+        p.rope_kv_prefill(**{**good, "start_pos": None}, ctl=dev((3,), np.int32))
     bad = [
         (dict(bias=dev((d.qkv_rows - 1,), np.float16)), "bias must have shape"),
         (dict(bias=dev((d.qkv_rows,), np.float32)), "bias must be float16"),
@@ -192,6 +200,12 @@ def test_attention_prefill_checks(launches, variant):
     p.attention_prefill(**good)
     fn, grid, args = launches[-1]
     assert fn == kernel and grid == (-(-33 // rows), d.n_heads, 1)
+    assert int(args[6]) == 0  # no ctl
+    ctl = dev((2,), np.int32)
+    p.attention_prefill(**{**good, "start_pos": None}, ctl=ctl)  # the grid still covers q's 33 rows
+    assert launches[-1][2][6] is ctl and launches[-1][1] == grid
+    with pytest.raises(KernelError, match=r"ctl must be int32"):
+        p.attention_prefill(**{**good, "start_pos": None}, ctl=dev((2,), np.int64))
     bad = [
         (dict(q=dev((33, d.q_dim), np.float32)), "q must be float16"),
         (dict(out=dev((34, d.q_dim), np.float16)), "out must have shape"),
@@ -202,6 +216,22 @@ def test_attention_prefill_checks(launches, variant):
         (dict(layer=True), "layer must be an int"),
     ]
     assert_each_refused(p.attention_prefill, good, bad)
+
+
+def test_silu_mul_checks(launches):
+    d = TINY
+    p = PrefillKernels(d, load)
+    good = dict(gu=dev((5, 2 * d.intermediate), np.float16), out=dev((5, d.intermediate), np.float16))
+    p.silu_mul(**good)
+    fn, grid, args = launches[-1]
+    assert fn == "nq_silu_mul_rows" and grid == (-(-d.intermediate // 2048), 5, 1) and args == (good["gu"], good["out"])
+    bad = [
+        (dict(gu=dev((5, 2 * d.intermediate), np.float32)), "gu must be float16"),
+        (dict(gu=dev((5, d.intermediate), np.float16)), r"gu must be fp16 \[T, 1024\]"),
+        (dict(out=dev((4, d.intermediate), np.float16)), "out must have shape"),
+        (dict(out=good["gu"].reshape(-1)[: 5 * d.intermediate].reshape(5, d.intermediate)), "gu and out overlap"),
+    ]
+    assert_each_refused(p.silu_mul, good, bad)
 
 
 def test_kernelset_exposes_the_interface(monkeypatch, launches):
@@ -228,6 +258,7 @@ def test_kernelset_exposes_the_interface(monkeypatch, launches):
         "advance",
         "gemm_int4",
         "gemm_f16",
+        "silu_mul",
         "rope_kv_prefill",
         "attention_prefill",
         "dequantize_int4",

@@ -87,3 +87,45 @@ def test_gemm_accumulates_into_out(kernels, rng, T):
     kernels["7b"].gemm_int4(cp.asarray(qw), cp.asarray(sc), cp.asarray(x), out)
     ref0 = ref - res.astype(np.float64)
     assert (np.abs(cp.asnumpy(out).astype(np.float64) - ref0) <= tol).all()
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 17, 70])
+def test_gemm_f16_is_gemm_int4_on_the_dequantized_weight(kernels, rng, T):
+    """gemm_f16 on dequantize_int4's output gives gemm_int4's bits (the same cuBLAS call on the same fp16
+    weight), with and without accumulate."""
+    import cupy as cp
+
+    qw, sc, _ = int4_weight(rng, 512, 3584)
+    qw, sc = cp.asarray(qw), cp.asarray(sc)
+    w = cp.empty((512, 3584), dtype=cp.float16)
+    kernels["7b"].dequantize_int4(qw, sc, w)
+    X = cp.asarray(rng.standard_normal((T, 3584)).astype(np.float16))
+    base = rng.standard_normal((T, 512)).astype(np.float16)
+    for acc in (False, True):
+        a, b = cp.asarray(base), cp.asarray(base)
+        kernels["7b"].gemm_int4(qw, sc, X, a, accumulate=acc)
+        kernels["7b"].gemm_f16(w, X, b, accumulate=acc)
+        assert np.array_equal(cp.asnumpy(a).view(np.uint16), cp.asnumpy(b).view(np.uint16))
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["7b", "tiny"])
+@pytest.mark.parametrize("T", [1, 17, 70])
+def test_silu_mul(kernels, rng, name, T):
+    """out = silu(gate) * up in fp32, one rounding: within an fp16 ulp of the float64 value (plus __expf's
+    error); every element written."""
+    import cupy as cp
+
+    d = QWEN25_7B if name == "7b" else TINY
+    i = d.intermediate
+    gu = (3 * rng.standard_normal((T, 2 * i))).astype(np.float16)
+    out = cp.full((T, i), np.nan, dtype=cp.float16)
+    kernels[name].silu_mul(cp.asarray(gu), out)
+    g, u = gu[:, :i].astype(np.float64), gu[:, i:].astype(np.float64)
+    ref = g / (1 + np.exp(-g)) * u
+    got = cp.asnumpy(out).astype(np.float64)
+    assert np.isfinite(got).all()
+    assert (np.abs(got - ref) <= 1e-3 * np.abs(ref) + 1e-6).all()

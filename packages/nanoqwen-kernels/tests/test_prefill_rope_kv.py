@@ -69,3 +69,30 @@ def test_rope_kv_prefill(kernels, rng, name, start_pos, T, with_bias):
     written = T * nkv * 128
     assert np.count_nonzero(~np.isnan(kc)) == written, "K written outside its slots"
     assert np.count_nonzero(~np.isnan(vc)) == written, "V written outside its slots"
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize(("start_pos", "T", "bucket"), [(0, 1, 16), (37, 17, 32), (5, 64, 64)])
+def test_rope_kv_prefill_from_device_ctl(kernels, rng, start_pos, T, bucket):
+    """ctl = (start_pos, T) on the device, the launch over a bucket of rows (a captured prefill graph's
+    form): the real rows give what the host-scalar launch gives, bit for bit; the padding rows write no
+    K/V even though their positions run past the table's pages (-1 entries, or past its end)."""
+    import cupy as cp
+
+    d = DIMS["tiny"]
+    table, n_pages = scattered_pages(rng, start_pos + T)
+    table_dev = cp.asarray(table)  # covers exactly the real positions' pages
+    qkv = cp.asarray(rng.standard_normal((bucket, d.qkv_rows)).astype(np.float16))
+    outs = []
+    for ctl in (None, cp.asarray(np.array([start_pos, T], dtype=np.int32))):
+        shape = (2, n_pages, d.n_kv_heads, 16, 128)
+        k_cache = cp.full(shape, np.nan, dtype=cp.float16)
+        v_cache = cp.full(shape, np.nan, dtype=cp.float16)
+        rows = T if ctl is None else bucket
+        q_out = cp.full((rows, d.q_dim), np.nan, dtype=cp.float16)
+        kernels["tiny"].rope_kv_prefill(qkv[:rows], start_pos if ctl is None else None, table_dev, k_cache,
+                                        v_cache, 1, q_out, ctl=ctl)
+        outs.append((cp.asnumpy(q_out[:T]), cp.asnumpy(k_cache), cp.asnumpy(v_cache)))
+    for a, b in zip(outs[0], outs[1], strict=True):
+        assert np.array_equal(a.view(np.uint16), b.view(np.uint16))

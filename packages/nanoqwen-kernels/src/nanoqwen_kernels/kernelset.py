@@ -70,6 +70,7 @@ class KernelSet:
         self.dequantize_int4 = p.dequantize_int4
         self.gemm_int4 = p.gemm_int4
         self.gemm_f16 = p.gemm_f16
+        self.silu_mul = p.silu_mul
         self.rope_kv_prefill = p.rope_kv_prefill
         self.attention_prefill = p.attention_prefill
 

@@ -15,7 +15,8 @@ from .blas import Blas
 from .dims import GROUP, HEAD_DIM, PAGE_TOKENS, ModelDims
 from .errors import KernelError
 
-PREFILL_SOURCES = ["dequant_int4.cu", "prefill_rope_kv.cu", "attention_prefill.cu"]
+PREFILL_SOURCES = ["dequant_int4.cu", "prefill_rope_kv.cu", "attention_prefill.cu", "prefill_act.cu"]
+SILU_THREADS = 256  # prefill_act.cu: 8 outputs per thread
 _DEQUANT_THREADS = 256
 _DEQUANT_BLOCKS_PER_SM = 16  # grid-stride beyond this many blocks per SM: enough to fill each many times
 # attention_prefill bodies: name -> (kernel, query rows per block (kBQ), threads) in attention_prefill.cu
@@ -40,12 +41,18 @@ def _check_positions(page_table, start_pos, t: int) -> int:
     return start_pos
 
 
-def _check_pages(dims, k_cache, v_cache, layer, page_table, start_pos, t: int) -> tuple[int, int, int]:
+def _check_pages(dims, k_cache, v_cache, layer, page_table, start_pos, t: int, ctl=None) -> tuple[int, int, int]:
     """The caches, the layer, the page table and the position range of T tokens written or read from
-    start_pos: (layer, n_pages, start_pos)."""
+    start_pos: (layer, n_pages, start_pos). With ctl (device int32 [2] = start_pos, valid rows: a captured
+    prefill graph's), start_pos must be None: the positions are the caller's to keep inside the table."""
     layer, n_pages = ck.check_kv_cache(dims, k_cache, v_cache, layer)
     ck.check_page_table(page_table)
-    return layer, n_pages, _check_positions(page_table, start_pos, t)
+    if ctl is None:
+        return layer, n_pages, _check_positions(page_table, start_pos, t)
+    ck.check_array("ctl", ctl, np.int32, shape=(2,))
+    if start_pos is not None:
+        raise KernelError("start_pos must be None when ctl (device start_pos, rows) is given")
+    return layer, n_pages, 0
 
 
 class PrefillKernels:
@@ -64,6 +71,7 @@ class PrefillKernels:
         self._dequant = mod.get_function("nq_dequantize_int4")
         self._rope = mod.get_function("nq_rope_kv_prefill")
         self._attn = mod.get_function(kernel)
+        self._silu = mod.get_function("nq_silu_mul_rows")
 
     # ---- INT4 GEMM ------------------------------------------------------------------------------
 
@@ -130,14 +138,31 @@ class PrefillKernels:
         ck.check_distinct(X=X, out=out)
         self._blas.gemm_nt(X, w, out, accumulate=accumulate)
 
+    def silu_mul(self, gu, out) -> None:
+        """out[T, I] = silu(gu[:, :I]) * gu[:, I:] (fp32 inside, one rounding): the MLP activation of
+        prefill, on the gate|up GEMM's output gu fp16 [T, 2I]."""
+        i = self.dims.intermediate
+        ck.check_array("gu", gu, np.float16, align=16)
+        if gu.ndim != 2 or gu.shape[1] != 2 * i or gu.shape[0] < 1:
+            raise KernelError(f"gu must be fp16 [T, {2 * i}], got shape {tuple(gu.shape)}")
+        t = int(gu.shape[0])
+        if t > 65535:
+            raise KernelError(f"gu has {t} rows; a launch takes at most 65535 (grid.y)")
+        ck.check_array("out", out, np.float16, shape=(t, i), align=16)
+        ck.check_distinct(gu=gu, out=out)
+        ck.launch(self._silu, (-(-i // (8 * SILU_THREADS)), t, 1), (SILU_THREADS, 1, 1), (gu, out))
+
     # ---- RoPE + KV page write ---------------------------------------------------------------------
 
-    def rope_kv_prefill(self, qkv, start_pos, page_table, k_cache, v_cache, layer, q_out, bias=None) -> None:
+    def rope_kv_prefill(self, qkv, start_pos, page_table, k_cache, v_cache, layer, q_out, bias=None,
+                        ctl=None) -> None:
         """RoPE on q and k of T tokens at positions start_pos.., K/V into the pages, q into q_out; the
         projection's bias (fp16 [(n_heads + 2*n_kv)*128], optional) is added first, in fp32.
 
         qkv: fp16 [T, (n_heads + 2*n_kv)*128]; q_out: fp16 [T, n_heads*128];
         page_table int32 [max_pages] must cover positions < start_pos + T.
+        ctl: None, or device int32 [2] = (start_pos, valid rows) read on the device (start_pos then None):
+        a captured prefill graph's bucket of T rows, rows past ctl[1] padding (their K/V not written).
         """
         d = self.dims
         ck.check_array("qkv", qkv, np.float16)
@@ -147,7 +172,7 @@ class PrefillKernels:
         ck.check_array("q_out", q_out, np.float16, shape=(t, d.q_dim))
         if bias is not None:
             ck.check_array("bias", bias, np.float16, shape=(d.qkv_rows,))
-        layer, n_pages, start_pos = _check_pages(d, k_cache, v_cache, layer, page_table, start_pos, t)
+        layer, n_pages, start_pos = _check_pages(d, k_cache, v_cache, layer, page_table, start_pos, t, ctl)
         ck.launch(
             self._rope,
             (t, d.n_heads + 2 * d.n_kv_heads, 1),
@@ -156,6 +181,7 @@ class PrefillKernels:
                 qkv,
                 bias if bias is not None else ck.NULL,
                 np.int32(start_pos),
+                ctl if ctl is not None else ck.NULL,
                 page_table,
                 k_cache,
                 v_cache,
@@ -167,10 +193,12 @@ class PrefillKernels:
 
     # ---- causal attention over the pages ----------------------------------------------------------
 
-    def attention_prefill(self, q, k_cache, v_cache, page_table, start_pos, T, layer, out) -> None:
+    def attention_prefill(self, q, k_cache, v_cache, page_table, start_pos, T, layer, out, ctl=None) -> None:
         """out[i, h] = causal attention of query i (position start_pos + i) over positions <= it.
 
         q, out: fp16 [T, n_heads*128] (q roped); K/V for positions < start_pos + T in the pages.
+        ctl: None, or device int32 [2] = (start_pos, T) read on the device (start_pos then None; the launch
+        covers all T rows of q, rows past ctl[1] neither read nor written).
         """
         d = self.dims
         T = ck.check_int("T", T, 1)
@@ -179,7 +207,7 @@ class PrefillKernels:
             raise KernelError(f"q has {q.shape[0]} rows but T = {T}")
         ck.check_array("q", q, np.float16, shape=(T, d.q_dim))
         ck.check_array("out", out, np.float16, shape=(T, d.q_dim))
-        layer, n_pages, start_pos = _check_pages(d, k_cache, v_cache, layer, page_table, start_pos, T)
+        layer, n_pages, start_pos = _check_pages(d, k_cache, v_cache, layer, page_table, start_pos, T, ctl)
         ck.launch(
             self._attn,
             ((T + self._attn_rows - 1) // self._attn_rows, d.n_heads, 1),
@@ -191,6 +219,7 @@ class PrefillKernels:
                 page_table,
                 np.int32(start_pos),
                 np.int32(T),
+                ctl if ctl is not None else ck.NULL,
                 np.int32(layer),
                 np.int32(n_pages),
                 out,

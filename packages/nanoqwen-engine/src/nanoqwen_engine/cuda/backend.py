@@ -82,7 +82,9 @@ class CudaBackend:
         self.step = DecodeStep(dev, ks, weights, config, k_cache, v_cache, P, max_batch, self.sampler_dev,
                                scratch_page=pool.n_pages)
         self.rows = RowAssignment(max_batch)
-        self.prefill_pass = PrefillPass(dev, ks, weights, config, k_cache, v_cache, dense)
+        # prefill graphs per bucket only in graph mode ("eager" is the debugging mode: every launch from Python)
+        self.prefill_pass = PrefillPass(dev, ks, weights, config, k_cache, v_cache, dense,
+                                        graphs=decode_mode == "graph")
         # prefill's own page tables and head buffers (a row per sequence of a prefill_many), so a prefill
         # leaves the decode rows' state alone
         self.pf_tables = xp.full((max_batch, P), -1, dtype=np.int32)  # int32 [max_batch, P]

@@ -225,17 +225,27 @@ class HostKernels:
         out[...] = acc.astype(out.dtype)
 
     @_launcher
-    def rope_kv_prefill(self, qkv, start_pos, page_table, k_cache, v_cache, layer, q_out, bias=None):
+    def rope_kv_prefill(self, qkv, start_pos, page_table, k_cache, v_cache, layer, q_out, bias=None, ctl=None):
         T = qkv.shape[0]
-        x = qkv.astype(np.float32)
+        if ctl is not None:  # a captured graph's bucket: (start_pos, real rows) read at run time
+            start_pos, T = int(ctl[0]), int(ctl[1])
+        x = qkv[:T].astype(np.float32)
         if bias is not None:  # in fp32, as the kernel adds it
             x += bias.astype(np.float32)
         self._rope_kv(x, np.arange(start_pos, start_pos + T), page_table, k_cache,
-                      v_cache, layer, q_out, self.cfg)
+                      v_cache, layer, q_out[:T], self.cfg)
 
     @_launcher
-    def attention_prefill(self, q, k_cache, v_cache, page_table, start_pos, T, layer, out):
+    def attention_prefill(self, q, k_cache, v_cache, page_table, start_pos, T, layer, out, ctl=None):
         c = self.cfg
-        qh = q.astype(np.float32).reshape(T, c.n_heads, c.head_dim)
+        if ctl is not None:  # the padding rows past ctl[1] are neither read nor written
+            start_pos, T = int(ctl[0]), int(ctl[1])
+        qh = q[:T].astype(np.float32).reshape(T, c.n_heads, c.head_dim)
         qpos = np.arange(start_pos, start_pos + T)
-        out[...] = self._attend(qh, k_cache, v_cache, page_table, layer, qpos, start_pos + T).astype(out.dtype)
+        out[:T] = self._attend(qh, k_cache, v_cache, page_table, layer, qpos, start_pos + T).astype(out.dtype)
+
+    @_launcher
+    def silu_mul(self, gu, out):
+        i = out.shape[1]
+        g = gu[:, :i].astype(np.float32)
+        out[...] = (g / (1.0 + np.exp(-g)) * gu[:, i:].astype(np.float32)).astype(out.dtype)

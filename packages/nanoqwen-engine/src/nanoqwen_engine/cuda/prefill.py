@@ -10,6 +10,10 @@ Q = n_heads * 128, I intermediate; every activation f16, row-major):
         --gemm_int4 down, accumulate--> x += d
 
 (The residual adds are the GEMMs' beta = 1: cuBLAS adds x while it writes, in fp32, no extra kernel.)
+The MLP activation is one kernel (silu_mul, fp32 inside). A pass of one sequence's piece of at most
+GRAPH_BUCKETS[-1] tokens replays a CUDA graph captured for its bucket (the launches above with the
+token ids, start position and real row count read from device memory), because a short pass is
+host-bound; passes of several pieces run eagerly (their launches are shared by all the pieces' rows).
 Each GEMM reads the layer's resident f16 copy of its matrix when the backend keeps one (gemm_f16;
 plan.choose_prefill_weights), else dequantizes the INT4 matrix into a scratch first (gemm_int4): the same
 f16 bits either way.
@@ -23,45 +27,54 @@ reads the pages the earlier pieces wrote, so the temporaries stay bounded (7B, 4
 
 from __future__ import annotations
 
-import functools
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from .weights import DenseLayer, GpuWeights
 
 PREFILL_CHUNK = 4096
+# A pass of one sequence's piece of at most GRAPH_BUCKETS[-1] tokens replays a CUDA graph captured for the
+# smallest bucket that holds it (its rows past the piece are padding: token 0, no K/V written, attention
+# neither reads nor writes them). Below ~512 tokens a pass is host-bound: ~250 launcher calls of Python
+# (~220 us per layer) against a few ms of GPU work.
+GRAPH_BUCKETS = (16, 32, 64, 128, 192, 256, 384, 512)
 VOCAB_CHUNK = 16384  # score(): lm_head rows per fp32 matmul (7B: 16384 x 3584 x 4 B = 235 MB temporary)
 
 
-@functools.cache
-def _silu_mul_kernel():
-    import cupy
+@dataclass
+class _Graph:
+    """One bucket's captured prefill pass: fixed buffers (the graph's addresses), the device-side
+    (start_pos, real rows) and token ids it reads at replay, and the graph once captured."""
 
-    # One pass over gate|up instead of five (astype, exp, divide, multiply, astype).
-    return cupy.ElementwiseKernel(
-        "T g, T u", "T out",
-        "const float gf = (float)g; out = (T)(gf / (1.0f + expf(-gf)) * (float)u);",
-        "nanoqwen_silu_mul",
-    )
+    rows: int
+    ids: Any  # int32 [rows], padding rows 0
+    ctl: Any  # int32 [2]: start_pos, real rows
+    x: Any  # f16 [rows, H]
+    bufs: dict
+    graph: Any = None
+    uses: int = 0
 
 
-def silu_mul(xp, gu, inter: int, out) -> None:
-    """out[T,I] = silu(gu[:, :I]) * gu[:, I:], computed in fp32."""
-    g, u = gu[:, :inter], gu[:, inter:]
-    if xp is np:
-        gf = g.astype(np.float32)
-        out[...] = (gf / (1.0 + np.exp(-gf)) * u.astype(np.float32)).astype(out.dtype)
-    else:
-        _silu_mul_kernel()(g, u, out)
+def _addr(a) -> int:
+    """Device address of a CuPy array (or a host array standing in for one)."""
+    ptr = getattr(getattr(a, "data", None), "ptr", None)
+    return int(ptr) if ptr is not None else int(a.ctypes.data)
 
 
 class PrefillPass:
-    def __init__(self, dev, ks, weights: GpuWeights, cfg, k_cache, v_cache, dense: list[DenseLayer] | None = None):
+    def __init__(self, dev, ks, weights: GpuWeights, cfg, k_cache, v_cache, dense: list[DenseLayer] | None = None,
+                 graphs: bool = False):
         """dense: every layer's matrices resident in f16 (weights.dense_layers): the GEMMs read them
-        instead of dequantizing each INT4 matrix first (plan.choose_prefill_weights)."""
+        instead of dequantizing each INT4 matrix first (plan.choose_prefill_weights). graphs: replay a
+        captured pass per bucket for one sequence's piece of <= GRAPH_BUCKETS[-1] tokens (captured on the
+        bucket's second use; the first runs the same launches eagerly)."""
         self.dev, self.ks, self.w, self.cfg = dev, ks, weights, cfg
         self.k_cache, self.v_cache = k_cache, v_cache
         self.dense = dense
+        self.graphs = graphs
+        self._graphs: dict[tuple[int, int], _Graph] = {}
         self._ws = None
 
     def hidden(self, token_ids: np.ndarray, start: int, page_table):
@@ -108,6 +121,9 @@ class PrefillPass:
 
     def _pass(self, pieces):
         """One pass through the layers of the pieces' rows (<= PREFILL_CHUNK of them)."""
+        if self.graphs and len(pieces) == 1 and int(pieces[0][0].shape[0]) <= GRAPH_BUCKETS[-1]:
+            ids, start, table, _ = pieces[0]
+            return self._graph_pass(ids, start, table)
         dev = self.dev
         ids_host = np.concatenate([p[0] for p in pieces]).astype(np.int32)
         ids = dev.xp.empty(int(ids_host.shape[0]), dtype=np.int32)
@@ -123,14 +139,49 @@ class PrefillPass:
             self.layer(i, x, segs, bufs)
         return x
 
-    def buffers(self, T: int) -> dict:
-        """The per-chunk temporaries (f16, row-major): h [T,H], qkv [T,R], q/a [T,Q], gu [T,2I], act [T,I]."""
+    def _graph_pass(self, ids: np.ndarray, start: int, table):
+        """The pass of one piece through its bucket's graph: f16 [T, H] rows (a view of the bucket's x,
+        valid until the next pass of that bucket)."""
+        dev = self.dev
+        T = int(ids.shape[0])
+        rows = next(b for b in GRAPH_BUCKETS if b >= T)
+        key = (rows, _addr(table))
+        g = self._graphs.get(key)
+        if g is None:
+            xp = dev.xp
+            g = _Graph(rows, xp.zeros(rows, dtype=np.int32), xp.zeros(2, dtype=np.int32),
+                       xp.zeros((rows, self.cfg.hidden), dtype=np.float16), self.buffers(rows, zeroed=True))
+            self._graphs[key] = g
+        padded = np.zeros(rows, dtype=np.int32)
+        padded[:T] = ids
+        dev.h2d(g.ids, padded)
+        dev.h2d(g.ctl, np.array([start, T], dtype=np.int32))
+
+        def launch_all() -> None:
+            self.ks.embed(self.w.embed, g.ids, g.x)
+            for i in range(self.cfg.n_layers):
+                self.layer(i, g.x, [(0, rows, None, table)], g.bufs, ctl=g.ctl)
+
+        if g.graph is None and g.uses == 0:  # first use: eagerly (workspaces, cuBLAS handles, modules)
+            launch_all()
+        else:
+            if g.graph is None:
+                g.graph = dev.capture(launch_all)
+            dev.replay(g.graph)
+        g.uses += 1
+        return g.x[:T]
+
+    def buffers(self, T: int, zeroed: bool = False) -> dict:
+        """The per-chunk temporaries (f16, row-major): h [T,H], qkv [T,R], q/a [T,Q], gu [T,2I], act [T,I].
+        zeroed: a graph bucket's (its padding rows of `a`, never written by attention, stay 0, so every
+        padding row stays finite)."""
         xp, c = self.dev.xp, self.cfg
         H, Q, Im = c.hidden, c.q_dim, c.intermediate
         R = c.qkv_rows
         shapes = {"h": (T, H), "qkv": (T, R), "q": (T, Q), "a": (T, Q), "gu": (T, 2 * Im),
                   "act": (T, Im)}
-        return {k: xp.empty(s, dtype=np.float16) for k, s in shapes.items()}
+        new = xp.zeros if zeroed else xp.empty
+        return {k: new(s, dtype=np.float16) for k, s in shapes.items()}
 
     def _gemm_workspace(self):
         """fp16 scratch for gemm_int4's dequantized weight: the largest projection (gate|up, 2I x H;
@@ -143,9 +194,10 @@ class PrefillPass:
             self._ws = self.dev.xp.empty(n, dtype=np.float16)
         return self._ws
 
-    def layer(self, i: int, x, segs, b: dict) -> None:
+    def layer(self, i: int, x, segs, b: dict, ctl=None) -> None:
         """Decoder layer i over the rows of x [T,H] (updated in place); segs lists (r0, r1, start,
-        page_table): rows r0..r1-1 are one sequence's tokens at positions start..start+r1-r0-1."""
+        page_table): rows r0..r1-1 are one sequence's tokens at positions start..start+r1-r0-1. With ctl
+        (a graph's device int32 [2] = start, real rows), segs is one segment whose start is None."""
         ks, lw, eps = self.ks, self.w.layers[i], self.cfg.rms_eps
         dl = self.dense[i] if self.dense is not None else None
         ws = self._gemm_workspace() if dl is None else None
@@ -159,16 +211,17 @@ class PrefillPass:
 
         ks.rmsnorm_rows(x, lw.in_norm, b["h"], eps)
         gemm("qkv", b["h"], b["qkv"])
+        dctl = {} if ctl is None else {"ctl": ctl}
         for r0, r1, start, table in segs:
             ks.rope_kv_prefill(b["qkv"][r0:r1], start, table, self.k_cache, self.v_cache, i, b["q"][r0:r1],
-                               bias=lw.qkv_bias)
+                               bias=lw.qkv_bias, **dctl)
         for r0, r1, start, table in segs:  # after every segment's K/V of this layer is written
             ks.attention_prefill(b["q"][r0:r1], self.k_cache, self.v_cache, table, start, r1 - r0, i,
-                                 b["a"][r0:r1])
+                                 b["a"][r0:r1], **dctl)
         gemm("o", b["a"], x, accumulate=True)
         ks.rmsnorm_rows(x, lw.post_norm, b["h"], eps)
         gemm("gate_up", b["h"], b["gu"])
-        silu_mul(self.dev.xp, b["gu"], self.cfg.intermediate, b["act"])
+        ks.silu_mul(b["gu"], b["act"])
         gemm("down", b["act"], x, accumulate=True)
 
     def all_logits(self, x):

@@ -11,6 +11,8 @@
 //   nq_attention_prefill      fp32 throughout on CUDA cores (fp32 probabilities): the slower fallback,
 //                             kept as the numerically tighter body ("fma").
 // Memory is O(T) in both (no T x T score matrix): T = 32768 runs as ceil(T / rows) x heads blocks.
+// ctl (device int32 [2], or NULL): start_pos and T read on the device (a prefill captured in a CUDA graph
+//   for a bucket of rows; the grid covers the bucket, rows past T are neither read nor written).
 //
 // nq_attention_prefill: grid (ceil(T/32), NQ_NHEADS), 256 threads, 46.5 KB static smem.
 //   Block = 32 query rows of one head; key tiles of 32 positions (2 pages) up to the block's last
@@ -72,7 +74,9 @@ __device__ __forceinline__ size_t kv_offset(const int* __restrict__ page_table, 
       const nq::uint16_t *__restrict__ k_cache, /* [L, n_pages, NQ_NKV, 16, 128] */                 \
       const nq::uint16_t *__restrict__ v_cache, /* same */                                          \
       const int *__restrict__ page_table,       /* [max_pages] */                                   \
-      int start_pos, int T, int layer, int n_pages,                                                 \
+      int start_pos, int T,                                                                         \
+      const int *__restrict__ ctl, /* NULL, or [2] = (start_pos, T) read on the device */            \
+      int layer, int n_pages,                                                                       \
       nq::uint16_t *__restrict__ out            /* [T, kQDim] */
 
 namespace nq_pre {
@@ -97,6 +101,10 @@ extern "C" __global__ void __launch_bounds__(nq_pre::kThreads) nq_attention_pref
   __shared__ __align__(16) uint16_t vs[kBK * 128];  // [32][128] fp16
   __shared__ __align__(16) float ps[kBQ * kPRow];   // [32][36] fp32 probabilities of the tile
 
+  if (ctl != nullptr) {  // a captured prefill graph (prefill_rope_kv.cu): the grid covers its bucket's rows
+    start_pos = ctl[0];
+    T = ctl[1];
+  }
   const Block blk(kBQ, start_pos, T);
   const int q0 = blk.q0, h = blk.h;
   const int tid = threadIdx.x;
@@ -245,6 +253,10 @@ extern "C" __global__ void __launch_bounds__(nq_pre_mma::kThreads)
   __shared__ __align__(16) uint16_t ks[kBK * kRowH];  // [64 keys][136] fp16 (128 used)
   __shared__ __align__(16) uint16_t vs[kBK * kRowH];  // [64 keys][136] fp16
 
+  if (ctl != nullptr) {  // a captured prefill graph (prefill_rope_kv.cu): the grid covers its bucket's rows
+    start_pos = ctl[0];
+    T = ctl[1];
+  }
   const Block blk(kBQ, start_pos, T);
   const int h = blk.h;
   const int tid = threadIdx.x;

@@ -10,6 +10,9 @@
 //   projection's order), q_out fp16 [T, NQ_NHEADS*128], k/v_cache fp16 [L, n_pages, NQ_NKV, 16, 128],
 //   page_table int32 [max_pages] (pages for positions < start_pos + T must be assigned).
 // Launch: nq_rope_kv_prefill grid (T, NQ_NHEADS + 2*NQ_NKV), 64 threads: thread d owns the pair (d, d+64).
+//   ctl (device int32 [2], or NULL): start_pos and the number of real rows, read on the device, so a
+//   prefill captured in a CUDA graph for a bucket of T rows serves any prompt of <= T tokens at any
+//   position; rows past ctl[1] are padding: their q is written (and never used), their K/V is not.
 // Why: one small elementwise pass, with the projection's bias added here in fp32 (as the decode path's
 //   qkv_rope_kv adds it: one rounding to fp16, and no separate bias-add kernel per layer); T and start_pos are host ints because prefill is launched eagerly
 //   (the decode path, captured in a graph, reads its position from the device instead).
@@ -24,15 +27,22 @@ extern "C" __global__ void __launch_bounds__(64)
     nq_rope_kv_prefill(const nq::uint16_t* __restrict__ qkv,     // [T, kQkvRows] fp16
                     const nq::uint16_t* __restrict__ bias,    // [kQkvRows] fp16, or NULL
                     int start_pos,
+                    const int* __restrict__ ctl,              // NULL, or [2] = (start_pos, valid rows)
                     const int* __restrict__ page_table,       // [max_pages]
                     nq::uint16_t* __restrict__ k_cache,       // [L, n_pages, NQ_NKV, 16, 128]
                     nq::uint16_t* __restrict__ v_cache,       // same
                     int layer, int n_pages,
                     nq::uint16_t* __restrict__ q_out) {       // [T, kQDim] fp16
   nq::pdl_wait();  // launch overlap (common.cuh): nothing read or written before it
+  int valid = gridDim.x;  // rows with a real token
+  if (ctl != nullptr) {    // a captured prefill graph: its bucket's rows past ctl[1] are padding
+    start_pos = ctl[0];
+    valid = ctl[1];
+  }
   const int i = blockIdx.x;
   const int head = blockIdx.y;  // 0..kHeads-1 q, then kKvHeads k heads, then kKvHeads v heads
   const int d = threadIdx.x;    // 0..63
+  if (i >= valid && head >= nq::kHeads) return;  // a padding row writes no K/V (its page may not exist)
   const int pos = start_pos + i;
   const nq::uint16_t* x = qkv + static_cast<size_t>(i) * nq::kQkvRows + head * 128;
   float x0 = nq::h2f(x[d]), x1 = nq::h2f(x[d + 64]);
