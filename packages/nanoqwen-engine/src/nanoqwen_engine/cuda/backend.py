@@ -82,9 +82,10 @@ class CudaBackend:
         self.step = DecodeStep(dev, ks, weights, config, k_cache, v_cache, P, max_batch, self.sampler_dev,
                                scratch_page=pool.n_pages)
         self.rows = RowAssignment(max_batch)
-        # prefill graphs per bucket only in graph mode ("eager" is the debugging mode: every launch from Python)
-        self.prefill_pass = PrefillPass(dev, ks, weights, config, k_cache, v_cache, dense,
-                                        graphs=decode_mode == "graph")
+        # prefill graphs per bucket only in graph mode ("eager" is the debugging mode: every launch from
+        # Python); $NANOQWEN_PREFILL_GRAPHS=0 turns them off alone (A/B runs)
+        graphs = decode_mode == "graph" and os.environ.get("NANOQWEN_PREFILL_GRAPHS", "1") != "0"
+        self.prefill_pass = PrefillPass(dev, ks, weights, config, k_cache, v_cache, dense, graphs=graphs)
         # prefill's own page tables and head buffers (a row per sequence of a prefill_many), so a prefill
         # leaves the decode rows' state alone
         self.pf_tables = xp.full((max_batch, P), -1, dtype=np.int32)  # int32 [max_batch, P]
