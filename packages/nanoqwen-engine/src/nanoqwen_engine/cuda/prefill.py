@@ -10,10 +10,10 @@ Q = n_heads * 128, I intermediate; every activation f16, row-major):
         --gemm_int4 down, accumulate--> x += d
 
 (The residual adds are the GEMMs' beta = 1: cuBLAS adds x while it writes, in fp32, no extra kernel.)
-The MLP activation is one kernel (silu_mul, fp32 inside). A pass of one sequence's piece of at most
-GRAPH_BUCKETS[-1] tokens replays a CUDA graph captured for its bucket (the launches above with the
-token ids, start position and real row count read from device memory), because a short pass is
-host-bound; passes of several pieces run eagerly (their launches are shared by all the pieces' rows).
+The MLP activation is one kernel (silu_mul, fp32 inside). A pass whose pieces, each padded to a bucket
+of rows (GRAPH_BUCKETS), fit GRAPH_MAX_ROWS replays a CUDA graph captured for that shape (the launches
+above, with the token ids and each piece's start position and real row count read from device memory),
+because a short pass is host-bound; longer passes run eagerly (GPU-bound by then).
 Each GEMM reads the layer's resident f16 copy of its matrix when the backend keeps one (gemm_f16;
 plan.choose_prefill_weights), else dequantizes the INT4 matrix into a scratch first (gemm_int4): the same
 f16 bits either way.
@@ -27,6 +27,7 @@ reads the pages the earlier pieces wrote, so the temporaries stay bounded (7B, 4
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,26 +36,25 @@ import numpy as np
 from .weights import DenseLayer, GpuWeights
 
 PREFILL_CHUNK = 4096
-# A pass of one sequence's piece of at most GRAPH_BUCKETS[-1] tokens replays a CUDA graph captured for the
-# smallest bucket that holds it (its rows past the piece are padding: token 0, no K/V written, attention
-# neither reads nor writes them). Below ~512 tokens a pass is host-bound: ~250 launcher calls of Python
-# (~220 us per layer) against a few ms of GPU work.
+# A pass of pieces of at most GRAPH_BUCKETS[-1] tokens each, GRAPH_MAX_ROWS rows in all once each piece is
+# padded to its bucket, replays a CUDA graph captured for that shape (a piece's padding rows: token 0, no
+# K/V written, attention neither reads nor writes them). Below ~512 rows a pass is host-bound: ~250 launcher
+# calls of Python (~220 us per layer) against a few ms of GPU work. Every graph works in one set of buffers
+# of GRAPH_MAX_ROWS rows (passes run one after another on one stream); the GRAPH_CACHE most recently used
+# shapes keep their graphs.
 GRAPH_BUCKETS = (16, 32, 64, 128, 192, 256, 384, 512)
+GRAPH_MAX_ROWS = 512
+GRAPH_CACHE = 32
 VOCAB_CHUNK = 16384  # score(): lm_head rows per fp32 matmul (7B: 16384 x 3584 x 4 B = 235 MB temporary)
 
 
 @dataclass
 class _Graph:
-    """One bucket's captured prefill pass: fixed buffers (the graph's addresses), the device-side
-    (start_pos, real rows) and token ids it reads at replay, and the graph once captured."""
+    """A captured prefill pass of one shape (the pieces' row buckets, their page tables): the pieces'
+    (start_pos, real rows) on the device, which it reads at each replay."""
 
-    rows: int
-    ids: Any  # int32 [rows], padding rows 0
-    ctl: Any  # int32 [2]: start_pos, real rows
-    x: Any  # f16 [rows, H]
-    bufs: dict
+    ctl: Any  # int32 [pieces, 2]
     graph: Any = None
-    uses: int = 0
 
 
 def _addr(a) -> int:
@@ -68,13 +68,15 @@ class PrefillPass:
                  graphs: bool = False):
         """dense: every layer's matrices resident in f16 (weights.dense_layers): the GEMMs read them
         instead of dequantizing each INT4 matrix first (plan.choose_prefill_weights). graphs: replay a
-        captured pass per bucket for one sequence's piece of <= GRAPH_BUCKETS[-1] tokens (captured on the
-        bucket's second use; the first runs the same launches eagerly)."""
+        captured pass per shape of pieces (GRAPH_BUCKETS; a shape is captured on its first use, once one
+        pass has run eagerly: cuBLAS handles, modules and workspaces exist by then)."""
         self.dev, self.ks, self.w, self.cfg = dev, ks, weights, cfg
         self.k_cache, self.v_cache = k_cache, v_cache
         self.dense = dense
         self.graphs = graphs
-        self._graphs: dict[tuple[int, int], _Graph] = {}
+        self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()  # least recently used first
+        self._gbuf: tuple | None = None  # (ids [R], x [R, H], buffers(R)) for R = GRAPH_MAX_ROWS
+        self._warm = False  # an eager pass has run (cuBLAS handles, modules, workspaces exist)
         self._ws = None
 
     def hidden(self, token_ids: np.ndarray, start: int, page_table):
@@ -112,18 +114,19 @@ class PrefillPass:
             rows += n
         out = xp.empty((row, self.cfg.hidden), dtype=np.float16)
         for group in passes:
-            x, r = self._pass(group), 0
-            for ids, _, _, at in group:
+            x, rows = self._pass(group)
+            for (ids, _, _, at), r in zip(group, rows, strict=True):
                 T = int(ids.shape[0])
                 out[at:at + T] = x[r:r + T]
-                r += T
         return out
 
     def _pass(self, pieces):
-        """One pass through the layers of the pieces' rows (<= PREFILL_CHUNK of them)."""
-        if self.graphs and len(pieces) == 1 and int(pieces[0][0].shape[0]) <= GRAPH_BUCKETS[-1]:
-            ids, start, table, _ = pieces[0]
-            return self._graph_pass(ids, start, table)
+        """One pass through the layers of the pieces' rows (<= PREFILL_CHUNK of them): (x, the row of x
+        where each piece's rows begin)."""
+        buckets = self._graph_shape(pieces) if self.graphs and self._warm else None
+        if buckets is not None:
+            return self._graph_pass(pieces, buckets)
+        self._warm = True
         dev = self.dev
         ids_host = np.concatenate([p[0] for p in pieces]).astype(np.int32)
         ids = dev.xp.empty(int(ids_host.shape[0]), dtype=np.int32)
@@ -137,39 +140,61 @@ class PrefillPass:
         bufs = self.buffers(r)
         for i in range(self.cfg.n_layers):
             self.layer(i, x, segs, bufs)
-        return x
+        return x, [seg[0] for seg in segs]
 
-    def _graph_pass(self, ids: np.ndarray, start: int, table):
-        """The pass of one piece through its bucket's graph: f16 [T, H] rows (a view of the bucket's x,
-        valid until the next pass of that bucket)."""
-        dev = self.dev
-        T = int(ids.shape[0])
-        rows = next(b for b in GRAPH_BUCKETS if b >= T)
-        key = (rows, _addr(table))
+    @staticmethod
+    def _graph_shape(pieces) -> tuple[int, ...] | None:
+        """Each piece's bucket of rows, when the pass fits a graph (None: it runs eagerly)."""
+        buckets = []
+        for p in pieces:
+            T = int(p[0].shape[0])
+            if T > GRAPH_BUCKETS[-1]:
+                return None
+            buckets.append(next(b for b in GRAPH_BUCKETS if b >= T))
+        return tuple(buckets) if sum(buckets) <= GRAPH_MAX_ROWS else None
+
+    def _graph_pass(self, pieces, buckets: tuple[int, ...]):
+        """The pass through the captured graph of its shape (captured on the shape's first use): (x, the
+        row where each piece begins; x is a view of the shared buffers, valid until the next pass)."""
+        dev, xp = self.dev, self.dev.xp
+        if self._gbuf is None:
+            self._gbuf = (xp.zeros(GRAPH_MAX_ROWS, dtype=np.int32),
+                          xp.zeros((GRAPH_MAX_ROWS, self.cfg.hidden), dtype=np.float16),
+                          self.buffers(GRAPH_MAX_ROWS, zeroed=True))
+        ids_all, x_all, bufs_all = self._gbuf
+        rows = sum(buckets)
+        offsets = [sum(buckets[:k]) for k in range(len(buckets))]
+        tables = [p[2] for p in pieces]
+        key = (buckets, tuple(_addr(t) for t in tables))
         g = self._graphs.get(key)
         if g is None:
-            xp = dev.xp
-            g = _Graph(rows, xp.zeros(rows, dtype=np.int32), xp.zeros(2, dtype=np.int32),
-                       xp.zeros((rows, self.cfg.hidden), dtype=np.float16), self.buffers(rows, zeroed=True))
+            g = _Graph(xp.zeros((len(pieces), 2), dtype=np.int32))
             self._graphs[key] = g
+            while len(self._graphs) > GRAPH_CACHE:
+                self._graphs.popitem(last=False)
+        self._graphs.move_to_end(key)
         padded = np.zeros(rows, dtype=np.int32)
-        padded[:T] = ids
-        dev.h2d(g.ids, padded)
-        dev.h2d(g.ctl, np.array([start, T], dtype=np.int32))
+        ctl = np.zeros((len(pieces), 2), dtype=np.int32)
+        for k, (p_ids, start, _, _) in enumerate(pieces):
+            T = int(p_ids.shape[0])
+            padded[offsets[k]:offsets[k] + T] = p_ids
+            ctl[k] = (start, T)
+        ids, x = ids_all[:rows], x_all[:rows]
+        dev.h2d(ids, padded)
+        dev.h2d(g.ctl, ctl)
+        if g.graph is None:
+            bufs = {name: buf[:rows] for name, buf in bufs_all.items()}
+            segs = [(off, off + b, None, t) for off, b, t in zip(offsets, buckets, tables, strict=True)]
+            ctls = [g.ctl[k] for k in range(len(pieces))]
 
-        def launch_all() -> None:
-            self.ks.embed(self.w.embed, g.ids, g.x)
-            for i in range(self.cfg.n_layers):
-                self.layer(i, g.x, [(0, rows, None, table)], g.bufs, ctl=g.ctl)
+            def launch_all() -> None:
+                self.ks.embed(self.w.embed, ids, x)
+                for i in range(self.cfg.n_layers):
+                    self.layer(i, x, segs, bufs, ctls=ctls)
 
-        if g.graph is None and g.uses == 0:  # first use: eagerly (workspaces, cuBLAS handles, modules)
-            launch_all()
-        else:
-            if g.graph is None:
-                g.graph = dev.capture(launch_all)
-            dev.replay(g.graph)
-        g.uses += 1
-        return g.x[:T]
+            g.graph = dev.capture(launch_all)
+        dev.replay(g.graph)
+        return x, offsets
 
     def buffers(self, T: int, zeroed: bool = False) -> dict:
         """The per-chunk temporaries (f16, row-major): h [T,H], qkv [T,R], q/a [T,Q], gu [T,2I], act [T,I].
@@ -194,10 +219,10 @@ class PrefillPass:
             self._ws = self.dev.xp.empty(n, dtype=np.float16)
         return self._ws
 
-    def layer(self, i: int, x, segs, b: dict, ctl=None) -> None:
+    def layer(self, i: int, x, segs, b: dict, ctls=None) -> None:
         """Decoder layer i over the rows of x [T,H] (updated in place); segs lists (r0, r1, start,
-        page_table): rows r0..r1-1 are one sequence's tokens at positions start..start+r1-r0-1. With ctl
-        (a graph's device int32 [2] = start, real rows), segs is one segment whose start is None."""
+        page_table): rows r0..r1-1 are one sequence's tokens at positions start..start+r1-r0-1. ctls (a
+        graph's): per segment a device int32 [2] = (start, real rows), the segments' starts then None."""
         ks, lw, eps = self.ks, self.w.layers[i], self.cfg.rms_eps
         dl = self.dense[i] if self.dense is not None else None
         ws = self._gemm_workspace() if dl is None else None
@@ -211,13 +236,13 @@ class PrefillPass:
 
         ks.rmsnorm_rows(x, lw.in_norm, b["h"], eps)
         gemm("qkv", b["h"], b["qkv"])
-        dctl = {} if ctl is None else {"ctl": ctl}
-        for r0, r1, start, table in segs:
+        dctl = [{} if ctls is None else {"ctl": ctls[k]} for k in range(len(segs))]
+        for (r0, r1, start, table), kw in zip(segs, dctl, strict=True):
             ks.rope_kv_prefill(b["qkv"][r0:r1], start, table, self.k_cache, self.v_cache, i, b["q"][r0:r1],
-                               bias=lw.qkv_bias, **dctl)
-        for r0, r1, start, table in segs:  # after every segment's K/V of this layer is written
+                               bias=lw.qkv_bias, **kw)
+        for (r0, r1, start, table), kw in zip(segs, dctl, strict=True):  # after every segment's K/V is written
             ks.attention_prefill(b["q"][r0:r1], self.k_cache, self.v_cache, table, start, r1 - r0, i,
-                                 b["a"][r0:r1], **dctl)
+                                 b["a"][r0:r1], **kw)
         gemm("o", b["a"], x, accumulate=True)
         ks.rmsnorm_rows(x, lw.post_norm, b["h"], eps)
         gemm("gate_up", b["h"], b["gu"])
