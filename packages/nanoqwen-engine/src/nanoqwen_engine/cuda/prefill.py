@@ -55,6 +55,7 @@ class _Graph:
 
     ctl: Any  # int32 [pieces, 2]
     graph: Any = None
+    uses: int = 0
 
 
 def _addr(a) -> int:
@@ -68,8 +69,9 @@ class PrefillPass:
                  graphs: bool = False):
         """dense: every layer's matrices resident in f16 (weights.dense_layers): the GEMMs read them
         instead of dequantizing each INT4 matrix first (plan.choose_prefill_weights). graphs: replay a
-        captured pass per shape of pieces (GRAPH_BUCKETS; a shape is captured on its first use, once one
-        pass has run eagerly: cuBLAS handles, modules and workspaces exist by then)."""
+        captured pass per shape of pieces (GRAPH_BUCKETS; a shape runs eagerly on its first use and is
+        captured on its second, once one pass has run eagerly: cuBLAS handles, modules and workspaces
+        exist by then)."""
         self.dev, self.ks, self.w, self.cfg = dev, ks, weights, cfg
         self.k_cache, self.v_cache = k_cache, v_cache
         self.dense = dense
@@ -154,8 +156,9 @@ class PrefillPass:
         return tuple(buckets) if sum(buckets) <= GRAPH_MAX_ROWS else None
 
     def _graph_pass(self, pieces, buckets: tuple[int, ...]):
-        """The pass through the captured graph of its shape (captured on the shape's first use): (x, the
-        row where each piece begins; x is a view of the shared buffers, valid until the next pass)."""
+        """The pass in the shared graph buffers: the same launches eagerly on the shape's first use, then
+        its captured graph: (x, the row where each piece begins; x is a view of the shared buffers, valid
+        until the next pass)."""
         dev, xp = self.dev, self.dev.xp
         if self._gbuf is None:
             self._gbuf = (xp.zeros(GRAPH_MAX_ROWS, dtype=np.int32),
@@ -182,6 +185,7 @@ class PrefillPass:
         ids, x = ids_all[:rows], x_all[:rows]
         dev.h2d(ids, padded)
         dev.h2d(g.ctl, ctl)
+        g.uses += 1
         if g.graph is None:
             bufs = {name: buf[:rows] for name, buf in bufs_all.items()}
             segs = [(off, off + b, None, t) for off, b, t in zip(offsets, buckets, tables, strict=True)]
@@ -192,6 +196,12 @@ class PrefillPass:
                 for i in range(self.cfg.n_layers):
                     self.layer(i, x, segs, bufs, ctls=ctls)
 
+            if g.uses == 1:
+                # A shape's first pass runs its launches eagerly: capturing costs about an eager pass plus
+                # the graph's instantiation, measured +16 ms on the first 128-token prompt of the 1.5B
+                # (docs/PERF.md), which only a shape that comes back repays
+                launch_all()
+                return x, offsets
             g.graph = dev.capture(launch_all)
         dev.replay(g.graph)
         return x, offsets
