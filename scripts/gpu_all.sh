@@ -14,6 +14,7 @@
 # gemvvariants (bench_gemv.py: the default and tiles1 GEMV variants at B = 1 .. 64),
 # clibench (nanoqwen-cli bench --synthetic 7b --json, graph then eager), batchbench (scripts/bench_batch.py:
 # batched decode throughput, B = 1, 8, 32, 64 requests of 128 + 256 tokens at once), breakdown
+# pdl (NANOQWEN_PDL=0/1 A/B), prefill (prefill graphs A/B, 7B and the 1.5B's dims),
 # (scripts/decode_breakdown.py: the decode step's time per kernel family vs its byte floor, batch 1 at
 # context 640, then batch 32 at context 384), peer (scripts/peer_transformers.py: HF transformers bf16
 # eager, same shape and protocol; needs torch), real (the real 1.5B: conversion, tier, bench), serve,
@@ -46,7 +47,7 @@ if [ "${GPU_ALL_QUICK:-0}" = 1 ]; then
   export NANOQWEN_LADDER_PROMPTS=${NANOQWEN_LADDER_PROMPTS:-30} NANOQWEN_LADDER_TOKENS=${NANOQWEN_LADDER_TOKENS:-32}
   export NANOQWEN_LADDER_7B_PROMPTS=${NANOQWEN_LADDER_7B_PROMPTS:-1} NANOQWEN_LADDER_7B_TOKENS=${NANOQWEN_LADDER_7B_TOKENS:-4}
 fi
-SECTIONS=${GPU_ALL_SECTIONS:-info model7b kernels engine ladder cli kbench gemvvariants clibench batchbench pdl breakdown peer real serve llamacpp}
+SECTIONS=${GPU_ALL_SECTIONS:-info model7b kernels engine ladder cli kbench gemvvariants clibench batchbench pdl prefill breakdown peer real serve llamacpp}
 TABLE=$WORK/sections.tsv
 : >"$TABLE"
 LOG=$OUT/gpu_all.log
@@ -136,6 +137,25 @@ if want pdl; then
     fi
     run "pdl${v}_batch" 240 env NANOQWEN_PDL=$v $PY scripts/bench_batch.py "$NANOQWEN_LADDER_7B" \
       --json "$WORK/logs/pdl$v-batch-7b.json"
+  done
+fi
+# Prefill graphs A/B (issue 16): nanoqwen-cli bench with a 512- and a 1-token prompt, NANOQWEN_PREFILL_GRAPHS=1
+# (the default) and =0, on the 7B and on a synthetic model of the real 1.5B's dims (written once), and
+# bench_batch on the 1.5B dims both ways (TTFT with several prompts per prefill pass). Records in
+# $WORK/logs/prefill-*.json.
+if want prefill; then
+  S15=$NANOQWEN_CACHE/synthetic-1.5b-dims-seed0.nanoqwen
+  [ -f "$S15" ] || run prefill_s15 90 $PY scripts/write_synthetic_1p5b.py "$S15"
+  for g in 1 0; do
+    for m in 7b:"$NANOQWEN_LADDER_7B" 1.5b:"$S15"; do
+      for p in 512 1; do
+        run "prefill_g${g}_${m%%:*}_p$p" 90 bash -c "NANOQWEN_PREFILL_GRAPHS=$g $PY -m nanoqwen_cli bench \
+          --model '${m#*:}' --prompt-tokens $p --json >'$WORK/logs/prefill-g$g-${m%%:*}-p$p.json'; \
+          rc=\$?; cat '$WORK/logs/prefill-g$g-${m%%:*}-p$p.json'; exit \$rc"
+      done
+    done
+    run "prefill_g${g}_batch_1.5b" 150 env NANOQWEN_PREFILL_GRAPHS=$g $PY scripts/bench_batch.py "$S15" \
+      --json "$WORK/logs/prefill-g$g-batch-1.5b.json"
   done
 fi
 # The per-step breakdown by kernel family (batch 1, and batch 32: where a batched step's time goes), and the
