@@ -56,3 +56,14 @@ def open_file():
 
     return get
 
+
+@pytest.fixture(params=["host", pytest.param("gpu", marks=pytest.mark.gpu)])
+def kind(request):
+    """"host": the CudaBackend on numpy stand-ins; "gpu": on the GPU (marked gpu, skipped without one)."""
+    if request.param == "gpu":
+        from nanoqwen_kernels import gpu_status
+
+        ok, reason = gpu_status()
+        if not ok:
+            pytest.skip(f"no usable GPU: {reason}")
+    return request.param

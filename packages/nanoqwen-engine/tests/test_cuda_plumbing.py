@@ -8,95 +8,28 @@ and replayed as sequences join, leave and cross page boundaries; errors leave th
 test also runs with kind="gpu" (the real CupyDevice and KernelSet; marked gpu, skipped without one). The
 kernels' numerical agreement with the reference is the ladder's job (tests/ at the root).
 
-Greedy tokens of a sequence alone and inside a batch are compared exactly, except where the alone run's
-own logits had a near-tie at the first divergence (the batched projections may sum in another order:
-a tie within NEAR_TIE of the top logit can flip; anything else fails).
+Greedy tokens of a sequence alone and inside a batch are compared exactly, except at a near-tie
+(cuda_testutil.NEAR_TIE). Prefill (chunks, several sequences at once, the prefill weights, the prefill
+graphs) is test_cuda_prefill.py's.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from nanoqwen_engine.config import ModelConfig
+from cuda_testutil import GREEDY, NEAR_TIE, generate, make_backend, open_file, run_alone, same_or_near_tie
 from nanoqwen_engine.cuda import CudaBackend
-from nanoqwen_engine.cuda.device import HostDevice
-from nanoqwen_engine.cuda.host_kernels import HostKernels
 from nanoqwen_engine.errors import InvalidRequestError, KVPagesExhaustedError
 from nanoqwen_engine.params import SamplingParams
 from nanoqwen_engine.reference import ReferenceBackend
 from nanoqwen_engine.sampler import SamplerState
-from nanoqwen_format import open_model
-
-GREEDY = SamplingParams(temperature=0).resolve({})
-NEAR_TIE = 2e-3  # relative gap between the two largest logits below which a greedy flip is a near-tie
-
-
-def _open(path):
-    nq = open_model(path)
-    return nq, ModelConfig.from_hf(nq.config, nq.generation_config)
-
-
-@pytest.fixture(params=["host", pytest.param("gpu", marks=pytest.mark.gpu)])
-def kind(request):
-    if request.param == "gpu":
-        from nanoqwen_kernels import gpu_status
-
-        ok, reason = gpu_status()
-        if not ok:
-            pytest.skip(f"no usable GPU: {reason}")
-    return request.param
-
-
-def _backend(path, kind="host", decode_mode="graph", **kw):
-    nq, cfg = _open(path)
-    if kind == "host":
-        dev = HostDevice()
-        kw.update(device=dev, kernels=HostKernels(cfg, dev))
-    be = CudaBackend.create(nq, cfg, progress=False, decode_mode=decode_mode, **kw)
-    be._nq = nq  # keep the mmap alive
-    return be
 
 
 @pytest.fixture
 def tied_pair(tied_path, kind):
-    nq, cfg = _open(tied_path)
+    nq, cfg = open_file(tied_path)
     ref = ReferenceBackend.create(nq, cfg, max_context=128)
-    return _backend(tied_path, kind, max_context=128), ref
-
-
-def _generate(be, ids, n, params=GREEDY, seq=None, logits=None):
-    """Prefill ids, then n - 1 decode steps as a batch of one; `logits` collects last_logits()[0] per token."""
-    seq = seq or be.pool.new_sequence()
-    st = SamplerState(params, be.config.vocab)
-    out = [be.prefill(seq, np.asarray(ids), st)]
-    if logits is not None:
-        logits.append(be.last_logits()[0].copy())
-    for _ in range(n - 1):
-        out.append(be.decode([seq], [out[-1]], [st])[0])
-        if logits is not None:
-            logits.append(be.last_logits()[0].copy())
-    return out, seq
-
-
-def _same_or_near_tie(got: list[int], want: list[int], want_logits: list[np.ndarray], what: str) -> None:
-    """got == want, or they first differ where want's own logits had a near-tie (see the module doc)."""
-    if got == want:
-        return
-    i = next(k for k, (a, b) in enumerate(zip(got, want, strict=True)) if a != b)
-    top2 = np.sort(want_logits[i])[-2:]
-    gap = (top2[1] - top2[0]) / max(abs(top2[1]), 1e-6)
-    assert gap < NEAR_TIE, f"{what}: token {i} differs ({got[i]} vs {want[i]}) at a logit gap of {gap:.3g}"
-
-
-def _alone(be, prompts, n, params=GREEDY):
-    """Each prompt generated alone (batch of one); (tokens, per-token logits) per prompt."""
-    res = []
-    for p in prompts:
-        lg: list[np.ndarray] = []
-        toks, s = _generate(be, p, n, params, logits=lg)
-        be.pool.free(s)
-        res.append((toks, lg))
-    return res
+    return make_backend(tied_path, kind, max_context=128), ref
 
 
 def test_greedy_matches_reference_across_page_boundaries(tied_pair, rng):
@@ -106,7 +39,7 @@ def test_greedy_matches_reference_across_page_boundaries(tied_pair, rng):
     V = gpu.config.vocab
     for length in (1, 15, 16, 17, 31, 33):
         ids = rng.integers(0, V, size=length)
-        a, sa = _generate(gpu, ids, 20)
+        a, sa = generate(gpu, ids, 20)
         assert sa.length == length + 19
         gpu.pool.free(sa)
         want = ref.score(np.concatenate([ids, a[:-1]]))[length - 1:]  # [20, V]: the logits each token came from
@@ -128,113 +61,18 @@ def test_last_logits_and_score_match_reference(tied_pair, rng):
     rel = np.linalg.norm(a - b) / np.linalg.norm(b)
     assert rel < 1e-2, rel  # fp16 storage of activations and KV vs float32: ~1e-3
     assert gpu.pool.n_used == 0  # score's temporary sequence is freed
-    _, seq = _generate(gpu, ids[:5], 1)
+    _, seq = generate(gpu, ids[:5], 1)
     last = gpu.last_logits()
     assert last.shape == (1, gpu.config.vocab)
     np.testing.assert_allclose(last[0], a[4], rtol=0, atol=0.05 * np.abs(a[4]).max())
     gpu.pool.free(seq)
 
 
-def test_chunked_prefill_gives_the_whole_prefill(tied_path, kind, rng):
-    """A prompt prefilled in chunks (each starting at seq.length, the sampler only with the last) gives
-    the K/V and the logits of the one-piece prefill: the same next token, logits equal to rounding."""
-    be = _backend(tied_path, kind, max_context=128)
-    ids = rng.integers(0, be.config.vocab, size=53)
-    whole, s = _generate(be, ids, 6)
-    whole_logits = be.last_logits()
-    be.pool.free(s)
-    seq = be.pool.new_sequence()
-    st = SamplerState(GREEDY, be.config.vocab)
-    for a, b in ((0, 16), (16, 17), (17, 40)):  # page-aligned, one token, across a page boundary
-        assert be.prefill(seq, ids[a:b], None) is None
-        assert seq.length == b
-    toks = [be.prefill(seq, ids[40:], st)]
-    for _ in range(5):
-        toks.append(be.decode([seq], [toks[-1]], [st])[0])
-    assert toks == whole
-    np.testing.assert_allclose(be.last_logits(), whole_logits, rtol=0, atol=1e-2 * np.abs(whole_logits).max())
-
-
-@pytest.mark.parametrize("chunk", [4096, 24])
-def test_prefill_many_is_the_separate_prefills(tied_path, kind, rng, monkeypatch, chunk):
-    """prefill_many of 4 sequences (prompt lengths 1, 17, 30, 45; two of them starting mid-sequence after
-    an earlier chunk; two sampled) gives what 4 separate prefill calls give: the same first ids, logits
-    of the sampled rows equal to rounding (the rows share GEMMs of another M), and K/V that decode the
-    same continuations. chunk = 24 makes the pass split segments into pieces and group pieces into
-    passes (prefill.PREFILL_CHUNK)."""
-    from nanoqwen_engine.cuda import prefill as prefill_mod
-
-    monkeypatch.setattr(prefill_mod, "PREFILL_CHUNK", chunk)
-    be = _backend(tied_path, kind, max_context=128, n_pages=64)
-    V = be.config.vocab
-    heads = [0, 0, 11, 7]  # tokens prefilled before (no sampler) in a separate call
-    lengths = [1, 17, 30, 45]
-    sampled = [True, False, True, False]
-    prompts = [rng.integers(0, V, size=h + n) for h, n in zip(heads, lengths, strict=True)]
-
-    def run(together: bool):
-        seqs = [be.pool.new_sequence() for _ in prompts]
-        sts = [SamplerState(GREEDY, V) if smp else None for smp in sampled]
-        for s, p, h in zip(seqs, prompts, heads, strict=True):
-            if h:
-                be.prefill(s, p[:h], None)
-        items = [(s, p[h:], st) for s, p, h, st in zip(seqs, prompts, heads, sts, strict=True)]
-        if together:
-            firsts = be.prefill_many(items)
-            logits = be.last_logits()
-        else:
-            firsts, rows = [], []
-            for it in items:
-                firsts.append(be.prefill(*it))
-                if it[2] is not None:
-                    rows.append(be.last_logits()[0])
-            logits = np.stack(rows)
-        assert [s.length for s in seqs] == [h + n for h, n in zip(heads, lengths, strict=True)]
-        # 6 greedy steps of all four together, from their own first ids (the unsampled: their last prompt id)
-        dec_st = [st or SamplerState(GREEDY, V) for st in sts]
-        toks = [[f if f is not None else int(p[-1])] for f, p in zip(firsts, prompts, strict=True)]
-        for _ in range(6):
-            out = be.decode(seqs, [t[-1] for t in toks], dec_st)
-            for t, o in zip(toks, out, strict=True):
-                t.append(o)
-        for s in seqs:
-            be.pool.free(s)
-        return firsts, logits, toks
-
-    f1, l1, t1 = run(False)
-    f2, l2, t2 = run(True)
-    assert [f is None for f in f2] == [not smp for smp in sampled]
-    assert f1 == f2
-    assert l2.shape == (2, V)
-    np.testing.assert_allclose(l2, l1, rtol=0, atol=1e-2 * np.abs(l1).max())
-    for a, b in zip(t1, t2, strict=True):
-        assert a == b
-    assert be.pool.n_used == 0
-
-
-def test_prefill_many_is_all_or_nothing(tied_path, kind, rng):
-    """A prefill_many whose second sequence cannot have its pages: KVPagesExhaustedError, and the first
-    sequence keeps its pages and length (nothing ran); bad input is refused before anything too."""
-    be = _backend(tied_path, kind, max_context=128, n_pages=4)
-    a, b = be.pool.new_sequence(), be.pool.new_sequence()
-    with pytest.raises(KVPagesExhaustedError):
-        be.prefill_many([(a, rng.integers(0, 4096, 40), None), (b, rng.integers(0, 4096, 40), None)])
-    assert (a.length, a.n_pages, b.length, b.n_pages, be.pool.n_free) == (0, 0, 0, 0, 4)
-    with pytest.raises(InvalidRequestError, match="twice"):
-        be.prefill_many([(a, [1, 2], None), (a, [3], None)])
-    with pytest.raises(InvalidRequestError, match="out of range"):
-        be.prefill_many([(a, [1, 2], None), (b, [4096], None)])
-    assert be.pool.n_free == 4
-    assert be.prefill_many([]) == []
-    assert be.prefill_many([(a, [1, 2, 3], None), (b, [4, 5], None)]) == [None, None]
-    assert (a.length, b.length) == (3, 2)
-
-
 def test_graph_and_eager_give_the_same_tokens(tied_path, kind, rng):
     ids = rng.integers(0, 4096, size=20)
-    g = _backend(tied_path, kind, "graph", max_context=64)
-    e = _backend(tied_path, kind, "eager", max_context=64)
-    assert _generate(g, ids, 24)[0] == _generate(e, ids, 24)[0]
+    g = make_backend(tied_path, kind, "graph", max_context=64)
+    e = make_backend(tied_path, kind, "eager", max_context=64)
+    assert generate(g, ids, 24)[0] == generate(e, ids, 24)[0]
     assert e.step.graphs == {}
     c = g.config
     # embed + 5 per layer + final norm, lm_head, sampler, advance
@@ -251,11 +89,11 @@ def test_each_row_of_a_batch_gets_its_tokens_alone(model_path, kind, rng):
     """6 sequences of mixed prompt lengths decode together: page boundaries fall at different steps for
     different rows (steps 0, 1, 8, ...); each row's greedy tokens are the ones it gets alone. Both test
     models: the tied one (4 heads / 2 KV heads, vocab 4096) and the tiny one (GQA 2, vocab 152064)."""
-    be = _backend(model_path, kind, max_context=96, n_pages=64)
+    be = make_backend(model_path, kind, max_context=96, n_pages=64)
     lengths = [1, 15, 16, 17, 31, 40]
     prompts = [rng.integers(0, be.config.vocab, size=n) for n in lengths]
     n = 12
-    alone = _alone(be, prompts, n)
+    alone = run_alone(be, prompts, n)
     seqs = [be.pool.new_sequence() for _ in prompts]
     sts = [SamplerState(GREEDY, be.config.vocab) for _ in prompts]
     toks = [[be.prefill(s, p, st)] for s, p, st in zip(seqs, prompts, sts, strict=True)]
@@ -264,7 +102,7 @@ def test_each_row_of_a_batch_gets_its_tokens_alone(model_path, kind, rng):
         for t, o in zip(toks, out, strict=True):
             t.append(o)
     for b, (t, (want, lg)) in enumerate(zip(toks, alone, strict=True)):
-        _same_or_near_tie(t, want, lg, f"row {b} (prompt of {lengths[b]})")
+        same_or_near_tie(t, want, lg, f"row {b} (prompt of {lengths[b]})")
         assert seqs[b].length == lengths[b] + n - 1
     assert set(be.step.graphs) == {(1, "greedy"), (8, "greedy")}
     assert be.last_logits().shape == (6, be.config.vocab)
@@ -277,12 +115,12 @@ def test_buckets_replay_as_the_batch_changes(tied_path, kind, rng, run_ahead):
     tokens alone, and the pool gets all its pages back. With run_ahead on every call (the hint wrong
     whenever the batch changes, new prompts prefilled while a step runs ahead), the same tokens: a step
     run ahead serves the next call when it is the same batch and is discarded otherwise."""
-    be = _backend(tied_path, kind, max_context=96, max_batch=8, n_pages=64)
+    be = make_backend(tied_path, kind, max_context=96, max_batch=8, n_pages=64)
     V = be.config.vocab
     # (start step, number of tokens) per sequence
     plan = [(0, 14), (1, 6), (1, 9), (3, 10), (3, 3), (3, 8), (6, 7), (7, 5)]
     prompts = [rng.integers(0, V, size=int(rng.integers(1, 35))) for _ in plan]
-    alone = _alone(be, prompts, max(n for _, n in plan))
+    alone = run_alone(be, prompts, max(n for _, n in plan))
     live: dict[int, tuple] = {}  # index -> (seq, sampler, tokens)
     done: dict[int, list[int]] = {}
     batch_sizes = []
@@ -309,7 +147,7 @@ def test_buckets_replay_as_the_batch_changes(tied_path, kind, rng, run_ahead):
     assert len(done) == len(plan)
     for i, (_, n) in enumerate(plan):
         want, lg = alone[i]
-        _same_or_near_tie(done[i], want[:n], lg, f"sequence {i}")
+        same_or_near_tie(done[i], want[:n], lg, f"sequence {i}")
     assert be.pool.n_used == 0
     assert len(set(batch_sizes)) >= 4, batch_sizes
     buckets = {k[0] for k in be.step.graphs}
@@ -328,10 +166,10 @@ def test_run_ahead_serves_the_same_tokens_across_pages(tied_path, kind, rng):
     every call with run_ahead: the same tokens as without; every step but the first three of the bucket
     (eager, capture, first replay) and those whose next position opens a page is served by a step that
     ran ahead. last_logits() refuses while a step is ahead, and works again once a call runs without."""
-    be = _backend(tied_path, kind, max_context=96, n_pages=32)
+    be = make_backend(tied_path, kind, max_context=96, n_pages=32)
     V = be.config.vocab
     prompt = rng.integers(0, V, size=13)
-    want, _ = _alone(be, [prompt], 61)[0]
+    want, _ = run_alone(be, [prompt], 61)[0]
     s, st = be.pool.new_sequence(), SamplerState(GREEDY, V)
     toks = [be.prefill(s, prompt, st)]
     for _ in range(60):
@@ -342,7 +180,7 @@ def test_run_ahead_serves_the_same_tokens_across_pages(tied_path, kind, rng):
     with pytest.raises(InvalidRequestError, match="ran ahead"):
         be.last_logits()
     toks.append(be.decode([s], [toks[-1]], [st])[0])  # served by the step ahead, none launched after it
-    assert toks == _alone(be, [prompt], 62)[0][0]
+    assert toks == run_alone(be, [prompt], 62)[0][0]
     assert be.last_logits().shape == (1, V)
     be.pool.free(s)
     assert be.pool.n_used == 0
@@ -357,14 +195,14 @@ def test_mixed_greedy_and_sampled_rows(tied_path, kind, rng):
     token may flip where the uniform draw falls within that noise of a boundary of the distribution. A
     flip is accepted only where the row's logits at that step equal its alone-logits to 1e-2 relative:
     the row had its own sequence's state and history (a row mix-up gives logits of order-1 difference)."""
-    be = _backend(tied_path, kind, max_context=64)
+    be = make_backend(tied_path, kind, max_context=64)
     V = be.config.vocab
     hot = SamplingParams(temperature=0.9, top_k=40, seed=int(rng.integers(2**31))).resolve({})
     pen = SamplingParams(temperature=0.7, top_p=0.9, repetition_penalty=1.3, seed=7).resolve({})
     prompts = [rng.integers(0, V, size=n) for n in (12, 20, 7)]
     params = [GREEDY, hot, pen]
-    alone = [_alone(be, [p], 10, prm)[0] for p, prm in zip(prompts, params, strict=True)]
-    assert _alone(be, [prompts[1]], 10, hot)[0][0] == alone[1][0], "seeded sampling is reproducible"
+    alone = [run_alone(be, [p], 10, prm)[0] for p, prm in zip(prompts, params, strict=True)]
+    assert run_alone(be, [prompts[1]], 10, hot)[0][0] == alone[1][0], "seeded sampling is reproducible"
     seqs = [be.pool.new_sequence() for _ in prompts]
     sts = [SamplerState(prm, V) for prm in params]
     toks, lg = [], []
@@ -375,7 +213,7 @@ def test_mixed_greedy_and_sampled_rows(tied_path, kind, rng):
         for b, o in enumerate(be.decode(seqs, [t[-1] for t in toks], sts)):
             toks[b].append(o)
             lg[b].append(be.last_logits()[b].copy())
-    _same_or_near_tie(toks[0], alone[0][0], alone[0][1], "row 0 (greedy)")
+    same_or_near_tie(toks[0], alone[0][0], alone[0][1], "row 0 (greedy)")
     for b in (1, 2):
         want, want_lg = alone[b]
         i = next((k for k, (x, y) in enumerate(zip(toks[b], want, strict=True)) if x != y), None)
@@ -387,7 +225,7 @@ def test_mixed_greedy_and_sampled_rows(tied_path, kind, rng):
 
 
 def test_pool_exhaustion_is_clean_and_backend_stays_usable(tied_path, kind, rng):
-    be = _backend(tied_path, kind, max_context=32, n_pages=3)  # 3 pages of 16 tokens
+    be = make_backend(tied_path, kind, max_context=32, n_pages=3)  # 3 pages of 16 tokens
     hog = be.pool.new_sequence()
     be.pool.grow(hog, 32)  # 2 of 3 pages taken
     seq = be.pool.new_sequence()
@@ -397,14 +235,14 @@ def test_pool_exhaustion_is_clean_and_backend_stays_usable(tied_path, kind, rng)
     be.pool.free(hog)
     be.pool.free(seq)
     ids = rng.integers(0, 4096, size=20)
-    a, s = _generate(be, ids, 8)
+    a, s = generate(be, ids, 8)
     assert len(a) == 8 and s.length == 27
 
 
 def test_decode_batch_is_all_or_nothing(tied_path, kind, rng):
     """Two sequences each about to cross into a new page, one free page: the step raises before any GPU
     work, nothing grows; freeing a page lets the same step run."""
-    be = _backend(tied_path, kind, max_context=48, n_pages=5)
+    be = make_backend(tied_path, kind, max_context=48, n_pages=5)
     V = be.config.vocab
     seqs = [be.pool.new_sequence() for _ in range(2)]
     sts = [SamplerState(GREEDY, V) for _ in seqs]
@@ -423,9 +261,9 @@ def test_decode_batch_is_all_or_nothing(tied_path, kind, rng):
 
 
 def test_failed_launch_leaves_backend_usable(tied_path, kind, monkeypatch, rng):
-    be = _backend(tied_path, kind, max_context=64)
+    be = make_backend(tied_path, kind, max_context=64)
     ids = rng.integers(0, 4096, size=18)
-    want, s = _generate(be, ids, 6)
+    want, s = generate(be, ids, 6)
     be.pool.free(s)
 
     def boom(*a, **k):
@@ -440,11 +278,11 @@ def test_failed_launch_leaves_backend_usable(tied_path, kind, monkeypatch, rng):
     monkeypatch.undo()
     be.pool.free(seq)
     assert be.step.shadow is None  # stale device state is sent again next time
-    assert _generate(be, ids, 6)[0] == want
+    assert generate(be, ids, 6)[0] == want
 
 
 def test_bad_requests_raise_clear_errors(tied_path, kind):
-    be = _backend(tied_path, kind, max_context=64, max_batch=2)
+    be = make_backend(tied_path, kind, max_context=64, max_batch=2)
     seq = be.pool.new_sequence()
     st = SamplerState(GREEDY, 4096)
     with pytest.raises(InvalidRequestError, match="out of range"):
@@ -466,9 +304,9 @@ def test_bad_requests_raise_clear_errors(tied_path, kind):
         be.decode([other], [tok], [st])
     assert seq.length == 3 and be.decode([], [], []) == []
     with pytest.raises(InvalidRequestError, match="decode_mode"):
-        _backend(tied_path, kind, decode_mode="fast")
+        make_backend(tied_path, kind, decode_mode="fast")
     with pytest.raises(InvalidRequestError, match="max_batch"):
-        _backend(tied_path, kind, max_batch=0)
+        make_backend(tied_path, kind, max_batch=0)
 
 
 def test_out_of_memory_during_a_request_is_clean(tied_path, kind, monkeypatch, rng):
@@ -478,9 +316,9 @@ def test_out_of_memory_during_a_request_is_clean(tied_path, kind, monkeypatch, r
     cannot release, and the prefill's temporaries were sometimes served from them.)"""
     from nanoqwen_engine.cuda import GPUOutOfMemoryError
 
-    be = _backend(tied_path, kind, max_context=512)
+    be = make_backend(tied_path, kind, max_context=512)
     ids = rng.integers(0, 4096, size=300)
-    want, s = _generate(be, ids, 4)
+    want, s = generate(be, ids, 4)
     be.pool.free(s)
     if kind == "gpu":
         import cupy
@@ -507,7 +345,7 @@ def test_out_of_memory_during_a_request_is_clean(tied_path, kind, monkeypatch, r
     be.pool.free(seq)
     monkeypatch.undo()
     assert be.pool.n_used == 0
-    assert _generate(be, ids, 4)[0] == want
+    assert generate(be, ids, 4)[0] == want
 
 
 def test_no_gpu_and_wrong_gpu_are_clear_errors(tied_path, monkeypatch):
@@ -515,7 +353,7 @@ def test_no_gpu_and_wrong_gpu_are_clear_errors(tied_path, monkeypatch):
     from nanoqwen_engine.cuda import WrongGPUError
     from nanoqwen_engine.errors import NoGPUError
 
-    nq, cfg = _open(tied_path)
+    nq, cfg = open_file(tied_path)
     monkeypatch.setattr(nanoqwen_kernels, "gpu_status", lambda: (False, "device compute capability 8.0 is not 9.x (Hopper)"))
     with pytest.raises(WrongGPUError, match="sm_90"):
         CudaBackend.create(nq, cfg, progress=False)
@@ -529,7 +367,7 @@ def test_ctrl_is_copied_only_where_it_changed(tied_path, monkeypatch, rng):
     id of a row that crossed into a new page (one small copy); a new sequence in a row sends its table."""
     from nanoqwen_engine.cuda.decode import _spans
 
-    be = _backend(tied_path, "host", max_context=96, n_pages=32)
+    be = make_backend(tied_path, "host", max_context=96, n_pages=32)
     V = be.config.vocab
     copies = []
     real = be.dev.h2d
@@ -555,100 +393,3 @@ def test_ctrl_is_copied_only_where_it_changed(tied_path, monkeypatch, rng):
             assert copies == [], f"step {step}: nothing changed, yet {copies} entries were copied"
     assert _spans(np.array([5, 3, 9, 100_000, 100_001])) == [(3, 10), (100_000, 100_002)]
     assert _spans(np.array([], dtype=np.int64)) == []
-
-
-def test_resident_fp16_prefill_weights_give_the_int4_path_bits(tied_path, kind, rng, monkeypatch):
-    """prefill_weights "fp16" (each matrix dequantized once at load, kept resident) and "int4" (dequantized
-    before every GEMM, by the same kernel) give the same logits bit for bit, prompts of 1 and 37 tokens;
-    "auto" takes fp16 where it fits; $NANOQWEN_PREFILL_WEIGHTS is the default; a bad value is refused."""
-    ids = rng.integers(0, 1000, size=37)
-    logits, toks = {}, {}
-    for mode in ("fp16", "int4"):
-        be = _backend(tied_path, kind, max_context=128, prefill_weights=mode)
-        assert be.info["prefill_weights"] == mode
-        assert (be.prefill_pass.dense is not None) == (mode == "fp16")
-        out = []
-        for n in (1, 37):
-            seq = be.pool.new_sequence()
-            out.append(be.prefill(seq, ids[:n], SamplerState(GREEDY, be.config.vocab)))
-            out.append(be.last_logits()[0].copy())
-            be.pool.free(seq)
-        toks[mode], logits[mode] = out[0::2], out[1::2]
-    assert toks["fp16"] == toks["int4"]
-    for a, b in zip(logits["fp16"], logits["int4"], strict=True):
-        assert np.array_equal(a, b)
-    be = _backend(tied_path, kind, max_context=128)  # auto: the tiny model's copy fits easily
-    assert be.info["prefill_weights"] == "fp16" and be.info["prefill_dense_bytes"] > 0
-    monkeypatch.setenv("NANOQWEN_PREFILL_WEIGHTS", "int4")
-    assert _backend(tied_path, kind, max_context=128).info["prefill_weights"] == "int4"
-    with pytest.raises(InvalidRequestError, match="prefill_weights"):
-        _backend(tied_path, kind, max_context=128, prefill_weights="fp8")
-
-
-def test_prefill_graphs_replay_the_eager_pass(tied_path, kind, rng):
-    """One sequence's prefill of <= 512 tokens replays the captured pass of its bucket (after the first
-    pass, eager): the same next token and logits as the eager pass (graphs off), for prompts of several
-    lengths within a bucket and across buckets, from position 0 and mid-sequence (a second chunk), and
-    the K/V it leaves decodes the same tokens."""
-    graph = _backend(tied_path, kind, max_context=128)
-    eager = _backend(tied_path, kind, max_context=128, decode_mode="eager")
-    assert graph.prefill_pass.graphs and not eager.prefill_pass.graphs
-    V = graph.config.vocab
-    for n in (5, 9, 16, 3, 40, 17, 33, 12):
-        ids = rng.integers(0, V, size=n)
-        split = n // 3  # a first chunk without a sampler, then the rest from position `split`
-        got = []
-        for be in (graph, eager):
-            seq = be.pool.new_sequence()
-            st = SamplerState(GREEDY, V)
-            if split:
-                assert be.prefill(seq, ids[:split], None) is None
-            toks = [be.prefill(seq, ids[split:], st)]
-            logits = [be.last_logits()[0].copy()]
-            for _ in range(3):
-                toks.append(be.decode([seq], [toks[-1]], [st])[0])
-                logits.append(be.last_logits()[0].copy())
-            be.pool.free(seq)
-            got.append((toks, logits))
-        (gt, gl), (et, el) = got
-        np.testing.assert_allclose(gl[0], el[0], rtol=0, atol=2e-2 * np.abs(el[0]).max())
-        _same_or_near_tie(gt, et, el, f"prompt of {n}")
-    shapes = {k[0] for k, g in graph.prefill_pass._graphs.items() if g.graph is not None}
-    assert {(16,), (32,)} <= shapes <= {(16,), (32,), (64,)}  # the chunks: 1..13 and 2..27 tokens
-
-
-def test_prefill_many_graphs_replay_the_eager_pass(tied_path, kind, rng):
-    """prefill_many of several sequences (each padded to its bucket, GRAPH_MAX_ROWS rows in all) runs a
-    shape's launches eagerly in the graph buffers on its first use, captures them on the second and
-    replays them after: each sequence's next token and logits as the eager pass (graphs off) every time,
-    with other prompts and positions each round, for two shapes, and a pass too large for a graph."""
-    from nanoqwen_engine.cuda.prefill import GRAPH_MAX_ROWS
-
-    graph = _backend(tied_path, kind, max_context=256, n_pages=64)
-    eager = _backend(tied_path, kind, max_context=256, n_pages=64, decode_mode="eager")
-    V = graph.config.vocab
-    # shapes (16, 32, 32) and (16, 64) three times each; the last: 128 + 256 + 192 rows > 512
-    rounds = [[5, 30, 17], [12, 20, 31], [3, 29, 22], [3, 64], [9, 50], [1, 33], [100, 200, 150]]
-    assert sum([128, 256, 192]) > GRAPH_MAX_ROWS
-    for lengths in rounds:
-        lead = [int(rng.integers(0, 20)) for _ in lengths]  # tokens each sequence holds already
-        prompts = [rng.integers(0, V, size=n) for n in lengths]
-        pre = [rng.integers(0, V, size=m) for m in lead]
-        got = []
-        for be in (graph, eager):
-            seqs = [be.pool.new_sequence() for _ in lengths]
-            for s, p in zip(seqs, pre, strict=True):
-                if len(p):
-                    be.prefill(s, p, None)
-            sts = [SamplerState(GREEDY, V) for _ in lengths]
-            toks = be.prefill_many(list(zip(seqs, prompts, sts, strict=True)))
-            got.append((toks, be.last_logits().copy()))
-            for s in seqs:
-                be.pool.free(s)
-        (gt, gl), (et, el) = got
-        np.testing.assert_allclose(gl, el, rtol=0, atol=2e-2 * np.abs(el).max())
-        for j in range(len(lengths)):
-            _same_or_near_tie([gt[j]], [et[j]], [el[j]], f"round {lengths}, sequence {j}")
-    shapes = {k[0] for k, g in graph.prefill_pass._graphs.items() if g.graph is not None}
-    assert shapes == {(16, 32, 32), (16, 64)} | (shapes & {(16,), (32,)})  # + the lead prompts' shapes
-    assert all(g.uses == 3 for k, g in graph.prefill_pass._graphs.items() if len(k[0]) > 1)

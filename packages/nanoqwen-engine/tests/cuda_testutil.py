@@ -1,0 +1,72 @@
+"""Helpers of the CudaBackend tests (test_cuda_plumbing.py, test_cuda_prefill.py): a backend on the host
+stand-ins (device.HostDevice + host_kernels.HostKernels) or on the GPU, greedy generation, and the
+near-tie rule by which two greedy runs may differ.
+
+Greedy tokens of a sequence alone and inside a batch (or prefilled another way) are compared exactly,
+except where the reference run's own logits had a near-tie at the first divergence (the other run may sum
+in another order: a tie within NEAR_TIE of the top logit can flip; anything else fails).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from nanoqwen_engine.config import ModelConfig
+from nanoqwen_engine.cuda import CudaBackend
+from nanoqwen_engine.cuda.device import HostDevice
+from nanoqwen_engine.cuda.host_kernels import HostKernels
+from nanoqwen_engine.params import SamplingParams
+from nanoqwen_engine.sampler import SamplerState
+from nanoqwen_format import open_model
+
+GREEDY = SamplingParams(temperature=0).resolve({})
+NEAR_TIE = 2e-3  # relative gap between the two largest logits below which a greedy flip is a near-tie
+
+
+def open_file(path):
+    nq = open_model(path)
+    return nq, ModelConfig.from_hf(nq.config, nq.generation_config)
+
+
+def make_backend(path, kind="host", decode_mode="graph", **kw):
+    nq, cfg = open_file(path)
+    if kind == "host":
+        dev = HostDevice()
+        kw.update(device=dev, kernels=HostKernels(cfg, dev))
+    be = CudaBackend.create(nq, cfg, progress=False, decode_mode=decode_mode, **kw)
+    be._nq = nq  # keep the mmap alive
+    return be
+
+
+def generate(be, ids, n, params=GREEDY, seq=None, logits=None):
+    """Prefill ids, then n - 1 decode steps as a batch of one; `logits` collects last_logits()[0] per token."""
+    seq = seq or be.pool.new_sequence()
+    st = SamplerState(params, be.config.vocab)
+    out = [be.prefill(seq, np.asarray(ids), st)]
+    if logits is not None:
+        logits.append(be.last_logits()[0].copy())
+    for _ in range(n - 1):
+        out.append(be.decode([seq], [out[-1]], [st])[0])
+        if logits is not None:
+            logits.append(be.last_logits()[0].copy())
+    return out, seq
+
+
+def same_or_near_tie(got: list[int], want: list[int], want_logits: list[np.ndarray], what: str) -> None:
+    """got == want, or they first differ where want's own logits had a near-tie (see the module doc)."""
+    if got == want:
+        return
+    i = next(k for k, (a, b) in enumerate(zip(got, want, strict=True)) if a != b)
+    top2 = np.sort(want_logits[i])[-2:]
+    gap = (top2[1] - top2[0]) / max(abs(top2[1]), 1e-6)
+    assert gap < NEAR_TIE, f"{what}: token {i} differs ({got[i]} vs {want[i]}) at a logit gap of {gap:.3g}"
+
+
+def run_alone(be, prompts, n, params=GREEDY):
+    """Each prompt generated alone (batch of one); (tokens, per-token logits) per prompt."""
+    res = []
+    for p in prompts:
+        lg: list[np.ndarray] = []
+        toks, s = generate(be, p, n, params, logits=lg)
+        be.pool.free(s)
+        res.append((toks, lg))
+    return res

@@ -1,0 +1,205 @@
+"""CudaBackend's prefill, on the host stand-ins and on the GPU (cuda_testutil.py, the `kind` fixture): a
+prompt in chunks gives the whole prompt's logits; prefill_many of several sequences gives their separate
+prefills and is all or nothing; the resident fp16 prefill weights give the INT4 path's bits; the prefill
+graphs (one per shape of pieces padded to buckets) give the eager pass's tokens and logits.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from cuda_testutil import GREEDY, generate, make_backend, same_or_near_tie
+from nanoqwen_engine.errors import InvalidRequestError, KVPagesExhaustedError
+from nanoqwen_engine.sampler import SamplerState
+
+
+def test_chunked_prefill_gives_the_whole_prefill(tied_path, kind, rng):
+    """A prompt prefilled in chunks (each starting at seq.length, the sampler only with the last) gives
+    the K/V and the logits of the one-piece prefill: the same next token, logits equal to rounding."""
+    be = make_backend(tied_path, kind, max_context=128)
+    ids = rng.integers(0, be.config.vocab, size=53)
+    whole, s = generate(be, ids, 6)
+    whole_logits = be.last_logits()
+    be.pool.free(s)
+    seq = be.pool.new_sequence()
+    st = SamplerState(GREEDY, be.config.vocab)
+    for a, b in ((0, 16), (16, 17), (17, 40)):  # page-aligned, one token, across a page boundary
+        assert be.prefill(seq, ids[a:b], None) is None
+        assert seq.length == b
+    toks = [be.prefill(seq, ids[40:], st)]
+    for _ in range(5):
+        toks.append(be.decode([seq], [toks[-1]], [st])[0])
+    assert toks == whole
+    np.testing.assert_allclose(be.last_logits(), whole_logits, rtol=0, atol=1e-2 * np.abs(whole_logits).max())
+
+
+@pytest.mark.parametrize("chunk", [4096, 24])
+def test_prefill_many_is_the_separate_prefills(tied_path, kind, rng, monkeypatch, chunk):
+    """prefill_many of 4 sequences (prompt lengths 1, 17, 30, 45; two of them starting mid-sequence after
+    an earlier chunk; two sampled) gives what 4 separate prefill calls give: the same first ids, logits
+    of the sampled rows equal to rounding (the rows share GEMMs of another M), and K/V that decode the
+    same continuations. chunk = 24 makes the pass split segments into pieces and group pieces into
+    passes (prefill.PREFILL_CHUNK)."""
+    from nanoqwen_engine.cuda import prefill as prefill_mod
+
+    monkeypatch.setattr(prefill_mod, "PREFILL_CHUNK", chunk)
+    be = make_backend(tied_path, kind, max_context=128, n_pages=64)
+    V = be.config.vocab
+    heads = [0, 0, 11, 7]  # tokens prefilled before (no sampler) in a separate call
+    lengths = [1, 17, 30, 45]
+    sampled = [True, False, True, False]
+    prompts = [rng.integers(0, V, size=h + n) for h, n in zip(heads, lengths, strict=True)]
+
+    def run(together: bool):
+        seqs = [be.pool.new_sequence() for _ in prompts]
+        sts = [SamplerState(GREEDY, V) if smp else None for smp in sampled]
+        for s, p, h in zip(seqs, prompts, heads, strict=True):
+            if h:
+                be.prefill(s, p[:h], None)
+        items = [(s, p[h:], st) for s, p, h, st in zip(seqs, prompts, heads, sts, strict=True)]
+        if together:
+            firsts = be.prefill_many(items)
+            logits = be.last_logits()
+        else:
+            firsts, rows = [], []
+            for it in items:
+                firsts.append(be.prefill(*it))
+                if it[2] is not None:
+                    rows.append(be.last_logits()[0])
+            logits = np.stack(rows)
+        assert [s.length for s in seqs] == [h + n for h, n in zip(heads, lengths, strict=True)]
+        # 6 greedy steps of all four together, from their own first ids (the unsampled: their last prompt id)
+        dec_st = [st or SamplerState(GREEDY, V) for st in sts]
+        toks = [[f if f is not None else int(p[-1])] for f, p in zip(firsts, prompts, strict=True)]
+        for _ in range(6):
+            out = be.decode(seqs, [t[-1] for t in toks], dec_st)
+            for t, o in zip(toks, out, strict=True):
+                t.append(o)
+        for s in seqs:
+            be.pool.free(s)
+        return firsts, logits, toks
+
+    f1, l1, t1 = run(False)
+    f2, l2, t2 = run(True)
+    assert [f is None for f in f2] == [not smp for smp in sampled]
+    assert f1 == f2
+    assert l2.shape == (2, V)
+    np.testing.assert_allclose(l2, l1, rtol=0, atol=1e-2 * np.abs(l1).max())
+    for a, b in zip(t1, t2, strict=True):
+        assert a == b
+    assert be.pool.n_used == 0
+
+
+def test_prefill_many_is_all_or_nothing(tied_path, kind, rng):
+    """A prefill_many whose second sequence cannot have its pages: KVPagesExhaustedError, and the first
+    sequence keeps its pages and length (nothing ran); bad input is refused before anything too."""
+    be = make_backend(tied_path, kind, max_context=128, n_pages=4)
+    a, b = be.pool.new_sequence(), be.pool.new_sequence()
+    with pytest.raises(KVPagesExhaustedError):
+        be.prefill_many([(a, rng.integers(0, 4096, 40), None), (b, rng.integers(0, 4096, 40), None)])
+    assert (a.length, a.n_pages, b.length, b.n_pages, be.pool.n_free) == (0, 0, 0, 0, 4)
+    with pytest.raises(InvalidRequestError, match="twice"):
+        be.prefill_many([(a, [1, 2], None), (a, [3], None)])
+    with pytest.raises(InvalidRequestError, match="out of range"):
+        be.prefill_many([(a, [1, 2], None), (b, [4096], None)])
+    assert be.pool.n_free == 4
+    assert be.prefill_many([]) == []
+    assert be.prefill_many([(a, [1, 2, 3], None), (b, [4, 5], None)]) == [None, None]
+    assert (a.length, b.length) == (3, 2)
+
+
+def test_resident_fp16_prefill_weights_give_the_int4_path_bits(tied_path, kind, rng, monkeypatch):
+    """prefill_weights "fp16" (each matrix dequantized once at load, kept resident) and "int4" (dequantized
+    before every GEMM, by the same kernel) give the same logits bit for bit, prompts of 1 and 37 tokens;
+    "auto" takes fp16 where it fits; $NANOQWEN_PREFILL_WEIGHTS is the default; a bad value is refused."""
+    ids = rng.integers(0, 1000, size=37)
+    logits, toks = {}, {}
+    for mode in ("fp16", "int4"):
+        be = make_backend(tied_path, kind, max_context=128, prefill_weights=mode)
+        assert be.info["prefill_weights"] == mode
+        assert (be.prefill_pass.dense is not None) == (mode == "fp16")
+        out = []
+        for n in (1, 37):
+            seq = be.pool.new_sequence()
+            out.append(be.prefill(seq, ids[:n], SamplerState(GREEDY, be.config.vocab)))
+            out.append(be.last_logits()[0].copy())
+            be.pool.free(seq)
+        toks[mode], logits[mode] = out[0::2], out[1::2]
+    assert toks["fp16"] == toks["int4"]
+    for a, b in zip(logits["fp16"], logits["int4"], strict=True):
+        assert np.array_equal(a, b)
+    be = make_backend(tied_path, kind, max_context=128)  # auto: the tiny model's copy fits easily
+    assert be.info["prefill_weights"] == "fp16" and be.info["prefill_dense_bytes"] > 0
+    monkeypatch.setenv("NANOQWEN_PREFILL_WEIGHTS", "int4")
+    assert make_backend(tied_path, kind, max_context=128).info["prefill_weights"] == "int4"
+    with pytest.raises(InvalidRequestError, match="prefill_weights"):
+        make_backend(tied_path, kind, max_context=128, prefill_weights="fp8")
+
+
+def test_prefill_graphs_replay_the_eager_pass(tied_path, kind, rng):
+    """One sequence's prefill of <= 512 tokens replays the captured pass of its bucket (after the first
+    pass, eager): the same next token and logits as the eager pass (graphs off), for prompts of several
+    lengths within a bucket and across buckets, from position 0 and mid-sequence (a second chunk), and
+    the K/V it leaves decodes the same tokens."""
+    graph = make_backend(tied_path, kind, max_context=128)
+    eager = make_backend(tied_path, kind, max_context=128, decode_mode="eager")
+    assert graph.prefill_pass.graphs and not eager.prefill_pass.graphs
+    V = graph.config.vocab
+    for n in (5, 9, 16, 3, 40, 17, 33, 12):
+        ids = rng.integers(0, V, size=n)
+        split = n // 3  # a first chunk without a sampler, then the rest from position `split`
+        got = []
+        for be in (graph, eager):
+            seq = be.pool.new_sequence()
+            st = SamplerState(GREEDY, V)
+            if split:
+                assert be.prefill(seq, ids[:split], None) is None
+            toks = [be.prefill(seq, ids[split:], st)]
+            logits = [be.last_logits()[0].copy()]
+            for _ in range(3):
+                toks.append(be.decode([seq], [toks[-1]], [st])[0])
+                logits.append(be.last_logits()[0].copy())
+            be.pool.free(seq)
+            got.append((toks, logits))
+        (gt, gl), (et, el) = got
+        np.testing.assert_allclose(gl[0], el[0], rtol=0, atol=2e-2 * np.abs(el[0]).max())
+        same_or_near_tie(gt, et, el, f"prompt of {n}")
+    shapes = {k[0] for k, g in graph.prefill_pass._graphs.items() if g.graph is not None}
+    assert {(16,), (32,)} <= shapes <= {(16,), (32,), (64,)}  # the chunks: 1..13 and 2..27 tokens
+
+
+def test_prefill_many_graphs_replay_the_eager_pass(tied_path, kind, rng):
+    """prefill_many of several sequences (each padded to its bucket, GRAPH_MAX_ROWS rows in all) runs a
+    shape's launches eagerly in the graph buffers on its first use, captures them on the second and
+    replays them after: each sequence's next token and logits as the eager pass (graphs off) every time,
+    with other prompts and positions each round, for two shapes, and a pass too large for a graph."""
+    from nanoqwen_engine.cuda.prefill import GRAPH_MAX_ROWS
+
+    graph = make_backend(tied_path, kind, max_context=256, n_pages=64)
+    eager = make_backend(tied_path, kind, max_context=256, n_pages=64, decode_mode="eager")
+    V = graph.config.vocab
+    # shapes (16, 32, 32) and (16, 64) three times each; the last: 128 + 256 + 192 rows > 512
+    rounds = [[5, 30, 17], [12, 20, 31], [3, 29, 22], [3, 64], [9, 50], [1, 33], [100, 200, 150]]
+    assert sum([128, 256, 192]) > GRAPH_MAX_ROWS
+    for lengths in rounds:
+        lead = [int(rng.integers(0, 20)) for _ in lengths]  # tokens each sequence holds already
+        prompts = [rng.integers(0, V, size=n) for n in lengths]
+        pre = [rng.integers(0, V, size=m) for m in lead]
+        got = []
+        for be in (graph, eager):
+            seqs = [be.pool.new_sequence() for _ in lengths]
+            for s, p in zip(seqs, pre, strict=True):
+                if len(p):
+                    be.prefill(s, p, None)
+            sts = [SamplerState(GREEDY, V) for _ in lengths]
+            toks = be.prefill_many(list(zip(seqs, prompts, sts, strict=True)))
+            got.append((toks, be.last_logits().copy()))
+            for s in seqs:
+                be.pool.free(s)
+        (gt, gl), (et, el) = got
+        np.testing.assert_allclose(gl, el, rtol=0, atol=2e-2 * np.abs(el).max())
+        for j in range(len(lengths)):
+            same_or_near_tie([gt[j]], [et[j]], [el[j]], f"round {lengths}, sequence {j}")
+    shapes = {k[0] for k, g in graph.prefill_pass._graphs.items() if g.graph is not None}
+    assert shapes == {(16, 32, 32), (16, 64)} | (shapes & {(16,), (32,)})  # + the lead prompts' shapes
+    assert all(g.uses == 3 for k, g in graph.prefill_pass._graphs.items() if len(k[0]) > 1)
