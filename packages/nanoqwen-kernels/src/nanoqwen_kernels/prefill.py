@@ -55,6 +55,15 @@ def _check_pages(dims, k_cache, v_cache, layer, page_table, start_pos, t: int, c
     return layer, n_pages, 0
 
 
+def _check_gemm_io(X, out, n: int, k: int) -> None:
+    """The prefill GEMMs' activations X fp16 [T, K] and output out fp16 [T, N], not overlapping."""
+    ck.check_array("X", X, np.float16)
+    if X.ndim != 2 or X.shape[1] != k or X.shape[0] < 1:
+        raise KernelError(f"X must be fp16 [T, {k}], got shape {tuple(X.shape)}")
+    ck.check_array("out", out, np.float16, shape=(int(X.shape[0]), n))
+    ck.check_distinct(X=X, out=out)
+
+
 class PrefillKernels:
     """The prefill build for one ModelDims. `load_module(sources, defines)` is the loader's."""
 
@@ -110,12 +119,7 @@ class PrefillKernels:
         """
         cupy = ck.cupy_module()
         n, k = self._check_int4(qweight, scales)
-        ck.check_array("X", X, np.float16)
-        if X.ndim != 2 or X.shape[1] != k or X.shape[0] < 1:
-            raise KernelError(f"X must be fp16 [T, {k}], got shape {tuple(X.shape)}")
-        t = int(X.shape[0])
-        ck.check_array("out", out, np.float16, shape=(t, n))
-        ck.check_distinct(X=X, out=out)
+        _check_gemm_io(X, out, n, k)
         if workspace is None:
             workspace = cupy.empty(n * k, dtype=np.float16)
         ck.check_array("workspace", workspace, np.float16, min_size=n * k)
@@ -130,12 +134,7 @@ class PrefillKernels:
         ck.check_array("w", w, np.float16)
         if w.ndim != 2 or w.shape[0] < 1 or w.shape[1] < 1:
             raise KernelError(f"w must be fp16 [N, K], got shape {tuple(w.shape)}")
-        n, k = int(w.shape[0]), int(w.shape[1])
-        ck.check_array("X", X, np.float16)
-        if X.ndim != 2 or X.shape[1] != k or X.shape[0] < 1:
-            raise KernelError(f"X must be fp16 [T, {k}], got shape {tuple(X.shape)}")
-        ck.check_array("out", out, np.float16, shape=(int(X.shape[0]), n))
-        ck.check_distinct(X=X, out=out)
+        _check_gemm_io(X, out, int(w.shape[0]), int(w.shape[1]))
         self._blas.gemm_nt(X, w, out, accumulate=accumulate)
 
     def silu_mul(self, gu, out) -> None:

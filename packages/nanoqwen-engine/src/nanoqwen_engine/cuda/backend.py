@@ -152,8 +152,9 @@ class CudaBackend:
             with Timer() as tu:
                 weights = gpu_weights(dev.upload(plan, nqfile.tensor, progress), config.n_layers)
             free, total = dev.mem_info()
+            nbytes = dense_bytes(weights)
             try:
-                pw = choose_prefill_weights(prefill_weights, dense_bytes(weights), free)
+                pw = choose_prefill_weights(prefill_weights, nbytes, free)
             except ValueError as e:
                 raise GPUOutOfMemoryError(str(e)) from None
             dense = None
@@ -161,7 +162,7 @@ class CudaBackend:
                 with Timer() as td, dev.use():
                     dense = dense_layers(dev.xp, ks, weights)
                     dev.synchronize()
-                info.update(prefill_dense_bytes=dense_bytes(weights), prefill_dense_s=td.s)
+                info.update(prefill_dense_bytes=nbytes, prefill_dense_s=td.s)
                 free, total = dev.mem_info()
             info["prefill_weights"] = pw
             try:

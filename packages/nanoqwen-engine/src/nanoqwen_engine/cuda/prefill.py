@@ -133,7 +133,8 @@ class PrefillPass:
         ids_host = np.concatenate([p[0] for p in pieces]).astype(np.int32)
         ids = dev.xp.empty(int(ids_host.shape[0]), dtype=np.int32)
         dev.h2d(ids, ids_host)
-        x = self.w.embed[ids]  # f16 [T,H] (row gather)
+        x = dev.xp.empty((int(ids_host.shape[0]), self.cfg.hidden), dtype=np.float16)
+        self.ks.embed(self.w.embed, ids, x)  # f16 [T,H]: the rows of the ids (the graphs' launch too)
         segs, r = [], 0
         for p_ids, start, table, _ in pieces:
             T = int(p_ids.shape[0])
