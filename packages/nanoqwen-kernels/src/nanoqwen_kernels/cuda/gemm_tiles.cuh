@@ -15,7 +15,9 @@
 //     X   [B][256 + 16] fp16       x[b][256 pg ..], 16-byte chunks swizzled as gemv_mma.cuh's xs_slot
 //   stage i + kStages - 1 is issued while stage i is multiplied; the barrier at the top of each step is
 //   both "stage i landed" (after cp.async.wait_group) and "stage i - 1 is no longer read" (its slot is
-//   the one refilled).
+//   the one refilled). Two rings (kTileContinuous picks per build, by measurement): the continuous one
+//   runs across the block's segments and issues stage 0's weights before pdl_wait; the drained one
+//   refills from empty at each segment.
 //   Bank layout of W: lane (g, c) reads 16 B of unit u = ... + g at chunk 4 gl + c; units g and g + 1 of a
 //   quarter-warp are 128 B apart (the same banks), so an odd row slot stores its two 64-byte halves
 //   swapped (chunk j at j ^ 4): the quarter-warp then covers all 32 banks once.
@@ -63,6 +65,10 @@ __host__ __device__ constexpr int tile_stage_bytes() {
 #define NQ_TILE_STAGES 3
 #endif
 constexpr int kTileSmemCap = 220 * 1024;
+// Stage 0's weights issued before pdl_wait (1, default) or after it (0), in the continuous builds (below)
+#ifndef NQ_TILE_EARLY_W
+#define NQ_TILE_EARLY_W 1
+#endif
 template <int kCols>
 __host__ __device__ constexpr int tile_stages() {
   return NQ_TILE_STAGES < kTileSmemCap / tile_stage_bytes<kCols>() ? NQ_TILE_STAGES
@@ -75,13 +81,13 @@ __device__ __forceinline__ int stripe_of(long long j, long long w_items, int p) 
 }
 __device__ __forceinline__ long long stripe_lo(int b, long long w_items, int p) { return b * w_items / p; }
 
-// Issue the copies of pair pg of the tile into stage buffers (w, s, xs). rows[j]: the row of slot
-// (tid >> 3) + kCopyRows j; srow: the row of slot tid (its scales; threads past the 256 slots copy none).
-template <int K, int kCols>
-__device__ __forceinline__ void issue_pair(const uint32_t* __restrict__ qw, const uint16_t* __restrict__ sc,
-                                           const uint16_t* __restrict__ x, int ncols, int pg,
-                                           const int (&rows)[kTileSlots / kCopyRows], int srow, uint4* w,
-                                           uint32_t* s, uint4* xs) {
+// Issue the weight copies of pair pg of the tile into stage buffers w (INT4 words) and s (scales).
+// rows[j]: the row of slot (tid >> 3) + kCopyRows j; srow: the row of slot tid (its scales; threads past
+// the 256 slots copy none). Weights are never written during a step, so these may be issued before
+// pdl_wait (see gemm_tiles).
+template <int K>
+__device__ __forceinline__ void issue_w(const uint32_t* __restrict__ qw, const uint16_t* __restrict__ sc, int pg,
+                                        const int (&rows)[kTileSlots / kCopyRows], int srow, uint4* w, uint32_t* s) {
   constexpr int kG = K / kGroup;
   const int tid = threadIdx.x;
   const int chunk = tid & 7, gl = chunk >> 2, c = chunk & 3;
@@ -102,7 +108,13 @@ __device__ __forceinline__ void issue_pair(const uint32_t* __restrict__ qw, cons
     const uint32_t lo = p[0], hi = (2 * pg + 1 < kG) ? p[1] : 0u;
     s[tid] = lo | (hi << 16);
   }
-  for (int i = tid; i < ncols * 32; i += kTileThreads) {
+}
+
+// Issue the activation copies of pair pg (x of every column, k = 256 pg ..) into stage buffer xs. x is
+// the previous kernel's output: only after pdl_wait.
+template <int K>
+__device__ __forceinline__ void issue_x(const uint16_t* __restrict__ x, int ncols, int pg, uint4* xs) {
+  for (int i = threadIdx.x; i < ncols * 32; i += kTileThreads) {
     const int b = i >> 5, j = i & 31;
     const int k = 256 * pg + 8 * j;
     uint4* dst = xs + b * kXRowChunks + xs_slot(j);
@@ -182,10 +194,92 @@ __device__ __forceinline__ void multiply_pair(const uint4* w, const uint32_t* s,
   }
 }
 
-// out[b] = W . x[b] for b < n_cols (<= 8 NT) over `units` units; x is already normalised (nq_norm_cols_*).
-// ws: fp32 [2 P][8 NT][kTileUnits][2]; tickets: int [tiles], zero before the launch (and after it).
+// A partial segment of tile t (the block's first segment if `first`, else its last): its fp32 sums to
+// the block's ws slot, then a ticket; the block that finishes the tile's last segment adds every
+// contributor's slot in block order and runs the epilogue. Block-uniform (it holds barriers).
 template <int K, int NT, class Map, class Epi>
-__device__ __forceinline__ void gemm_tiles(const uint32_t* __restrict__ qw, const uint16_t* __restrict__ sc,
+__device__ __forceinline__ void partial_segment(int t, bool first, float* __restrict__ ws, int* __restrict__ tickets,
+                                                int units, int ncols, const Map& map, const Epi& epi, const float (&acc)[kTileMT][NT][4],
+                                                int& last_flag) {
+  constexpr int kCols = 8 * NT;
+  constexpr int kPairs = (K / kGroup + 1) / 2;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, c = lane & 3;
+  const int p_blocks = gridDim.x, blk = blockIdx.x;  // re-read here: fewer registers live across the loop
+  const long long w_items = static_cast<long long>((units + kTileUnits - 1) / kTileUnits) * kPairs;
+  const int slot = 2 * blk + (first ? 0 : 1);
+  float2* mine = reinterpret_cast<float2*>(ws) + static_cast<size_t>(slot) * kCols * kTileUnits;
+#pragma unroll
+  for (int m = 0; m < kTileMT; ++m) {
+    const int u = warp * 8 * kTileMT + 8 * m + g;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const int col = 8 * nt + 2 * c;
+      if (col < ncols) mine[col * kTileUnits + u] = make_float2(acc[m][nt][0], acc[m][nt][2]);
+      if (col + 1 < ncols) mine[(col + 1) * kTileUnits + u] = make_float2(acc[m][nt][1], acc[m][nt][3]);
+    }
+  }
+  __threadfence();  // this thread's partial sums visible device-wide before the ticket is taken
+  __syncthreads();  // ... for every thread of the block
+  const long long item0 = static_cast<long long>(t) * kPairs;
+  const int b_first = stripe_of(item0, w_items, p_blocks);
+  const int b_last = stripe_of(item0 + kPairs - 1, w_items, p_blocks);
+  if (tid == 0) last_flag = atomicAdd(&tickets[t], 1) == b_last - b_first;
+  __syncthreads();
+  if (!last_flag) return;  // block-uniform
+  __threadfence();  // the other blocks' partial sums (seen through their tickets) before reading them
+  // Thread tid sums unit u = tid % 128 of columns tid / 128 + 2 q over the contributors, in block order
+  // (the same sums at every batch size). All kPer loads of one contributor are independent and issued
+  // together: the reduction costs (contributors) L2 round trips, not (contributors x outputs per thread).
+  constexpr int kPer = kTileUnits * kCols / kTileThreads;
+  constexpr int kChunk = kPer < 8 ? kPer : 8;  // outputs summed per pass (registers: 2 x kChunk)
+  const int u = tid % kTileUnits, col0 = tid / kTileUnits;
+  const int p = t * kTileUnits + u;
+  int r0 = 0, r1 = 0;
+  if (p < units) map(p, r0, r1);
+#pragma unroll
+  for (int q0 = 0; q0 < kPer; q0 += kChunk) {
+    float o0[kChunk], o1[kChunk];
+#pragma unroll
+    for (int q = 0; q < kChunk; ++q) o0[q] = o1[q] = 0.f;
+    for (int b = b_first; b <= b_last; ++b) {
+      const int tb = static_cast<int>(stripe_lo(b, w_items, p_blocks) / kPairs);
+      const int sb = 2 * b + (tb == t ? 0 : 1);
+      const float2* src = reinterpret_cast<const float2*>(ws) + static_cast<size_t>(sb) * kCols * kTileUnits + u;
+#pragma unroll
+      for (int q = 0; q < kChunk; ++q) {
+        const int col = col0 + (kTileThreads / kTileUnits) * (q0 + q);
+        if (col < ncols) {
+          const float2 v = __ldcg(src + col * kTileUnits);
+          o0[q] += v.x;
+          o1[q] += v.y;
+        }
+      }
+    }
+    if (p < units) {
+#pragma unroll
+      for (int q = 0; q < kChunk; ++q) {
+        const int col = col0 + (kTileThreads / kTileUnits) * (q0 + q);
+        if (col < ncols) epi(col, p, r0, r1, o0[q], o1[q]);
+      }
+    }
+  }
+  if (tid == 0) tickets[t] = 0;  // ready for the next launch (no other block touches it in this one)
+}
+
+// Which builds run the continuous ring (gemm_tiles) and which the drained one (gemm_tiles_drained): chosen
+// by measurement (H200, docs/PERF.md "tile GEMM: the continuous ring"). 8 and 32 columns: -3 to -12% per
+// GEMM. 64 columns: the registers are at the cap of 512 threads (128) and every reshaping of the loop
+// tried (the continuous ring, early weights, shared segment helpers) moved spills into it: +5-7% on
+// gate/up and down. 16 columns: ptxas split the x fragment loads of the reshaped loop and kept 70 registers
+// where the drained loop keeps 121: +10% on gate/up and down at B = 16.
+template <int NT>
+constexpr bool kTileContinuous = NT == 1 || NT == 4;
+
+// The drained ring: the tile GEMM as first written (the ring drained at each segment's end, copy rows
+// cached per segment, nothing issued before pdl_wait), kept for the builds above.
+template <int K, int NT, class Map, class Epi>
+__device__ __forceinline__ void gemm_tiles_drained(const uint32_t* __restrict__ qw, const uint16_t* __restrict__ sc,
                                            const uint16_t* __restrict__ x, int units, int n_cols,
                                            float* __restrict__ ws, int* __restrict__ tickets, const Map& map,
                                            const Epi& epi) {
@@ -229,8 +323,8 @@ __device__ __forceinline__ void gemm_tiles(const uint32_t* __restrict__ qw, cons
     auto stage = [&](int i) { return smem + (i % kTileStages) * kStageChunks; };
     auto issue = [&](int i) {
       uint4* base = stage(i);
-      issue_pair<K, kCols>(qw, sc, x, ncols, p0 + i, rows, srow, base, reinterpret_cast<uint32_t*>(base + kTileSlots * 8),
-                           base + kTileSlots * 8 + kTileSlots / 4);
+      issue_w<K>(qw, sc, p0 + i, rows, srow, base, reinterpret_cast<uint32_t*>(base + kTileSlots * 8));
+      issue_x<K>(x, ncols, p0 + i, base + kTileSlots * 8 + kTileSlots / 4);
     };
     const int n = p1 - p0;
 #pragma unroll
@@ -271,66 +365,139 @@ __device__ __forceinline__ void gemm_tiles(const uint32_t* __restrict__ qw, cons
       }
       continue;
     }
-    // a partial segment: its sums to the block's slot, then a ticket; the tile's last block reduces
-    const int slot = 2 * blk + (first ? 0 : 1);
-    float2* mine = reinterpret_cast<float2*>(ws) + static_cast<size_t>(slot) * kCols * kTileUnits;
-#pragma unroll
-    for (int m = 0; m < kTileMT; ++m) {
-      const int u = warp * 8 * kTileMT + 8 * m + g;
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        const int col = 8 * nt + 2 * c;
-        if (col < ncols) mine[col * kTileUnits + u] = make_float2(acc[m][nt][0], acc[m][nt][2]);
-        if (col + 1 < ncols) mine[(col + 1) * kTileUnits + u] = make_float2(acc[m][nt][1], acc[m][nt][3]);
-      }
-    }
-    __threadfence();  // this thread's partial sums visible device-wide before the ticket is taken
-    __syncthreads();  // ... for every thread of the block
-    const long long item0 = static_cast<long long>(t) * kPairs;
-    const int b_first = stripe_of(item0, w_items, p_blocks);
-    const int b_last = stripe_of(item0 + kPairs - 1, w_items, p_blocks);
-    if (tid == 0) last_flag = atomicAdd(&tickets[t], 1) == b_last - b_first;
-    __syncthreads();
-    if (!last_flag) continue;  // block-uniform
-    __threadfence();  // the other blocks' partial sums (seen through their tickets) before reading them
-    // Thread tid sums unit u = tid % 128 of columns tid / 128 + 2 q over the contributors, in block order
-    // (the same sums at every batch size). All kPer loads of one contributor are independent and issued
-    // together: the reduction costs (contributors) L2 round trips, not (contributors x outputs per thread).
-    constexpr int kPer = kTileUnits * kCols / kTileThreads;
-    constexpr int kChunk = kPer < 8 ? kPer : 8;  // outputs summed per pass (registers: 2 x kChunk)
-    const int u = tid % kTileUnits, col0 = tid / kTileUnits;
-    const int p = t * kTileUnits + u;
-    int r0 = 0, r1 = 0;
-    if (p < units) map(p, r0, r1);
-#pragma unroll
-    for (int q0 = 0; q0 < kPer; q0 += kChunk) {
-      float o0[kChunk], o1[kChunk];
-#pragma unroll
-      for (int q = 0; q < kChunk; ++q) o0[q] = o1[q] = 0.f;
-      for (int b = b_first; b <= b_last; ++b) {
-        const int tb = static_cast<int>(stripe_lo(b, w_items, p_blocks) / kPairs);
-        const int sb = 2 * b + (tb == t ? 0 : 1);
-        const float2* src = reinterpret_cast<const float2*>(ws) + static_cast<size_t>(sb) * kCols * kTileUnits + u;
-#pragma unroll
-        for (int q = 0; q < kChunk; ++q) {
-          const int col = col0 + (kTileThreads / kTileUnits) * (q0 + q);
-          if (col < ncols) {
-            const float2 v = __ldcg(src + col * kTileUnits);
-            o0[q] += v.x;
-            o1[q] += v.y;
-          }
-        }
-      }
-      if (p < units) {
-#pragma unroll
-        for (int q = 0; q < kChunk; ++q) {
-          const int col = col0 + (kTileThreads / kTileUnits) * (q0 + q);
-          if (col < ncols) epi(col, p, r0, r1, o0[q], o1[q]);
-        }
-      }
-    }
-    if (tid == 0) tickets[t] = 0;  // ready for the next launch (no other block touches it in this one)
+    partial_segment<K, NT>(t, first, ws, tickets, units, ncols, map, epi, acc, last_flag);
   }
+}
+
+// out[b] = W . x[b] for b < n_cols (<= 8 NT) over `units` units; x is already normalised (nq_norm_cols_*).
+// ws: fp32 [2 P][8 NT][kTileUnits][2]; tickets: int [tiles], zero before the launch (and after it).
+template <int K, int NT, class Map, class Epi>
+__device__ __forceinline__ void gemm_tiles(const uint32_t* __restrict__ qw, const uint16_t* __restrict__ sc,
+                                           const uint16_t* __restrict__ x, int units, int n_cols,
+                                           float* __restrict__ ws, int* __restrict__ tickets, const Map& map,
+                                           const Epi& epi) {
+  if constexpr (!kTileContinuous<NT>) {
+    gemm_tiles_drained<K, NT>(qw, sc, x, units, n_cols, ws, tickets, map, epi);
+    return;
+  }
+  constexpr int kCols = 8 * NT;
+  constexpr int kPairs = (K / kGroup + 1) / 2;
+  extern __shared__ uint4 smem[];
+  __shared__ int last_flag;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, c = lane & 3;
+  const int ncols = n_cols;
+  const int p_blocks = gridDim.x, blk = blockIdx.x;
+  const int tiles = (units + kTileUnits - 1) / kTileUnits;
+  const long long w_items = static_cast<long long>(tiles) * kPairs;
+  const long long lo = stripe_lo(blk, w_items, p_blocks), hi = stripe_lo(blk + 1, w_items, p_blocks);
+  constexpr int kStageChunks = tile_stage_bytes<kCols>() / 16;
+  constexpr int kTileStages = tile_stages<kCols>();
+  static_assert(kTileStages >= 2, "the ring needs two stages");
+
+  // The stripe is n = hi - lo steps; step i is pair (lo + i) % kPairs of tile (lo + i) / kPairs, and the
+  // steps of one tile form a segment (a block's stripe: the tail of one tile, whole tiles, the head of
+  // another).
+  const int n = static_cast<int>(hi - lo), lo_i = static_cast<int>(lo);  // items fit an int (tiles x pairs)
+  auto stage = [&](int i) { return smem + (i % kTileStages) * kStageChunks; };
+  // this thread's copy duties in tile t: the rows of slots (tid >> 3) + kCopyRows q and of slot tid
+  auto copy_rows = [&](int t, int (&rows)[kTileSlots / kCopyRows], int& srow) {
+#pragma unroll
+    for (int q = 0; q < kTileSlots / kCopyRows; ++q) {
+      const int rs = (tid >> 3) + kCopyRows * q;
+      int r0, r1;
+      map(min(t * kTileUnits + (rs % kTileUnits), units - 1), r0, r1);  // a tail tile recomputes the last
+      rows[q] = rs < kTileUnits ? r0 : r1;                              // unit; only real units written
+    }
+    int r0, r1;
+    map(min(t * kTileUnits + (tid % kTileUnits), units - 1), r0, r1);
+    srow = (tid % kTileSlots) < kTileUnits ? r0 : r1;
+  };
+  auto issue_weights = [&](int i, const int (&rows)[kTileSlots / kCopyRows], int srow) {
+    uint4* base = stage(i);
+    issue_w<K>(qw, sc, (lo_i + i) % kPairs, rows, srow, base, reinterpret_cast<uint32_t*>(base + kTileSlots * 8));
+  };
+  auto issue_acts = [&](int i) {
+    issue_x<K>(x, ncols, (lo_i + i) % kPairs, stage(i) + kTileSlots * 8 + kTileSlots / 4);
+  };
+  // the end of a segment of tile t over pairs p0 .. p1 - 1
+  auto segment_done = [&](int t, int p0, int p1, bool first, const float (&acc)[kTileMT][NT][4]) {
+    if (p0 == 0 && p1 == kPairs) {  // the whole tile: straight to the epilogue
+#pragma unroll
+      for (int m = 0; m < kTileMT; ++m) {
+        const int p = t * kTileUnits + warp * 8 * kTileMT + 8 * m + g;
+        if (p >= units) continue;
+        int r0, r1;
+        map(p, r0, r1);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          const int col = 8 * nt + 2 * c;
+          if (col < ncols) epi(col, p, r0, r1, acc[m][nt][0], acc[m][nt][2]);
+          if (col + 1 < ncols) epi(col + 1, p, r0, r1, acc[m][nt][1], acc[m][nt][3]);
+        }
+      }
+    } else {
+      partial_segment<K, NT>(t, first, ws, tickets, units, ncols, map, epi, acc, last_flag);
+    }
+  };
+
+  // Stage 0's weights are issued before pdl_wait (NQ_TILE_EARLY_W = 1, the default): weights are never
+  // written during a step, so their HBM round trip may overlap the previous kernel's drain (which
+  // nq_norm_cols_* shortens by releasing its successor early, gemv_mma.cuh). x, the outputs and the
+  // tickets only after the wait. Group 0 is then {weights 0, x 0} and group i {weights i, x i}, as in the
+  // steady state; stage 1's weights issued early too would join group 0 (groups complete in order).
+  const int t0 = lo_i / kPairs;
+  {
+    int rows[kTileSlots / kCopyRows], srow;
+    copy_rows(t0, rows, srow);
+#if NQ_TILE_EARLY_W
+    if (n > 0) issue_weights(0, rows, srow);
+#endif
+    pdl_wait();  // launch overlap (common.cuh)
+#pragma unroll
+    for (int i = 0; i < kTileStages - 1; ++i) {
+      if (i < n) {
+        if (i > 0 && (lo_i + i) % kPairs == 0) copy_rows((lo_i + i) / kPairs, rows, srow);  // next tile
+        if (!NQ_TILE_EARLY_W || i > 0) issue_weights(i, rows, srow);
+        issue_acts(i);
+      }
+      cp_async_commit();  // possibly empty: every thread commits the same number of groups
+    }
+  }
+
+  // The continuous ring: it runs across segment boundaries, so the next segment's first stages are in
+  // flight while this one multiplies its last steps and runs its epilogue (a drained ring paid one HBM
+  // round trip per segment; measured in docs/PERF.md). The copy rows are recomputed per issued step (a
+  // few integer ops; caching them for the issue side's tile spilled at 32 columns).
+  for (int i = 0; i < n;) {  // block-uniform loop over this block's segments
+    const int t = (lo_i + i) / kPairs;
+    const int p0 = lo_i + i - t * kPairs;
+    const int seg_end = min(n, i + kPairs - p0);
+    float acc[kTileMT][NT][4];
+#pragma unroll
+    for (int m = 0; m < kTileMT; ++m)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) acc[m][nt][0] = acc[m][nt][1] = acc[m][nt][2] = acc[m][nt][3] = 0.f;
+    const int i0 = i, n_seg = seg_end - i;
+    for (int s = 0; s < n_seg; ++s) {
+      const int ii = i0 + s;
+      cp_async_wait<kTileStages - 2>();
+      __syncthreads();  // stage ii landed for every thread's copies; stage ii - 1's slot is free
+      if (ii + kTileStages - 1 < n) {
+        int rows[kTileSlots / kCopyRows], srow;
+        copy_rows((lo_i + ii + kTileStages - 1) / kPairs, rows, srow);
+        issue_weights(ii + kTileStages - 1, rows, srow);
+        issue_acts(ii + kTileStages - 1);
+      }
+      cp_async_commit();
+      const uint4* base = stage(ii);
+      multiply_pair<K, NT>(base, reinterpret_cast<const uint32_t*>(base + kTileSlots * 8),
+                           base + kTileSlots * 8 + kTileSlots / 4, ncols, p0 + s, acc);
+    }
+    i = seg_end;
+    segment_done(t, p0, p0 + n_seg, i0 == 0, acc);
+  }
+  cp_async_wait<0>();  // only empty groups remain; nothing may be in flight when the block exits
 }
 
 }  // namespace nq

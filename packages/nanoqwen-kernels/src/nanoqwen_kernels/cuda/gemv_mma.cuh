@@ -327,6 +327,9 @@ __device__ __forceinline__ void gemv_mma(const W& wsrc, const uint16_t* __restri
   }
 }
 
+#ifndef NQ_PDL_TRIGGER_NORM
+#define NQ_PDL_TRIGGER_NORM 1
+#endif
 // xn[b] = RMSNorm(x[b]) * norm_w for column b = blockIdx.x: the same column_rms factor and rms_apply8 that
 // gemv_mma's staging uses, so the tile GEMM (gemm_tiles.cuh) multiplies the same normalised x bits.
 template <int K>
@@ -336,6 +339,9 @@ __device__ __forceinline__ void norm_cols(const uint16_t* __restrict__ x, const 
   __shared__ float rs[1];
   const size_t base = static_cast<size_t>(blockIdx.x) * K;
   pdl_wait();  // launch overlap (common.cuh)
+#if NQ_PDL_TRIGGER_NORM
+  pdl_trigger();  // the tile GEMM after it may place its blocks and issue its weight copies now (common.cuh)
+#endif
   column_rms<K, 1>(x + base, 1, eps, rs, red);
   __syncthreads();  // rs visible
   const uint4* x4 = reinterpret_cast<const uint4*>(x + base);
