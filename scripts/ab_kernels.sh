@@ -8,6 +8,7 @@
 # the same with a 512-token prompt (prefill time, decode at depth 512; AB_P512=0 skips it) and
 # scripts/bench_batch.py at $AB_BATCH (default 1,8,32,64; AB_BATCH= skips it), each under the variant's
 # environment. Records in $AB_DIR (default /tmp/nq-ab): <label>-{d0,p512,batch}.json; a table printed last.
+# AB_DIMS: the dims preset the variants are precompiled for (default 7b; 1.5b for the 1.5B's dims).
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 MODEL=$1; shift
@@ -20,7 +21,7 @@ for spec in "$@"; do
   IFS='|' read -r label defines envs <<<"$spec"
   labels+=("$label")
   echo "=== $label: defines [$defines] env [$envs] $(date -u +%H:%M:%S)"
-  env NANOQWEN_KERNEL_DEFINES="$defines" $envs $PY packages/nanoqwen-kernels/bench/precompile.py 7b -j 14 \
+  env NANOQWEN_KERNEL_DEFINES="$defines" $envs $PY packages/nanoqwen-kernels/bench/precompile.py "${AB_DIMS:-7b}" -j 14 \
     >"$AB_DIR/$label-compile.log" 2>&1 || tail -5 "$AB_DIR/$label-compile.log"
   env NANOQWEN_KERNEL_DEFINES="$defines" $envs timeout 120 $PY -m nanoqwen_cli bench --model "$MODEL" \
     --prompt-tokens 1 --json >"$AB_DIR/$label-d0.json" 2>"$AB_DIR/$label-d0.err" || tail -5 "$AB_DIR/$label-d0.err"

@@ -67,7 +67,7 @@
 #define NQ_DECODE_CONSUMERS 4
 #endif
 #ifndef NQ_DECODE_MMA
-#define NQ_DECODE_MMA 0  // 1: consumers on tensor cores (mma.sync), 0: fp32 FMAs on CUDA cores
+#define NQ_DECODE_MMA 1  // 1: consumers on tensor cores (mma.sync, attention.py's default), 0: fp32 FMAs
 #endif
 
 namespace nq_dec {
