@@ -85,3 +85,23 @@ def test_shared_memory_fits_one_block_per_sm():
     227 KB per block (with the kernel's ~1 KB of static shared memory)."""
     assert tile_smem(64) + 1040 <= 227 * 1024
     assert tile_smem(8) < tile_smem(16) < tile_smem(32) < tile_smem(64)
+
+
+@pytest.mark.parametrize("value,blocks", [("", 98), ("2", 98), ("4", 49), ("200", 1)])
+def test_min_items_knob_sets_the_block_count(value, blocks, monkeypatch):
+    """$NANOQWEN_TILE_MIN_ITEMS (an A/B knob): 7B o_proj has 14 tiles x 14 pairs = 196 items; the stripes
+    stay a valid cover at any setting (checked by the walk above for the default)."""
+    from nanoqwen_kernels.errors import KernelError
+
+    monkeypatch.setenv("NANOQWEN_TILE_MIN_ITEMS", value)
+    d = PRESETS["7b"]
+    plan = plan_tiles(d.hidden, d.hidden // 2, 132)
+    assert plan.blocks == blocks
+    direct, written, reads = walk(plan)
+    assert set(direct) | set(written) == set(range(plan.tiles))
+    for t, segs in written.items():
+        assert reads[t] == [s for _, s, _ in segs] and sum(n for _, _, n in segs) == plan.pairs
+    for bad in ("0", "x", "-3"):
+        monkeypatch.setenv("NANOQWEN_TILE_MIN_ITEMS", bad)
+        with pytest.raises(KernelError, match="NANOQWEN_TILE_MIN_ITEMS"):
+            plan_tiles(d.hidden, d.hidden // 2, 132)

@@ -70,3 +70,46 @@ def test_mixed_runs_the_long_matrices_on_tensor_cores(monkeypatch):
         "qkv": "nq_qkv_rope_kv",
         "gu": "nq_gate_up_silu_mma8",
     }
+
+
+@pytest.mark.parametrize("how", ["argument", "environment"])
+def test_unknown_attention_variant_is_a_clear_error(how, monkeypatch):
+    kw = {}
+    if how == "argument":
+        kw["attention_variant"] = "fastest"
+    else:
+        monkeypatch.setenv("NANOQWEN_ATTENTION_VARIANT", "fastest")
+    with pytest.raises(KernelError, match="unknown decode attention variant 'fastest'.*fma, mma, mma8"):
+        KernelSet(TINY, arch="sm_90a", **kw)
+
+
+@pytest.mark.parametrize("how", ["default", "argument", "environment"])
+def test_attention_variant_reaches_the_attention_build(how, monkeypatch):
+    """The variant picks the consumer body's defines and the launch's threads (1 producer + consumers)."""
+    from nanoqwen_kernels import attention, kernelset
+
+    builds = []
+
+    class Attn(attention.AttentionKernels):
+        def __init__(self, dims, load, variant=attention.DEFAULT_VARIANT, sms=None):
+            builds.append((variant, attention.decode_defines(dims, variant)["NQ_DECODE_MMA"],
+                           32 * (1 + attention.VARIANTS[variant][1])))
+            self.attention_decode = self.new_workspace = None
+
+    for name in ("GemvKernels", "NormKernels", "EmbedKernels", "SamplingKernels", "PrefillKernels"):
+        monkeypatch.setattr(kernelset, name, lambda *a, **k: _Anything())
+    monkeypatch.setattr(kernelset, "AttentionKernels", Attn)
+    kw = {}
+    if how == "argument":
+        kw["attention_variant"] = "mma8"
+    elif how == "environment":
+        monkeypatch.setenv("NANOQWEN_ATTENTION_VARIANT", "mma8")
+    ks = KernelSet(TINY, arch="sm_90a", **kw)
+    want = attention.DEFAULT_VARIANT if how == "default" else "mma8"
+    assert ks.attention_variant == want
+    assert builds == [(want, attention.VARIANTS[want][0], 32 * (1 + attention.VARIANTS[want][1]))]
+
+
+class _Anything:
+    def __getattr__(self, name):
+        return None

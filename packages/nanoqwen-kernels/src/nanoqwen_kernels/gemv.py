@@ -15,6 +15,7 @@ Which body runs:
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -126,8 +127,19 @@ TILE_STAGES = 3  # gemm_tiles.cuh NQ_TILE_STAGES default
 TILE_SMEM_CAP = 220 * 1024  # gemm_tiles.cuh kTileSmemCap
 TILE_X_ROW_CHUNKS = (2 * GROUP + X_PAD) // 8  # kXRowChunks
 # Work items (256-k steps of a tile) per block at least: a small matrix (o_proj, q/k/v) then runs on fewer
-# blocks with fewer contributors per tile for the last block to add up
+# blocks with fewer contributors per tile for the last block to add up. $NANOQWEN_TILE_MIN_ITEMS overrides
+# it (an A/B knob: it changes P, hence the order partial sums are added in, for every B alike)
 TILE_MIN_ITEMS = 2
+
+
+def tile_min_items() -> int:
+    """TILE_MIN_ITEMS, or $NANOQWEN_TILE_MIN_ITEMS (a positive integer)."""
+    raw = os.environ.get("NANOQWEN_TILE_MIN_ITEMS", "")
+    if not raw:
+        return TILE_MIN_ITEMS
+    if not raw.isdigit() or int(raw) < 1:
+        raise KernelError(f"NANOQWEN_TILE_MIN_ITEMS={raw!r}: expected a positive integer")
+    return int(raw)
 
 
 def tile_threads() -> int:
@@ -168,18 +180,21 @@ class TilePlan:
         return b * self.items // self.blocks, (b + 1) * self.items // self.blocks
 
 
-@functools.cache
 def plan_tiles(k: int, units: int, sm_count: int) -> TilePlan:
     """The tile GEMM's stripes for a K-long matrix of `units` 2-row units. Depends on the matrix and the
     GPU only, never on B: a column's partial sums are then added in the same order at every batch size.
-    One block per SM (P <= SMs), and at least TILE_MIN_ITEMS work items per block (so >= 1, which the
+    One block per SM (P <= SMs), and at least tile_min_items() work items per block (so >= 1, which the
     tickets' contributor count relies on)."""
     if k % GROUP or units < 1 or sm_count < 1:
         raise KernelError(f"plan_tiles: bad shape K={k} units={units} SMs={sm_count}")
+    return _plan_tiles(k, units, sm_count, tile_min_items())
+
+
+@functools.cache
+def _plan_tiles(k: int, units: int, sm_count: int, min_items: int) -> TilePlan:
     tiles = -(-units // TILE_UNITS)
     pairs = -(-(k // GROUP) // 2)
-    items = tiles * pairs
-    return TilePlan(tiles, pairs, max(1, min(sm_count, items // TILE_MIN_ITEMS)))
+    return TilePlan(tiles, pairs, max(1, min(sm_count, tiles * pairs // min_items)))
 
 
 class GemvKernels:

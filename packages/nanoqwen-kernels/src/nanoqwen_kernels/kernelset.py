@@ -13,6 +13,8 @@ from __future__ import annotations
 import functools
 import os
 
+from .attention import DEFAULT_VARIANT as DEFAULT_ATTENTION_VARIANT
+from .attention import VARIANTS as ATTENTION_VARIANTS
 from .attention import AttentionKernels
 from .dims import ModelDims
 from .embed import EmbedKernels
@@ -26,10 +28,12 @@ from .sampling import SamplingKernels
 
 class KernelSet:
     def __init__(self, dims: ModelDims, arch: str | None = None, gemv_variant: str | None = None,
-                 lm_head: str | None = None):
+                 lm_head: str | None = None, attention_variant: str | None = None):
         """gemv_variant: a key of gemv.GEMV_VARIANTS (default: $NANOQWEN_GEMV_VARIANT, else
         gemv.DEFAULT_GEMV_VARIANT); lm_head: one of gemv.LM_HEAD_BODIES, the lm_head's body at B > 1
-        (default: $NANOQWEN_LM_HEAD, else gemv.DEFAULT_LM_HEAD)."""
+        (default: $NANOQWEN_LM_HEAD, else gemv.DEFAULT_LM_HEAD); attention_variant: a key of
+        attention.VARIANTS, decode attention's consumer body (default: $NANOQWEN_ATTENTION_VARIANT, else
+        attention.DEFAULT_VARIANT)."""
         if not isinstance(dims, ModelDims):
             raise KernelError(f"KernelSet needs a ModelDims, got {type(dims).__name__}")
         variant = gemv_variant or os.environ.get("NANOQWEN_GEMV_VARIANT") or DEFAULT_GEMV_VARIANT
@@ -40,8 +44,13 @@ class KernelSet:
         head = lm_head or os.environ.get("NANOQWEN_LM_HEAD") or DEFAULT_LM_HEAD
         if head not in LM_HEAD_BODIES:
             raise KernelError(f"unknown lm_head body {head!r} (NANOQWEN_LM_HEAD); one of {', '.join(LM_HEAD_BODIES)}")
+        attn = attention_variant or os.environ.get("NANOQWEN_ATTENTION_VARIANT") or DEFAULT_ATTENTION_VARIANT
+        if attn not in ATTENTION_VARIANTS:
+            raise KernelError(f"unknown decode attention variant {attn!r} (NANOQWEN_ATTENTION_VARIANT); "
+                              f"one of {', '.join(ATTENTION_VARIANTS)}")
         self.dims = dims
         self.gemv_variant = variant
+        self.attention_variant = attn
         self.lm_head = head
         self.arch = arch or device_arch()
         load = functools.partial(_load, arch=self.arch)
@@ -49,7 +58,7 @@ class KernelSet:
         n = NormKernels(dims, load)
         e = EmbedKernels(dims, load)
         s = SamplingKernels(dims, load)
-        a = AttentionKernels(dims, load)
+        a = AttentionKernels(dims, load, attn)
         p = PrefillKernels(dims, load)
 
         # the launchers, as bound methods (docs/INTERFACES.md section 4)
