@@ -268,7 +268,7 @@ __device__ __forceinline__ void partial_segment(int t, bool first, float* __rest
 }
 
 // Which builds run the continuous ring (gemm_tiles) and which the drained one (gemm_tiles_drained): chosen
-// by measurement (H200, docs/PERF.md "tile GEMM: the continuous ring"). 8 and 32 columns: -3 to -12% per
+// by measurement (H200, docs/PERF.md "2026-11-30, fifth lease"). 8 and 32 columns: -3 to -12% per
 // GEMM. 64 columns: the registers are at the cap of 512 threads (128) and every reshaping of the loop
 // tried (the continuous ring, early weights, shared segment helpers) moved spills into it: +5-7% on
 // gate/up and down. 16 columns: ptxas split the x fragment loads of the reshaped loop and kept 70 registers
@@ -277,7 +277,9 @@ template <int NT>
 constexpr bool kTileContinuous = NT == 1 || NT == 4;
 
 // The drained ring: the tile GEMM as first written (the ring drained at each segment's end, copy rows
-// cached per segment, nothing issued before pdl_wait), kept for the builds above.
+// cached per segment, nothing issued before pdl_wait), kept for the builds above. Its whole-tile epilogue
+// and declarations repeat gemm_tiles' on purpose: factoring them into a shared helper changed the SASS
+// of the 32- and 64-column builds (3552 -> 3608 instructions at 64), and this code is what was measured.
 template <int K, int NT, class Map, class Epi>
 __device__ __forceinline__ void gemm_tiles_drained(const uint32_t* __restrict__ qw, const uint16_t* __restrict__ sc,
                                            const uint16_t* __restrict__ x, int units, int n_cols,
