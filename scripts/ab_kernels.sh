@@ -9,6 +9,7 @@
 # scripts/bench_batch.py at $AB_BATCH (default 1,8,32,64; AB_BATCH= skips it), each under the variant's
 # environment. Records in $AB_DIR (default /tmp/nq-ab): <label>-{d0,p512,batch}.json; a table printed last.
 # AB_DIMS: the dims preset the variants are precompiled for (default 7b; 1.5b for the 1.5B's dims).
+# Against an older revision: scripts/ab_base.sh REV prints a variant spec that runs REV's packages.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 MODEL=$1; shift
