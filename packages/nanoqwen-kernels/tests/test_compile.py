@@ -140,21 +140,63 @@ def test_every_kernel_entry_is_named_nq():
 _GLOBAL_MEM = re.compile(r"\b(LDG|STG|LDGSTS|ATOMG|ATOM|RED|REDG|ST|LD|UBLKCP|UTMALDG|UTMASTG)\b")
 
 
-@pytest.mark.parametrize("source", SOURCES)
-def test_every_kernel_waits_for_its_predecessor_before_touching_memory(source):
-    """Every kernel is launched with programmatic dependent launch (pdl.py), so its blocks may be placed
-    before the previous kernel's writes are visible: each entry must wait (griddepcontrol.wait = ACQBULK)
-    before any global load, store or atomic."""
-    funcs = _functions(_sass(source, QWEN25_7B))
+def _check_waits(funcs: dict[str, str]) -> None:
     assert funcs
     for name, body in funcs.items():
         wait = body.find("ACQBULK")
         assert wait >= 0, f"{name}: no griddepcontrol.wait"
         early = _GLOBAL_MEM.findall(body[:wait])
         if name.endswith(("_tile8", "_tile32")):
-            # the tile GEMM's continuous builds (8 and 32 columns) issue the cp.async copies of its first stage's weights before
-            # the wait (gemm_tiles.cuh, NQ_TILE_EARLY_W): weights are never written during a step. Only
-            # those: no plain load, store or atomic (x, the outputs, the tickets) before it
+            # the tile GEMM's continuous builds (8 and 32 columns) issue the cp.async copies of their first
+            # stage's weights before the wait (gemm_tiles.cuh, NQ_TILE_EARLY_W): weights are never written
+            # during a step. Only those: no plain load, store or atomic (x, the outputs, the tickets) before it
             early = [op for op in early if op != "LDGSTS"]
             assert "LDGSTS" in _GLOBAL_MEM.findall(body[:wait]), f"{name}: expected early weight copies"
         assert not early, f"{name}: global memory access before griddepcontrol.wait: {early[:4]}"
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_every_kernel_waits_for_its_predecessor_before_touching_memory(source):
+    """Every kernel is launched with programmatic dependent launch (pdl.py), so its blocks may be placed
+    before the previous kernel's writes are visible: each entry must wait (griddepcontrol.wait = ACQBULK)
+    before any global load, store or atomic."""
+    _check_waits(_functions(_sass(source, QWEN25_7B)))
+
+
+def _mma_loop(body: str) -> list[str]:
+    """The instructions of the innermost loop (a backward branch's range) that holds the mmas: a tile
+    GEMM's 256-k step."""
+    ins = []
+    for line in body.splitlines():
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line)
+        if m:
+            ins.append((int(m.group(1), 16), m.group(2)))
+    loops = []
+    for addr, text in ins:
+        target = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
+        if target and int(target.group(1), 16) < addr:
+            body_ins = [t for a, t in ins if int(target.group(1), 16) <= a <= addr]
+            if any("HMMA" in t for t in body_ins):
+                loops.append(body_ins)
+    assert loops, "no loop with mmas"
+    return min(loops, key=len)
+
+
+def test_tile_x_all_cols_knob_shrinks_the_wide_builds(monkeypatch):
+    """NQ_TILE_X_ALL_COLS=1 (an A/B knob, not yet run on a GPU; gemm_tiles.cuh): the 32- and 64-column tile
+    entries zero the idle columns' x once and load x without a select per load, so they have fewer
+    instructions; the 8- and 16-column entries are unchanged; every entry still waits before it touches
+    global memory."""
+    base = _functions(_sass("gemv_int4.cu", QWEN25_7B))
+    monkeypatch.setenv("NANOQWEN_KERNEL_DEFINES", "NQ_TILE_X_ALL_COLS=1")
+    knob = _functions(_sass("gemv_int4.cu", QWEN25_7B))
+    _check_waits(knob)
+    for kind in ("nq_gate_up_silu", "nq_gemv_int4_h", "nq_gemv_int4_i"):
+        for c in (32, 64):
+            name = f"{kind}_tile{c}"
+            step, step0 = _mma_loop(knob[name]), _mma_loop(base[name])
+            assert len(step) < len(step0), f"{name}: {len(step)} instructions per step, {len(step0)} without"
+            assert sum(t.startswith("CS2R") for t in step) < sum(t.startswith("CS2R") for t in step0), name
+        for c in (8, 16):
+            name = f"{kind}_tile{c}"
+            assert _mma_loop(knob[name]) == _mma_loop(base[name]), f"{name}: changed below 32 columns"

@@ -65,6 +65,15 @@ __host__ __device__ constexpr int tile_stage_bytes() {
 #define NQ_TILE_STAGES 3
 #endif
 constexpr int kTileSmemCap = 220 * 1024;
+// NQ_TILE_X_ALL_COLS (A/B knob, default 0; not yet run on a GPU): the x rows of the columns past the batch
+// (ncols .. kCols - 1) are zeroed once per launch in every stage (zero_idle_cols) and multiply_pair loads
+// x unconditionally, instead of selecting zeros per load. An mma's output column depends on its own B
+// column only, so the used columns get the same bits either way. What changes is the step loop's length
+// (SASS of the 7B gate/up build, instructions per warp per 256-k step): 32 columns 805 -> 743, 64 columns
+// 1194 -> 881; at 8 and 16 columns it grew, so the knob applies from 32 columns (kTileXAllCols).
+#ifndef NQ_TILE_X_ALL_COLS
+#define NQ_TILE_X_ALL_COLS 0
+#endif
 // Stage 0's weights issued before pdl_wait (1, default) or after it (0), in the continuous builds (below)
 #ifndef NQ_TILE_EARLY_W
 #define NQ_TILE_EARLY_W 1
@@ -125,6 +134,21 @@ __device__ __forceinline__ void issue_x(const uint16_t* __restrict__ x, int ncol
   }
 }
 
+// Zero the x rows of columns ncols .. kCols - 1 in every stage, once per launch (NQ_TILE_X_ALL_COLS):
+// issue_x never writes them, so they stay zero for every step. Shared memory only: may run before pdl_wait.
+template <int NT>
+constexpr bool kTileXAllCols = NQ_TILE_X_ALL_COLS && NT >= 4;  // at 8 and 16 columns the SASS grew (+12, +32)
+
+template <int kCols, int kStages, int kStageChunks>
+__device__ __forceinline__ void zero_idle_cols(uint4* smem, int ncols) {
+  if constexpr (!kTileXAllCols<kCols / 8>) return;
+  const int idle = (kCols - ncols) * kXRowChunks;
+  for (int st = 0; st < kStages; ++st) {
+    uint4* xs = smem + st * kStageChunks + kTileSlots * 8 + kTileSlots / 4;
+    for (int i = threadIdx.x; i < idle; i += kTileThreads) xs[ncols * kXRowChunks + i] = make_uint4(0u, 0u, 0u, 0u);
+  }
+}
+
 // Multiply one staged pair into acc (the warp's two m16 tiles x NT n-tiles).
 // Scales: each unpacked weight is multiplied by its group's fp16 scale (one hmul2 per half2: q * s in one
 // rounding, q exact) and the mmas accumulate straight into acc in fp32. The alternative, a fresh fp32
@@ -164,7 +188,10 @@ __device__ __forceinline__ void multiply_pair(const uint4* w, const uint32_t* s,
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
         const int col = 8 * nt + g;
-        xv[nt] = col < ncols ? xs[col * kXRowChunks + slot] : make_uint4(0u, 0u, 0u, 0u);
+        if constexpr (kTileXAllCols<NT>)
+          xv[nt] = xs[col * kXRowChunks + slot];  // columns >= ncols hold zeros (zero_idle_cols)
+        else
+          xv[nt] = col < ncols ? xs[col * kXRowChunks + slot] : make_uint4(0u, 0u, 0u, 0u);
       }
       uint32_t q0[kTileMT][4], q1[kTileMT][4];
 #pragma unroll
@@ -299,6 +326,7 @@ __device__ __forceinline__ void gemm_tiles_drained(const uint32_t* __restrict__ 
   constexpr int kStageChunks = tile_stage_bytes<kCols>() / 16;
   constexpr int kTileStages = tile_stages<kCols>();
   static_assert(kTileStages >= 2, "the ring needs two stages");
+  zero_idle_cols<kCols, kTileStages, kStageChunks>(smem, ncols);
 
   pdl_wait();  // launch overlap (common.cuh): nothing read or written before the previous kernel ends
 
@@ -449,6 +477,7 @@ __device__ __forceinline__ void gemm_tiles(const uint32_t* __restrict__ qw, cons
   // tickets only after the wait. Group 0 is then {weights 0, x 0} and group i {weights i, x i}, as in the
   // steady state; stage 1's weights issued early too would join group 0 (groups complete in order).
   const int t0 = lo_i / kPairs;
+  zero_idle_cols<kCols, kTileStages, kStageChunks>(smem, ncols);
   {
     int rows[kTileSlots / kCopyRows], srow;
     copy_rows(t0, rows, srow);
