@@ -182,21 +182,26 @@ def _mma_loop(body: str) -> list[str]:
     return min(loops, key=len)
 
 
-def test_tile_x_all_cols_knob_shrinks_the_wide_builds(monkeypatch):
-    """NQ_TILE_X_ALL_COLS=1 (an A/B knob, not yet run on a GPU; gemm_tiles.cuh): the 32- and 64-column tile
-    entries zero the idle columns' x once and load x without a select per load, so they have fewer
-    instructions; the 8- and 16-column entries are unchanged; every entry still waits before it touches
-    global memory."""
+@pytest.mark.parametrize("knobs,shrink,same", [
+    ("NQ_TILE_X_ALL_COLS=1", (32, 64), (8, 16)),
+    ("NQ_TILE_STATIC_ISSUE=1", (8, 16, 32, 64), ()),
+    ("NQ_TILE_STATIC_ISSUE=1,NQ_TILE_X_ALL_COLS=1", (8, 16, 32, 64), ()),
+])
+def test_tile_issue_knobs_shrink_the_step(knobs, shrink, same, monkeypatch):
+    """The tile GEMM's A/B knobs (gemm_tiles.cuh; not yet run on a GPU), each the same copies and mmas in
+    fewer instructions per 256-k step. NQ_TILE_X_ALL_COLS: the idle columns' x zeroed once instead of a
+    select per load (32 and 64 columns; 8 and 16 unchanged). NQ_TILE_STATIC_ISSUE: the copy issue's bounds
+    at compile time. Every entry still waits before it touches global memory."""
     base = _functions(_sass("gemv_int4.cu", QWEN25_7B))
-    monkeypatch.setenv("NANOQWEN_KERNEL_DEFINES", "NQ_TILE_X_ALL_COLS=1")
+    monkeypatch.setenv("NANOQWEN_KERNEL_DEFINES", knobs)
     knob = _functions(_sass("gemv_int4.cu", QWEN25_7B))
     _check_waits(knob)
-    for kind in ("nq_gate_up_silu", "nq_gemv_int4_h", "nq_gemv_int4_i"):
-        for c in (32, 64):
+    for kind in ("nq_gate_up_silu", "nq_gemv_int4_h", "nq_gemv_int4_i", "nq_qkv_rope_kv"):
+        for c in shrink:
             name = f"{kind}_tile{c}"
             step, step0 = _mma_loop(knob[name]), _mma_loop(base[name])
             assert len(step) < len(step0), f"{name}: {len(step)} instructions per step, {len(step0)} without"
-            assert sum(t.startswith("CS2R") for t in step) < sum(t.startswith("CS2R") for t in step0), name
-        for c in (8, 16):
+            assert sum("HMMA" in t for t in step) == sum("HMMA" in t for t in step0), name
+        for c in same:
             name = f"{kind}_tile{c}"
-            assert _mma_loop(knob[name]) == _mma_loop(base[name]), f"{name}: changed below 32 columns"
+            assert _mma_loop(knob[name]) == _mma_loop(base[name]), f"{name}: changed"

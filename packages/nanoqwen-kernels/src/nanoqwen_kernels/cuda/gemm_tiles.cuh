@@ -74,6 +74,12 @@ constexpr int kTileSmemCap = 220 * 1024;
 #ifndef NQ_TILE_X_ALL_COLS
 #define NQ_TILE_X_ALL_COLS 0
 #endif
+// NQ_TILE_STATIC_ISSUE (A/B knob, default 0; not yet run on a GPU): the copy issue's bounds known at compile
+// time: the x copies in a loop of kCols * 32 / 512 rounds (not a loop over the runtime ncols), and no group
+// or chunk bounds check where K is a multiple of 256 (every real shape). The same copies either way.
+#ifndef NQ_TILE_STATIC_ISSUE
+#define NQ_TILE_STATIC_ISSUE 0
+#endif
 // Stage 0's weights issued before pdl_wait (1, default) or after it (0), in the continuous builds (below)
 #ifndef NQ_TILE_EARLY_W
 #define NQ_TILE_EARLY_W 1
@@ -101,7 +107,7 @@ __device__ __forceinline__ void issue_w(const uint32_t* __restrict__ qw, const u
   const int tid = threadIdx.x;
   const int chunk = tid & 7, gl = chunk >> 2, c = chunk & 3;
   const int g = 2 * pg + gl;
-  if (g < kG) {
+  if ((NQ_TILE_STATIC_ISSUE && kG % 2 == 0) || g < kG) {  // even kG: every pair holds two groups
 #pragma unroll
     for (int j = 0; j < kTileSlots / kCopyRows; ++j) {
       const int rs = (tid >> 3) + kCopyRows * j;
@@ -121,8 +127,25 @@ __device__ __forceinline__ void issue_w(const uint32_t* __restrict__ qw, const u
 
 // Issue the activation copies of pair pg (x of every column, k = 256 pg ..) into stage buffer xs. x is
 // the previous kernel's output: only after pdl_wait.
-template <int K>
+template <int K, int kCols>
 __device__ __forceinline__ void issue_x(const uint16_t* __restrict__ x, int ncols, int pg, uint4* xs) {
+#if NQ_TILE_STATIC_ISSUE
+  // a trip count known at compile time (ncols <= kCols), and no bounds check where K is whole pairs
+  constexpr int kRounds = (kCols * 32 + kTileThreads - 1) / kTileThreads;
+#pragma unroll
+  for (int r = 0; r < kRounds; ++r) {
+    const int i = threadIdx.x + r * kTileThreads;
+    if (i >= ncols * 32) break;
+    const int b = i >> 5, j = i & 31;
+    const int k = 256 * pg + 8 * j;
+    uint4* dst = xs + b * kXRowChunks + xs_slot(j);
+    if (K % 256 == 0 || k < K)
+      cp_async16(dst, x + static_cast<size_t>(b) * K + k);
+    else
+      *dst = make_uint4(0u, 0u, 0u, 0u);
+  }
+  return;
+#endif
   for (int i = threadIdx.x; i < ncols * 32; i += kTileThreads) {
     const int b = i >> 5, j = i & 31;
     const int k = 256 * pg + 8 * j;
@@ -354,7 +377,7 @@ __device__ __forceinline__ void gemm_tiles_drained(const uint32_t* __restrict__ 
     auto issue = [&](int i) {
       uint4* base = stage(i);
       issue_w<K>(qw, sc, p0 + i, rows, srow, base, reinterpret_cast<uint32_t*>(base + kTileSlots * 8));
-      issue_x<K>(x, ncols, p0 + i, base + kTileSlots * 8 + kTileSlots / 4);
+      issue_x<K, kCols>(x, ncols, p0 + i, base + kTileSlots * 8 + kTileSlots / 4);
     };
     const int n = p1 - p0;
 #pragma unroll
@@ -448,7 +471,7 @@ __device__ __forceinline__ void gemm_tiles(const uint32_t* __restrict__ qw, cons
     issue_w<K>(qw, sc, (lo_i + i) % kPairs, rows, srow, base, reinterpret_cast<uint32_t*>(base + kTileSlots * 8));
   };
   auto issue_acts = [&](int i) {
-    issue_x<K>(x, ncols, (lo_i + i) % kPairs, stage(i) + kTileSlots * 8 + kTileSlots / 4);
+    issue_x<K, kCols>(x, ncols, (lo_i + i) % kPairs, stage(i) + kTileSlots * 8 + kTileSlots / 4);
   };
   // the end of a segment of tile t over pairs p0 .. p1 - 1
   auto segment_done = [&](int t, int p0, int p1, bool first, const float (&acc)[kTileMT][NT][4]) {
