@@ -18,7 +18,8 @@
 # (scripts/decode_breakdown.py: the decode step's time per kernel family vs its byte floor, batch 1 at
 # context 640, then batch 32 at context 384), peer (scripts/peer_transformers.py: HF transformers bf16
 # eager, same shape and protocol; needs torch), real (the real 1.5B: conversion, tier, bench), serve,
-# llamacpp (llama.cpp on the real 1.5B only), and, not in the default set, peers (issue 18: nanoqwen beside
+# llamacpp (llama.cpp on the real 1.5B only), and, not in the default set, tileknobs (the tile GEMM's
+# prepared knobs: GPU tests under them and their A/B) and peers (issue 18: nanoqwen beside
 # llama.cpp and transformers on the 7B-shaped model and the real 1.5B, the same shapes on both sides, and
 # scripts/peer_tables.py's markdown tables; after `peer_llamacpp.sh build` and `prep7b` earlier in the
 # lease: GPU_ALL_SECTIONS="info model7b peers"). Each section runs under its own
@@ -157,6 +158,17 @@ if want prefill; then
     run "prefill_g${g}_batch_1.5b" 150 env NANOQWEN_PREFILL_GRAPHS=$g $PY scripts/bench_batch.py "$S15" \
       --json "$WORK/logs/prefill-g$g-batch-1.5b.json"
   done
+fi
+# The tile GEMM's prepared knobs (docs/PERF.md "Prepared for the next lease"; default off): the tile-GEMM GPU
+# tests under both knobs, then scripts/ab_kernels.sh on the 7B (decode at depth 0, bench_batch 1 / 8 / 32 /
+# 64) for the default, each knob and both; its table is in the section's log (records in $WORK/logs/ab-tile).
+# Not in the default set: GPU_ALL_SECTIONS="info model7b tileknobs".
+if want tileknobs; then
+  run tileknobs_tests 240 env NANOQWEN_KERNEL_DEFINES=NQ_TILE_STATIC_ISSUE=1,NQ_TILE_X_ALL_COLS=1 \
+    $PYTEST packages/nanoqwen-kernels/tests/test_gemv_gpu.py
+  run tileknobs_ab 420 env AB_DIR="$WORK/logs/ab-tile" AB_P512=0 AB_BATCH=1,8,32,64 bash scripts/ab_kernels.sh \
+    "$NANOQWEN_LADDER_7B" "ref||" "static|NQ_TILE_STATIC_ISSUE=1|" "xall|NQ_TILE_X_ALL_COLS=1|" \
+    "both|NQ_TILE_STATIC_ISSUE=1,NQ_TILE_X_ALL_COLS=1|"
 fi
 # The per-step breakdown by kernel family (batch 1, and batch 32: where a batched step's time goes), and the
 # transformers peer in the same call.
