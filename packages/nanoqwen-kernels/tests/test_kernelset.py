@@ -10,13 +10,17 @@ from nanoqwen_kernels.gemv import DEFAULT_GEMV_VARIANT, GEMV_KINDS, GEMV_VARIANT
 
 
 @pytest.mark.parametrize("how", ["argument", "environment"])
-def test_unknown_gemv_variant_is_a_clear_error(how, monkeypatch):
+@pytest.mark.parametrize("kwarg,env,message", [
+    ("gemv_variant", "NANOQWEN_GEMV_VARIANT", "unknown INT4 GEMV variant 'fastest'.*default, mma, mixed"),
+    ("attention_variant", "NANOQWEN_ATTENTION_VARIANT", "unknown decode attention variant 'fastest'.*fma, mma, mma8"),
+])
+def test_unknown_variant_is_a_clear_error(how, kwarg, env, message, monkeypatch):
     kw = {}
     if how == "argument":
-        kw["gemv_variant"] = "fastest"
+        kw[kwarg] = "fastest"
     else:
-        monkeypatch.setenv("NANOQWEN_GEMV_VARIANT", "fastest")
-    with pytest.raises(KernelError, match="unknown INT4 GEMV variant 'fastest'.*default, mma, mixed"):
+        monkeypatch.setenv(env, "fastest")
+    with pytest.raises(KernelError, match=message):
         KernelSet(TINY, arch="sm_90a", **kw)
 
 
@@ -70,17 +74,6 @@ def test_mixed_runs_the_long_matrices_on_tensor_cores(monkeypatch):
         "qkv": "nq_qkv_rope_kv",
         "gu": "nq_gate_up_silu_mma8",
     }
-
-
-@pytest.mark.parametrize("how", ["argument", "environment"])
-def test_unknown_attention_variant_is_a_clear_error(how, monkeypatch):
-    kw = {}
-    if how == "argument":
-        kw["attention_variant"] = "fastest"
-    else:
-        monkeypatch.setenv("NANOQWEN_ATTENTION_VARIANT", "fastest")
-    with pytest.raises(KernelError, match="unknown decode attention variant 'fastest'.*fma, mma, mma8"):
-        KernelSet(TINY, arch="sm_90a", **kw)
 
 
 @pytest.mark.parametrize("how", ["default", "argument", "environment"])

@@ -180,14 +180,14 @@ class TilePlan:
         return b * self.items // self.blocks, (b + 1) * self.items // self.blocks
 
 
-def plan_tiles(k: int, units: int, sm_count: int) -> TilePlan:
+def plan_tiles(k: int, units: int, sm_count: int, min_items: int | None = None) -> TilePlan:
     """The tile GEMM's stripes for a K-long matrix of `units` 2-row units. Depends on the matrix and the
     GPU only, never on B: a column's partial sums are then added in the same order at every batch size.
-    One block per SM (P <= SMs), and at least tile_min_items() work items per block (so >= 1, which the
-    tickets' contributor count relies on)."""
+    One block per SM (P <= SMs), and at least `min_items` (default tile_min_items()) work items per block
+    (so >= 1, which the tickets' contributor count relies on)."""
     if k % GROUP or units < 1 or sm_count < 1:
         raise KernelError(f"plan_tiles: bad shape K={k} units={units} SMs={sm_count}")
-    return _plan_tiles(k, units, sm_count, tile_min_items())
+    return _plan_tiles(k, units, sm_count, tile_min_items() if min_items is None else min_items)
 
 
 @functools.cache
@@ -235,7 +235,9 @@ class GemvKernels:
                                dims.intermediate: m.get_function("nq_norm_cols_i")}
             cp = ck.cupy_module()
             sms = ck.sm_count()
-            tiles = max(plan_tiles(kk, units, sms).tiles for units, kk in self._units_by_kind().values())
+            self._tile_min_items = tile_min_items()  # read once: the launches below plan with it
+            tiles = max(plan_tiles(kk, units, sms, self._tile_min_items).tiles
+                        for units, kk in self._units_by_kind().values())
             # partial sums: 2 slots per block x 64 columns x 128 units x float2; tickets zero between launches
             self._tile_ws = cp.empty(2 * sms * TILE_BUILDS[-1] * TILE_UNITS * 2, dtype=np.float32)
             self._tile_tickets = cp.zeros(tiles, dtype=np.int32)
@@ -259,7 +261,7 @@ class GemvKernels:
             xn = self._tile_xn[: b * k].reshape(b, k)
             ck.launch(self._norm_cols[k], b, THREADS, (x, norm_w, eps, xn))
             x = xn
-        plan = plan_tiles(k, units, ck.sm_count())
+        plan = plan_tiles(k, units, ck.sm_count(), self._tile_min_items)
         build = next(c for c in TILE_BUILDS if c >= b)
         ck.launch(self._tile[(kind, build)], plan.blocks, tile_threads(),
                   (*w_args, x, *epi_args, np.int32(b), self._tile_ws, self._tile_tickets),
