@@ -170,6 +170,24 @@ if want tileknobs; then
     "$NANOQWEN_LADDER_7B" "ref||" "static|NQ_TILE_STATIC_ISSUE=1|" "xall|NQ_TILE_X_ALL_COLS=1|" \
     "both|NQ_TILE_STATIC_ISSUE=1,NQ_TILE_X_ALL_COLS=1|"
 fi
+# The tile GEMM on warpgroup MMAs (NQ_TILE_WGMMA, gemm_tiles.cuh; not in the default set): the layout probe,
+# the GEMV tests under it and the kernel timings both ways ("wgmma"); the engine's tests under it and the
+# engine A/B on the 7B ("wgmma_ab").
+WG="NANOQWEN_KERNEL_DEFINES=NQ_TILE_WGMMA=1${GPU_ALL_WG_EXTRA:+,$GPU_ALL_WG_EXTRA}"
+if want wgmma; then
+  run wgmma_compile 240 env "$WG" $PY packages/nanoqwen-kernels/bench/precompile.py 7b 1.5b tiny -j 15
+  run wgmma_probe 120 env "$WG" $PY scripts/tile_probe.py
+  run wgmma_tests 300 env "$WG" $PYTEST packages/nanoqwen-kernels/tests/test_gemv_gpu.py
+  run wgmma_kbench_ref 180 $PY packages/nanoqwen-kernels/bench/bench_gemv.py --batch 8,16,32,64 --variant tiles \
+    --no-peer
+  run wgmma_kbench 180 env "$WG" $PY packages/nanoqwen-kernels/bench/bench_gemv.py --batch 8,16,32,64 \
+    --variant tiles --no-peer
+fi
+if want wgmma_ab; then
+  run wgmma_engine 120 env "$WG" $PYTEST packages/nanoqwen-engine/tests
+  run wgmma_ab 420 env AB_DIR="$WORK/logs/ab-wgmma" AB_P512=0 AB_BATCH=1,8,32,64 bash scripts/ab_kernels.sh \
+    "$NANOQWEN_LADDER_7B" "ref||" "wg|${WG#NANOQWEN_KERNEL_DEFINES=}|"
+fi
 # The per-step breakdown by kernel family (batch 1, and batch 32: where a batched step's time goes), and the
 # transformers peer in the same call.
 if want breakdown; then

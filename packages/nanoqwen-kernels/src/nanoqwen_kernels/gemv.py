@@ -126,6 +126,7 @@ TILE_THREADS = 512  # gemm_tiles.cuh kTileThreads (NQ_TILE_WARPS = 16, the defau
 TILE_STAGES = 3  # gemm_tiles.cuh NQ_TILE_STAGES default
 TILE_SMEM_CAP = 220 * 1024  # gemm_tiles.cuh kTileSmemCap
 TILE_X_ROW_CHUNKS = (2 * GROUP + X_PAD) // 8  # kXRowChunks
+TILE_WGMMA = 0  # gemm_tiles.cuh NQ_TILE_WGMMA default
 # Work items (256-k steps of a tile) per block at least: a small matrix (o_proj, q/k/v) then runs on fewer
 # blocks with fewer contributors per tile for the last block to add up. $NANOQWEN_TILE_MIN_ITEMS overrides
 # it (an A/B knob: it changes P, hence the order partial sums are added in, for every B alike)
@@ -153,14 +154,22 @@ def tile_stages(cols: int) -> int:
     return min(extra_defines().get("NQ_TILE_STAGES", TILE_STAGES), TILE_SMEM_CAP // _tile_stage_bytes(cols))
 
 
+def tile_wgmma() -> bool:
+    """Whether the tile GEMM multiplies on warpgroup MMAs (gemm_tiles.cuh NQ_TILE_WGMMA, default TILE_WGMMA;
+    a $NANOQWEN_KERNEL_DEFINES knob). Its x stages have no pad and the ring is aligned to 1024 bytes."""
+    return bool(extra_defines().get("NQ_TILE_WGMMA", TILE_WGMMA))
+
+
 def _tile_stage_bytes(cols: int) -> int:
     slots = 2 * TILE_UNITS
-    return slots * 128 + slots * 4 + cols * TILE_X_ROW_CHUNKS * 16
+    x_bytes = cols * 2 * 2 * GROUP if tile_wgmma() else cols * TILE_X_ROW_CHUNKS * 16
+    return slots * 128 + slots * 4 + x_bytes
 
 
 def tile_smem(cols: int) -> int:
-    """Dynamic shared memory of the tile GEMM built for `cols` columns (gemm_tiles.cuh tile_stage_bytes)."""
-    return tile_stages(cols) * _tile_stage_bytes(cols)
+    """Dynamic shared memory of the tile GEMM built for `cols` columns (gemm_tiles.cuh tile_stage_bytes,
+    and kTileSmemAlignPad for the wgmma build)."""
+    return tile_stages(cols) * _tile_stage_bytes(cols) + (1024 if tile_wgmma() else 0)
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,7 @@
 //   tests/test_gemm_tiles_plan.py emulates the stripes and the reduction's bookkeeping on the CPU.
 #pragma once
 #include "mma.cuh"
+#include "wgmma.cuh"
 
 namespace nq {
 
@@ -54,10 +55,27 @@ constexpr int kCopyRows = kTileThreads / 8;         // row slots one pass of the
 constexpr int kTileSlots = 2 * kTileUnits;         // row slots per stage
 constexpr int kXRowChunks = (2 * kGroup + kXPad) / 8;  // 16-byte chunks per staged x row (34)
 
-// bytes of one stage for kCols columns (the launcher sizes dynamic shared memory with the same formula)
+// NQ_TILE_WGMMA (A/B knob; gemv.py tile_wgmma mirrors it): the multiply on warpgroup MMAs (wgmma.cuh)
+// instead of mma.sync. A warpgroup's 4 warps hold their 64 rows' dequantized weights as wgmma's register A
+// (the same fragments mma.sync took), and the tensor cores read x from shared memory themselves: no x
+// fragment loads, and one instruction per k16 step for all the columns instead of 4 x NT per warpgroup
+// (the SASS count of the mma.sync step at 64 columns, 1194 instructions per warp per 256-k step, was
+// 64 x-fragment loads and 128 mmas for 16 rows' 4096 weights). x is staged in wgmma's layout (issue_x_wg).
+#ifndef NQ_TILE_WGMMA
+#define NQ_TILE_WGMMA 0
+#endif
+constexpr bool kTileWg = NQ_TILE_WGMMA != 0;
+static_assert(!kTileWg || kTileMT == 1, "the wgmma build takes one m16 tile per warp (NQ_TILE_WARPS = 16)");
+// the wgmma build aligns the ring to 1024 bytes (the swizzle atoms of x) inside its dynamic shared memory:
+// the launcher allocates this much more
+constexpr int kTileSmemAlignPad = kTileWg ? 1024 : 0;
+
+// bytes of one stage for kCols columns (the launcher sizes dynamic shared memory with the same formula):
+// weights, scales, then x (padded rows for mma.sync; 1024-byte atoms for wgmma, so every stage is
+// 1024-aligned: 256 x 132 bytes is 33 x 1024)
 template <int kCols>
 __host__ __device__ constexpr int tile_stage_bytes() {
-  return kTileSlots * 128 + kTileSlots * 4 + kCols * kXRowChunks * 16;
+  return kTileSlots * 128 + kTileSlots * 4 + (kTileWg ? kCols * 2 * 2 * kGroup : kCols * kXRowChunks * 16);
 }
 // Ring depth: NQ_TILE_STAGES (default 3: 2 stages, 64 KB of weights, in flight), fewer where the stages of
 // a wide build would not fit kTileSmemCap (gemv.py tile_stages mirrors this)
@@ -95,6 +113,13 @@ __device__ __forceinline__ int stripe_of(long long j, long long w_items, int p) 
   return static_cast<int>(((j + 1) * p - 1) / w_items);
 }
 __device__ __forceinline__ long long stripe_lo(int b, long long w_items, int p) { return b * w_items / p; }
+
+// The ring's start in dynamic shared memory: as it comes, or (the wgmma build) rounded up to 1024 bytes,
+// inside the kTileSmemAlignPad the launcher added
+__device__ __forceinline__ uint4* tile_ring_base(uint4* raw) {
+  if constexpr (!kTileWg) return raw;
+  return raw + ((1024u - (smem_u32(raw) & 1023u)) & 1023u) / 16;
+}
 
 // Issue the weight copies of pair pg of the tile into stage buffers w (INT4 words) and s (scales).
 // rows[j]: the row of slot (tid >> 3) + kCopyRows j; srow: the row of slot tid (its scales; threads past
@@ -157,6 +182,29 @@ __device__ __forceinline__ void issue_x(const uint16_t* __restrict__ x, int ncol
   }
 }
 
+// The wgmma build's activation copies of pair pg: x of every column, placed as wgmma's B operand
+// (wgmma.cuh) in the k order of the A fragments. Lane c of a quad holds the weights of words
+// 32 c + 8 w .. + 7 of a group (w = 0..3, one 16-byte chunk per lane, as mma.sync had them) and gives
+// the two k16 steps s = 2 w, 2 w + 1 of the group its half2 pairs: step 2 w + h takes k = 32 c + 8 w +
+// 4 h + {0, 1} into its slots 2 c, 2 c + 1 and k = .. + {2, 3} into 2 c + 8, 2 c + 9. So the x of step
+// s is not 16 consecutive k but 4 bytes from each of 8 places: staged with 4-byte copies. Stage layout:
+// step s (0..15 over the pair) of column n is atom (s / 4) x (kCols / 8) + n / 8, row n % 8, chunk
+// 2 (s % 4) + j (j = 0: slots 0..7, 1: slots 8..15), 4-byte slot c of it. Launch shape of the copies:
+// one warp per (column, 4 steps of a group), lane = 8 c + q with q the (unswizzled) chunk: the 32 lanes
+// write 32 different banks (chunk q ^ (n % 8), slot c) and read 4 runs of 32 bytes of x.
+template <int K, int kCols>
+__device__ __forceinline__ void issue_x_wg(const uint16_t* __restrict__ x, int ncols, int pg, uint4* xs) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int c = lane >> 3, q = lane & 7;  // q = 2 (s % 4) + j: w % 2 = q >> 2, h = (q >> 1) & 1, j = q & 1
+  char* base = reinterpret_cast<char*>(xs);
+  for (int item = warp; item < ncols * 4; item += kTileWarps) {
+    const int n = item >> 2, qq = item & 3;  // qq = s / 4 = 2 gl + w / 2
+    const int k = 256 * pg + 128 * (qq >> 1) + 32 * c + 8 * (2 * (qq & 1) + (q >> 2)) + 2 * (q & 3);
+    const int off = (qq * (kCols / 8) + (n >> 3)) * 1024 + (n & 7) * 128 + ((q ^ (n & 7)) << 4) + 4 * c;
+    if (K % 256 == 0 || k < K) cp_async4(base + off, x + static_cast<size_t>(n) * K + k);  // past K: never read
+  }
+}
+
 // Zero the x rows of columns ncols .. kCols - 1 in every stage, once per launch (NQ_TILE_X_ALL_COLS):
 // issue_x never writes them, so they stay zero for every step. Shared memory only: may run before pdl_wait.
 template <int NT>
@@ -164,7 +212,7 @@ constexpr bool kTileXAllCols = NQ_TILE_X_ALL_COLS && NT >= 4;  // at 8 and 16 co
 
 template <int kCols, int kStages, int kStageChunks>
 __device__ __forceinline__ void zero_idle_cols(uint4* smem, int ncols) {
-  if constexpr (!kTileXAllCols<kCols / 8>) return;
+  if constexpr (kTileWg || !kTileXAllCols<kCols / 8>) return;
   const int idle = (kCols - ncols) * kXRowChunks;
   for (int st = 0; st < kStages; ++st) {
     uint4* xs = smem + st * kStageChunks + kTileSlots * 8 + kTileSlots / 4;
@@ -183,8 +231,15 @@ __device__ __forceinline__ void zero_idle_cols(uint4* smem, int ncols) {
 // accumulator's two mmas back to back, every second one waiting out the first's latency (4x slower at
 // B = 64, measured). Unbranched, the 2 x MT x NT independent accumulators interleave.
 template <int K, int NT>
+__device__ __forceinline__ void multiply_pair_wg(const uint4* w, const uint32_t* s, const uint4* xs, int pg,
+                                                 float (&acc)[kTileMT][NT][4]);
+template <int K, int NT>
 __device__ __forceinline__ void multiply_pair(const uint4* w, const uint32_t* s, const uint4* xs, int ncols, int pg,
                                               float (&acc)[kTileMT][NT][4]) {
+  if constexpr (kTileWg) {
+    multiply_pair_wg<K, NT>(w, s, xs, pg, acc);
+    return;
+  }
   constexpr int kG = K / kGroup;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, c = lane & 3;
@@ -242,6 +297,58 @@ __device__ __forceinline__ void multiply_pair(const uint4* w, const uint32_t* s,
           mma16816(acc[m][nt], q0[m][2], q1[m][2], q0[m][3], q1[m][3], xv[nt].z, xv[nt].w);
     }
   }
+}
+
+// The wgmma build's multiply of one staged pair: per group, the warp dequantizes its 16 rows' 128 k (the
+// same unpack8 and scale as multiply_pair) into the A fragments of 8 k16 steps, then its warpgroup issues
+// them as 8 wgmmas over all the columns at once (x read from the stage by the tensor cores, issue_x_wg's
+// layout). Group 1's dequantization overlaps group 0's wgmmas; the wait at the end is what lets the ring
+// refill this stage (its x read) and the epilogue read acc. acc is zeroed at a segment's start by plain
+// moves: the fence before each group's first wgmma orders those writes too.
+template <int K, int NT>
+__device__ __forceinline__ void multiply_pair_wg(const uint4* w, const uint32_t* s, const uint4* xs, int pg,
+                                                 float (&acc)[kTileMT][NT][4]) {
+  constexpr int kG = K / kGroup;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, c = lane & 3;
+  const int u = warp * 8 + g;  // the unit of fragment rows g (its row r0) and g + 8 (its row r1)
+  const uint32_t xs_addr = smem_u32(xs);
+#pragma unroll
+  for (int gl = 0; gl < 2; ++gl) {
+    if (2 * pg + gl >= kG) break;  // block-uniform (an odd group count's last pair)
+    const int ch = (4 * gl + c) ^ ((u & 1) << 2);
+    const uint4 wa = w[u * 8 + ch], wb = w[(kTileUnits + u) * 8 + ch];
+    const uint32_t s0 = s[u], s1 = s[kTileUnits + u];
+    const uint32_t h0 = gl ? s0 >> 16 : s0 & 0xffffu, h1 = gl ? s1 >> 16 : s1 & 0xffffu;
+    const uint32_t sa = h0 | (h0 << 16), sb = h1 | (h1 << 16);
+    const uint32_t a[4] = {wa.x, wa.y, wa.z, wa.w}, b[4] = {wb.x, wb.y, wb.z, wb.w};
+    uint32_t f[4][2][4];  // [word][step half h][a0..a3]
+#pragma unroll
+    for (int wd = 0; wd < 4; ++wd) {
+      uint32_t q0[4], q1[4];
+      unpack8(a[wd], q0);
+      unpack8(b[wd], q1);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        q0[i] = hmul2(q0[i], sa);
+        q1[i] = hmul2(q1[i], sb);
+      }
+      // A regs {r0, r1, r0, r1}: half2 0 in k-slots 2c, 2c+1, half2 1 in slots 2c+8, 2c+9 (as multiply_pair)
+      f[wd][0][0] = q0[0], f[wd][0][1] = q1[0], f[wd][0][2] = q0[1], f[wd][0][3] = q1[1];
+      f[wd][1][0] = q0[2], f[wd][1][1] = q1[2], f[wd][1][2] = q0[3], f[wd][1][3] = q1[3];
+    }
+    wgmma_fence();  // the A fragments (and a fresh segment's zeroed acc) written before the wgmmas read them
+#pragma unroll
+    for (int wd = 0; wd < 4; ++wd)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int st = 8 * gl + 2 * wd + h;  // the k16 step of the pair: atom row st / 4, 32 bytes per step
+        const uint32_t addr = xs_addr + (st >> 2) * (NT * 1024) + (st & 3) * 32;
+        wgmma_rs<NT>(acc[0], f[wd][h][0], f[wd][h][1], f[wd][h][2], f[wd][h][3], wgmma_desc_sw128(addr));
+      }
+    wgmma_commit();
+  }
+  wgmma_wait<0>();
 }
 
 // A partial segment of tile t (the block's first segment if `first`, else its last): its fp32 sums to
@@ -324,7 +431,7 @@ __device__ __forceinline__ void partial_segment(int t, bool first, float* __rest
 // gate/up and down. 16 columns: ptxas split the x fragment loads of the reshaped loop and kept 70 registers
 // where the drained loop keeps 121: +10% on gate/up and down at B = 16.
 template <int NT>
-constexpr bool kTileContinuous = NT == 1 || NT == 4;
+constexpr bool kTileContinuous = kTileWg || NT == 1 || NT == 4;  // the wgmma build: every width (its own loop)
 
 // The drained ring: the tile GEMM as first written (the ring drained at each segment's end, copy rows
 // cached per segment, nothing issued before pdl_wait), kept for the builds above. Its whole-tile epilogue
@@ -337,7 +444,8 @@ __device__ __forceinline__ void gemm_tiles_drained(const uint32_t* __restrict__ 
                                            const Epi& epi) {
   constexpr int kCols = 8 * NT;
   constexpr int kPairs = (K / kGroup + 1) / 2;
-  extern __shared__ uint4 smem[];
+  extern __shared__ uint4 smem_raw[];
+  uint4* const smem = tile_ring_base(smem_raw);
   __shared__ int last_flag;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, c = lane & 3;
@@ -377,7 +485,10 @@ __device__ __forceinline__ void gemm_tiles_drained(const uint32_t* __restrict__ 
     auto issue = [&](int i) {
       uint4* base = stage(i);
       issue_w<K>(qw, sc, p0 + i, rows, srow, base, reinterpret_cast<uint32_t*>(base + kTileSlots * 8));
-      issue_x<K, kCols>(x, ncols, p0 + i, base + kTileSlots * 8 + kTileSlots / 4);
+      if constexpr (kTileWg)
+        issue_x_wg<K, kCols>(x, ncols, p0 + i, base + kTileSlots * 8 + kTileSlots / 4);
+      else
+        issue_x<K, kCols>(x, ncols, p0 + i, base + kTileSlots * 8 + kTileSlots / 4);
     };
     const int n = p1 - p0;
 #pragma unroll
@@ -392,6 +503,7 @@ __device__ __forceinline__ void gemm_tiles_drained(const uint32_t* __restrict__ 
       for (int nt = 0; nt < NT; ++nt) acc[m][nt][0] = acc[m][nt][1] = acc[m][nt][2] = acc[m][nt][3] = 0.f;
     for (int i = 0; i < n; ++i) {
       cp_async_wait<kTileStages - 2>();
+      if constexpr (kTileWg) fence_proxy_async_smem();  // this thread's x copies, seen by the wgmmas
       __syncthreads();  // stage i landed for every thread's copies; stage i - 1's slot is free
       if (i + kTileStages - 1 < n) issue(i + kTileStages - 1);
       cp_async_commit();
@@ -435,7 +547,8 @@ __device__ __forceinline__ void gemm_tiles(const uint32_t* __restrict__ qw, cons
   }
   constexpr int kCols = 8 * NT;
   constexpr int kPairs = (K / kGroup + 1) / 2;
-  extern __shared__ uint4 smem[];
+  extern __shared__ uint4 smem_raw[];
+  uint4* const smem = tile_ring_base(smem_raw);
   __shared__ int last_flag;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, c = lane & 3;
@@ -471,7 +584,10 @@ __device__ __forceinline__ void gemm_tiles(const uint32_t* __restrict__ qw, cons
     issue_w<K>(qw, sc, (lo_i + i) % kPairs, rows, srow, base, reinterpret_cast<uint32_t*>(base + kTileSlots * 8));
   };
   auto issue_acts = [&](int i) {
-    issue_x<K, kCols>(x, ncols, (lo_i + i) % kPairs, stage(i) + kTileSlots * 8 + kTileSlots / 4);
+    if constexpr (kTileWg)
+      issue_x_wg<K, kCols>(x, ncols, (lo_i + i) % kPairs, stage(i) + kTileSlots * 8 + kTileSlots / 4);
+    else
+      issue_x<K, kCols>(x, ncols, (lo_i + i) % kPairs, stage(i) + kTileSlots * 8 + kTileSlots / 4);
   };
   // the end of a segment of tile t over pairs p0 .. p1 - 1
   auto segment_done = [&](int t, int p0, int p1, bool first, const float (&acc)[kTileMT][NT][4]) {
@@ -536,6 +652,7 @@ __device__ __forceinline__ void gemm_tiles(const uint32_t* __restrict__ qw, cons
     for (int s = 0; s < n_seg; ++s) {
       const int ii = i0 + s;
       cp_async_wait<kTileStages - 2>();
+      if constexpr (kTileWg) fence_proxy_async_smem();  // this thread's x copies, seen by the wgmmas
       __syncthreads();  // stage ii landed for every thread's copies; stage ii - 1's slot is free
       if (ii + kTileStages - 1 < n) {
         int rows[kTileSlots / kCopyRows], srow;

@@ -1,0 +1,85 @@
+// wgmma.cuh: Hopper's warpgroup tensor-core primitives (sm_90a; PTX, no CUDA headers under NVRTC), as the
+// tile GEMM's wgmma build uses them (gemm_tiles.cuh, NQ_TILE_WGMMA).
+//
+// wgmma.mma_async m64nNk16, A from registers, B from shared memory through a descriptor, fp32 D. A
+// warpgroup is 4 consecutive warps (threads 128 i .. 128 i + 127); warp w % 4 of it holds rows
+// 16 (w % 4) .. + 15 of A and D, with mma.sync m16n8k16's fragments (mma.cuh) per 16 rows:
+//   A: a0 = (row g, k 2t, 2t+1)  a1 = (row g+8, k 2t, 2t+1)  a2 = (row g, k 2t+8, +9)  a3 = (row g+8, k 2t+8, +9)
+//   D: d[j][0], d[j][1] = (row g, cols 8j + 2t, +1)   d[j][2], d[j][3] = (row g+8, cols 8j + 2t, +1)
+// so one wgmma does the work of 4 warps x N/8 mma.sync, and B never passes through registers: the tensor
+// cores read it from shared memory. PTX ISA "Asynchronous Warpgroup Level Matrix Multiply-Accumulate".
+//
+// B (K x N, "column-major" = each column's k contiguous: K-major) in the 128-byte swizzle: an atom is 8
+// columns x 128 bytes (64 k) = 1024 bytes, 1024-aligned; column n of the atom is its row n % 8, and the
+// row's 16-byte chunk j sits at chunk j ^ (n % 8). One k16 step reads 32 bytes of each row (chunks 2 s',
+// 2 s' + 1 of the atom's 4 steps s'): its descriptor starts 32 s' bytes into the atom; the next 8 columns
+// are the next atom (stride, "SBO", 1024 bytes). The hardware applies the XOR to the address bits, which
+// is why the atoms must be 1024-aligned. tests/test_wgmma_tile_mapping.py emulates this read in numpy.
+#pragma once
+#include "common.cuh"
+
+namespace nq {
+
+// order this warp's prior register writes (A fragments, accumulators) before its next wgmma reads them
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+// close this warp's wgmmas since the last commit into a group
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+// wait until at most N of this warp's wgmma groups are pending (their accumulators then readable, their
+// A registers and shared memory reusable)
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory"); }
+// shared memory written through the generic proxy (st.shared, cp.async) is read by wgmma through the async
+// proxy: each writer fences after its writes landed, before the barrier the readers wait on
+__device__ __forceinline__ void fence_proxy_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+// descriptor of a K-major, 128-byte-swizzled B operand starting at shared address `addr` (16-aligned; the
+// atoms 1024-aligned): bits 0-13 addr >> 4, 16-29 LBO >> 4 (unused by this layout: 1), 32-45 SBO >> 4
+// (1024: the next 8 columns), 62-63 layout 1 = 128-byte swizzle
+__device__ __forceinline__ uint64_t wgmma_desc_sw128(uint32_t addr) {
+  return static_cast<uint64_t>((addr & 0x3FFFFu) >> 4) | (static_cast<uint64_t>(1) << 16) |
+         (static_cast<uint64_t>(1024 >> 4) << 32) | (static_cast<uint64_t>(1) << 62);
+}
+
+// d += A B for one m64n(8 NT)k16 step, A from registers, B through desc_b (scale-d = 1: accumulate; a
+// fresh sum starts from zeroed registers)
+template <int NT>
+__device__ __forceinline__ void wgmma_rs(float (&d)[NT][4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint64_t desc_b);
+template <>
+__device__ __forceinline__ void wgmma_rs<1>(float (&d)[1][4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                            uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 {%0,%1,%2,%3}, {%4,%5,%6,%7}, %8, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc_b));
+}
+template <>
+__device__ __forceinline__ void wgmma_rs<2>(float (&d)[2][4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                            uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9,%10,%11}, %12, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc_b));
+}
+template <>
+__device__ __forceinline__ void wgmma_rs<4>(float (&d)[4][4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                            uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, {%16,%17,%18,%19}, %20, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc_b));
+}
+template <>
+__device__ __forceinline__ void wgmma_rs<8>(float (&d)[8][4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                            uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, {%32,%33,%34,%35}, %36, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc_b));
+}
+
+}  // namespace nq

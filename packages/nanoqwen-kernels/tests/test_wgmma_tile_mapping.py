@@ -1,0 +1,100 @@
+"""CPU check of the tile GEMM's wgmma build (gemm_tiles.cuh NQ_TILE_WGMMA, wgmma.cuh): a numpy emulation of
+wgmma.mma_async m64nNk16 with A from registers and B through a 128-byte-swizzled K-major descriptor, fed
+exactly as the kernel feeds it: issue_x_wg's 4-byte copies into their swizzled places, multiply_pair_wg's A
+fragments (a lane's four words of a group, two k16 steps per word) and its descriptor start per step. The
+product over a 256-k pair must be every row's dot product with every column. Catches a wrong copy offset,
+swizzle, step order or k pairing between A and B before any GPU run; also that the copies cover each x
+once and that the 32 lanes of a copy write 32 different banks."""
+
+import numpy as np
+import pytest
+
+TILE_UNITS, TILE_WARPS, PAIR_K = 128, 16, 256
+
+
+def issue_x_wg(x: np.ndarray, ncols: int, n_cols_build: int, pg: int):
+    """issue_x_wg's copies: yields (warp, item, lane, byte offset in the stage's x, column, k)."""
+    k_total = x.shape[1]
+    for warp in range(TILE_WARPS):
+        for item in range(warp, ncols * 4, TILE_WARPS):
+            n, qq = item >> 2, item & 3
+            for lane in range(32):
+                c, q = lane >> 3, lane & 7
+                k = 256 * pg + 128 * (qq >> 1) + 32 * c + 8 * (2 * (qq & 1) + (q >> 2)) + 2 * (q & 3)
+                off = (qq * (n_cols_build // 8) + (n >> 3)) * 1024 + (n & 7) * 128 + ((q ^ (n & 7)) << 4) + 4 * c
+                if k < k_total:
+                    yield warp, item, lane, off, n, k
+
+
+def stage_x(x: np.ndarray, ncols: int, n_cols_build: int, pg: int) -> np.ndarray:
+    """The stage's x region as fp64 halves (NaN where no copy wrote: a read of it poisons the product)."""
+    smem = np.full(n_cols_build * PAIR_K, np.nan)
+    written = np.zeros(n_cols_build * PAIR_K, dtype=int)
+    for _, _, _, off, n, k in issue_x_wg(x, ncols, n_cols_build, pg):
+        assert off % 4 == 0
+        smem[off // 2], smem[off // 2 + 1] = x[n, k], x[n, k + 1]
+        written[off // 2] += 1
+        written[off // 2 + 1] += 1
+    assert written.max() <= 1, "two copies wrote one place"
+    return smem
+
+
+def read_b(smem: np.ndarray, start: int, n_cols_build: int) -> np.ndarray:
+    """B (16 x N) as the tensor cores read it: K-major rows of 128 bytes, 8 rows an atom, the next 8
+    columns one SBO (1024 bytes) on, the 16-byte chunk index XORed with address bits 7-9."""
+    b = np.zeros((16, n_cols_build))
+    for n in range(n_cols_build):
+        for kk in range(16):
+            o = start + (n >> 3) * 1024 + (n & 7) * 128 + 2 * kk
+            o ^= ((o >> 7) & 7) << 4
+            b[kk, n] = smem[o // 2]
+    return b
+
+
+def a_fragments(w: np.ndarray, warp_in_wg: int, gl: int, wd: int, h: int) -> np.ndarray:
+    """A (16 x 16 rows of this warp) of step 2 wd + h of group gl, as multiply_pair_wg builds its registers:
+    lane (g, c) unpacks words wd of its chunk c (k = 128 gl + 32 c + 8 wd ..) of rows r0 (fragment row g)
+    and r1 (row g + 8); half2 2h goes to slots 2c, 2c+1 and half2 2h+1 to slots 2c+8, 2c+9."""
+    a = np.zeros((16, 16))
+    for lane in range(32):
+        g, c = lane >> 2, lane & 3
+        k0 = 128 * gl + 32 * c + 8 * wd + 4 * h
+        for frag_row, row in ((g, 16 * warp_in_wg + g), (g + 8, 16 * warp_in_wg + g + 8)):
+            a[frag_row, 2 * c], a[frag_row, 2 * c + 1] = w[row, k0], w[row, k0 + 1]
+            a[frag_row, 2 * c + 8], a[frag_row, 2 * c + 9] = w[row, k0 + 2], w[row, k0 + 3]
+    return a
+
+
+@pytest.mark.parametrize("nt,ncols", [(1, 8), (1, 3), (2, 11), (4, 32), (8, 64), (8, 37)])
+def test_wgmma_pair_gives_the_dot_products(nt, ncols):
+    rng = np.random.default_rng()
+    n_build = 8 * nt
+    k_total = 2 * PAIR_K
+    pg = int(rng.integers(0, 2))
+    w = rng.integers(-8, 8, size=(64, k_total)).astype(np.float64)  # a warpgroup's 64 rows (q values)
+    x = rng.standard_normal((ncols, k_total))
+    smem = stage_x(x, ncols, n_build, pg)
+    d = np.zeros((64, n_build))
+    for gl in range(2):
+        for wd in range(4):
+            for h in range(2):
+                st = 8 * gl + 2 * wd + h
+                start = (st >> 2) * (nt * 1024) + (st & 3) * 32
+                b = read_b(smem, start, n_build)
+                a = np.vstack([a_fragments(w[:, 256 * pg:], wq, gl, wd, h) for wq in range(4)])
+                d += a @ b
+    want = w[:, 256 * pg:256 * (pg + 1)] @ x[:, 256 * pg:256 * (pg + 1)].T
+    np.testing.assert_allclose(d[:, :ncols], want, rtol=1e-12, atol=1e-9)
+
+
+@pytest.mark.parametrize("ncols", [1, 5, 8, 64])
+def test_wgmma_x_copies_cover_once_and_spread_banks(ncols):
+    n_build = max(8, -(-ncols // 8) * 8)
+    x = np.zeros((ncols, PAIR_K))
+    seen: dict[tuple[int, int], int] = {}
+    banks: dict[tuple[int, int], set[int]] = {}
+    for warp, item, lane, off, n, k in issue_x_wg(x, ncols, n_build, 0):
+        seen[(n, k)] = seen.get((n, k), 0) + 1
+        banks.setdefault((warp, item), set()).add((off // 4) % 32)
+    assert seen == {(n, k): 1 for n in range(ncols) for k in range(0, PAIR_K, 2)}
+    assert all(len(b) == 32 for b in banks.values()), "a copy instruction's lanes share a bank"
