@@ -44,7 +44,7 @@ def main() -> int:
         bad = (got_k != want_k) | (got_b != want_b)
         bad_total += int(bad.sum())
         print(f"B={b}: {int(bad.sum())} of {bad.size} outputs wrong")
-        for col, row in list(zip(*np.nonzero(bad)))[:8]:
+        for col, row in list(zip(*np.nonzero(bad), strict=True))[:8]:
             print(f"   out[col {col}, row {row}] <- k {got_k[col, row]:g}, col {got_b[col, row]:g}")
     return 1 if bad_total else 0
 

@@ -93,7 +93,7 @@ def test_wgmma_x_copies_cover_once_and_spread_banks(ncols):
     x = np.zeros((ncols, PAIR_K))
     seen: dict[tuple[int, int], int] = {}
     banks: dict[tuple[int, int], set[int]] = {}
-    for warp, item, lane, off, n, k in issue_x_wg(x, ncols, n_build, 0):
+    for warp, item, _lane, off, n, k in issue_x_wg(x, ncols, n_build, 0):
         seen[(n, k)] = seen.get((n, k), 0) + 1
         banks.setdefault((warp, item), set()).add((off // 4) % 32)
     assert seen == {(n, k): 1 for n in range(ncols) for k in range(0, PAIR_K, 2)}
