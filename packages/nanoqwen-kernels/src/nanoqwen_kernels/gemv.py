@@ -127,6 +127,9 @@ TILE_STAGES = 3  # gemm_tiles.cuh NQ_TILE_STAGES default
 TILE_SMEM_CAP = 220 * 1024  # gemm_tiles.cuh kTileSmemCap
 TILE_X_ROW_CHUNKS = (2 * GROUP + X_PAD) // 8  # kXRowChunks
 TILE_WGMMA = 0  # gemm_tiles.cuh NQ_TILE_WGMMA default
+TILE_WS = 0  # gemm_tiles.cuh NQ_TILE_WS default
+TILE_PRODUCERS = 2  # gemm_tiles.cuh NQ_TILE_PRODUCERS default
+TILE_WS_STAGES = 8  # gemm_tiles.cuh NQ_TILE_WS_STAGES default
 # Work items (256-k steps of a tile) per block at least: a small matrix (o_proj, q/k/v) then runs on fewer
 # blocks with fewer contributors per tile for the last block to add up. $NANOQWEN_TILE_MIN_ITEMS overrides
 # it (an A/B knob: it changes P, hence the order partial sums are added in, for every B alike)
@@ -143,21 +146,33 @@ def tile_min_items() -> int:
     return int(raw)
 
 
+def tile_ws() -> bool:
+    """Whether the tile GEMM runs its warp-specialized ring (gemm_tiles.cuh NQ_TILE_WS, default TILE_WS; a
+    $NANOQWEN_KERNEL_DEFINES knob): NQ_TILE_PRODUCERS copy warps beside the 16 multiplying ones."""
+    return bool(extra_defines().get("NQ_TILE_WS", TILE_WS))
+
+
 def tile_threads() -> int:
-    """Threads of a tile GEMM block: 32 x NQ_TILE_WARPS (a $NANOQWEN_KERNEL_DEFINES knob, default 16)."""
-    return 32 * extra_defines().get("NQ_TILE_WARPS", TILE_THREADS // 32)
+    """Threads of a tile GEMM block (gemm_tiles.cuh kTileBlockThreads): 32 x NQ_TILE_WARPS (a
+    $NANOQWEN_KERNEL_DEFINES knob, default 16), plus 32 x NQ_TILE_PRODUCERS in the warp-specialized build."""
+    producers = extra_defines().get("NQ_TILE_PRODUCERS", TILE_PRODUCERS) if tile_ws() else 0
+    return 32 * (extra_defines().get("NQ_TILE_WARPS", TILE_THREADS // 32) + producers)
 
 
 def tile_stages(cols: int) -> int:
-    """Ring stages of the build for `cols` columns (gemm_tiles.cuh tile_stages): NQ_TILE_STAGES (default 3),
-    fewer where they would not fit TILE_SMEM_CAP."""
-    return min(extra_defines().get("NQ_TILE_STAGES", TILE_STAGES), TILE_SMEM_CAP // _tile_stage_bytes(cols))
+    """Ring stages of the build for `cols` columns (gemm_tiles.cuh tile_stages): NQ_TILE_STAGES (default 3;
+    NQ_TILE_WS_STAGES, default 8, in the warp-specialized build), fewer where they would not fit
+    TILE_SMEM_CAP."""
+    want = (extra_defines().get("NQ_TILE_WS_STAGES", TILE_WS_STAGES) if tile_ws()
+            else extra_defines().get("NQ_TILE_STAGES", TILE_STAGES))
+    return min(want, TILE_SMEM_CAP // _tile_stage_bytes(cols))
 
 
 def tile_wgmma() -> bool:
     """Whether the tile GEMM multiplies on warpgroup MMAs (gemm_tiles.cuh NQ_TILE_WGMMA, default TILE_WGMMA;
-    a $NANOQWEN_KERNEL_DEFINES knob). Its x stages have no pad and the ring is aligned to 1024 bytes."""
-    return bool(extra_defines().get("NQ_TILE_WGMMA", TILE_WGMMA))
+    a $NANOQWEN_KERNEL_DEFINES knob; the warp-specialized build always does). Its x stages have no pad and
+    the ring is aligned to 1024 bytes."""
+    return bool(extra_defines().get("NQ_TILE_WGMMA", TILE_WGMMA)) or tile_ws()
 
 
 def _tile_stage_bytes(cols: int) -> int:

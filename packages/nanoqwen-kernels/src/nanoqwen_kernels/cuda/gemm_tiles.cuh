@@ -64,7 +64,36 @@ constexpr int kXRowChunks = (2 * kGroup + kXPad) / 8;  // 16-byte chunks per sta
 #ifndef NQ_TILE_WGMMA
 #define NQ_TILE_WGMMA 0
 #endif
-constexpr bool kTileWg = NQ_TILE_WGMMA != 0;
+// NQ_TILE_WS (A/B knob; gemv.py tile_ws mirrors it; implies the wgmma multiply): the warp-specialized ring.
+// NQ_TILE_PRODUCERS extra warps (warps 16 ..) issue every copy (weights, scales, x) and the 16 warps of the
+// wgmma build only multiply. Stages are handed over by mbarriers instead of a block-wide barrier per step:
+// full[s] completes when the producers' copies of stage s have landed (cp.async.mbarrier.arrive), empty[s]
+// when the 16 consumer warps have read it (their wgmmas waited for). The producers run up to the ring's depth
+// ahead, through the consumers' epilogues and partial-sum reductions; the consumers never wait for each
+// other between steps. Why: the barrier ring measured ~2.3 us per 256-k step at 8 columns where its
+// 32 KB of weights need ~1.1 us at an SM's share of the copy rate, and neither the multiply's flavour
+// (mma.sync or wgmma) nor a deeper ring moved it: every warp issued its share of the copies, then waited
+// at the barrier for the slowest, then multiplied (docs/PERF.md).
+#ifndef NQ_TILE_WS
+#define NQ_TILE_WS 0
+#endif
+// NQ_TILE_WG_GROUP_WAIT: the wgmma multiply waits for each group's 8 wgmmas before dequantizing the next
+// group, so one group's A fragments (32 registers) are live, not two. Default: on in the warp-specialized
+// build, whose 16 + NQ_TILE_PRODUCERS warps leave ptxas ~96 registers a thread; with both groups' fragments
+// live it serialized every wgmma (ptxas C7511/C7512: a wait after each one) from 16 columns up.
+#ifndef NQ_TILE_WG_GROUP_WAIT
+#define NQ_TILE_WG_GROUP_WAIT NQ_TILE_WS
+#endif
+#ifndef NQ_TILE_PRODUCERS
+#define NQ_TILE_PRODUCERS 2
+#endif
+#ifndef NQ_TILE_WS_STAGES
+#define NQ_TILE_WS_STAGES 8  // at most; fewer where they do not fit kTileSmemCap (gemv.py tile_stages)
+#endif
+constexpr bool kTileWs = NQ_TILE_WS != 0;
+constexpr bool kTileWg = NQ_TILE_WGMMA != 0 || kTileWs;
+constexpr int kTileProducers = kTileWs ? NQ_TILE_PRODUCERS : 0;
+constexpr int kTileBlockThreads = kTileThreads + 32 * kTileProducers;  // the launch's block size
 static_assert(!kTileWg || kTileMT == 1, "the wgmma build takes one m16 tile per warp (NQ_TILE_WARPS = 16)");
 // the wgmma build aligns the ring to 1024 bytes (the swizzle atoms of x) inside its dynamic shared memory:
 // the launcher allocates this much more
@@ -104,8 +133,20 @@ constexpr int kTileSmemCap = 220 * 1024;
 #endif
 template <int kCols>
 __host__ __device__ constexpr int tile_stages() {
-  return NQ_TILE_STAGES < kTileSmemCap / tile_stage_bytes<kCols>() ? NQ_TILE_STAGES
-                                                                    : kTileSmemCap / tile_stage_bytes<kCols>();
+  return (kTileWs ? NQ_TILE_WS_STAGES : NQ_TILE_STAGES) < kTileSmemCap / tile_stage_bytes<kCols>()
+             ? (kTileWs ? NQ_TILE_WS_STAGES : NQ_TILE_STAGES)
+             : kTileSmemCap / tile_stage_bytes<kCols>();
+}
+constexpr int kTileMaxStages = 8;  // the mbarrier arrays of the warp-specialized ring
+static_assert(!kTileWs || NQ_TILE_WS_STAGES <= kTileMaxStages, "NQ_TILE_WS_STAGES: at most 8");
+
+// A barrier among the 16 multiplying warps only (named barrier 1) where producer warps run beside them
+// (NQ_TILE_WS); the whole block otherwise
+__device__ __forceinline__ void tile_consumer_sync() {
+  if constexpr (kTileWs)
+    asm volatile("bar.sync 1, %0;" ::"n"(kTileThreads) : "memory");
+  else
+    __syncthreads();
 }
 
 // the block that owns work item j when W items are cut into P stripes (the largest b with b W / P <= j)
@@ -193,11 +234,12 @@ __device__ __forceinline__ void issue_x(const uint16_t* __restrict__ x, int ncol
 // one warp per (column, 4 steps of a group), lane = 8 c + q with q the (unswizzled) chunk: the 32 lanes
 // write 32 different banks (chunk q ^ (n % 8), slot c) and read 4 runs of 32 bytes of x.
 template <int K, int kCols>
-__device__ __forceinline__ void issue_x_wg(const uint16_t* __restrict__ x, int ncols, int pg, uint4* xs) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+__device__ __forceinline__ void issue_x_wg(const uint16_t* __restrict__ x, int ncols, int pg, uint4* xs,
+                                           int warp = threadIdx.x >> 5, int warps = kTileWarps) {
+  const int lane = threadIdx.x & 31;
   const int c = lane >> 3, q = lane & 7;  // q = 2 (s % 4) + j: w % 2 = q >> 2, h = (q >> 1) & 1, j = q & 1
   char* base = reinterpret_cast<char*>(xs);
-  for (int item = warp; item < ncols * 4; item += kTileWarps) {
+  for (int item = warp; item < ncols * 4; item += warps) {
     const int n = item >> 2, qq = item & 3;  // qq = s / 4 = 2 gl + w / 2
     const int k = 256 * pg + 128 * (qq >> 1) + 32 * c + 8 * (2 * (qq & 1) + (q >> 2)) + 2 * (q & 3);
     const int off = (qq * (kCols / 8) + (n >> 3)) * 1024 + (n & 7) * 128 + ((q ^ (n & 7)) << 4) + 4 * c;
@@ -347,6 +389,9 @@ __device__ __forceinline__ void multiply_pair_wg(const uint4* w, const uint32_t*
         wgmma_rs<NT>(acc[0], f[wd][h][0], f[wd][h][1], f[wd][h][2], f[wd][h][3], wgmma_desc_sw128(addr));
       }
     wgmma_commit();
+#if NQ_TILE_WG_GROUP_WAIT
+    wgmma_wait<0>();  // this group's A registers free again before the next group's are written
+#endif
   }
   wgmma_wait<0>();
 }
@@ -377,12 +422,12 @@ __device__ __forceinline__ void partial_segment(int t, bool first, float* __rest
     }
   }
   __threadfence();  // this thread's partial sums visible device-wide before the ticket is taken
-  __syncthreads();  // ... for every thread of the block
+  tile_consumer_sync();  // ... for every multiplying thread of the block
   const long long item0 = static_cast<long long>(t) * kPairs;
   const int b_first = stripe_of(item0, w_items, p_blocks);
   const int b_last = stripe_of(item0 + kPairs - 1, w_items, p_blocks);
   if (tid == 0) last_flag = atomicAdd(&tickets[t], 1) == b_last - b_first;
-  __syncthreads();
+  tile_consumer_sync();
   if (!last_flag) return;  // block-uniform
   __threadfence();  // the other blocks' partial sums (seen through their tickets) before reading them
   // Thread tid sums unit u = tid % 128 of columns tid / 128 + 2 q over the contributors, in block order
@@ -534,6 +579,126 @@ __device__ __forceinline__ void gemm_tiles_drained(const uint32_t* __restrict__ 
   }
 }
 
+// The warp-specialized tile GEMM (NQ_TILE_WS): the same stripes, stages, multiply (wgmma) and epilogues as
+// gemm_tiles, with the copies in producer warps and the stages handed over by mbarriers (see NQ_TILE_WS).
+// Producer thread pt (0 .. 32 NQ_TILE_PRODUCERS - 1) copies, per step: chunk pt % 8 of the weight rows of
+// units pt / 8 + 4 NQ_TILE_PRODUCERS j (both rows of each unit), the scales of slots pt + 32 P j, and x
+// items (column, quarter) pw, pw + P, .. (issue_x_wg, one warp per item).
+template <int K, int NT, class Map, class Epi>
+__device__ __forceinline__ void gemm_tiles_ws(const uint32_t* __restrict__ qw, const uint16_t* __restrict__ sc,
+                                              const uint16_t* __restrict__ x, int units, int n_cols,
+                                              float* __restrict__ ws, int* __restrict__ tickets, const Map& map,
+                                              const Epi& epi) {
+  constexpr int kCols = 8 * NT;
+  constexpr int kPairs = (K / kGroup + 1) / 2;
+  constexpr int kG = K / kGroup;
+  constexpr int kP = kTileProducers;
+  extern __shared__ uint4 smem_raw[];
+  uint4* const smem = tile_ring_base(smem_raw);
+  __shared__ int last_flag;
+  __shared__ uint64_t full_bar[kTileMaxStages], empty_bar[kTileMaxStages];
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int ncols = n_cols;
+  const int p_blocks = gridDim.x, blk = blockIdx.x;
+  const int tiles = (units + kTileUnits - 1) / kTileUnits;
+  const long long w_items = static_cast<long long>(tiles) * kPairs;
+  const long long lo = stripe_lo(blk, w_items, p_blocks), hi = stripe_lo(blk + 1, w_items, p_blocks);
+  constexpr int kStageChunks = tile_stage_bytes<kCols>() / 16;
+  constexpr int kS = tile_stages<kCols>();
+  static_assert(kS >= 2 && kS <= kTileMaxStages, "the ring needs 2 .. 8 stages");
+  const int n = static_cast<int>(hi - lo), lo_i = static_cast<int>(lo);
+  auto stage = [&](int i) { return smem + (i % kS) * kStageChunks; };
+  if (tid == 0) {
+    for (int st = 0; st < kS; ++st) {
+      mbar_init(&full_bar[st], 32 * kP);     // one cp.async arrival per producer thread
+      mbar_init(&empty_bar[st], kTileWarps);  // one arrival per consumer warp
+    }
+  }
+  __syncthreads();  // the barriers initialised before anyone uses them (the last block-wide barrier)
+
+  if (warp >= kTileWarps) {  // ---- producers ----
+    const int pt = tid - kTileThreads, pw = warp - kTileWarps;
+    const int chunk = pt & 7, gl = chunk >> 2, c = chunk & 3;
+    for (int i = 0; i < n; ++i) {
+      const int st = i % kS;
+      if (i >= kS) mbar_wait(&empty_bar[st], ((i / kS) + 1) & 1);  // the consumers' read of step i - kS
+      const int t = (lo_i + i) / kPairs, pg = (lo_i + i) % kPairs;
+      uint4* base = stage(i);
+      uint4* w = base;
+      uint32_t* s = reinterpret_cast<uint32_t*>(base + kTileSlots * 8);
+      const int g = 2 * pg + gl;
+      if (K % 256 == 0 || g < kG) {
+#pragma unroll 4
+        for (int u = pt >> 3; u < kTileUnits; u += 4 * kP) {
+          int r0, r1;
+          map(min(t * kTileUnits + u, units - 1), r0, r1);  // a tail tile recomputes the last unit
+          const int sw = chunk ^ ((u & 1) << 2);
+          cp_async16_l2_256(w + u * 8 + sw, qw + static_cast<size_t>(r0) * (K / 8) + g * 16 + c * 4);
+          cp_async16_l2_256(w + (kTileUnits + u) * 8 + sw, qw + static_cast<size_t>(r1) * (K / 8) + g * 16 + c * 4);
+        }
+      }
+      for (int slot = pt; slot < kTileSlots; slot += 32 * kP) {
+        const int u = slot % kTileUnits;
+        int r0, r1;
+        map(min(t * kTileUnits + u, units - 1), r0, r1);
+        const int srow = slot < kTileUnits ? r0 : r1;
+        if constexpr (kG % 2 == 0) {
+          cp_async4(s + slot, sc + static_cast<size_t>(srow) * kG + 2 * pg);
+        } else {  // odd group count (small test shapes only): plain loads, the last pair has one group
+          const uint16_t* p = sc + static_cast<size_t>(srow) * kG + 2 * pg;
+          const uint32_t lo16 = p[0], hi16 = (2 * pg + 1 < kG) ? p[1] : 0u;
+          s[slot] = lo16 | (hi16 << 16);
+        }
+      }
+      if (i == 0) pdl_wait();  // x is the previous kernel's output; the weights above may go first
+      issue_x_wg<K, kCols>(x, ncols, pg, base + kTileSlots * 8 + kTileSlots / 4, pw, kP);
+      cp_async_mbar_arrive(&full_bar[st]);
+    }
+    if (n == 0) pdl_wait();
+    cp_async_wait<0>();  // nothing in flight when the warp exits
+    return;
+  }
+
+  // ---- consumers: the 16 warps of the wgmma multiply ----
+  pdl_wait();  // launch overlap (common.cuh): outputs, workspace and tickets only after the wait
+  const int g = lane >> 2, c = lane & 3;
+  for (int i = 0; i < n;) {  // block-uniform (among the consumers) loop over this block's segments
+    const int t = (lo_i + i) / kPairs;
+    const int p0 = lo_i + i - t * kPairs;
+    const int seg_end = min(n, i + kPairs - p0);
+    float acc[kTileMT][NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) acc[0][nt][0] = acc[0][nt][1] = acc[0][nt][2] = acc[0][nt][3] = 0.f;
+    const int i0 = i;
+    for (; i < seg_end; ++i) {
+      const int st = i % kS;
+      mbar_wait(&full_bar[st], (i / kS) & 1);
+      fence_proxy_async_smem();  // the producers' x copies (generic proxy), seen by this warp's wgmmas
+      const uint4* base = stage(i);
+      multiply_pair_wg<K, NT>(base, reinterpret_cast<const uint32_t*>(base + kTileSlots * 8),
+                              base + kTileSlots * 8 + kTileSlots / 4, p0 + (i - i0), acc);
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&empty_bar[st]);  // this warp is done with the stage (wgmmas waited for)
+    }
+    const int p1 = p0 + (seg_end - i0);
+    if (p0 == 0 && p1 == kPairs) {  // the whole tile: straight to the epilogue
+      const int p = t * kTileUnits + warp * 8 + g;
+      if (p < units) {
+        int r0, r1;
+        map(p, r0, r1);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          const int col = 8 * nt + 2 * c;
+          if (col < ncols) epi(col, p, r0, r1, acc[0][nt][0], acc[0][nt][2]);
+          if (col + 1 < ncols) epi(col + 1, p, r0, r1, acc[0][nt][1], acc[0][nt][3]);
+        }
+      }
+    } else {
+      partial_segment<K, NT>(t, i0 == 0, ws, tickets, units, ncols, map, epi, acc, last_flag);
+    }
+  }
+}
+
 // out[b] = W . x[b] for b < n_cols (<= 8 NT) over `units` units; x is already normalised (nq_norm_cols_*).
 // ws: fp32 [2 P][8 NT][kTileUnits][2]; tickets: int [tiles], zero before the launch (and after it).
 template <int K, int NT, class Map, class Epi>
@@ -541,6 +706,10 @@ __device__ __forceinline__ void gemm_tiles(const uint32_t* __restrict__ qw, cons
                                            const uint16_t* __restrict__ x, int units, int n_cols,
                                            float* __restrict__ ws, int* __restrict__ tickets, const Map& map,
                                            const Epi& epi) {
+  if constexpr (kTileWs) {
+    gemm_tiles_ws<K, NT>(qw, sc, x, units, n_cols, ws, tickets, map, epi);
+    return;
+  }
   if constexpr (!kTileContinuous<NT>) {
     gemm_tiles_drained<K, NT>(qw, sc, x, units, n_cols, ws, tickets, map, epi);
     return;

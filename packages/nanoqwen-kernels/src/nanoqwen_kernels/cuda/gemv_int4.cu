@@ -367,11 +367,11 @@ extern "C" __global__ void __launch_bounds__(kThreads) nq_norm_cols_i(
 // The batched tile GEMM (gemm_tiles.cuh; the "tiles" variant of gemv.py, B > 1), up to 8, 16, 32 or 64
 // columns (suffix _tile8 .. _tile64). Arguments: the weights, x [B, K] (already normalised: nq_norm_cols_*),
 // the epilogue's arguments, n_cols = B, the fp32 workspace ws [2 P, COLS, 128, 2] and the tickets [tiles]
-// (int32, zero). Grid: P blocks (gemv.py plan_tiles), kTileThreads threads, dynamic shared memory =
+// (int32, zero). Grid: P blocks (gemv.py plan_tiles), kTileBlockThreads threads, dynamic shared memory =
 // kTileStages x tile_stage_bytes<COLS>().
 // o_proj (K = H) and down_proj (K = I): the same entry but for K
 #define NQ_PLAIN_TILE_ENTRY(NAME, K, COLS)                                                                  \
-  extern "C" __global__ void __launch_bounds__(kTileThreads, 1) nq_##NAME##_tile##COLS(                     \
+  extern "C" __global__ void __launch_bounds__(kTileBlockThreads, 1) nq_##NAME##_tile##COLS(                     \
       const uint32_t* __restrict__ qweight, const uint16_t* __restrict__ scales,                            \
       const uint16_t* __restrict__ x, const uint16_t* residual, uint16_t* out, int n_rows, int n_cols,      \
       float* __restrict__ ws, int* __restrict__ tickets) {                                                  \
@@ -381,7 +381,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) nq_norm_cols_i(
 #define NQ_INT4_TILE_ENTRIES(COLS)                                                                          \
   NQ_PLAIN_TILE_ENTRY(gemv_int4_h, kHidden, COLS)                                                           \
   NQ_PLAIN_TILE_ENTRY(gemv_int4_i, kInter, COLS)                                                            \
-  extern "C" __global__ void __launch_bounds__(kTileThreads, 1) nq_qkv_rope_kv_tile##COLS(                  \
+  extern "C" __global__ void __launch_bounds__(kTileBlockThreads, 1) nq_qkv_rope_kv_tile##COLS(                  \
       const uint32_t* __restrict__ qweight, const uint16_t* __restrict__ scales,                            \
       const uint16_t* __restrict__ x, const uint16_t* __restrict__ bias, const int32_t* __restrict__ pos,   \
       const int32_t* __restrict__ page_table, int max_pages, uint16_t* __restrict__ k_cache,                \
@@ -391,7 +391,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) nq_norm_cols_i(
                                   QkvEpi{bias, pos, page_table, max_pages, k_cache, v_cache, layer,         \
                                          n_pages, q_out});                                                  \
   }                                                                                                         \
-  extern "C" __global__ void __launch_bounds__(kTileThreads, 1) nq_gate_up_silu_tile##COLS(                 \
+  extern "C" __global__ void __launch_bounds__(kTileBlockThreads, 1) nq_gate_up_silu_tile##COLS(                 \
       const uint32_t* __restrict__ qweight, const uint16_t* __restrict__ scales,                            \
       const uint16_t* __restrict__ x, uint16_t* __restrict__ out, int n_cols, float* __restrict__ ws,       \
       int* __restrict__ tickets) {                                                                          \

@@ -32,6 +32,28 @@ __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sy
 // proxy: each writer fences after its writes landed, before the barrier the readers wait on
 __device__ __forceinline__ void fence_proxy_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
+// ---- mbarriers (the warp-specialized tile GEMM's ring: producers' copies -> consumers, and back) --------
+__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count) : "memory");
+}
+// one arrival of this thread (release: its prior shared-memory reads and writes happen before)
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}" ::"r"(smem_u32(bar)) : "memory");
+}
+// an arrival when all of this thread's prior cp.async copies have landed (.noinc: counted in the init count)
+__device__ __forceinline__ void cp_async_mbar_arrive(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_u32(bar)) : "memory");
+}
+// wait (acquire) until the phase of parity `parity` has completed
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred done;\nLAB_WAIT:\n"  // labels are local to the braces' scope
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra LAB_WAIT;\n}" ::"r"(smem_u32(bar)),
+      "r"(parity)
+      : "memory");
+}
+
 // descriptor of a K-major, 128-byte-swizzled B operand starting at shared address `addr` (16-aligned; the
 // atoms 1024-aligned): bits 0-13 addr >> 4, 16-29 LBO >> 4 (unused by this layout: 1), 32-45 SBO >> 4
 // (1024: the next 8 columns), 62-63 layout 1 = 128-byte swizzle
