@@ -87,6 +87,13 @@ constexpr int kXRowChunks = (2 * kGroup + kXPad) / 8;  // 16-byte chunks per sta
 #ifndef NQ_TILE_PRODUCERS
 #define NQ_TILE_PRODUCERS 2
 #endif
+// NQ_TILE_BULK_W (the warp-specialized build; default 1): the weights of a stage as 512 bulk copies of one
+// group-row (64 bytes) each, instead of 2048 cp.async of 16 bytes: the producers issue 4x fewer copies
+// (their issue slots are shared with 4 multiplying warps per scheduler, and the measured time per step
+// fell with every producer warp added: docs/PERF.md)
+#ifndef NQ_TILE_BULK_W
+#define NQ_TILE_BULK_W 1
+#endif
 #ifndef NQ_TILE_WS_STAGES
 #define NQ_TILE_WS_STAGES 8  // at most; fewer where they do not fit kTileSmemCap (gemv.py tile_stages)
 #endif
@@ -354,7 +361,9 @@ __device__ __forceinline__ void multiply_pair_wg(const uint4* w, const uint32_t*
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, c = lane & 3;
   const int u = warp * 8 + g;  // the unit of fragment rows g (its row r0) and g + 8 (its row r1)
-  const uint32_t xs_addr = smem_u32(xs);
+  // the stage's descriptor once; a step's is a constant on (its start address >> 4 is the low field, and a
+  // stage lies far below the field's 256 KB reach, so the add never carries out of it)
+  const uint64_t desc0 = wgmma_desc_sw128(smem_u32(xs));
 #pragma unroll
   for (int gl = 0; gl < 2; ++gl) {
     if (2 * pg + gl >= kG) break;  // block-uniform (an odd group count's last pair)
@@ -385,8 +394,8 @@ __device__ __forceinline__ void multiply_pair_wg(const uint4* w, const uint32_t*
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int st = 8 * gl + 2 * wd + h;  // the k16 step of the pair: atom row st / 4, 32 bytes per step
-        const uint32_t addr = xs_addr + (st >> 2) * (NT * 1024) + (st & 3) * 32;
-        wgmma_rs<NT>(acc[0], f[wd][h][0], f[wd][h][1], f[wd][h][2], f[wd][h][3], wgmma_desc_sw128(addr));
+        const uint64_t desc = desc0 + static_cast<uint64_t>(((st >> 2) * (NT * 1024) + (st & 3) * 32) >> 4);
+        wgmma_rs<NT>(acc[0], f[wd][h][0], f[wd][h][1], f[wd][h][2], f[wd][h][3], desc);
       }
     wgmma_commit();
 #if NQ_TILE_WG_GROUP_WAIT
@@ -627,7 +636,25 @@ __device__ __forceinline__ void gemm_tiles_ws(const uint32_t* __restrict__ qw, c
       uint4* w = base;
       uint32_t* s = reinterpret_cast<uint32_t*>(base + kTileSlots * 8);
       const int g = 2 * pg + gl;
-      if (K % 256 == 0 || g < kG) {
+      if constexpr (NQ_TILE_BULK_W) {
+        // item = (row slot rs, group h of the pair): 64 bytes to half h ^ (rs & 1) of the slot (the odd-slot
+        // swap of the bank layout, as issue_w places 16-byte chunks)
+        constexpr int kItems = 2 * kTileSlots, kPer = kItems / (32 * kP);
+        static_assert(kItems % (32 * kP) == 0, "NQ_TILE_PRODUCERS must divide 16");
+        const bool two = K % 256 == 0 || 2 * pg + 1 < kG;  // an odd group count's last pair has one group
+        // a thread's items all have h = pt & 1 (the stride 32 kP is even): with one group it copies all or none
+        if (two || (pt & 1) == 0) mbar_expect_tx(&full_bar[st], 64u * kPer);
+#pragma unroll 4
+        for (int j = 0; j < kPer; ++j) {
+          const int item = pt + 32 * kP * j, rs = item >> 1, h = item & 1;
+          if (!two && h) continue;
+          const int u = rs % kTileUnits;
+          int r0, r1;
+          map(min(t * kTileUnits + u, units - 1), r0, r1);  // a tail tile recomputes the last unit
+          bulk_copy(w + rs * 8 + 4 * (h ^ (rs & 1)), qw + static_cast<size_t>(rs < kTileUnits ? r0 : r1) * (K / 8) +
+                                                         (2 * pg + h) * 16, 64u, &full_bar[st]);
+        }
+      } else if (K % 256 == 0 || g < kG) {
 #pragma unroll 4
         for (int u = pt >> 3; u < kTileUnits; u += 4 * kP) {
           int r0, r1;
