@@ -127,8 +127,8 @@ TILE_STAGES = 3  # gemm_tiles.cuh NQ_TILE_STAGES default
 TILE_SMEM_CAP = 220 * 1024  # gemm_tiles.cuh kTileSmemCap
 TILE_X_ROW_CHUNKS = (2 * GROUP + X_PAD) // 8  # kXRowChunks
 TILE_WGMMA = 0  # gemm_tiles.cuh NQ_TILE_WGMMA default
-TILE_WS = 0  # gemm_tiles.cuh NQ_TILE_WS default
-TILE_PRODUCERS = 2  # gemm_tiles.cuh NQ_TILE_PRODUCERS default
+TILE_WS = 1  # gemm_tiles.cuh NQ_TILE_WS default
+TILE_PRODUCERS = 4  # gemm_tiles.cuh NQ_TILE_PRODUCERS default
 TILE_WS_STAGES = 8  # gemm_tiles.cuh NQ_TILE_WS_STAGES default
 # Work items (256-k steps of a tile) per block at least: a small matrix (o_proj, q/k/v) then runs on fewer
 # blocks with fewer contributors per tile for the last block to add up. $NANOQWEN_TILE_MIN_ITEMS overrides

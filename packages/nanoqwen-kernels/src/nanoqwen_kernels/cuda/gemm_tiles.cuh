@@ -75,7 +75,7 @@ constexpr int kXRowChunks = (2 * kGroup + kXPad) / 8;  // 16-byte chunks per sta
 // (mma.sync or wgmma) nor a deeper ring moved it: every warp issued its share of the copies, then waited
 // at the barrier for the slowest, then multiplied (docs/PERF.md).
 #ifndef NQ_TILE_WS
-#define NQ_TILE_WS 0
+#define NQ_TILE_WS 1
 #endif
 // NQ_TILE_WG_GROUP_WAIT: the wgmma multiply waits for each group's 8 wgmmas before dequantizing the next
 // group, so one group's A fragments (32 registers) are live, not two. Default: on in the warp-specialized
@@ -85,14 +85,7 @@ constexpr int kXRowChunks = (2 * kGroup + kXPad) / 8;  // 16-byte chunks per sta
 #define NQ_TILE_WG_GROUP_WAIT NQ_TILE_WS
 #endif
 #ifndef NQ_TILE_PRODUCERS
-#define NQ_TILE_PRODUCERS 2
-#endif
-// NQ_TILE_BULK_W (the warp-specialized build; default 1): the weights of a stage as 512 bulk copies of one
-// group-row (64 bytes) each, instead of 2048 cp.async of 16 bytes: the producers issue 4x fewer copies
-// (their issue slots are shared with 4 multiplying warps per scheduler, and the measured time per step
-// fell with every producer warp added: docs/PERF.md)
-#ifndef NQ_TILE_BULK_W
-#define NQ_TILE_BULK_W 1
+#define NQ_TILE_PRODUCERS 4
 #endif
 #ifndef NQ_TILE_WS_STAGES
 #define NQ_TILE_WS_STAGES 8  // at most; fewer where they do not fit kTileSmemCap (gemv.py tile_stages)
@@ -636,25 +629,7 @@ __device__ __forceinline__ void gemm_tiles_ws(const uint32_t* __restrict__ qw, c
       uint4* w = base;
       uint32_t* s = reinterpret_cast<uint32_t*>(base + kTileSlots * 8);
       const int g = 2 * pg + gl;
-      if constexpr (NQ_TILE_BULK_W) {
-        // item = (row slot rs, group h of the pair): 64 bytes to half h ^ (rs & 1) of the slot (the odd-slot
-        // swap of the bank layout, as issue_w places 16-byte chunks)
-        constexpr int kItems = 2 * kTileSlots, kPer = kItems / (32 * kP);
-        static_assert(kItems % (32 * kP) == 0, "NQ_TILE_PRODUCERS must divide 16");
-        const bool two = K % 256 == 0 || 2 * pg + 1 < kG;  // an odd group count's last pair has one group
-        // a thread's items all have h = pt & 1 (the stride 32 kP is even): with one group it copies all or none
-        if (two || (pt & 1) == 0) mbar_expect_tx(&full_bar[st], 64u * kPer);
-#pragma unroll 4
-        for (int j = 0; j < kPer; ++j) {
-          const int item = pt + 32 * kP * j, rs = item >> 1, h = item & 1;
-          if (!two && h) continue;
-          const int u = rs % kTileUnits;
-          int r0, r1;
-          map(min(t * kTileUnits + u, units - 1), r0, r1);  // a tail tile recomputes the last unit
-          bulk_copy(w + rs * 8 + 4 * (h ^ (rs & 1)), qw + static_cast<size_t>(rs < kTileUnits ? r0 : r1) * (K / 8) +
-                                                         (2 * pg + h) * 16, 64u, &full_bar[st]);
-        }
-      } else if (K % 256 == 0 || g < kG) {
+      if (K % 256 == 0 || g < kG) {
 #pragma unroll 4
         for (int u = pt >> 3; u < kTileUnits; u += 4 * kP) {
           int r0, r1;
