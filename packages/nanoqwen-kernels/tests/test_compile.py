@@ -80,17 +80,20 @@ def test_gemv_int4_sass(dims_name):
     assert set(funcs) == gemvs | helpers | tiles
     for name in tiles:
         body = funcs[name]
-        # weights, scales and x reach shared memory by cp.async (weights with the L2::256B hint), and the
-        # products are tensor-core mmas over the prmt-unpacked words
+        cols = int(name.rsplit("_tile", 1)[1])
+        # the warp-specialized ring (gemm_tiles.cuh NQ_TILE_WS, the default): weights, scales and x reach
+        # shared memory by cp.async (weights with the L2::256B hint) whose completion arrives on the stage's
+        # mbarrier, consumers wait on it; the products are warpgroup MMAs m64 x cols x 16 with A from the
+        # prmt-unpacked words
         assert "LDGSTS.E.BYPASS.LTC256B.128" in body, f"{name}: expected cp.async weight copies with L2::256B"
-        assert "HMMA.16816.F32" in body and body.count("PRMT") >= 16, f"{name}: expected the mma core"
-        # no spills in the loop below 64 columns (at 64, 512 threads x 128 registers spill a few words
-        # around the epilogue; the q/k/v entries keep sincosf's local array, see below). At 32 columns
-        # ptxas keeps one word of the segment epilogue's state in local memory (one store before the
-        # loop, one load per segment end): at most 2 of each, never one per step
-        if not name.startswith("nq_qkv_rope_kv") and not name.endswith("_tile64"):
+        assert "ARRIVES.LDGSTSBAR" in body and "SYNCS.PHASECHK" in body, f"{name}: expected the mbarrier ring"
+        assert f"HGMMA.64x{cols}x16.F32" in body and body.count("PRMT") >= 16, f"{name}: expected the wgmma core"
+        # ptxas did not serialize the wgmmas (a wait after each: it does when A registers run short)
+        assert body.count("WARPGROUP.DEPBAR") <= 4, f"{name}: serialized wgmmas"
+        # no spills (the q/k/v entries keep sincosf's local array, see below)
+        if not name.startswith("nq_qkv_rope_kv"):
             spills = body.count("STL ") + body.count("LDL ")
-            assert spills <= 4, f"{name}: local-memory spill ({spills} instructions)"
+            assert spills == 0, f"{name}: local-memory spill ({spills} instructions)"
     for name in helpers:
         assert "STL" not in funcs[name] and "LDL" not in funcs[name], f"{name}: local-memory spill"
     for name, body in ((n, funcs[n]) for n in gemvs):
@@ -141,17 +144,22 @@ _GLOBAL_MEM = re.compile(r"\b(LDG|STG|LDGSTS|ATOMG|ATOM|RED|REDG|ST|LD|UBLKCP|UT
 
 
 def _check_waits(funcs: dict[str, str]) -> None:
+    from nanoqwen_kernels.gemv import tile_ws
+
+    tile_ws = tile_ws()
     assert funcs
     for name, body in funcs.items():
         wait = body.find("ACQBULK")
         assert wait >= 0, f"{name}: no griddepcontrol.wait"
         early = _GLOBAL_MEM.findall(body[:wait])
-        if name.endswith(("_tile8", "_tile32")):
-            # the tile GEMM's continuous builds (8 and 32 columns) issue the cp.async copies of their first
-            # stage's weights before the wait (gemm_tiles.cuh, NQ_TILE_EARLY_W): weights are never written
-            # during a step. Only those: no plain load, store or atomic (x, the outputs, the tickets) before it
+        if name.endswith(("_tile8", "_tile32")) or (tile_ws and "_tile" in name):
+            # the tile GEMM's continuous builds (8 and 32 columns; every width of the warp-specialized ring,
+            # whose producers run the continuous ring) issue the cp.async copies of their first stage's
+            # weights before the wait (gemm_tiles.cuh): weights are never written during a step. Only
+            # those: no plain load, store or atomic (x, the outputs, the tickets) before it
             early = [op for op in early if op != "LDGSTS"]
-            assert "LDGSTS" in _GLOBAL_MEM.findall(body[:wait]), f"{name}: expected early weight copies"
+            if not tile_ws:  # (the warp-specialized entries may lay out the consumers' wait first)
+                assert "LDGSTS" in _GLOBAL_MEM.findall(body[:wait]), f"{name}: expected early weight copies"
         assert not early, f"{name}: global memory access before griddepcontrol.wait: {early[:4]}"
 
 
@@ -192,8 +200,9 @@ def test_tile_issue_knobs_shrink_the_step(knobs, shrink, same, monkeypatch):
     fewer instructions per 256-k step. NQ_TILE_X_ALL_COLS: the idle columns' x zeroed once instead of a
     select per load (32 and 64 columns; 8 and 16 unchanged). NQ_TILE_STATIC_ISSUE: the copy issue's bounds
     at compile time. Every entry still waits before it touches global memory."""
+    monkeypatch.setenv("NANOQWEN_KERNEL_DEFINES", "NQ_TILE_WS=0")  # the mma.sync barrier ring they apply to
     base = _functions(_sass("gemv_int4.cu", QWEN25_7B))
-    monkeypatch.setenv("NANOQWEN_KERNEL_DEFINES", knobs)
+    monkeypatch.setenv("NANOQWEN_KERNEL_DEFINES", "NQ_TILE_WS=0," + knobs)
     knob = _functions(_sass("gemv_int4.cu", QWEN25_7B))
     _check_waits(knob)
     for kind in ("nq_gate_up_silu", "nq_gemv_int4_h", "nq_gemv_int4_i", "nq_qkv_rope_kv"):

@@ -9,7 +9,7 @@ segments wrote, no slot is written twice in one launch, and the plan does not de
 
 import pytest
 from nanoqwen_kernels.dims import PRESETS
-from nanoqwen_kernels.gemv import TILE_UNITS, plan_tiles, tile_smem
+from nanoqwen_kernels.gemv import TILE_UNITS, plan_tiles, tile_smem, tile_stages
 
 
 def stripe_of(j: int, items: int, p: int) -> int:
@@ -80,11 +80,18 @@ def test_plan_is_a_function_of_the_matrix_only():
     assert a.tiles == 14 and a.pairs == 74 and a.blocks == 132
 
 
-def test_shared_memory_fits_one_block_per_sm():
-    """Three stages of 256 rows x 256 k of INT4 + their scales + x of 64 columns stay under Hopper's
-    227 KB per block (with the kernel's ~1 KB of static shared memory)."""
-    assert tile_smem(64) + 1040 <= 227 * 1024
-    assert tile_smem(8) < tile_smem(16) < tile_smem(32) < tile_smem(64)
+@pytest.mark.parametrize("knobs", ["", "NQ_TILE_WS=0", "NQ_TILE_WS=0,NQ_TILE_WGMMA=1"])
+def test_shared_memory_fits_one_block_per_sm(knobs, monkeypatch):
+    """Every build's ring (stages of 256 rows x 256 k of INT4 + their scales + x of its columns, and the
+    wgmma builds' 1 KB of alignment) stays under Hopper's 227 KB per block with the kernel's static shared
+    memory (~1 KB: the ticket flag and the mbarriers), at 2 stages or more; the barrier ring has 3 stages
+    at every width, the warp-specialized one as many as fit (5 / 5 / 4 / 3)."""
+    monkeypatch.setenv("NANOQWEN_KERNEL_DEFINES", knobs)
+    for c in (8, 16, 32, 64):
+        assert tile_smem(c) + 1040 <= 227 * 1024
+        assert tile_stages(c) >= 2
+    want = [5, 5, 4, 3] if not knobs else [3, 3, 3, 3]
+    assert [tile_stages(c) for c in (8, 16, 32, 64)] == want
 
 
 @pytest.mark.parametrize("value,blocks", [("", 98), ("2", 98), ("4", 49), ("200", 1)])

@@ -40,9 +40,10 @@ def test_gemv_int4_batched_launch(launches, b, entry, passes):
 
 @pytest.mark.parametrize("b, build", [(2, 8), (8, 8), (9, 16), (17, 32), (33, 64), (64, 64)])
 def test_default_batched_launch_is_the_tile_gemm(launches, monkeypatch, b, build):
-    """The default variant: B > 1 on the smallest tile build that holds B, P blocks of 512 threads from
-    plan_tiles (a function of the matrix only), dynamic shared memory for that build."""
-    from nanoqwen_kernels.gemv import TILE_THREADS, plan_tiles, tile_smem
+    """The default variant: B > 1 on the smallest tile build that holds B, P blocks from plan_tiles (a
+    function of the matrix only) of 512 multiplying threads + 4 producer warps (the warp-specialized ring),
+    dynamic shared memory for that build."""
+    from nanoqwen_kernels.gemv import TILE_PRODUCERS, TILE_THREADS, plan_tiles, tile_smem
 
     d = QWEN25_7B
     g = GemvKernels(d, load)
@@ -53,7 +54,8 @@ def test_default_batched_launch_is_the_tile_gemm(launches, monkeypatch, b, build
         (fn, grid, block, shared_mem)))
     g.gemv_int4(qw, sc, dev((b, d.intermediate), np.float16), res, residual=res)
     fn, grid, block, smem = got[-1]
-    assert fn == f"nq_gemv_int4_i_tile{build}" and block == TILE_THREADS and smem == tile_smem(build)
+    assert fn == f"nq_gemv_int4_i_tile{build}" and block == TILE_THREADS + 32 * TILE_PRODUCERS == 640
+    assert smem == tile_smem(build)
     assert grid == plan_tiles(d.intermediate, d.hidden // 2, 132).blocks
 
 
@@ -263,8 +265,12 @@ def test_tile_knobs_size_the_launch(launches, monkeypatch):
     memory; a build whose stages would not fit the cap gets fewer (gemm_tiles.cuh tile_stages)."""
     from nanoqwen_kernels import gemv
 
+    assert gemv.tile_threads() == gemv.TILE_THREADS + 32 * gemv.TILE_PRODUCERS
+    monkeypatch.setenv("NANOQWEN_KERNEL_DEFINES", "NQ_TILE_WS=1,NQ_TILE_PRODUCERS=2,NQ_TILE_WS_STAGES=4")
+    assert gemv.tile_threads() == 576 and [gemv.tile_stages(c) for c in (8, 16, 32, 64)] == [4, 4, 4, 3]
+    monkeypatch.setenv("NANOQWEN_KERNEL_DEFINES", "NQ_TILE_WS=0")
     assert gemv.tile_threads() == gemv.TILE_THREADS and gemv.tile_stages(64) == gemv.TILE_STAGES
-    monkeypatch.setenv("NANOQWEN_KERNEL_DEFINES", "NQ_TILE_WARPS=8,NQ_TILE_STAGES=4")
+    monkeypatch.setenv("NANOQWEN_KERNEL_DEFINES", "NQ_TILE_WS=0,NQ_TILE_WARPS=8,NQ_TILE_STAGES=4")
     assert gemv.tile_threads() == 256
     assert [gemv.tile_stages(c) for c in (8, 16, 32, 64)] == [4, 4, 4, 3]
     assert all(gemv.tile_smem(c) <= gemv.TILE_SMEM_CAP for c in (8, 16, 32, 64))
