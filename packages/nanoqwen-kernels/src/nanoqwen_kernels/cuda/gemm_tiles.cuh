@@ -7,7 +7,11 @@
 // 256 rows (a "tile": 128 units of 2 rows) and walks K; every 256-k step it stages 256 x 128 B of weights
 // and B x 512 B of x, so x costs B / 64 of the weight bytes (half of them at B = 32) and both stream.
 //
-// Pipeline (one block per SM, 8 warps): a ring of kStages shared-memory stages filled by cp.async, each
+// The default build (NQ_TILE_WS, gemm_tiles_ws below): 16 warps multiply on warpgroup MMAs (wgmma.cuh,
+// multiply_pair_wg) and 4 producer warps issue every copy, the stages handed over by mbarriers; the rest of
+// this comment describes what both builds share (tiles, stages, stripes, fragments) and the barrier ring of
+// the mma.sync build (NQ_TILE_WS=0), which the warp-specialized one replaced (docs/PERF.md "sixth lease").
+// Pipeline (one block per SM): a ring of kStages shared-memory stages filled by cp.async, each
 // stage = one "pair" of 128-k groups of the tile:
 //     W   [256 row slots][128 B]   INT4 words of groups 2pg, 2pg+1; row slot rs = rr * 128 + u holds row
 //                                 r0 (rr = 0) or r1 (rr = 1) of unit u (the Map names them)
