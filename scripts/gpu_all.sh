@@ -18,8 +18,7 @@
 # (scripts/decode_breakdown.py: the decode step's time per kernel family vs its byte floor, batch 1 at
 # context 640, then batch 32 at context 384), peer (scripts/peer_transformers.py: HF transformers bf16
 # eager, same shape and protocol; needs torch), real (the real 1.5B: conversion, tier, bench), serve,
-# llamacpp (llama.cpp on the real 1.5B only), and, not in the default set, tileknobs (the tile GEMM's
-# prepared knobs: GPU tests under them and their A/B) and peers (issue 18: nanoqwen beside
+# llamacpp (llama.cpp on the real 1.5B only), and, not in the default set, peers (issue 18: nanoqwen beside
 # llama.cpp and transformers on the 7B-shaped model and the real 1.5B, the same shapes on both sides, and
 # scripts/peer_tables.py's markdown tables; after `peer_llamacpp.sh build` and `prep7b` earlier in the
 # lease: GPU_ALL_SECTIONS="info model7b peers"). Each section runs under its own
@@ -92,6 +91,8 @@ else:
 fi
 PYTEST="$PY -m pytest -q -m gpu -p no:cacheprovider -rfEs"
 want kernels && run kernels 200 $PYTEST packages/nanoqwen-kernels/tests
+# which x element each tile-GEMM output read (scripts/tile_probe.py: a layout bug shows as a pattern)
+want kernels && run tile_probe 60 $PY scripts/tile_probe.py
 want engine && run engine 60 $PYTEST packages/nanoqwen-engine/tests
 # GPU_ALL_LADDER_K: a pytest -k expression to run part of the ladder (e.g. "not 7b")
 want ladder && run ladder 240 $PYTEST -s ${GPU_ALL_LADDER_K:+-k "$GPU_ALL_LADDER_K"} tests/test_ladder_layer.py \
@@ -162,32 +163,6 @@ fi
 # The tile GEMM's prepared knobs (docs/PERF.md "Prepared for the next lease"; default off): the tile-GEMM GPU
 # tests under both knobs, then scripts/ab_kernels.sh on the 7B (decode at depth 0, bench_batch 1 / 8 / 32 /
 # 64) for the default, each knob and both; its table is in the section's log (records in $WORK/logs/ab-tile).
-# Not in the default set: GPU_ALL_SECTIONS="info model7b tileknobs".
-if want tileknobs; then
-  run tileknobs_tests 240 env NANOQWEN_KERNEL_DEFINES=NQ_TILE_STATIC_ISSUE=1,NQ_TILE_X_ALL_COLS=1 \
-    $PYTEST packages/nanoqwen-kernels/tests/test_gemv_gpu.py
-  run tileknobs_ab 420 env AB_DIR="$WORK/logs/ab-tile" AB_P512=0 AB_BATCH=1,8,32,64 bash scripts/ab_kernels.sh \
-    "$NANOQWEN_LADDER_7B" "ref||" "static|NQ_TILE_STATIC_ISSUE=1|" "xall|NQ_TILE_X_ALL_COLS=1|" \
-    "both|NQ_TILE_STATIC_ISSUE=1,NQ_TILE_X_ALL_COLS=1|"
-fi
-# The tile GEMM on warpgroup MMAs (NQ_TILE_WGMMA, gemm_tiles.cuh; not in the default set): the layout probe,
-# the GEMV tests under it and the kernel timings both ways ("wgmma"); the engine's tests under it and the
-# engine A/B on the 7B ("wgmma_ab").
-WG="NANOQWEN_KERNEL_DEFINES=NQ_TILE_WGMMA=1${GPU_ALL_WG_EXTRA:+,$GPU_ALL_WG_EXTRA}"
-if want wgmma; then
-  run wgmma_compile 240 env "$WG" $PY packages/nanoqwen-kernels/bench/precompile.py 7b 1.5b tiny -j 15
-  run wgmma_probe 120 env "$WG" $PY scripts/tile_probe.py
-  run wgmma_tests 300 env "$WG" $PYTEST packages/nanoqwen-kernels/tests/test_gemv_gpu.py
-  run wgmma_kbench_ref 180 $PY packages/nanoqwen-kernels/bench/bench_gemv.py --batch 8,16,32,64 --variant tiles \
-    --no-peer
-  run wgmma_kbench 180 env "$WG" $PY packages/nanoqwen-kernels/bench/bench_gemv.py --batch 8,16,32,64 \
-    --variant tiles --no-peer
-fi
-if want wgmma_ab; then
-  run wgmma_engine 120 env "$WG" $PYTEST packages/nanoqwen-engine/tests
-  run wgmma_ab 420 env AB_DIR="$WORK/logs/ab-wgmma" AB_P512=0 AB_BATCH=1,8,32,64 bash scripts/ab_kernels.sh \
-    "$NANOQWEN_LADDER_7B" "ref||" "wg|${WG#NANOQWEN_KERNEL_DEFINES=}|"
-fi
 # The per-step breakdown by kernel family (batch 1, and batch 32: where a batched step's time goes), and the
 # transformers peer in the same call.
 if want breakdown; then

@@ -81,7 +81,7 @@ def test_gemv_int4_sass(dims_name):
     for name in tiles:
         body = funcs[name]
         cols = int(name.rsplit("_tile", 1)[1])
-        # the warp-specialized ring (gemm_tiles.cuh NQ_TILE_WS, the default): weights, scales and x reach
+        # the warp-specialized ring (gemm_tiles.cuh): weights, scales and x reach
         # shared memory by cp.async (weights with the L2::256B hint) whose completion arrives on the stage's
         # mbarrier, consumers wait on it; the products are warpgroup MMAs m64 x cols x 16 with A from the
         # prmt-unpacked words
@@ -144,22 +144,16 @@ _GLOBAL_MEM = re.compile(r"\b(LDG|STG|LDGSTS|ATOMG|ATOM|RED|REDG|ST|LD|UBLKCP|UT
 
 
 def _check_waits(funcs: dict[str, str]) -> None:
-    from nanoqwen_kernels.gemv import tile_ws
-
-    tile_ws = tile_ws()
     assert funcs
     for name, body in funcs.items():
         wait = body.find("ACQBULK")
         assert wait >= 0, f"{name}: no griddepcontrol.wait"
         early = _GLOBAL_MEM.findall(body[:wait])
-        if name.endswith(("_tile8", "_tile32")) or (tile_ws and "_tile" in name):
-            # the tile GEMM's continuous builds (8 and 32 columns; every width of the warp-specialized ring,
-            # whose producers run the continuous ring) issue the cp.async copies of their first stage's
-            # weights before the wait (gemm_tiles.cuh): weights are never written during a step. Only
-            # those: no plain load, store or atomic (x, the outputs, the tickets) before it
+        if "_tile" in name:
+            # the tile GEMM's producer warps issue the cp.async copies of the first stage's weights before
+            # the wait (gemm_tiles.cuh): weights are never written during a step. Only those: no plain load,
+            # store or atomic (x, the outputs, the tickets) before it
             early = [op for op in early if op != "LDGSTS"]
-            if not tile_ws:  # (the warp-specialized entries may lay out the consumers' wait first)
-                assert "LDGSTS" in _GLOBAL_MEM.findall(body[:wait]), f"{name}: expected early weight copies"
         assert not early, f"{name}: global memory access before griddepcontrol.wait: {early[:4]}"
 
 
@@ -169,48 +163,3 @@ def test_every_kernel_waits_for_its_predecessor_before_touching_memory(source):
     before the previous kernel's writes are visible: each entry must wait (griddepcontrol.wait = ACQBULK)
     before any global load, store or atomic."""
     _check_waits(_functions(_sass(source, QWEN25_7B)))
-
-
-def _mma_loop(body: str) -> list[str]:
-    """The instructions of the innermost loop (a backward branch's range) that holds the mmas: a tile
-    GEMM's 256-k step."""
-    ins = []
-    for line in body.splitlines():
-        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line)
-        if m:
-            ins.append((int(m.group(1), 16), m.group(2)))
-    loops = []
-    for addr, text in ins:
-        target = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
-        if target and int(target.group(1), 16) < addr:
-            body_ins = [t for a, t in ins if int(target.group(1), 16) <= a <= addr]
-            if any("HMMA" in t for t in body_ins):
-                loops.append(body_ins)
-    assert loops, "no loop with mmas"
-    return min(loops, key=len)
-
-
-@pytest.mark.parametrize("knobs,shrink,same", [
-    ("NQ_TILE_X_ALL_COLS=1", (32, 64), (8, 16)),
-    ("NQ_TILE_STATIC_ISSUE=1", (8, 16, 32, 64), ()),
-    ("NQ_TILE_STATIC_ISSUE=1,NQ_TILE_X_ALL_COLS=1", (8, 16, 32, 64), ()),
-])
-def test_tile_issue_knobs_shrink_the_step(knobs, shrink, same, monkeypatch):
-    """The tile GEMM's A/B knobs (gemm_tiles.cuh; not yet run on a GPU), each the same copies and mmas in
-    fewer instructions per 256-k step. NQ_TILE_X_ALL_COLS: the idle columns' x zeroed once instead of a
-    select per load (32 and 64 columns; 8 and 16 unchanged). NQ_TILE_STATIC_ISSUE: the copy issue's bounds
-    at compile time. Every entry still waits before it touches global memory."""
-    monkeypatch.setenv("NANOQWEN_KERNEL_DEFINES", "NQ_TILE_WS=0")  # the mma.sync barrier ring they apply to
-    base = _functions(_sass("gemv_int4.cu", QWEN25_7B))
-    monkeypatch.setenv("NANOQWEN_KERNEL_DEFINES", "NQ_TILE_WS=0," + knobs)
-    knob = _functions(_sass("gemv_int4.cu", QWEN25_7B))
-    _check_waits(knob)
-    for kind in ("nq_gate_up_silu", "nq_gemv_int4_h", "nq_gemv_int4_i", "nq_qkv_rope_kv"):
-        for c in shrink:
-            name = f"{kind}_tile{c}"
-            step, step0 = _mma_loop(knob[name]), _mma_loop(base[name])
-            assert len(step) < len(step0), f"{name}: {len(step)} instructions per step, {len(step0)} without"
-            assert sum("HMMA" in t for t in step) == sum("HMMA" in t for t in step0), name
-        for c in same:
-            name = f"{kind}_tile{c}"
-            assert _mma_loop(knob[name]) == _mma_loop(base[name]), f"{name}: changed"

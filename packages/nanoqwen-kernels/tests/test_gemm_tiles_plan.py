@@ -80,18 +80,16 @@ def test_plan_is_a_function_of_the_matrix_only():
     assert a.tiles == 14 and a.pairs == 74 and a.blocks == 132
 
 
-@pytest.mark.parametrize("knobs", ["", "NQ_TILE_WS=0", "NQ_TILE_WS=0,NQ_TILE_WGMMA=1"])
-def test_shared_memory_fits_one_block_per_sm(knobs, monkeypatch):
-    """Every build's ring (stages of 256 rows x 256 k of INT4 + their scales + x of its columns, and the
-    wgmma builds' 1 KB of alignment) stays under Hopper's 227 KB per block with the kernel's static shared
-    memory (~1 KB: the ticket flag and the mbarriers), at 2 stages or more; the barrier ring has 3 stages
-    at every width, the warp-specialized one as many as fit (5 / 5 / 4 / 3)."""
+@pytest.mark.parametrize("knobs,stages", [("", [5, 5, 4, 3]), ("NQ_TILE_STAGES=4", [4, 4, 4, 3]),
+                                          ("NQ_TILE_STAGES=2", [2, 2, 2, 2])])
+def test_shared_memory_fits_one_block_per_sm(knobs, stages, monkeypatch):
+    """Every build's ring (stages of 256 rows x 256 k of INT4 + their scales + x of its columns, and 1 KB to
+    align it) stays under Hopper's 227 KB per block with the kernel's static shared memory (~1 KB: the
+    ticket flag and the mbarriers): as many stages as fit, up to NQ_TILE_STAGES (default 8)."""
     monkeypatch.setenv("NANOQWEN_KERNEL_DEFINES", knobs)
+    assert [tile_stages(c) for c in (8, 16, 32, 64)] == stages
     for c in (8, 16, 32, 64):
         assert tile_smem(c) + 1040 <= 227 * 1024
-        assert tile_stages(c) >= 2
-    want = [5, 5, 4, 3] if not knobs else [3, 3, 3, 3]
-    assert [tile_stages(c) for c in (8, 16, 32, 64)] == want
 
 
 @pytest.mark.parametrize("value,blocks", [("", 98), ("2", 98), ("4", 49), ("200", 1)])

@@ -261,16 +261,13 @@ def test_gemv_plan_invariants(k, tiles):
 
 
 def test_tile_knobs_size_the_launch(launches, monkeypatch):
-    """NQ_TILE_WARPS / NQ_TILE_STAGES ($NANOQWEN_KERNEL_DEFINES) reach the launch's block and shared
+    """NQ_TILE_PRODUCERS / NQ_TILE_STAGES ($NANOQWEN_KERNEL_DEFINES) reach the launch's block and shared
     memory; a build whose stages would not fit the cap gets fewer (gemm_tiles.cuh tile_stages)."""
     from nanoqwen_kernels import gemv
 
-    assert gemv.tile_threads() == gemv.TILE_THREADS + 32 * gemv.TILE_PRODUCERS
-    monkeypatch.setenv("NANOQWEN_KERNEL_DEFINES", "NQ_TILE_WS=1,NQ_TILE_PRODUCERS=2,NQ_TILE_WS_STAGES=4")
-    assert gemv.tile_threads() == 576 and [gemv.tile_stages(c) for c in (8, 16, 32, 64)] == [4, 4, 4, 3]
-    monkeypatch.setenv("NANOQWEN_KERNEL_DEFINES", "NQ_TILE_WS=0")
-    assert gemv.tile_threads() == gemv.TILE_THREADS and gemv.tile_stages(64) == gemv.TILE_STAGES
-    monkeypatch.setenv("NANOQWEN_KERNEL_DEFINES", "NQ_TILE_WS=0,NQ_TILE_WARPS=8,NQ_TILE_STAGES=4")
-    assert gemv.tile_threads() == 256
+    assert gemv.tile_threads() == gemv.TILE_THREADS + 32 * gemv.TILE_PRODUCERS == 640
+    assert [gemv.tile_stages(c) for c in (8, 16, 32, 64)] == [5, 5, 4, 3]
+    monkeypatch.setenv("NANOQWEN_KERNEL_DEFINES", "NQ_TILE_PRODUCERS=2,NQ_TILE_STAGES=4")
+    assert gemv.tile_threads() == 576
     assert [gemv.tile_stages(c) for c in (8, 16, 32, 64)] == [4, 4, 4, 3]
     assert all(gemv.tile_smem(c) <= gemv.TILE_SMEM_CAP for c in (8, 16, 32, 64))

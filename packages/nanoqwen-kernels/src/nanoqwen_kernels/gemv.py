@@ -122,14 +122,11 @@ def plan_gemv(b: int, k: int, n_tiles: int, sm_count: int) -> GemvPlan:
 # ---- the tile GEMM (gemm_tiles.cuh) ---------------------------------------------------------------------
 TILE_BUILDS = (8, 16, 32, 64)  # columns of its entries (suffix _tile8 .. _tile64); B <= 64
 TILE_UNITS = 128  # units (2 rows) per tile: 16 warps x 1 m16 tile x 8 units
-TILE_THREADS = 512  # gemm_tiles.cuh kTileThreads (NQ_TILE_WARPS = 16, the default)
-TILE_STAGES = 3  # gemm_tiles.cuh NQ_TILE_STAGES default
+TILE_THREADS = 512  # gemm_tiles.cuh kTileThreads: the 16 consumer warps
+TILE_PRODUCERS = 4  # gemm_tiles.cuh NQ_TILE_PRODUCERS default: the copy warps beside them
+TILE_STAGES = 8  # gemm_tiles.cuh NQ_TILE_STAGES default (at most; fewer where they do not fit the cap)
 TILE_SMEM_CAP = 220 * 1024  # gemm_tiles.cuh kTileSmemCap
-TILE_X_ROW_CHUNKS = (2 * GROUP + X_PAD) // 8  # kXRowChunks
-TILE_WGMMA = 0  # gemm_tiles.cuh NQ_TILE_WGMMA default
-TILE_WS = 1  # gemm_tiles.cuh NQ_TILE_WS default
-TILE_PRODUCERS = 4  # gemm_tiles.cuh NQ_TILE_PRODUCERS default
-TILE_WS_STAGES = 8  # gemm_tiles.cuh NQ_TILE_WS_STAGES default
+TILE_SMEM_ALIGN = 1024  # gemm_tiles.cuh kTileSmemAlignPad: the ring aligned for x's swizzle atoms
 # Work items (256-k steps of a tile) per block at least: a small matrix (o_proj, q/k/v) then runs on fewer
 # blocks with fewer contributors per tile for the last block to add up. $NANOQWEN_TILE_MIN_ITEMS overrides
 # it (an A/B knob: it changes P, hence the order partial sums are added in, for every B alike)
@@ -146,45 +143,27 @@ def tile_min_items() -> int:
     return int(raw)
 
 
-def tile_ws() -> bool:
-    """Whether the tile GEMM runs its warp-specialized ring (gemm_tiles.cuh NQ_TILE_WS, default TILE_WS; a
-    $NANOQWEN_KERNEL_DEFINES knob): NQ_TILE_PRODUCERS copy warps beside the 16 multiplying ones."""
-    return bool(extra_defines().get("NQ_TILE_WS", TILE_WS))
-
-
 def tile_threads() -> int:
-    """Threads of a tile GEMM block (gemm_tiles.cuh kTileBlockThreads): 32 x NQ_TILE_WARPS (a
-    $NANOQWEN_KERNEL_DEFINES knob, default 16), plus 32 x NQ_TILE_PRODUCERS in the warp-specialized build."""
-    producers = extra_defines().get("NQ_TILE_PRODUCERS", TILE_PRODUCERS) if tile_ws() else 0
-    return 32 * (extra_defines().get("NQ_TILE_WARPS", TILE_THREADS // 32) + producers)
+    """Threads of a tile GEMM block (gemm_tiles.cuh kTileBlockThreads): the 16 consumer warps and
+    NQ_TILE_PRODUCERS producer warps (a $NANOQWEN_KERNEL_DEFINES knob, default TILE_PRODUCERS)."""
+    return TILE_THREADS + 32 * extra_defines().get("NQ_TILE_PRODUCERS", TILE_PRODUCERS)
 
 
 def tile_stages(cols: int) -> int:
-    """Ring stages of the build for `cols` columns (gemm_tiles.cuh tile_stages): NQ_TILE_STAGES (default 3;
-    NQ_TILE_WS_STAGES, default 8, in the warp-specialized build), fewer where they would not fit
-    TILE_SMEM_CAP."""
-    want = (extra_defines().get("NQ_TILE_WS_STAGES", TILE_WS_STAGES) if tile_ws()
-            else extra_defines().get("NQ_TILE_STAGES", TILE_STAGES))
-    return min(want, TILE_SMEM_CAP // _tile_stage_bytes(cols))
-
-
-def tile_wgmma() -> bool:
-    """Whether the tile GEMM multiplies on warpgroup MMAs (gemm_tiles.cuh NQ_TILE_WGMMA, default TILE_WGMMA;
-    a $NANOQWEN_KERNEL_DEFINES knob; the warp-specialized build always does). Its x stages have no pad and
-    the ring is aligned to 1024 bytes."""
-    return bool(extra_defines().get("NQ_TILE_WGMMA", TILE_WGMMA)) or tile_ws()
+    """Ring stages of the build for `cols` columns (gemm_tiles.cuh tile_stages): NQ_TILE_STAGES (default
+    TILE_STAGES), fewer where they would not fit TILE_SMEM_CAP (5 / 5 / 4 / 3 at 8 / 16 / 32 / 64)."""
+    return min(extra_defines().get("NQ_TILE_STAGES", TILE_STAGES), TILE_SMEM_CAP // _tile_stage_bytes(cols))
 
 
 def _tile_stage_bytes(cols: int) -> int:
     slots = 2 * TILE_UNITS
-    x_bytes = cols * 2 * 2 * GROUP if tile_wgmma() else cols * TILE_X_ROW_CHUNKS * 16
-    return slots * 128 + slots * 4 + x_bytes
+    return slots * 128 + slots * 4 + cols * 2 * 2 * GROUP  # weights, scales, x of a 256-k pair
 
 
 def tile_smem(cols: int) -> int:
-    """Dynamic shared memory of the tile GEMM built for `cols` columns (gemm_tiles.cuh tile_stage_bytes,
-    and kTileSmemAlignPad for the wgmma build)."""
-    return tile_stages(cols) * _tile_stage_bytes(cols) + (1024 if tile_wgmma() else 0)
+    """Dynamic shared memory of the tile GEMM built for `cols` columns (gemm_tiles.cuh tile_stage_bytes
+    x stages, and kTileSmemAlignPad)."""
+    return tile_stages(cols) * _tile_stage_bytes(cols) + TILE_SMEM_ALIGN
 
 
 @dataclass(frozen=True)

@@ -132,7 +132,7 @@ def _get_cubin(prog: int) -> bytes:
 
 def extra_defines() -> dict[str, int]:
     """$NANOQWEN_KERNEL_DEFINES ("NAME=INT,NAME=INT"): tuning knobs added to every build, for A/B runs
-    (e.g. NQ_TILE_WARPS=8, NQ_GEMV_STAGE_PIECES=2). They enter the options, hence the cache key."""
+    (e.g. NQ_TILE_PRODUCERS=2, NQ_GEMV_STAGE_PIECES=2). They enter the options, hence the cache key."""
     out: dict[str, int] = {}
     for item in filter(None, (s.strip() for s in os.environ.get("NANOQWEN_KERNEL_DEFINES", "").split(","))):
         name, sep, value = item.partition("=")

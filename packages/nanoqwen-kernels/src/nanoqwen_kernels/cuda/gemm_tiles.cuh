@@ -7,29 +7,32 @@
 // 256 rows (a "tile": 128 units of 2 rows) and walks K; every 256-k step it stages 256 x 128 B of weights
 // and B x 512 B of x, so x costs B / 64 of the weight bytes (half of them at B = 32) and both stream.
 //
-// The default build (NQ_TILE_WS, gemm_tiles_ws below): 16 warps multiply on warpgroup MMAs (wgmma.cuh,
-// multiply_pair_wg) and 4 producer warps issue every copy, the stages handed over by mbarriers; the rest of
-// this comment describes what both builds share (tiles, stages, stripes, fragments) and the barrier ring of
-// the mma.sync build (NQ_TILE_WS=0), which the warp-specialized one replaced (docs/PERF.md "sixth lease").
-// Pipeline (one block per SM): a ring of kStages shared-memory stages filled by cp.async, each
-// stage = one "pair" of 128-k groups of the tile:
+// Warp specialization (one block per SM, 16 + NQ_TILE_PRODUCERS warps): the producer warps (16 ..) issue
+// every copy into a ring of kStages shared-memory stages; the 16 consumer warps only multiply. The stages
+// are handed over by mbarriers: full[s] completes when the producers' cp.async copies of stage s have
+// landed (cp.async.mbarrier.arrive, one arrival per producer thread), empty[s] when each consumer warp has
+// finished with it (its wgmmas waited for). No barrier spans the block after the start: the producers run
+// up to kStages steps ahead, straight through the consumers' epilogues and partial-sum reductions, and
+// the consumers never wait for each other between steps. Why (docs/PERF.md "sixth lease"): the previous
+// ring, every warp copying its share, then one block barrier per step, then every warp multiplying, spent
+// ~2.3 us per 256-k step at 8 columns where the step's weights need ~1.1 us, whatever the multiply (mma.sync
+// or wgmma) or the ring's depth; with the copies in producer warps a step got faster with each producer
+// warp added (their issue slots are shared with 4 consumer warps per scheduler), 4 being the most that
+// leaves the consumers their registers. tests/test_gemm_tiles_ring.py emulates the hand-over.
+// A stage = one "pair" of 128-k groups of the tile (1024-aligned, the ring aligned by tile_ring_base):
 //     W   [256 row slots][128 B]   INT4 words of groups 2pg, 2pg+1; row slot rs = rr * 128 + u holds row
 //                                 r0 (rr = 0) or r1 (rr = 1) of unit u (the Map names them)
 //     S   [256 row slots][2] fp16  their scales (one 4-byte copy per row: groups 2pg, 2pg+1 are adjacent)
-//     X   [B][256 + 16] fp16       x[b][256 pg ..], 16-byte chunks swizzled as gemv_mma.cuh's xs_slot
-//   stage i + kStages - 1 is issued while stage i is multiplied; the barrier at the top of each step is
-//   both "stage i landed" (after cp.async.wait_group) and "stage i - 1 is no longer read" (its slot is
-//   the one refilled). Two rings (kTileContinuous picks per build, by measurement): the continuous one
-//   runs across the block's segments and issues stage 0's weights before pdl_wait; the drained one
-//   refills from empty at each segment.
+//     X   [B / 8][4][1024 B]      x of the pair in wgmma's B layout (issue_x_wg): 128-byte-swizzled atoms
 //   Bank layout of W: lane (g, c) reads 16 B of unit u = ... + g at chunk 4 gl + c; units g and g + 1 of a
 //   quarter-warp are 128 B apart (the same banks), so an odd row slot stores its two 64-byte halves
 //   swapped (chunk j at j ^ 4): the quarter-warp then covers all 32 banks once.
 //
-// Fragments: warp w owns units 16 w .. 16 w + 15 of the tile as two m16 tiles (m = 0, 1: units
-//   16 w + 8 m + g); per group, per 8-k word: A = 4 half2 of rows r0 / r1 (unpack8, exact), B = x of
-//   columns 8 nt + g (the lane's 16 B); the k order inside an mma is a permutation A and B share, as in
-//   gemv_mma.cuh. A holds q * scale (fp16, one rounding); the mmas accumulate in fp32 (multiply_pair).
+// Fragments: warp w owns units 8 w .. 8 w + 7 of the tile as one m16 tile (fragment rows g and g + 8 =
+//   rows r0 and r1 of unit 8 w + g); warps 4 i .. 4 i + 3 form warpgroup i, whose wgmma m64 x (8 NT) x 16
+//   takes the 4 warps' m16 fragments as A (registers) and x as B (shared memory, wgmma.cuh). Per group,
+//   per 8-k word: 4 half2 of rows r0 / r1 (unpack8, exact) times the group's fp16 scale, the k order inside
+//   a wgmma a permutation A and the staged x share (issue_x_wg); the wgmmas accumulate in fp32.
 //
 // Stripes (Marlin's load balance): the work items are (tile, pair), tile-major, W_items = tiles x pairs.
 //   Block b of P (gridDim.x) takes items [b W / P, (b + 1) W / P): the tail of one tile, whole tiles, the
@@ -39,119 +42,55 @@
 //   epilogue, then resets the ticket for the next launch. P depends on the matrix only (gemv.py
 //   plan_tiles), not on B, so a column's sums are added in the same order at every batch size.
 //
-// Tested: tests/test_gemv_gpu.py (every entry against numpy, B = 2 .. 64, 7B / 1.5B / tiny shapes);
-//   tests/test_gemm_tiles_plan.py emulates the stripes and the reduction's bookkeeping on the CPU.
+// Tested: tests/test_gemv_gpu.py (every entry against numpy, B = 1 .. 64, 7B / 1.5B / tiny shapes);
+//   tests/test_gemm_tiles_plan.py emulates the stripes and the reduction's bookkeeping on the CPU,
+//   tests/test_wgmma_tile_mapping.py the x layout and the wgmma data flow, tests/test_gemm_tiles_ring.py
+//   the mbarrier hand-over; scripts/tile_probe.py shows on a GPU which x element each output read.
 #pragma once
-#include "mma.cuh"
 #include "wgmma.cuh"
 
 namespace nq {
 
-#ifndef NQ_TILE_WARPS
-#define NQ_TILE_WARPS 16  // 16 warps x 1 m16 tile, or 8 x 2 (measured: docs/PERF.md)
-#endif
-constexpr int kTileWarps = NQ_TILE_WARPS;          // warps per block
+constexpr int kTileWarps = 16;                      // consumer warps per block: one m16 tile each
 constexpr int kTileThreads = 32 * kTileWarps;
-constexpr int kTileMT = 128 / (8 * kTileWarps);     // m16 tiles per warp
+constexpr int kTileMT = 1;                          // m16 tiles per warp
 constexpr int kTileUnits = kTileWarps * 8 * kTileMT;  // 128 units = 256 rows per tile
 static_assert(kTileUnits == 128, "the tile is 128 units (gemv.py TILE_UNITS)");
-constexpr int kCopyRows = kTileThreads / 8;         // row slots one pass of the block's 16-byte copies covers
 constexpr int kTileSlots = 2 * kTileUnits;         // row slots per stage
-constexpr int kXRowChunks = (2 * kGroup + kXPad) / 8;  // 16-byte chunks per staged x row (34)
-
-// NQ_TILE_WGMMA (A/B knob; gemv.py tile_wgmma mirrors it): the multiply on warpgroup MMAs (wgmma.cuh)
-// instead of mma.sync. A warpgroup's 4 warps hold their 64 rows' dequantized weights as wgmma's register A
-// (the same fragments mma.sync took), and the tensor cores read x from shared memory themselves: no x
-// fragment loads, and one instruction per k16 step for all the columns instead of 4 x NT per warpgroup
-// (the SASS count of the mma.sync step at 64 columns, 1194 instructions per warp per 256-k step, was
-// 64 x-fragment loads and 128 mmas for 16 rows' 4096 weights). x is staged in wgmma's layout (issue_x_wg).
-#ifndef NQ_TILE_WGMMA
-#define NQ_TILE_WGMMA 0
-#endif
-// NQ_TILE_WS (A/B knob; gemv.py tile_ws mirrors it; implies the wgmma multiply): the warp-specialized ring.
-// NQ_TILE_PRODUCERS extra warps (warps 16 ..) issue every copy (weights, scales, x) and the 16 warps of the
-// wgmma build only multiply. Stages are handed over by mbarriers instead of a block-wide barrier per step:
-// full[s] completes when the producers' copies of stage s have landed (cp.async.mbarrier.arrive), empty[s]
-// when the 16 consumer warps have read it (their wgmmas waited for). The producers run up to the ring's depth
-// ahead, through the consumers' epilogues and partial-sum reductions; the consumers never wait for each
-// other between steps. Why: the barrier ring measured ~2.3 us per 256-k step at 8 columns where its
-// 32 KB of weights need ~1.1 us at an SM's share of the copy rate, and neither the multiply's flavour
-// (mma.sync or wgmma) nor a deeper ring moved it: every warp issued its share of the copies, then waited
-// at the barrier for the slowest, then multiplied (docs/PERF.md).
-#ifndef NQ_TILE_WS
-#define NQ_TILE_WS 1
-#endif
-// NQ_TILE_WG_GROUP_WAIT: the wgmma multiply waits for each group's 8 wgmmas before dequantizing the next
-// group, so one group's A fragments (32 registers) are live, not two. Default: on in the warp-specialized
-// build, whose 16 + NQ_TILE_PRODUCERS warps leave ptxas ~96 registers a thread; with both groups' fragments
-// live it serialized every wgmma (ptxas C7511/C7512: a wait after each one) from 16 columns up.
-#ifndef NQ_TILE_WG_GROUP_WAIT
-#define NQ_TILE_WG_GROUP_WAIT NQ_TILE_WS
-#endif
+// Producer warps (gemv.py TILE_PRODUCERS): step time at 1 / 2 / 4 of them (7B step GEMVs at B = 8:
+// 3.17 / 2.67 / 2.46 ms, docs/PERF.md); at 6 or 8 the 768-thread block leaves 80 registers a thread and
+// the consumers spill
 #ifndef NQ_TILE_PRODUCERS
 #define NQ_TILE_PRODUCERS 4
 #endif
-#ifndef NQ_TILE_WS_STAGES
-#define NQ_TILE_WS_STAGES 8  // at most; fewer where they do not fit kTileSmemCap (gemv.py tile_stages)
-#endif
-constexpr bool kTileWs = NQ_TILE_WS != 0;
-constexpr bool kTileWg = NQ_TILE_WGMMA != 0 || kTileWs;
-constexpr int kTileProducers = kTileWs ? NQ_TILE_PRODUCERS : 0;
+constexpr int kTileProducers = NQ_TILE_PRODUCERS;
 constexpr int kTileBlockThreads = kTileThreads + 32 * kTileProducers;  // the launch's block size
-static_assert(!kTileWg || kTileMT == 1, "the wgmma build takes one m16 tile per warp (NQ_TILE_WARPS = 16)");
-// the wgmma build aligns the ring to 1024 bytes (the swizzle atoms of x) inside its dynamic shared memory:
-// the launcher allocates this much more
-constexpr int kTileSmemAlignPad = kTileWg ? 1024 : 0;
+// the ring is aligned to 1024 bytes (the swizzle atoms of x) inside the dynamic shared memory: the
+// launcher allocates this much more
+constexpr int kTileSmemAlignPad = 1024;
 
 // bytes of one stage for kCols columns (the launcher sizes dynamic shared memory with the same formula):
-// weights, scales, then x (padded rows for mma.sync; 1024-byte atoms for wgmma, so every stage is
-// 1024-aligned: 256 x 132 bytes is 33 x 1024)
+// weights, scales, then x in 1024-byte atoms, so every stage is 1024-aligned (256 x 132 bytes is 33 x 1024)
 template <int kCols>
 __host__ __device__ constexpr int tile_stage_bytes() {
-  return kTileSlots * 128 + kTileSlots * 4 + (kTileWg ? kCols * 2 * 2 * kGroup : kCols * kXRowChunks * 16);
+  return kTileSlots * 128 + kTileSlots * 4 + kCols * 2 * 2 * kGroup;
 }
-// Ring depth: NQ_TILE_STAGES (default 3: 2 stages, 64 KB of weights, in flight), fewer where the stages of
-// a wide build would not fit kTileSmemCap (gemv.py tile_stages mirrors this)
+// Ring depth: NQ_TILE_STAGES (default 8) where they fit kTileSmemCap, else as many as fit (5 / 5 / 4 / 3 at
+// 8 / 16 / 32 / 64 columns; gemv.py tile_stages mirrors this)
 #ifndef NQ_TILE_STAGES
-#define NQ_TILE_STAGES 3
+#define NQ_TILE_STAGES 8
 #endif
 constexpr int kTileSmemCap = 220 * 1024;
-// NQ_TILE_X_ALL_COLS (A/B knob, default 0; not yet run on a GPU): the x rows of the columns past the batch
-// (ncols .. kCols - 1) are zeroed once per launch in every stage (zero_idle_cols) and multiply_pair loads
-// x unconditionally, instead of selecting zeros per load. An mma's output column depends on its own B
-// column only, so the used columns get the same bits either way. What changes is the step loop's length
-// (SASS of the 7B gate/up build, instructions per warp per 256-k step): 32 columns 805 -> 743, 64 columns
-// 1194 -> 881; at 8 and 16 columns it grew, so the knob applies from 32 columns (kTileXAllCols).
-#ifndef NQ_TILE_X_ALL_COLS
-#define NQ_TILE_X_ALL_COLS 0
-#endif
-// NQ_TILE_STATIC_ISSUE (A/B knob, default 0; not yet run on a GPU): the copy issue's bounds known at compile
-// time: the x copies in a loop of kCols * 32 / 512 rounds (not a loop over the runtime ncols), and no group
-// or chunk bounds check where K is a multiple of 256 (every real shape). The same copies either way.
-#ifndef NQ_TILE_STATIC_ISSUE
-#define NQ_TILE_STATIC_ISSUE 0
-#endif
-// Stage 0's weights issued before pdl_wait (1, default) or after it (0), in the continuous builds (below)
-#ifndef NQ_TILE_EARLY_W
-#define NQ_TILE_EARLY_W 1
-#endif
 template <int kCols>
 __host__ __device__ constexpr int tile_stages() {
-  return (kTileWs ? NQ_TILE_WS_STAGES : NQ_TILE_STAGES) < kTileSmemCap / tile_stage_bytes<kCols>()
-             ? (kTileWs ? NQ_TILE_WS_STAGES : NQ_TILE_STAGES)
-             : kTileSmemCap / tile_stage_bytes<kCols>();
+  return NQ_TILE_STAGES < kTileSmemCap / tile_stage_bytes<kCols>() ? NQ_TILE_STAGES
+                                                                    : kTileSmemCap / tile_stage_bytes<kCols>();
 }
-constexpr int kTileMaxStages = 8;  // the mbarrier arrays of the warp-specialized ring
-static_assert(!kTileWs || NQ_TILE_WS_STAGES <= kTileMaxStages, "NQ_TILE_WS_STAGES: at most 8");
+constexpr int kTileMaxStages = 8;  // the mbarrier arrays
+static_assert(NQ_TILE_STAGES <= kTileMaxStages, "NQ_TILE_STAGES: at most 8");
 
-// A barrier among the 16 multiplying warps only (named barrier 1) where producer warps run beside them
-// (NQ_TILE_WS); the whole block otherwise
-__device__ __forceinline__ void tile_consumer_sync() {
-  if constexpr (kTileWs)
-    asm volatile("bar.sync 1, %0;" ::"n"(kTileThreads) : "memory");
-  else
-    __syncthreads();
-}
+// A barrier among the 16 consumer warps only (named barrier 1: the producers run beside them)
+__device__ __forceinline__ void tile_consumer_sync() { asm volatile("bar.sync 1, %0;" ::"n"(kTileThreads) : "memory"); }
 
 // the block that owns work item j when W items are cut into P stripes (the largest b with b W / P <= j)
 __device__ __forceinline__ int stripe_of(long long j, long long w_items, int p) {
@@ -159,75 +98,13 @@ __device__ __forceinline__ int stripe_of(long long j, long long w_items, int p) 
 }
 __device__ __forceinline__ long long stripe_lo(int b, long long w_items, int p) { return b * w_items / p; }
 
-// The ring's start in dynamic shared memory: as it comes, or (the wgmma build) rounded up to 1024 bytes,
-// inside the kTileSmemAlignPad the launcher added
+// The ring's start in dynamic shared memory, rounded up to 1024 bytes inside the kTileSmemAlignPad the
+// launcher added
 __device__ __forceinline__ uint4* tile_ring_base(uint4* raw) {
-  if constexpr (!kTileWg) return raw;
   return raw + ((1024u - (smem_u32(raw) & 1023u)) & 1023u) / 16;
 }
 
-// Issue the weight copies of pair pg of the tile into stage buffers w (INT4 words) and s (scales).
-// rows[j]: the row of slot (tid >> 3) + kCopyRows j; srow: the row of slot tid (its scales; threads past
-// the 256 slots copy none). Weights are never written during a step, so these may be issued before
-// pdl_wait (see gemm_tiles).
-template <int K>
-__device__ __forceinline__ void issue_w(const uint32_t* __restrict__ qw, const uint16_t* __restrict__ sc, int pg,
-                                        const int (&rows)[kTileSlots / kCopyRows], int srow, uint4* w, uint32_t* s) {
-  constexpr int kG = K / kGroup;
-  const int tid = threadIdx.x;
-  const int chunk = tid & 7, gl = chunk >> 2, c = chunk & 3;
-  const int g = 2 * pg + gl;
-  if ((NQ_TILE_STATIC_ISSUE && kG % 2 == 0) || g < kG) {  // even kG: every pair holds two groups
-#pragma unroll
-    for (int j = 0; j < kTileSlots / kCopyRows; ++j) {
-      const int rs = (tid >> 3) + kCopyRows * j;
-      cp_async16_l2_256(w + rs * 8 + (chunk ^ ((rs & 1) << 2)),
-                        qw + static_cast<size_t>(rows[j]) * (K / 8) + g * 16 + c * 4);
-    }
-  }
-  if (tid >= kTileSlots) {
-  } else if constexpr (kG % 2 == 0) {  // groups 2pg, 2pg+1 of a row: 4 aligned bytes
-    cp_async4(s + tid, sc + static_cast<size_t>(srow) * kG + 2 * pg);
-  } else {  // odd group count (small test shapes only): plain loads, the last pair has one group
-    const uint16_t* p = sc + static_cast<size_t>(srow) * kG + 2 * pg;
-    const uint32_t lo = p[0], hi = (2 * pg + 1 < kG) ? p[1] : 0u;
-    s[tid] = lo | (hi << 16);
-  }
-}
-
-// Issue the activation copies of pair pg (x of every column, k = 256 pg ..) into stage buffer xs. x is
-// the previous kernel's output: only after pdl_wait.
-template <int K, int kCols>
-__device__ __forceinline__ void issue_x(const uint16_t* __restrict__ x, int ncols, int pg, uint4* xs) {
-#if NQ_TILE_STATIC_ISSUE
-  // a trip count known at compile time (ncols <= kCols), and no bounds check where K is whole pairs
-  constexpr int kRounds = (kCols * 32 + kTileThreads - 1) / kTileThreads;
-#pragma unroll
-  for (int r = 0; r < kRounds; ++r) {
-    const int i = threadIdx.x + r * kTileThreads;
-    if (i >= ncols * 32) break;
-    const int b = i >> 5, j = i & 31;
-    const int k = 256 * pg + 8 * j;
-    uint4* dst = xs + b * kXRowChunks + xs_slot(j);
-    if (K % 256 == 0 || k < K)
-      cp_async16(dst, x + static_cast<size_t>(b) * K + k);
-    else
-      *dst = make_uint4(0u, 0u, 0u, 0u);
-  }
-  return;
-#endif
-  for (int i = threadIdx.x; i < ncols * 32; i += kTileThreads) {
-    const int b = i >> 5, j = i & 31;
-    const int k = 256 * pg + 8 * j;
-    uint4* dst = xs + b * kXRowChunks + xs_slot(j);
-    if (k < K)
-      cp_async16(dst, x + static_cast<size_t>(b) * K + k);
-    else
-      *dst = make_uint4(0u, 0u, 0u, 0u);  // past K (an odd group count's last pair): never multiplied
-  }
-}
-
-// The wgmma build's activation copies of pair pg: x of every column, placed as wgmma's B operand
+// The activation copies of pair pg: x of every column, placed as wgmma's B operand
 // (wgmma.cuh) in the k order of the A fragments. Lane c of a quad holds the weights of words
 // 32 c + 8 w .. + 7 of a group (w = 0..3, one 16-byte chunk per lane, as mma.sync had them) and gives
 // the two k16 steps s = 2 w, 2 w + 1 of the group its half2 pairs: step 2 w + h takes k = 32 c + 8 w +
@@ -237,9 +114,10 @@ __device__ __forceinline__ void issue_x(const uint16_t* __restrict__ x, int ncol
 // 2 (s % 4) + j (j = 0: slots 0..7, 1: slots 8..15), 4-byte slot c of it. Launch shape of the copies:
 // one warp per (column, 4 steps of a group), lane = 8 c + q with q the (unswizzled) chunk: the 32 lanes
 // write 32 different banks (chunk q ^ (n % 8), slot c) and read 4 runs of 32 bytes of x.
+// Issued by the producer warps: warp `warp` of `warps` takes items warp, warp + warps, ..
 template <int K, int kCols>
-__device__ __forceinline__ void issue_x_wg(const uint16_t* __restrict__ x, int ncols, int pg, uint4* xs,
-                                           int warp = threadIdx.x >> 5, int warps = kTileWarps) {
+__device__ __forceinline__ void issue_x_wg(const uint16_t* __restrict__ x, int ncols, int pg, uint4* xs, int warp,
+                                           int warps) {
   const int lane = threadIdx.x & 31;
   const int c = lane >> 3, q = lane & 7;  // q = 2 (s % 4) + j: w % 2 = q >> 2, h = (q >> 1) & 1, j = q & 1
   char* base = reinterpret_cast<char*>(xs);
@@ -251,108 +129,17 @@ __device__ __forceinline__ void issue_x_wg(const uint16_t* __restrict__ x, int n
   }
 }
 
-// Zero the x rows of columns ncols .. kCols - 1 in every stage, once per launch (NQ_TILE_X_ALL_COLS):
-// issue_x never writes them, so they stay zero for every step. Shared memory only: may run before pdl_wait.
-template <int NT>
-constexpr bool kTileXAllCols = NQ_TILE_X_ALL_COLS && NT >= 4;  // at 8 and 16 columns the SASS grew (+12, +32)
-
-template <int kCols, int kStages, int kStageChunks>
-__device__ __forceinline__ void zero_idle_cols(uint4* smem, int ncols) {
-  if constexpr (kTileWg || !kTileXAllCols<kCols / 8>) return;
-  const int idle = (kCols - ncols) * kXRowChunks;
-  for (int st = 0; st < kStages; ++st) {
-    uint4* xs = smem + st * kStageChunks + kTileSlots * 8 + kTileSlots / 4;
-    for (int i = threadIdx.x; i < idle; i += kTileThreads) xs[ncols * kXRowChunks + i] = make_uint4(0u, 0u, 0u, 0u);
-  }
-}
-
-// Multiply one staged pair into acc (the warp's two m16 tiles x NT n-tiles).
-// Scales: each unpacked weight is multiplied by its group's fp16 scale (one hmul2 per half2: q * s in one
-// rounding, q exact) and the mmas accumulate straight into acc in fp32. The alternative, a fresh fp32
-// d = A B per group then acc += d * s, needs another 4 x MT x NT registers (spills at 64 columns) and as
-// many FFMAs; q * s in fp16 is still finer than the half2 loop's fp16 partial sums (tests/test_gemv_gpu.py
-// holds every build to the same tolerance).
-// No early exit over n-tiles past the batch (the build is the smallest of 8/16/32/64 columns that holds
-// B; those columns multiply zeros): a data-dependent branch between the mmas made ptxas emit each
-// accumulator's two mmas back to back, every second one waiting out the first's latency (4x slower at
-// B = 64, measured). Unbranched, the 2 x MT x NT independent accumulators interleave.
+// Multiply one staged pair into acc: per group, the warp dequantizes its 16 rows' 128 k (unpack8, exact q,
+// then q * scale in fp16: one rounding; the wgmmas accumulate in fp32) into the A fragments of 8 k16
+// steps, then its warpgroup issues them as 8 wgmmas over all the columns at once (x read from the stage by
+// the tensor cores, issue_x_wg's layout). Each group waits for its own wgmmas before the next group's
+// fragments are written: with both groups' fragments live (64 registers) ptxas ran out of registers at
+// 640 threads and serialized every wgmma (ptxas C7511/C7512, a wait after each one) from 16 columns up.
+// The final wait is also what lets the ring refill this stage (its x read) and the epilogue read acc.
+// acc is zeroed at a segment's start by plain moves: the fence before each group's wgmmas orders those
+// writes too.
 template <int K, int NT>
-__device__ __forceinline__ void multiply_pair_wg(const uint4* w, const uint32_t* s, const uint4* xs, int pg,
-                                                 float (&acc)[kTileMT][NT][4]);
-template <int K, int NT>
-__device__ __forceinline__ void multiply_pair(const uint4* w, const uint32_t* s, const uint4* xs, int ncols, int pg,
-                                              float (&acc)[kTileMT][NT][4]) {
-  if constexpr (kTileWg) {
-    multiply_pair_wg<K, NT>(w, s, xs, pg, acc);
-    return;
-  }
-  constexpr int kG = K / kGroup;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int g = lane >> 2, c = lane & 3;
-#pragma unroll
-  for (int gl = 0; gl < 2; ++gl) {
-    if (2 * pg + gl >= kG) break;  // block-uniform (an odd group count's last pair)
-    uint4 wa[kTileMT], wb[kTileMT];
-    uint32_t sa[kTileMT], sb[kTileMT];  // half2 (scale, scale) of rows r0 / r1
-#pragma unroll
-    for (int m = 0; m < kTileMT; ++m) {
-      const int u = warp * 8 * kTileMT + 8 * m + g;
-      const int ch = (4 * gl + c) ^ ((u & 1) << 2);  // rows u and kTileUnits + u have u's parity
-      wa[m] = w[u * 8 + ch];
-      wb[m] = w[(kTileUnits + u) * 8 + ch];
-      const uint32_t s0 = s[u], s1 = s[kTileUnits + u];
-      const uint32_t h0 = gl ? s0 >> 16 : s0 & 0xffffu, h1 = gl ? s1 >> 16 : s1 & 0xffffu;
-      sa[m] = h0 | (h0 << 16);
-      sb[m] = h1 | (h1 << 16);
-    }
-#pragma unroll
-    for (int wd = 0; wd < 4; ++wd) {
-      uint4 xv[NT];
-      const int slot = xs_slot(gl * 16 + 4 * c + wd);
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        const int col = 8 * nt + g;
-        if constexpr (kTileXAllCols<NT>)
-          xv[nt] = xs[col * kXRowChunks + slot];  // columns >= ncols hold zeros (zero_idle_cols)
-        else
-          xv[nt] = col < ncols ? xs[col * kXRowChunks + slot] : make_uint4(0u, 0u, 0u, 0u);
-      }
-      uint32_t q0[kTileMT][4], q1[kTileMT][4];
-#pragma unroll
-      for (int m = 0; m < kTileMT; ++m) {
-        const uint32_t a[4] = {wa[m].x, wa[m].y, wa[m].z, wa[m].w};
-        const uint32_t b[4] = {wb[m].x, wb[m].y, wb[m].z, wb[m].w};
-        unpack8(a[wd], q0[m]);
-        unpack8(b[wd], q1[m]);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          q0[m][i] = hmul2(q0[m][i], sa[m]);
-          q1[m][i] = hmul2(q1[m][i], sb[m]);
-        }
-      }
-      // A regs {r0, r1, r0, r1}: half2 0 in k-slots 2c, 2c+1, half2 1 in slots 2c+8, 2c+9
-#pragma unroll
-      for (int m = 0; m < kTileMT; ++m)
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-          mma16816(acc[m][nt], q0[m][0], q1[m][0], q0[m][1], q1[m][1], xv[nt].x, xv[nt].y);
-#pragma unroll
-      for (int m = 0; m < kTileMT; ++m)
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-          mma16816(acc[m][nt], q0[m][2], q1[m][2], q0[m][3], q1[m][3], xv[nt].z, xv[nt].w);
-    }
-  }
-}
-
-// The wgmma build's multiply of one staged pair: per group, the warp dequantizes its 16 rows' 128 k (the
-// same unpack8 and scale as multiply_pair) into the A fragments of 8 k16 steps, then its warpgroup issues
-// them as 8 wgmmas over all the columns at once (x read from the stage by the tensor cores, issue_x_wg's
-// layout). Group 1's dequantization overlaps group 0's wgmmas; the wait at the end is what lets the ring
-// refill this stage (its x read) and the epilogue read acc. acc is zeroed at a segment's start by plain
-// moves: the fence before each group's first wgmma orders those writes too.
-template <int K, int NT>
-__device__ __forceinline__ void multiply_pair_wg(const uint4* w, const uint32_t* s, const uint4* xs, int pg,
+__device__ __forceinline__ void multiply_pair(const uint4* w, const uint32_t* s, const uint4* xs, int pg,
                                                  float (&acc)[kTileMT][NT][4]) {
   constexpr int kG = K / kGroup;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -395,9 +182,7 @@ __device__ __forceinline__ void multiply_pair_wg(const uint4* w, const uint32_t*
         wgmma_rs<NT>(acc[0], f[wd][h][0], f[wd][h][1], f[wd][h][2], f[wd][h][3], desc);
       }
     wgmma_commit();
-#if NQ_TILE_WG_GROUP_WAIT
     wgmma_wait<0>();  // this group's A registers free again before the next group's are written
-#endif
   }
   wgmma_wait<0>();
 }
@@ -475,126 +260,16 @@ __device__ __forceinline__ void partial_segment(int t, bool first, float* __rest
   if (tid == 0) tickets[t] = 0;  // ready for the next launch (no other block touches it in this one)
 }
 
-// Which builds run the continuous ring (gemm_tiles) and which the drained one (gemm_tiles_drained): chosen
-// by measurement (H200, docs/PERF.md "2026-11-30, fifth lease"). 8 and 32 columns: -3 to -12% per
-// GEMM. 64 columns: the registers are at the cap of 512 threads (128) and every reshaping of the loop
-// tried (the continuous ring, early weights, shared segment helpers) moved spills into it: +5-7% on
-// gate/up and down. 16 columns: ptxas split the x fragment loads of the reshaped loop and kept 70 registers
-// where the drained loop keeps 121: +10% on gate/up and down at B = 16.
-template <int NT>
-constexpr bool kTileContinuous = kTileWg || NT == 1 || NT == 4;  // the wgmma build: every width (its own loop)
-
-// The drained ring: the tile GEMM as first written (the ring drained at each segment's end, copy rows
-// cached per segment, nothing issued before pdl_wait), kept for the builds above. Its whole-tile epilogue
-// and declarations repeat gemm_tiles' on purpose: factoring them into a shared helper changed the SASS
-// of the 32- and 64-column builds (3552 -> 3608 instructions at 64), and this code is what was measured.
-template <int K, int NT, class Map, class Epi>
-__device__ __forceinline__ void gemm_tiles_drained(const uint32_t* __restrict__ qw, const uint16_t* __restrict__ sc,
-                                           const uint16_t* __restrict__ x, int units, int n_cols,
-                                           float* __restrict__ ws, int* __restrict__ tickets, const Map& map,
-                                           const Epi& epi) {
-  constexpr int kCols = 8 * NT;
-  constexpr int kPairs = (K / kGroup + 1) / 2;
-  extern __shared__ uint4 smem_raw[];
-  uint4* const smem = tile_ring_base(smem_raw);
-  __shared__ int last_flag;
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int g = lane >> 2, c = lane & 3;
-  const int ncols = n_cols;
-  const int p_blocks = gridDim.x, blk = blockIdx.x;
-  const int tiles = (units + kTileUnits - 1) / kTileUnits;
-  const long long w_items = static_cast<long long>(tiles) * kPairs;
-  const long long lo = stripe_lo(blk, w_items, p_blocks), hi = stripe_lo(blk + 1, w_items, p_blocks);
-  constexpr int kStageChunks = tile_stage_bytes<kCols>() / 16;
-  constexpr int kTileStages = tile_stages<kCols>();
-  static_assert(kTileStages >= 2, "the ring needs two stages");
-  zero_idle_cols<kCols, kTileStages, kStageChunks>(smem, ncols);
-
-  pdl_wait();  // launch overlap (common.cuh): nothing read or written before the previous kernel ends
-
-  for (long long j = lo; j < hi;) {  // block-uniform loop over this block's segments
-    const int t = static_cast<int>(j / kPairs);
-    const int p0 = static_cast<int>(j - static_cast<long long>(t) * kPairs);
-    const int p1 = static_cast<int>(min(static_cast<long long>(kPairs), p0 + (hi - j)));
-    const bool first = j == lo;
-    j += p1 - p0;
-    // this thread's copy duties in the tile: rows of slots (tid >> 3) + kCopyRows j and of slot tid
-    int rows[kTileSlots / kCopyRows], srow;
-#pragma unroll
-    for (int q = 0; q < kTileSlots / kCopyRows; ++q) {
-      const int rs = (tid >> 3) + kCopyRows * q;
-      int r0, r1;
-      map(min(t * kTileUnits + (rs % kTileUnits), units - 1), r0, r1);  // a tail tile recomputes the last
-      rows[q] = rs < kTileUnits ? r0 : r1;                              // unit; only real units written
-    }
-    {
-      int r0, r1;
-      map(min(t * kTileUnits + (tid % kTileUnits), units - 1), r0, r1);
-      srow = (tid % kTileSlots) < kTileUnits ? r0 : r1;
-    }
-    auto stage = [&](int i) { return smem + (i % kTileStages) * kStageChunks; };
-    auto issue = [&](int i) {
-      uint4* base = stage(i);
-      issue_w<K>(qw, sc, p0 + i, rows, srow, base, reinterpret_cast<uint32_t*>(base + kTileSlots * 8));
-      if constexpr (kTileWg)
-        issue_x_wg<K, kCols>(x, ncols, p0 + i, base + kTileSlots * 8 + kTileSlots / 4);
-      else
-        issue_x<K, kCols>(x, ncols, p0 + i, base + kTileSlots * 8 + kTileSlots / 4);
-    };
-    const int n = p1 - p0;
-#pragma unroll
-    for (int i = 0; i < kTileStages - 1; ++i) {
-      if (i < n) issue(i);
-      cp_async_commit();  // possibly empty: every thread commits the same number of groups
-    }
-    float acc[kTileMT][NT][4];
-#pragma unroll
-    for (int m = 0; m < kTileMT; ++m)
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) acc[m][nt][0] = acc[m][nt][1] = acc[m][nt][2] = acc[m][nt][3] = 0.f;
-    for (int i = 0; i < n; ++i) {
-      cp_async_wait<kTileStages - 2>();
-      if constexpr (kTileWg) fence_proxy_async_smem();  // this thread's x copies, seen by the wgmmas
-      __syncthreads();  // stage i landed for every thread's copies; stage i - 1's slot is free
-      if (i + kTileStages - 1 < n) issue(i + kTileStages - 1);
-      cp_async_commit();
-      const uint4* base = stage(i);
-      multiply_pair<K, NT>(base, reinterpret_cast<const uint32_t*>(base + kTileSlots * 8),
-                           base + kTileSlots * 8 + kTileSlots / 4, ncols, p0 + i, acc);
-    }
-    cp_async_wait<0>();
-    __syncthreads();  // every warp done with the ring before the next segment refills it
-
-    if (p0 == 0 && p1 == kPairs) {  // the whole tile: straight to the epilogue
-#pragma unroll
-      for (int m = 0; m < kTileMT; ++m) {
-        const int p = t * kTileUnits + warp * 8 * kTileMT + 8 * m + g;
-        if (p >= units) continue;
-        int r0, r1;
-        map(p, r0, r1);
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          const int col = 8 * nt + 2 * c;
-          if (col < ncols) epi(col, p, r0, r1, acc[m][nt][0], acc[m][nt][2]);
-          if (col + 1 < ncols) epi(col + 1, p, r0, r1, acc[m][nt][1], acc[m][nt][3]);
-        }
-      }
-      continue;
-    }
-    partial_segment<K, NT>(t, first, ws, tickets, units, ncols, map, epi, acc, last_flag);
-  }
-}
-
-// The warp-specialized tile GEMM (NQ_TILE_WS): the same stripes, stages, multiply (wgmma) and epilogues as
-// gemm_tiles, with the copies in producer warps and the stages handed over by mbarriers (see NQ_TILE_WS).
+// out[b] = W . x[b] for b < n_cols (<= 8 NT) over `units` units; x is already normalised (nq_norm_cols_*).
+// ws: fp32 [2 P][8 NT][kTileUnits][2]; tickets: int [tiles], zero before the launch (and after it).
 // Producer thread pt (0 .. 32 NQ_TILE_PRODUCERS - 1) copies, per step: chunk pt % 8 of the weight rows of
 // units pt / 8 + 4 NQ_TILE_PRODUCERS j (both rows of each unit), the scales of slots pt + 32 P j, and x
 // items (column, quarter) pw, pw + P, .. (issue_x_wg, one warp per item).
 template <int K, int NT, class Map, class Epi>
-__device__ __forceinline__ void gemm_tiles_ws(const uint32_t* __restrict__ qw, const uint16_t* __restrict__ sc,
-                                              const uint16_t* __restrict__ x, int units, int n_cols,
-                                              float* __restrict__ ws, int* __restrict__ tickets, const Map& map,
-                                              const Epi& epi) {
+__device__ __forceinline__ void gemm_tiles(const uint32_t* __restrict__ qw, const uint16_t* __restrict__ sc,
+                                           const uint16_t* __restrict__ x, int units, int n_cols,
+                                           float* __restrict__ ws, int* __restrict__ tickets, const Map& map,
+                                           const Epi& epi) {
   constexpr int kCols = 8 * NT;
   constexpr int kPairs = (K / kGroup + 1) / 2;
   constexpr int kG = K / kGroup;
@@ -681,8 +356,8 @@ __device__ __forceinline__ void gemm_tiles_ws(const uint32_t* __restrict__ qw, c
       mbar_wait(&full_bar[st], (i / kS) & 1);
       fence_proxy_async_smem();  // the producers' x copies (generic proxy), seen by this warp's wgmmas
       const uint4* base = stage(i);
-      multiply_pair_wg<K, NT>(base, reinterpret_cast<const uint32_t*>(base + kTileSlots * 8),
-                              base + kTileSlots * 8 + kTileSlots / 4, p0 + (i - i0), acc);
+      multiply_pair<K, NT>(base, reinterpret_cast<const uint32_t*>(base + kTileSlots * 8),
+                           base + kTileSlots * 8 + kTileSlots / 4, p0 + (i - i0), acc);
       __syncwarp();
       if (lane == 0) mbar_arrive(&empty_bar[st]);  // this warp is done with the stage (wgmmas waited for)
     }
@@ -703,147 +378,6 @@ __device__ __forceinline__ void gemm_tiles_ws(const uint32_t* __restrict__ qw, c
       partial_segment<K, NT>(t, i0 == 0, ws, tickets, units, ncols, map, epi, acc, last_flag);
     }
   }
-}
-
-// out[b] = W . x[b] for b < n_cols (<= 8 NT) over `units` units; x is already normalised (nq_norm_cols_*).
-// ws: fp32 [2 P][8 NT][kTileUnits][2]; tickets: int [tiles], zero before the launch (and after it).
-template <int K, int NT, class Map, class Epi>
-__device__ __forceinline__ void gemm_tiles(const uint32_t* __restrict__ qw, const uint16_t* __restrict__ sc,
-                                           const uint16_t* __restrict__ x, int units, int n_cols,
-                                           float* __restrict__ ws, int* __restrict__ tickets, const Map& map,
-                                           const Epi& epi) {
-  if constexpr (kTileWs) {
-    gemm_tiles_ws<K, NT>(qw, sc, x, units, n_cols, ws, tickets, map, epi);
-    return;
-  }
-  if constexpr (!kTileContinuous<NT>) {
-    gemm_tiles_drained<K, NT>(qw, sc, x, units, n_cols, ws, tickets, map, epi);
-    return;
-  }
-  constexpr int kCols = 8 * NT;
-  constexpr int kPairs = (K / kGroup + 1) / 2;
-  extern __shared__ uint4 smem_raw[];
-  uint4* const smem = tile_ring_base(smem_raw);
-  __shared__ int last_flag;
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int g = lane >> 2, c = lane & 3;
-  const int ncols = n_cols;
-  const int p_blocks = gridDim.x, blk = blockIdx.x;
-  const int tiles = (units + kTileUnits - 1) / kTileUnits;
-  const long long w_items = static_cast<long long>(tiles) * kPairs;
-  const long long lo = stripe_lo(blk, w_items, p_blocks), hi = stripe_lo(blk + 1, w_items, p_blocks);
-  constexpr int kStageChunks = tile_stage_bytes<kCols>() / 16;
-  constexpr int kTileStages = tile_stages<kCols>();
-  static_assert(kTileStages >= 2, "the ring needs two stages");
-
-  // The stripe is n = hi - lo steps; step i is pair (lo + i) % kPairs of tile (lo + i) / kPairs, and the
-  // steps of one tile form a segment (a block's stripe: the tail of one tile, whole tiles, the head of
-  // another).
-  const int n = static_cast<int>(hi - lo), lo_i = static_cast<int>(lo);  // items fit an int (tiles x pairs)
-  auto stage = [&](int i) { return smem + (i % kTileStages) * kStageChunks; };
-  // this thread's copy duties in tile t: the rows of slots (tid >> 3) + kCopyRows q and of slot tid
-  auto copy_rows = [&](int t, int (&rows)[kTileSlots / kCopyRows], int& srow) {
-#pragma unroll
-    for (int q = 0; q < kTileSlots / kCopyRows; ++q) {
-      const int rs = (tid >> 3) + kCopyRows * q;
-      int r0, r1;
-      map(min(t * kTileUnits + (rs % kTileUnits), units - 1), r0, r1);  // a tail tile recomputes the last
-      rows[q] = rs < kTileUnits ? r0 : r1;                              // unit; only real units written
-    }
-    int r0, r1;
-    map(min(t * kTileUnits + (tid % kTileUnits), units - 1), r0, r1);
-    srow = (tid % kTileSlots) < kTileUnits ? r0 : r1;
-  };
-  auto issue_weights = [&](int i, const int (&rows)[kTileSlots / kCopyRows], int srow) {
-    uint4* base = stage(i);
-    issue_w<K>(qw, sc, (lo_i + i) % kPairs, rows, srow, base, reinterpret_cast<uint32_t*>(base + kTileSlots * 8));
-  };
-  auto issue_acts = [&](int i) {
-    if constexpr (kTileWg)
-      issue_x_wg<K, kCols>(x, ncols, (lo_i + i) % kPairs, stage(i) + kTileSlots * 8 + kTileSlots / 4);
-    else
-      issue_x<K, kCols>(x, ncols, (lo_i + i) % kPairs, stage(i) + kTileSlots * 8 + kTileSlots / 4);
-  };
-  // the end of a segment of tile t over pairs p0 .. p1 - 1
-  auto segment_done = [&](int t, int p0, int p1, bool first, const float (&acc)[kTileMT][NT][4]) {
-    if (p0 == 0 && p1 == kPairs) {  // the whole tile: straight to the epilogue
-#pragma unroll
-      for (int m = 0; m < kTileMT; ++m) {
-        const int p = t * kTileUnits + warp * 8 * kTileMT + 8 * m + g;
-        if (p >= units) continue;
-        int r0, r1;
-        map(p, r0, r1);
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          const int col = 8 * nt + 2 * c;
-          if (col < ncols) epi(col, p, r0, r1, acc[m][nt][0], acc[m][nt][2]);
-          if (col + 1 < ncols) epi(col + 1, p, r0, r1, acc[m][nt][1], acc[m][nt][3]);
-        }
-      }
-    } else {
-      partial_segment<K, NT>(t, first, ws, tickets, units, ncols, map, epi, acc, last_flag);
-    }
-  };
-
-  // Stage 0's weights are issued before pdl_wait (NQ_TILE_EARLY_W = 1, the default): weights are never
-  // written during a step, so their HBM round trip may overlap the previous kernel's drain (which
-  // nq_norm_cols_* shortens by releasing its successor early, gemv_mma.cuh). x, the outputs and the
-  // tickets only after the wait. Group 0 is then {weights 0, x 0} and group i {weights i, x i}, as in the
-  // steady state; stage 1's weights issued early too would join group 0 (groups complete in order).
-  const int t0 = lo_i / kPairs;
-  zero_idle_cols<kCols, kTileStages, kStageChunks>(smem, ncols);
-  {
-    int rows[kTileSlots / kCopyRows], srow;
-    copy_rows(t0, rows, srow);
-#if NQ_TILE_EARLY_W
-    if (n > 0) issue_weights(0, rows, srow);
-#endif
-    pdl_wait();  // launch overlap (common.cuh)
-#pragma unroll
-    for (int i = 0; i < kTileStages - 1; ++i) {
-      if (i < n) {
-        if (i > 0 && (lo_i + i) % kPairs == 0) copy_rows((lo_i + i) / kPairs, rows, srow);  // next tile
-        if (!NQ_TILE_EARLY_W || i > 0) issue_weights(i, rows, srow);
-        issue_acts(i);
-      }
-      cp_async_commit();  // possibly empty: every thread commits the same number of groups
-    }
-  }
-
-  // The continuous ring: it runs across segment boundaries, so the next segment's first stages are in
-  // flight while this one multiplies its last steps and runs its epilogue (a drained ring paid one HBM
-  // round trip per segment; measured in docs/PERF.md). The copy rows are recomputed per issued step (a
-  // few integer ops; caching them for the issue side's tile spilled at 32 columns).
-  for (int i = 0; i < n;) {  // block-uniform loop over this block's segments
-    const int t = (lo_i + i) / kPairs;
-    const int p0 = lo_i + i - t * kPairs;
-    const int seg_end = min(n, i + kPairs - p0);
-    float acc[kTileMT][NT][4];
-#pragma unroll
-    for (int m = 0; m < kTileMT; ++m)
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) acc[m][nt][0] = acc[m][nt][1] = acc[m][nt][2] = acc[m][nt][3] = 0.f;
-    const int i0 = i, n_seg = seg_end - i;
-    for (int s = 0; s < n_seg; ++s) {
-      const int ii = i0 + s;
-      cp_async_wait<kTileStages - 2>();
-      if constexpr (kTileWg) fence_proxy_async_smem();  // this thread's x copies, seen by the wgmmas
-      __syncthreads();  // stage ii landed for every thread's copies; stage ii - 1's slot is free
-      if (ii + kTileStages - 1 < n) {
-        int rows[kTileSlots / kCopyRows], srow;
-        copy_rows((lo_i + ii + kTileStages - 1) / kPairs, rows, srow);
-        issue_weights(ii + kTileStages - 1, rows, srow);
-        issue_acts(ii + kTileStages - 1);
-      }
-      cp_async_commit();
-      const uint4* base = stage(ii);
-      multiply_pair<K, NT>(base, reinterpret_cast<const uint32_t*>(base + kTileSlots * 8),
-                           base + kTileSlots * 8 + kTileSlots / 4, ncols, p0 + s, acc);
-    }
-    i = seg_end;
-    segment_done(t, p0, p0 + n_seg, i0 == 0, acc);
-  }
-  cp_async_wait<0>();  // only empty groups remain; nothing may be in flight when the block exits
 }
 
 }  // namespace nq
