@@ -163,3 +163,30 @@ def test_every_kernel_waits_for_its_predecessor_before_touching_memory(source):
     before the previous kernel's writes are visible: each entry must wait (griddepcontrol.wait = ACQBULK)
     before any global load, store or atomic."""
     _check_waits(_functions(_sass(source, QWEN25_7B)))
+
+
+def test_x_by_quarter_knob_builds(monkeypatch):
+    """NQ_TILE_X_BY_QUARTER (gemm_tiles.cuh; an A/B knob, not yet run on a GPU): the tile entries still
+    compile to the wgmma ring without spills or serialized wgmmas, wait before touching x, and issue their
+    x copies 8 to an iteration (issue_x_quarters' unrolled columns) instead of issue_x_wg's 4."""
+    monkeypatch.setenv("NANOQWEN_KERNEL_DEFINES", "NQ_TILE_X_BY_QUARTER=1")
+    funcs = _functions(_sass("gemv_int4.cu", QWEN25_7B))
+    _check_waits(funcs)
+    for c in (8, 16, 32, 64):
+        body = funcs[f"nq_gate_up_silu_tile{c}"]
+        assert f"HGMMA.64x{c}x16.F32" in body and body.count("WARPGROUP.DEPBAR") <= 4
+        assert "STL " not in body and "LDL " not in body
+        assert max(_loop_copies(body)) == 8, f"tile{c}: expected an x loop of 8 copies"
+
+
+def _loop_copies(body: str) -> list[int]:
+    """4-byte cp.async copies (LDGSTS.E without .128) in each innermost backward-branch loop."""
+    ins = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", body)]
+    out = []
+    for addr, text in ins:
+        t = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
+        if t and int(t.group(1), 16) < addr:
+            loop = [x for a, x in ins if int(t.group(1), 16) <= a <= addr]
+            if not any("BRA" in x for x in loop[:-1]):  # innermost
+                out.append(sum(bool(re.match(r"(@!?P\d+ )?LDGSTS\.E ", x)) for x in loop))
+    return out

@@ -98,3 +98,40 @@ def test_wgmma_x_copies_cover_once_and_spread_banks(ncols):
         banks.setdefault((warp, item), set()).add((off // 4) % 32)
     assert seen == {(n, k): 1 for n in range(ncols) for k in range(0, PAIR_K, 2)}
     assert all(len(b) == 32 for b in banks.values()), "a copy instruction's lanes share a bank"
+
+
+def issue_x_quarters(x: np.ndarray, ncols: int, n_cols_build: int, pg: int, warps: int):
+    """issue_x_quarters (NQ_TILE_X_BY_QUARTER): yields (warp, (quarter, column), lane, offset, column, k)."""
+    k_total = x.shape[1]
+    for warp in range(warps):
+        for qq in range(warp, 4, warps):
+            k0 = 256 * pg + 128 * (qq >> 1)
+            if k0 >= k_total:
+                continue
+            for lane in range(32):
+                c, q = lane >> 3, lane & 7
+                klane = 32 * c + 8 * (q >> 2) + 2 * (q & 3)
+                dst = qq * (n_cols_build // 8) * 1024 + 4 * c
+                for n8 in range(-(-ncols // 8)):
+                    for r in range(8):
+                        n = 8 * n8 + r
+                        if n < ncols:
+                            yield warp, (qq, n), lane, dst + n8 * 1024 + r * 128 + ((q ^ r) << 4), n, k0 + 16 * (qq & 1) + klane
+
+
+@pytest.mark.parametrize("ncols,warps", [(1, 4), (5, 4), (8, 4), (37, 4), (64, 4), (64, 2), (9, 1)])
+def test_x_by_quarter_makes_the_same_copies(ncols, warps):
+    """The cheaper copy order puts every (column, k) pair where issue_x_wg puts it, once, and each copy
+    instruction's 32 lanes still write 32 different banks."""
+    n_build = max(8, -(-ncols // 8) * 8)
+    for k_total, pg in ((PAIR_K, 0), (2 * PAIR_K, 1), (PAIR_K + 128, 1)):  # the last: an odd group count
+        x = np.zeros((ncols, k_total))
+        want = {(n, k): off for _, _, _, off, n, k in issue_x_wg(x, ncols, n_build, pg)}
+        got: dict[tuple[int, int], int] = {}
+        banks: dict[tuple, set[int]] = {}
+        for warp, item, _lane, off, n, k in issue_x_quarters(x, ncols, n_build, pg, warps):
+            assert (n, k) not in got, "copied twice"
+            got[(n, k)] = off
+            banks.setdefault((warp, item), set()).add((off // 4) % 32)
+        assert got == want
+        assert all(len(b) == 32 for b in banks.values())

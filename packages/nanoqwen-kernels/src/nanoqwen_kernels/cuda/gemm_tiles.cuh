@@ -129,6 +129,37 @@ __device__ __forceinline__ void issue_x_wg(const uint16_t* __restrict__ x, int n
   }
 }
 
+// NQ_TILE_X_BY_QUARTER (A/B knob, default 0; not yet run on a GPU): the same copies as issue_x_wg, to the
+// same places, in an order that makes each cheap. Producer warp pw takes the quarters qq = pw, pw + P, ..
+// (qq = 2 gl + w / 2, as issue_x_wg's items) for every column: a lane's source is then a fixed pointer plus
+// n K, and its destination a fixed offset plus n / 8 atoms plus, for n % 8 = r known at compile time, row r
+// and chunk q ^ r. Why: issue_x_wg spends ~14 instructions per 4-byte copy (its item's column and quarter
+// recomputed for each), and at B = 64 its 8,192 copies per step are most of the producers' issue
+// (SASS of the 7B gate/up build, docs/PERF.md "sixth lease").
+#ifndef NQ_TILE_X_BY_QUARTER
+#define NQ_TILE_X_BY_QUARTER 0
+#endif
+template <int K, int kCols>
+__device__ __forceinline__ void issue_x_quarters(const uint16_t* __restrict__ x, int ncols, int pg, uint4* xs,
+                                                 int warp, int warps) {
+  const int lane = threadIdx.x & 31;
+  const int c = lane >> 3, q = lane & 7;
+  const int klane = 32 * c + 8 * (q >> 2) + 2 * (q & 3);
+  for (int qq = warp; qq < 4; qq += warps) {
+    const int k0 = 256 * pg + 128 * (qq >> 1);
+    if (K % 256 != 0 && k0 >= K) continue;  // past K (an odd group count's last pair): never read
+    const uint16_t* src = x + k0 + 16 * (qq & 1) + klane;
+    char* dst = reinterpret_cast<char*>(xs) + qq * (kCols / 8) * 1024 + 4 * c;
+    for (int n8 = 0; 8 * n8 < ncols; ++n8, dst += 1024) {
+#pragma unroll
+      for (int r = 0; r < 8; ++r) {
+        const int n = 8 * n8 + r;
+        if (n < ncols) cp_async4(dst + r * 128 + ((q ^ r) << 4), src + static_cast<size_t>(n) * K);
+      }
+    }
+  }
+}
+
 // Multiply one staged pair into acc: per group, the warp dequantizes its 16 rows' 128 k (unpack8, exact q,
 // then q * scale in fp16: one rounding; the wgmmas accumulate in fp32) into the A fragments of 8 k16
 // steps, then its warpgroup issues them as 8 wgmmas over all the columns at once (x read from the stage by
@@ -332,7 +363,10 @@ __device__ __forceinline__ void gemm_tiles(const uint32_t* __restrict__ qw, cons
         }
       }
       if (i == 0) pdl_wait();  // x is the previous kernel's output; the weights above may go first
-      issue_x_wg<K, kCols>(x, ncols, pg, base + kTileSlots * 8 + kTileSlots / 4, pw, kP);
+      if constexpr (NQ_TILE_X_BY_QUARTER)
+        issue_x_quarters<K, kCols>(x, ncols, pg, base + kTileSlots * 8 + kTileSlots / 4, pw, kP);
+      else
+        issue_x_wg<K, kCols>(x, ncols, pg, base + kTileSlots * 8 + kTileSlots / 4, pw, kP);
       cp_async_mbar_arrive(&full_bar[st]);
     }
     if (n == 0) pdl_wait();
