@@ -165,18 +165,36 @@ def test_every_kernel_waits_for_its_predecessor_before_touching_memory(source):
     _check_waits(_functions(_sass(source, QWEN25_7B)))
 
 
-def test_x_by_quarter_knob_builds(monkeypatch):
-    """NQ_TILE_X_BY_QUARTER (gemm_tiles.cuh; an A/B knob, not yet run on a GPU): the tile entries still
-    compile to the wgmma ring without spills or serialized wgmmas, wait before touching x, and issue their
-    x copies 8 to an iteration (issue_x_quarters' unrolled columns) instead of issue_x_wg's 4."""
-    monkeypatch.setenv("NANOQWEN_KERNEL_DEFINES", "NQ_TILE_X_BY_QUARTER=1")
+@pytest.mark.parametrize("knob", ["NQ_TILE_X_BY_QUARTER=1", "NQ_TILE_X_PREPERM=1"])
+def test_prepared_x_knobs_build(knob, monkeypatch):
+    """The tile GEMM's x-copy knobs (gemm_tiles.cuh; A/B knobs, not yet run on a GPU): the tile entries still
+    compile to the wgmma ring without spills or serialized wgmmas and wait before touching x.
+    NQ_TILE_X_BY_QUARTER issues the 4-byte x copies 8 to an iteration (issue_x_quarters' unrolled columns)
+    instead of issue_x_wg's 4; NQ_TILE_X_PREPERM leaves the q/k/v and gate/up entries no 4-byte copy at all
+    (x comes laid out by nq_norm_cols_wg_h, in 16-byte chunks) and o_proj / down as they were."""
+    base = _functions(_sass("gemv_int4.cu", QWEN25_7B))
+    monkeypatch.setenv("NANOQWEN_KERNEL_DEFINES", knob)
     funcs = _functions(_sass("gemv_int4.cu", QWEN25_7B))
     _check_waits(funcs)
+    four = re.compile(r"(@!?P\d+ )?LDGSTS\.E ")  # 4-byte copies: x (issue_x_wg / _quarters) and the scales
+    sixteen = re.compile(r"(@!?P\d+ )?LDGSTS\.E\.BYPASS\.128 ")  # 16-byte copies without the L2 hint: x
     for c in (8, 16, 32, 64):
-        body = funcs[f"nq_gate_up_silu_tile{c}"]
-        assert f"HGMMA.64x{c}x16.F32" in body and body.count("WARPGROUP.DEPBAR") <= 4
-        assert "STL " not in body and "LDL " not in body
-        assert max(_loop_copies(body)) == 8, f"tile{c}: expected an x loop of 8 copies"
+        for kind in GEMV_KINDS:
+            name = f"{kind}_tile{c}"
+            body = funcs[name]
+            assert f"HGMMA.64x{c}x16.F32" in body and body.count("WARPGROUP.DEPBAR") <= 4, name
+            if kind != "nq_qkv_rope_kv":
+                assert "STL " not in body and "LDL " not in body, name
+            if knob.startswith("NQ_TILE_X_BY_QUARTER"):
+                if kind == "nq_gate_up_silu":
+                    assert max(_loop_copies(body)) == 8, f"{name}: expected an x loop of 8 copies"
+            elif kind in ("nq_qkv_rope_kv", "nq_gate_up_silu"):
+                assert len(four.findall(body)) < len(four.findall(base[name])), f"{name}: 4-byte x copies left"
+                assert sixteen.search(body) and not sixteen.search(base[name]), f"{name}: no 16-byte x copies"
+            else:
+                assert body == base[name], f"{name}: o_proj / down should be unchanged"
+    if knob.startswith("NQ_TILE_X_PREPERM"):
+        assert "STL" not in funcs["nq_norm_cols_wg_h"] and "LDL" not in funcs["nq_norm_cols_wg_h"]
 
 
 def _loop_copies(body: str) -> list[int]:

@@ -271,3 +271,29 @@ def test_tile_knobs_size_the_launch(launches, monkeypatch):
     assert gemv.tile_threads() == 576
     assert [gemv.tile_stages(c) for c in (8, 16, 32, 64)] == [4, 4, 4, 3]
     assert all(gemv.tile_smem(c) <= gemv.TILE_SMEM_CAP for c in (8, 16, 32, 64))
+
+
+@pytest.mark.parametrize("b, build", [(3, 8), (40, 64)])
+def test_x_preperm_knob_lays_x_out_for_qkv_and_gate_up_only(launches, monkeypatch, b, build):
+    """NQ_TILE_X_PREPERM ($NANOQWEN_KERNEL_DEFINES; not yet run on a GPU): gate/up (with its norm or without)
+    goes through nq_norm_cols_wg_h with the build's column count and reads what it wrote; o_proj with a norm
+    keeps the plain RMSNorm and its x layout."""
+    monkeypatch.setenv("NANOQWEN_KERNEL_DEFINES", "NQ_TILE_X_PREPERM=1")
+    d = QWEN25_7B
+    g = GemvKernels(d, load)
+    got = []
+    monkeypatch.setattr(checks, "launch", lambda fn, grid, block, args, shared_mem=0: got.append((fn, grid, args)))
+    qw, sc = dev((2 * d.intermediate, d.hidden // 8), np.uint32), dev((2 * d.intermediate, d.hidden // 128), np.float16)
+    x, out = dev((b, d.hidden), np.float16), dev((b, d.intermediate), np.float16)
+    for norm_w in (dev((d.hidden,), np.float16), None):
+        got.clear()
+        g.gate_up_silu(qw, sc, x, norm_w, 1e-6, out)
+        (fn0, grid0, args0), (fn1, _, args1) = got
+        assert fn0 == "nq_norm_cols_wg_h" and grid0 == b and int(args0[-1]) == build
+        assert (args0[1] is norm_w) if norm_w is not None else (args0[1] is checks.NULL)
+        assert fn1 == f"nq_gate_up_silu_tile{build}" and args1[2] is args0[3]  # reads what the norm wrote
+    got.clear()
+    qh, sh = dev((d.hidden, d.hidden // 8), np.uint32), dev((d.hidden, d.hidden // 128), np.float16)
+    res = dev((b, d.hidden), np.float16)
+    g.gemv_int4(qh, sh, x, res, residual=res, norm_w=dev((d.hidden,), np.float16))
+    assert [f for f, _, _ in got] == ["nq_norm_cols_h", f"nq_gemv_int4_h_tile{build}"]

@@ -135,3 +135,50 @@ def test_x_by_quarter_makes_the_same_copies(ncols, warps):
             banks.setdefault((warp, item), set()).add((off // 4) % 32)
         assert got == want
         assert all(len(b) == 32 for b in banks.values())
+
+
+def norm_cols_wg_offset(n: int, k: int, tile_cols: int) -> int:
+    """Byte offset norm_cols_wg (gemv_mma.cuh) writes the half2 (k, k+1) of column n at (k even)."""
+    i, j = k // 8, (k % 8) // 2
+    kk = 8 * i
+    pg, gl, c, w = kk >> 8, (kk >> 7) & 1, (kk >> 5) & 3, (kk >> 3) & 3
+    qq, r = 2 * gl + (w >> 1), n & 7
+    atom = pg * tile_cols * 512 + (qq * (tile_cols // 8) + (n >> 3)) * 1024 + r * 128 + 4 * c
+    return atom + (((4 * (w & 1) + j) ^ r) << 4)
+
+
+def issue_x_pre_chunks(ncols: int, n_cols_build: int, k_total: int, pg: int, warps: int = 4) -> set[int]:
+    """Stage byte offsets of the 16-byte chunks issue_x_pre copies (the same offset in pair pg's block)."""
+    chunks = -(-ncols // 8) * 64
+    out = set()
+    for warp in range(warps):
+        for qq in range(warp, 4, warps):
+            if 256 * pg + 128 * (qq >> 1) >= k_total:
+                continue
+            q0 = qq * (n_cols_build // 8) * 1024
+            for lane in range(32):
+                out.update(q0 + 16 * ch for ch in range(lane, chunks, 32))
+    return out
+
+
+@pytest.mark.parametrize("ncols", [1, 5, 8, 9, 37, 64])
+def test_preperm_x_lands_where_the_copies_expect_it(ncols):
+    """NQ_TILE_X_PREPERM: the RMSNorm writes each column's x at the offset issue_x_wg would have copied it
+    to, within its pair's block, and issue_x_pre's 16-byte chunks cover every one of those places (and
+    stay inside the buffer the launcher passes: build x K halves)."""
+    n_build = max(8, -(-ncols // 8) * 8)
+    for k_total in (PAIR_K, 3 * PAIR_K, 3 * PAIR_K + 128):  # the last: an odd group count
+        x = np.zeros((ncols, k_total))
+        pairs = -(-k_total // PAIR_K)
+        want = {}
+        for pg in range(pairs):
+            want.update({(n, k): pg * n_build * 512 + off for _, _, _, off, n, k in issue_x_wg(x, ncols, n_build, pg)})
+        got = {(n, k): norm_cols_wg_offset(n, k, n_build) for n in range(ncols) for k in range(0, k_total, 2)}
+        assert got == want
+        assert max(got.values()) + 4 <= n_build * k_total * 2
+        for pg in range(pairs):
+            copied = issue_x_pre_chunks(ncols, n_build, k_total, pg)
+            assert all(p + 16 <= n_build * k_total * 2 - pg * n_build * 512 for p in copied)
+            for (n, k), off in got.items():
+                if k // PAIR_K == pg:
+                    assert (off - pg * n_build * 512) // 16 * 16 in copied, (n, k)

@@ -149,6 +149,12 @@ def tile_threads() -> int:
     return TILE_THREADS + 32 * extra_defines().get("NQ_TILE_PRODUCERS", TILE_PRODUCERS)
 
 
+def tile_x_preperm() -> bool:
+    """Whether the q/k/v and gate/up tile entries read x pre-permuted into the tile layout (gemm_tiles.cuh
+    NQ_TILE_X_PREPERM, a $NANOQWEN_KERNEL_DEFINES knob, default off), written by nq_norm_cols_wg_h."""
+    return bool(extra_defines().get("NQ_TILE_X_PREPERM", 0))
+
+
 def tile_stages(cols: int) -> int:
     """Ring stages of the build for `cols` columns (gemm_tiles.cuh tile_stages): NQ_TILE_STAGES (default
     TILE_STAGES), fewer where they would not fit TILE_SMEM_CAP (5 / 5 / 4 / 3 at 8 / 16 / 32 / 64)."""
@@ -236,6 +242,9 @@ class GemvKernels:
             }
             self._norm_cols = {dims.hidden: m.get_function("nq_norm_cols_h"),
                                dims.intermediate: m.get_function("nq_norm_cols_i")}
+            # NQ_TILE_X_PREPERM: the q/k/v and gate/up entries read x in the tile layout, written by this
+            self._x_preperm = tile_x_preperm()
+            self._norm_cols_wg = m.get_function("nq_norm_cols_wg_h") if self._x_preperm else None
             cp = ck.cupy_module()
             sms = ck.sm_count()
             self._tile_min_items = tile_min_items()  # read once: the launches below plan with it
@@ -260,12 +269,17 @@ class GemvKernels:
         if b > TILE_BUILDS[-1]:
             raise KernelError(f"the tile GEMM takes at most {TILE_BUILDS[-1]} columns, got B = {b}")
         ck.check_array("scales", w_args[1], np.float16, align=4)  # 4-byte cp.async of a scale pair
-        if norm_w is not None:
+        build = next(c for c in TILE_BUILDS if c >= b)
+        if self._x_preperm and kind in ("qkv", "gu"):  # x (normalised or not) in the tile layout
+            xn = self._tile_xn[: build * k]
+            ck.launch(self._norm_cols_wg, b, THREADS,
+                      (x, norm_w if norm_w is not None else ck.NULL, eps, xn, np.int32(build)))
+            x = xn
+        elif norm_w is not None:
             xn = self._tile_xn[: b * k].reshape(b, k)
             ck.launch(self._norm_cols[k], b, THREADS, (x, norm_w, eps, xn))
             x = xn
         plan = plan_tiles(k, units, ck.sm_count(), self._tile_min_items)
-        build = next(c for c in TILE_BUILDS if c >= b)
         ck.launch(self._tile[(kind, build)], plan.blocks, tile_threads(),
                   (*w_args, x, *epi_args, np.int32(b), self._tile_ws, self._tile_tickets),
                   shared_mem=tile_smem(build))

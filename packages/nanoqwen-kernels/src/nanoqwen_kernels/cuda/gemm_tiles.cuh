@@ -139,6 +139,29 @@ __device__ __forceinline__ void issue_x_wg(const uint16_t* __restrict__ x, int n
 #ifndef NQ_TILE_X_BY_QUARTER
 #define NQ_TILE_X_BY_QUARTER 0
 #endif
+// NQ_TILE_X_PREPERM (A/B knob, default 0; not yet run on a GPU; gemv.py tile_x_preperm mirrors it): the q/k/v
+// and gate/up entries (kXPre) read x already in the stage layout, written so by the RMSNorm before them
+// (nq_norm_cols_wg_h, gemv_mma.cuh norm_cols_wg): pair pg's x is bytes [pg, pg + 1) x 512 x kCols of it,
+// and the producers copy its first ceil(B / 8) atoms of each quarter as 16-byte chunks (at B = 64: 16 per
+// producer thread per step, against 64 four-byte copies). o_proj and down read x from the attention and
+// the gate/up epilogue, in the natural layout, as before.
+#ifndef NQ_TILE_X_PREPERM
+#define NQ_TILE_X_PREPERM 0
+#endif
+// The x copies of pair pg from a pre-permuted x (NQ_TILE_X_PREPERM)
+template <int K, int kCols>
+__device__ __forceinline__ void issue_x_pre(const uint16_t* __restrict__ x, int ncols, int pg, uint4* xs, int warp,
+                                            int warps) {
+  const int lane = threadIdx.x & 31;
+  const int chunks = (ncols + 7) / 8 * 64;  // 16-byte chunks of the used atoms of one quarter
+  const char* src = reinterpret_cast<const char*>(x) + static_cast<size_t>(pg) * kCols * 512;
+  char* dst = reinterpret_cast<char*>(xs);
+  for (int qq = warp; qq < 4; qq += warps) {
+    if (K % 256 != 0 && 256 * pg + 128 * (qq >> 1) >= K) continue;  // past K: never written, never read
+    const int q0 = qq * (kCols / 8) * 1024;
+    for (int ch = lane; ch < chunks; ch += 32) cp_async16(dst + q0 + 16 * ch, src + q0 + 16 * ch);
+  }
+}
 template <int K, int kCols>
 __device__ __forceinline__ void issue_x_quarters(const uint16_t* __restrict__ x, int ncols, int pg, uint4* xs,
                                                  int warp, int warps) {
@@ -296,7 +319,7 @@ __device__ __forceinline__ void partial_segment(int t, bool first, float* __rest
 // Producer thread pt (0 .. 32 NQ_TILE_PRODUCERS - 1) copies, per step: chunk pt % 8 of the weight rows of
 // units pt / 8 + 4 NQ_TILE_PRODUCERS j (both rows of each unit), the scales of slots pt + 32 P j, and x
 // items (column, quarter) pw, pw + P, .. (issue_x_wg, one warp per item).
-template <int K, int NT, class Map, class Epi>
+template <int K, int NT, bool kXPre = false, class Map, class Epi>
 __device__ __forceinline__ void gemm_tiles(const uint32_t* __restrict__ qw, const uint16_t* __restrict__ sc,
                                            const uint16_t* __restrict__ x, int units, int n_cols,
                                            float* __restrict__ ws, int* __restrict__ tickets, const Map& map,
@@ -363,7 +386,9 @@ __device__ __forceinline__ void gemm_tiles(const uint32_t* __restrict__ qw, cons
         }
       }
       if (i == 0) pdl_wait();  // x is the previous kernel's output; the weights above may go first
-      if constexpr (NQ_TILE_X_BY_QUARTER)
+      if constexpr (kXPre)
+        issue_x_pre<K, kCols>(x, ncols, pg, base + kTileSlots * 8 + kTileSlots / 4, pw, kP);
+      else if constexpr (NQ_TILE_X_BY_QUARTER)
         issue_x_quarters<K, kCols>(x, ncols, pg, base + kTileSlots * 8 + kTileSlots / 4, pw, kP);
       else
         issue_x_wg<K, kCols>(x, ncols, pg, base + kTileSlots * 8 + kTileSlots / 4, pw, kP);

@@ -359,6 +359,15 @@ extern "C" __global__ void __launch_bounds__(kThreads) nq_norm_cols_h(
   norm_cols<kHidden>(x, norm_w, eps, xn);
 }
 
+#if NQ_TILE_X_PREPERM
+// ... written in the tile GEMM's stage layout for x (the q/k/v and gate/up tile entries of this build read it)
+extern "C" __global__ void __launch_bounds__(kThreads) nq_norm_cols_wg_h(
+    const uint16_t* __restrict__ x, const uint16_t* __restrict__ norm_w, float eps, uint16_t* __restrict__ xn,
+    int tile_cols) {
+  norm_cols_wg<kHidden>(x, norm_w, eps, xn, tile_cols);
+}
+#endif
+
 extern "C" __global__ void __launch_bounds__(kThreads) nq_norm_cols_i(
     const uint16_t* __restrict__ x, const uint16_t* __restrict__ norm_w, float eps, uint16_t* __restrict__ xn) {
   norm_cols<kInter>(x, norm_w, eps, xn);
@@ -387,7 +396,8 @@ extern "C" __global__ void __launch_bounds__(kThreads) nq_norm_cols_i(
       const int32_t* __restrict__ page_table, int max_pages, uint16_t* __restrict__ k_cache,                \
       uint16_t* __restrict__ v_cache, int layer, int n_pages, uint16_t* __restrict__ q_out, int n_cols,     \
       float* __restrict__ ws, int* __restrict__ tickets) {                                                  \
-    gemm_tiles<kHidden, COLS / 8>(qweight, scales, x, kQkvRows / 2, n_cols, ws, tickets, QkvRows{},        \
+    gemm_tiles<kHidden, COLS / 8, NQ_TILE_X_PREPERM>(qweight, scales, x, kQkvRows / 2, n_cols, ws, tickets, \
+                                                     QkvRows{},                                               \
                                   QkvEpi{bias, pos, page_table, max_pages, k_cache, v_cache, layer,         \
                                          n_pages, q_out});                                                  \
   }                                                                                                         \
@@ -395,7 +405,8 @@ extern "C" __global__ void __launch_bounds__(kThreads) nq_norm_cols_i(
       const uint32_t* __restrict__ qweight, const uint16_t* __restrict__ scales,                            \
       const uint16_t* __restrict__ x, uint16_t* __restrict__ out, int n_cols, float* __restrict__ ws,       \
       int* __restrict__ tickets) {                                                                          \
-    gemm_tiles<kHidden, COLS / 8>(qweight, scales, x, kInter, n_cols, ws, tickets, GateUpRows{},           \
+    gemm_tiles<kHidden, COLS / 8, NQ_TILE_X_PREPERM>(qweight, scales, x, kInter, n_cols, ws, tickets,       \
+                                                     GateUpRows{},                                            \
                                   GateUpEpi{out});                                                          \
   }
 
