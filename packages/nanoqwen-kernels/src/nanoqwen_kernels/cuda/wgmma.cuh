@@ -67,6 +67,8 @@ __device__ __forceinline__ uint64_t wgmma_desc_sw128(uint32_t addr) {
 template <int NT>
 __device__ __forceinline__ void wgmma_rs(float (&d)[NT][4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                          uint64_t desc_b);
+// One specialization per shape, alike on purpose: PTX takes the accumulators as a brace list of N / 2
+// registers, so each shape spells its own operand list (written out by a script, not by hand).
 template <>
 __device__ __forceinline__ void wgmma_rs<1>(float (&d)[1][4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                             uint64_t desc_b) {
