@@ -103,10 +103,10 @@ def test_gpu_status_never_raises():
 
 
 def test_extra_defines_from_env_enter_the_options(monkeypatch):
-    monkeypatch.setenv("NANOQWEN_KERNEL_DEFINES", "NQ_TILE_WARPS=0, NQ_GEMV_STAGE_PIECES=2")
+    monkeypatch.setenv("NANOQWEN_KERNEL_DEFINES", "NQ_TILE_PRODUCERS=0, NQ_GEMV_STAGE_PIECES=2")
     opts = loader.build_options({"NQ_HIDDEN": 64}, "sm_90a")
-    assert "-DNQ_TILE_WARPS=0" in opts and "-DNQ_GEMV_STAGE_PIECES=2" in opts and "-DNQ_HIDDEN=64" in opts
-    monkeypatch.setenv("NANOQWEN_KERNEL_DEFINES", "NQ_TILE_WARPS")
+    assert "-DNQ_TILE_PRODUCERS=0" in opts and "-DNQ_GEMV_STAGE_PIECES=2" in opts and "-DNQ_HIDDEN=64" in opts
+    monkeypatch.setenv("NANOQWEN_KERNEL_DEFINES", "NQ_TILE_PRODUCERS")
     with pytest.raises(KernelError, match="NAME=INT"):
         loader.build_options({}, "sm_90a")
     monkeypatch.setenv("NANOQWEN_KERNEL_DEFINES", "NQ_X=fast")
