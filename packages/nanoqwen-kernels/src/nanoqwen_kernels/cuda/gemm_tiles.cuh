@@ -345,7 +345,9 @@ __device__ __forceinline__ void gemm_tiles(const uint32_t* __restrict__ qw, cons
   auto stage = [&](int i) { return smem + (i % kS) * kStageChunks; };
   if (tid == 0) {
     for (int st = 0; st < kS; ++st) {
-      mbar_init(&full_bar[st], 32 * kP);     // one cp.async arrival per producer thread
+      // one cp.async arrival per producer thread; with an odd group count (test shapes) also one plain
+      // arrival, which releases the scales that thread stored itself
+      mbar_init(&full_bar[st], (kG % 2 == 0 ? 1 : 2) * 32 * kP);
       mbar_init(&empty_bar[st], kTileWarps);  // one arrival per consumer warp
     }
   }
@@ -393,6 +395,7 @@ __device__ __forceinline__ void gemm_tiles(const uint32_t* __restrict__ qw, cons
       else
         issue_x_wg<K, kCols>(x, ncols, pg, base + kTileSlots * 8 + kTileSlots / 4, pw, kP);
       cp_async_mbar_arrive(&full_bar[st]);
+      if constexpr (kG % 2 != 0) mbar_arrive(&full_bar[st]);  // the plain scale stores above (release)
     }
     if (n == 0) pdl_wait();
     cp_async_wait<0>();  // nothing in flight when the warp exits
