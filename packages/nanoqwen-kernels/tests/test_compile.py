@@ -208,3 +208,21 @@ def _loop_copies(body: str) -> list[int]:
             if not any("BRA" in x for x in loop[:-1]):  # innermost
                 out.append(sum(bool(re.match(r"(@!?P\d+ )?LDGSTS\.E ", x)) for x in loop))
     return out
+
+
+def test_odd_group_count_build_releases_its_scale_stores():
+    """Dims whose K has an odd number of 128-groups (test shapes: test_gemv_gpu.py's odd-group test) take
+    the producers' plain scale path: every tile entry still builds, waits before touching memory, and
+    adds a plain mbarrier arrival per step (it releases the plain stores; the cp.async arrival orders only
+    the copies) to the preset builds' one."""
+    from nanoqwen_kernels.dims import ModelDims
+
+    odd = ModelDims(hidden=384, intermediate=640, n_heads=2, n_kv_heads=1, head_dim=128, vocab=1000,
+                    n_layers=1, rope_theta=1e6)
+    funcs = _functions(_sass("gemv_int4.cu", odd))
+    even = _functions(_sass("gemv_int4.cu", PRESETS["tiny"]))
+    _check_waits(funcs)
+    for c in (8, 64):
+        name = f"nq_gate_up_silu_tile{c}"
+        arrivals = [len(re.findall(r"SYNCS\.ARRIVE\.TRANS64", f[name])) for f in (funcs, even)]
+        assert "ARRIVES.LDGSTSBAR" in funcs[name] and arrivals[0] > arrivals[1], (name, arrivals)
