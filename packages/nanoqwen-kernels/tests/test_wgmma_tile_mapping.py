@@ -138,7 +138,7 @@ def test_x_by_quarter_makes_the_same_copies(ncols, warps):
 
 
 def norm_cols_wg_offset(n: int, k: int, tile_cols: int) -> int:
-    """Byte offset norm_cols_wg (gemv_mma.cuh) writes the half2 (k, k+1) of column n at (k even)."""
+    """Byte offset norm_cols<K, true> (gemv_mma.cuh) writes the half2 (k, k+1) of column n at (k even)."""
     i, j = k // 8, (k % 8) // 2
     kk = 8 * i
     pg, gl, c, w = kk >> 8, (kk >> 7) & 1, (kk >> 5) & 3, (kk >> 3) & 3

@@ -141,7 +141,7 @@ __device__ __forceinline__ void issue_x_wg(const uint16_t* __restrict__ x, int n
 #endif
 // NQ_TILE_X_PREPERM (A/B knob, default 0; not yet run on a GPU; gemv.py tile_x_preperm mirrors it): the q/k/v
 // and gate/up entries (kXPre) read x already in the stage layout, written so by the RMSNorm before them
-// (nq_norm_cols_wg_h, gemv_mma.cuh norm_cols_wg): pair pg's x is bytes [pg, pg + 1) x 512 x kCols of it,
+// (nq_norm_cols_wg_h, gemv_mma.cuh norm_cols<K, true>): pair pg's x is bytes [pg, pg + 1) x 512 x kCols of it,
 // and the producers copy its first ceil(B / 8) atoms of each quarter as 16-byte chunks (at B = 64: 16 per
 // producer thread per step, against 64 four-byte copies). o_proj and down read x from the attention and
 // the gate/up epilogue, in the natural layout, as before.

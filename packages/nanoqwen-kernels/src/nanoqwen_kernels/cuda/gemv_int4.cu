@@ -364,7 +364,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) nq_norm_cols_h(
 extern "C" __global__ void __launch_bounds__(kThreads) nq_norm_cols_wg_h(
     const uint16_t* __restrict__ x, const uint16_t* __restrict__ norm_w, float eps, uint16_t* __restrict__ xn,
     int tile_cols) {
-  norm_cols_wg<kHidden>(x, norm_w, eps, xn, tile_cols);
+  norm_cols<kHidden, true>(x, norm_w, eps, xn, tile_cols);
 }
 #endif
 

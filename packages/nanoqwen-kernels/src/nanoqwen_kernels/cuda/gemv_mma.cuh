@@ -332,9 +332,13 @@ __device__ __forceinline__ void gemv_mma(const W& wsrc, const uint16_t* __restri
 #endif
 // xn[b] = RMSNorm(x[b]) * norm_w for column b = blockIdx.x: the same column_rms factor and rms_apply8 that
 // gemv_mma's staging uses, so the tile GEMM (gemm_tiles.cuh) multiplies the same normalised x bits.
-template <int K>
+// kTileLayout (NQ_TILE_X_PREPERM's nq_norm_cols_wg_h): xn is written in the tile GEMM's stage layout for x
+// instead (issue_x_wg's places, pair after pair, tile_cols = the build's columns), and norm_w may be NULL
+// (x only re-laid out). Chunk i (k = 8 i .. + 7) of column n: in its 128-k group gl, c = lane quad's 32-k
+// slice, w = word; its 4 half2 go to q = 4 (w % 2) + {0, 1, 2, 3} of quarter qq = 2 gl + w / 2.
+template <int K, bool kTileLayout = false>
 __device__ __forceinline__ void norm_cols(const uint16_t* __restrict__ x, const uint16_t* __restrict__ norm_w,
-                                          float eps, uint16_t* __restrict__ xn) {
+                                          float eps, uint16_t* __restrict__ xn, int tile_cols = 0) {
   __shared__ float red[kWarps][1];
   __shared__ float rs[1];
   const size_t base = static_cast<size_t>(blockIdx.x) * K;
@@ -342,45 +346,29 @@ __device__ __forceinline__ void norm_cols(const uint16_t* __restrict__ x, const 
 #if NQ_PDL_TRIGGER_NORM
   pdl_trigger();  // the tile GEMM after it may place its blocks and issue its weight copies now (common.cuh)
 #endif
-  column_rms<K, 1>(x + base, 1, eps, rs, red);
-  __syncthreads();  // rs visible
-  const uint4* x4 = reinterpret_cast<const uint4*>(x + base);
-  const uint4* w4 = reinterpret_cast<const uint4*>(norm_w);
-  uint4* o4 = reinterpret_cast<uint4*>(xn + base);
-  for (int i = threadIdx.x; i < K / 8; i += kThreads) o4[i] = rms_apply8(x4[i], w4[i], rs[0]);
-}
-
-// The same (or x as it is, norm_w = NULL), written in the tile GEMM's stage layout for x (NQ_TILE_X_PREPERM,
-// gemm_tiles.cuh: issue_x_wg's places, pair after pair, tile_cols = the build's columns): the producers then
-// copy each pair's x as 16-byte chunks. Chunk i (k = 8 i .. + 7) of column n: in its 128-k group gl, c = lane quad 32-k slice,
-// w = word; its 4 half2 go to q = 4 (w % 2) + {0, 1, 2, 3} of quarter qq = 2 gl + w / 2.
-template <int K>
-__device__ __forceinline__ void norm_cols_wg(const uint16_t* __restrict__ x, const uint16_t* __restrict__ norm_w,
-                                             float eps, uint16_t* __restrict__ xn, int tile_cols) {
-  __shared__ float red[kWarps][1];
-  __shared__ float rs[1];
-  const int n = blockIdx.x;
-  const size_t base = static_cast<size_t>(n) * K;
-  pdl_wait();  // launch overlap (common.cuh)
-#if NQ_PDL_TRIGGER_NORM
-  pdl_trigger();
-#endif
-  if (norm_w != nullptr) {  // block-uniform; without a norm, x is only re-laid out
+  const bool norm = !kTileLayout || norm_w != nullptr;  // block-uniform
+  if (norm) {
     column_rms<K, 1>(x + base, 1, eps, rs, red);
     __syncthreads();  // rs visible
   }
   const uint4* x4 = reinterpret_cast<const uint4*>(x + base);
   const uint4* w4 = reinterpret_cast<const uint4*>(norm_w);
-  char* out = reinterpret_cast<char*>(xn);
-  const int r = n & 7;
-  for (int i = threadIdx.x; i < K / 8; i += kThreads) {
-    const uint4 v = norm_w != nullptr ? rms_apply8(x4[i], w4[i], rs[0]) : x4[i];
-    const int k = 8 * i, pg = k >> 8, gl = (k >> 7) & 1, c = (k >> 5) & 3, w = (k >> 3) & 3;
-    const int qq = 2 * gl + (w >> 1);
-    char* atom = out + static_cast<size_t>(pg) * tile_cols * 512 + (qq * (tile_cols / 8) + (n >> 3)) * 1024 + r * 128 + 4 * c;
-    const uint32_t h[4] = {v.x, v.y, v.z, v.w};
+  if constexpr (!kTileLayout) {
+    uint4* o4 = reinterpret_cast<uint4*>(xn + base);
+    for (int i = threadIdx.x; i < K / 8; i += kThreads) o4[i] = rms_apply8(x4[i], w4[i], rs[0]);
+  } else {
+    char* out = reinterpret_cast<char*>(xn);
+    const int n = blockIdx.x, r = n & 7;
+    for (int i = threadIdx.x; i < K / 8; i += kThreads) {
+      const uint4 v = norm ? rms_apply8(x4[i], w4[i], rs[0]) : x4[i];
+      const int k = 8 * i, pg = k >> 8, gl = (k >> 7) & 1, c = (k >> 5) & 3, w = (k >> 3) & 3;
+      const int qq = 2 * gl + (w >> 1);
+      char* atom = out + static_cast<size_t>(pg) * tile_cols * 512 + (qq * (tile_cols / 8) + (n >> 3)) * 1024 +
+                   r * 128 + 4 * c;
+      const uint32_t h[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
-    for (int j = 0; j < 4; ++j) *reinterpret_cast<uint32_t*>(atom + (((4 * (w & 1) + j) ^ r) << 4)) = h[j];
+      for (int j = 0; j < 4; ++j) *reinterpret_cast<uint32_t*>(atom + (((4 * (w & 1) + j) ^ r) << 4)) = h[j];
+    }
   }
 }
 
