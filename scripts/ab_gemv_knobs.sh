@@ -7,7 +7,7 @@
 # --variant tiles at $KB_BATCH (default 8,16,32,64) under the variant's environment. Output: the INT4 rows
 # and the step line of each, to stdout and $KB_DIR/<label>.txt (default /tmp/nq-kb).
 # KB_TESTS=1 also runs, under each variant, scripts/tile_probe.py and test_gemv_gpu.py (-x), so a knob is
-# checked in the call that measures it.
+# checked in the call that measures it; KB_TESTS=probe runs only the probe (seconds, not minutes).
 # KB_NCU="kernel_regex:B ..." also profiles those kernels once under each variant with Nsight Compute
 # (SpeedOfLight, SchedulerStats, WarpStateStats sections), to $KB_DIR/<label>-ncu-<B>.txt.
 set -u -o pipefail
@@ -25,8 +25,10 @@ for spec in "$@"; do
   env NANOQWEN_KERNEL_DEFINES="$defines" $envs timeout 180 $PY packages/nanoqwen-kernels/bench/bench_gemv.py \
     --batch "${KB_BATCH:-8,16,32,64}" --variant tiles --no-peer 2>&1 | grep -E "int4|qkv|gate_up|step|Error|error" \
     | tee "$KB_DIR/$label.txt"
-  if [ "${KB_TESTS:-0}" = 1 ]; then
+  if [ "${KB_TESTS:-0}" != 0 ]; then
     env NANOQWEN_KERNEL_DEFINES="$defines" $envs timeout 60 $PY scripts/tile_probe.py 2>&1 | tail -7
+  fi
+  if [ "${KB_TESTS:-0}" = 1 ]; then
     env NANOQWEN_KERNEL_DEFINES="$defines" $envs timeout 240 $PY -m pytest -q -x -m gpu -p no:cacheprovider \
       packages/nanoqwen-kernels/tests/test_gemv_gpu.py 2>&1 | tail -2
   fi
