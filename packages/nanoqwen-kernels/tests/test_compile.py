@@ -72,11 +72,11 @@ GEMV_KINDS = ("nq_gemv_int4_h", "nq_gemv_int4_i", "nq_qkv_rope_kv", "nq_gate_up_
 @pytest.mark.parametrize("dims_name", ["7b", "1.5b"])
 def test_gemv_int4_sass(dims_name):
     """Every INT4 GEMV entry: the half2 loop (B = 1), the tensor-core builds for 8 and 32 columns, and the
-    tile GEMM for 8, 16, 32 and 64 columns with its input RMSNorm."""
+    tile GEMM for 8, 16, 32 and 64 columns with its input RMSNorms (plain, and into the tile's x layout)."""
     funcs = _functions(_sass("gemv_int4.cu", DIMS[dims_name]))
     tiles = {f"{k}_tile{c}" for k in GEMV_KINDS for c in (8, 16, 32, 64)}
     gemvs = {f"{k}{suffix}" for k in GEMV_KINDS for suffix in ("", "_mma8", "_mma32")}
-    helpers = {"nq_norm_cols_h", "nq_norm_cols_i"}
+    helpers = {"nq_norm_cols_h", "nq_norm_cols_i", "nq_norm_cols_wg_h"}
     assert set(funcs) == gemvs | helpers | tiles
     for name in tiles:
         body = funcs[name]
@@ -165,18 +165,18 @@ def test_every_kernel_waits_for_its_predecessor_before_touching_memory(source):
     _check_waits(_functions(_sass(source, QWEN25_7B)))
 
 
-@pytest.mark.parametrize("knob", ["NQ_TILE_X_BY_QUARTER=1", "NQ_TILE_X_PREPERM=1"])
-def test_prepared_x_knobs_build(knob, monkeypatch):
-    """The tile GEMM's x-copy knobs (gemm_tiles.cuh; A/B knobs, not yet run on a GPU): the tile entries still
-    compile to the wgmma ring without spills or serialized wgmmas and wait before touching x.
-    NQ_TILE_X_BY_QUARTER issues the 4-byte x copies 8 to an iteration (issue_x_quarters' unrolled columns)
-    instead of issue_x_wg's 4; NQ_TILE_X_PREPERM leaves the q/k/v and gate/up entries no 4-byte copy at all
-    (x comes laid out by nq_norm_cols_wg_h, in 16-byte chunks) and o_proj / down as they were."""
-    base = _functions(_sass("gemv_int4.cu", QWEN25_7B))
-    monkeypatch.setenv("NANOQWEN_KERNEL_DEFINES", knob)
+def test_tile_entries_copy_x_as_laid_out(monkeypatch):
+    """The tile GEMM's x copies (gemm_tiles.cuh): every tile entry compiles to the wgmma ring without spills
+    or serialized wgmmas and waits before touching x. The q/k/v and gate/up entries read x laid out by
+    nq_norm_cols_wg_h (NQ_TILE_X_PREPERM, default 1) in 16-byte chunks: with NQ_TILE_X_PREPERM=0 they get the
+    4-byte copies back and lose the 16-byte ones. o_proj / down copy 4 bytes (issue_x) and are the same code
+    either way."""
     funcs = _functions(_sass("gemv_int4.cu", QWEN25_7B))
     _check_waits(funcs)
-    four = re.compile(r"(@!?P\d+ )?LDGSTS\.E ")  # 4-byte copies: x (issue_x_wg / _quarters) and the scales
+    monkeypatch.setenv("NANOQWEN_KERNEL_DEFINES", "NQ_TILE_X_PREPERM=0")
+    plain = _functions(_sass("gemv_int4.cu", QWEN25_7B))
+    _check_waits(plain)
+    four = re.compile(r"(@!?P\d+ )?LDGSTS\.E ")  # 4-byte copies: x (issue_x) and the scales
     sixteen = re.compile(r"(@!?P\d+ )?LDGSTS\.E\.BYPASS\.128 ")  # 16-byte copies without the L2 hint: x
     for c in (8, 16, 32, 64):
         for kind in GEMV_KINDS:
@@ -185,29 +185,13 @@ def test_prepared_x_knobs_build(knob, monkeypatch):
             assert f"HGMMA.64x{c}x16.F32" in body and body.count("WARPGROUP.DEPBAR") <= 4, name
             if kind != "nq_qkv_rope_kv":
                 assert "STL " not in body and "LDL " not in body, name
-            if knob.startswith("NQ_TILE_X_BY_QUARTER"):
-                if kind == "nq_gate_up_silu":
-                    assert max(_loop_copies(body)) == 8, f"{name}: expected an x loop of 8 copies"
-            elif kind in ("nq_qkv_rope_kv", "nq_gate_up_silu"):
-                assert len(four.findall(body)) < len(four.findall(base[name])), f"{name}: 4-byte x copies left"
-                assert sixteen.search(body) and not sixteen.search(base[name]), f"{name}: no 16-byte x copies"
+            if kind in ("nq_qkv_rope_kv", "nq_gate_up_silu"):
+                assert len(four.findall(body)) < len(four.findall(plain[name])), f"{name}: 4-byte x copies left"
+                assert sixteen.search(body) and not sixteen.search(plain[name]), f"{name}: no 16-byte x copies"
             else:
-                assert body == base[name], f"{name}: o_proj / down should be unchanged"
-    if knob.startswith("NQ_TILE_X_PREPERM"):
-        assert "STL" not in funcs["nq_norm_cols_wg_h"] and "LDL" not in funcs["nq_norm_cols_wg_h"]
-
-
-def _loop_copies(body: str) -> list[int]:
-    """4-byte cp.async copies (LDGSTS.E without .128) in each innermost backward-branch loop."""
-    ins = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", body)]
-    out = []
-    for addr, text in ins:
-        t = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
-        if t and int(t.group(1), 16) < addr:
-            loop = [x for a, x in ins if int(t.group(1), 16) <= a <= addr]
-            if not any("BRA" in x for x in loop[:-1]):  # innermost
-                out.append(sum(bool(re.match(r"(@!?P\d+ )?LDGSTS\.E ", x)) for x in loop))
-    return out
+                assert body == plain[name], f"{name}: o_proj / down should not depend on NQ_TILE_X_PREPERM"
+    assert "STL" not in funcs["nq_norm_cols_wg_h"] and "LDL" not in funcs["nq_norm_cols_wg_h"]
+    assert "nq_norm_cols_wg_h" not in plain
 
 
 def test_odd_group_count_build_releases_its_scale_stores():

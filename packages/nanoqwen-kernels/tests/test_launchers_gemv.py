@@ -182,7 +182,8 @@ def test_qkv_rope_kv_batched_checks(launches):
     good = _qkv_args(d, 5)
     g.qkv_rope_kv(**good)
     (norm, _, nargs), (fn, grid, args) = launches[-2:]
-    assert norm == "nq_norm_cols_h" and nargs[1] is good["norm_w"]  # the tile GEMM takes x normalised
+    # the tile GEMM takes x normalised, laid out in its stage layout (NQ_TILE_X_PREPERM) for 8 columns
+    assert norm == "nq_norm_cols_wg_h" and nargs[1] is good["norm_w"] and int(nargs[-1]) == 8
     assert fn == "nq_qkv_rope_kv_tile8" and int(args[6]) == 64 and int(args[-3]) == 5
     bad = [
         (dict(pos_dev=dev((1,), np.int32)), r"pos_dev must have shape \(5,\)"),
@@ -274,11 +275,10 @@ def test_tile_knobs_size_the_launch(launches, monkeypatch):
 
 
 @pytest.mark.parametrize("b, build", [(3, 8), (40, 64)])
-def test_x_preperm_knob_lays_x_out_for_qkv_and_gate_up_only(launches, monkeypatch, b, build):
-    """NQ_TILE_X_PREPERM ($NANOQWEN_KERNEL_DEFINES; not yet run on a GPU): gate/up (with its norm or without)
+def test_x_is_laid_out_for_qkv_and_gate_up_only(launches, monkeypatch, b, build):
+    """NQ_TILE_X_PREPERM (default 1; $NANOQWEN_KERNEL_DEFINES): gate/up (with its norm or without)
     goes through nq_norm_cols_wg_h with the build's column count and reads what it wrote; o_proj with a norm
     keeps the plain RMSNorm and its x layout."""
-    monkeypatch.setenv("NANOQWEN_KERNEL_DEFINES", "NQ_TILE_X_PREPERM=1")
     d = QWEN25_7B
     g = GemvKernels(d, load)
     got = []
@@ -297,3 +297,16 @@ def test_x_preperm_knob_lays_x_out_for_qkv_and_gate_up_only(launches, monkeypatc
     res = dev((b, d.hidden), np.float16)
     g.gemv_int4(qh, sh, x, res, residual=res, norm_w=dev((d.hidden,), np.float16))
     assert [f for f, _, _ in got] == ["nq_norm_cols_h", f"nq_gemv_int4_h_tile{build}"]
+
+
+def test_x_preperm_off_gives_gate_up_the_plain_norm(launches, monkeypatch):
+    """NQ_TILE_X_PREPERM=0 (the A/B knob's other side): gate/up goes back to the plain RMSNorm and x layout."""
+    monkeypatch.setenv("NANOQWEN_KERNEL_DEFINES", "NQ_TILE_X_PREPERM=0")
+    d = QWEN25_7B
+    g = GemvKernels(d, load)
+    got = []
+    monkeypatch.setattr(checks, "launch", lambda fn, grid, block, args, shared_mem=0: got.append((fn, grid, args)))
+    qw, sc = dev((2 * d.intermediate, d.hidden // 8), np.uint32), dev((2 * d.intermediate, d.hidden // 128), np.float16)
+    x, out = dev((5, d.hidden), np.float16), dev((5, d.intermediate), np.float16)
+    g.gate_up_silu(qw, sc, x, dev((d.hidden,), np.float16), 1e-6, out)
+    assert [f for f, _, _ in got] == ["nq_norm_cols_h", "nq_gate_up_silu_tile8"]

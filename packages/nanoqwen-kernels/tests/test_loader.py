@@ -14,7 +14,9 @@ def probe(tmp_path, monkeypatch):
     path = loader.CUDA_DIR / name
     path.write_text(
         '#include "common.cuh"\n'
-        'extern "C" __global__ void probe(float* o) { o[threadIdx.x] = NQ_HIDDEN * NQ_ROPE_THETA; }\n'
+        'extern "C" __global__ void probe(float* o) {\n'
+        '  o[threadIdx.x] = NQ_HIDDEN * NQ_ROPE_THETA * nq::kRopeInvFreq[threadIdx.x % 64];\n'
+        '}\n'
     )
     monkeypatch.setenv("NANOQWEN_KERNEL_CACHE", str(tmp_path / "cache"))
     yield name

@@ -1,6 +1,7 @@
-"""CPU check of the tile GEMM's wgmma build (gemm_tiles.cuh NQ_TILE_WGMMA, wgmma.cuh): a numpy emulation of
+"""CPU check of the tile GEMM's wgmma build (gemm_tiles.cuh, wgmma.cuh): a numpy emulation of
 wgmma.mma_async m64nNk16 with A from registers and B through a 128-byte-swizzled K-major descriptor, fed
-exactly as the kernel feeds it: issue_x_wg's 4-byte copies into their swizzled places, multiply_pair_wg's A
+exactly as the kernel feeds it: x in its swizzled places (x_places, the layout's definition; issue_x's
+4-byte copies and nq_norm_cols_wg_h's stores must both land there), multiply_pair's A
 fragments (a lane's four words of a group, two k16 steps per word) and its descriptor start per step. The
 product over a 256-k pair must be every row's dot product with every column. Catches a wrong copy offset,
 swizzle, step order or k pairing between A and B before any GPU run; also that the copies cover each x
@@ -12,8 +13,9 @@ import pytest
 TILE_UNITS, TILE_WARPS, PAIR_K = 128, 16, 256
 
 
-def issue_x_wg(x: np.ndarray, ncols: int, n_cols_build: int, pg: int):
-    """issue_x_wg's copies: yields (warp, item, lane, byte offset in the stage's x, column, k)."""
+def x_places(x: np.ndarray, ncols: int, n_cols_build: int, pg: int):
+    """The stage's x layout (gemm_tiles.cuh), as the kernel's first version copied it (one warp per (column,
+    quarter) item): yields (warp, item, lane, byte offset in the stage's x, column, k)."""
     k_total = x.shape[1]
     for warp in range(TILE_WARPS):
         for item in range(warp, ncols * 4, TILE_WARPS):
@@ -30,7 +32,7 @@ def stage_x(x: np.ndarray, ncols: int, n_cols_build: int, pg: int) -> np.ndarray
     """The stage's x region as fp64 halves (NaN where no copy wrote: a read of it poisons the product)."""
     smem = np.full(n_cols_build * PAIR_K, np.nan)
     written = np.zeros(n_cols_build * PAIR_K, dtype=int)
-    for _, _, _, off, n, k in issue_x_wg(x, ncols, n_cols_build, pg):
+    for _, _, _, off, n, k in x_places(x, ncols, n_cols_build, pg):
         assert off % 4 == 0
         smem[off // 2], smem[off // 2 + 1] = x[n, k], x[n, k + 1]
         written[off // 2] += 1
@@ -52,7 +54,7 @@ def read_b(smem: np.ndarray, start: int, n_cols_build: int) -> np.ndarray:
 
 
 def a_fragments(w: np.ndarray, warp_in_wg: int, gl: int, wd: int, h: int) -> np.ndarray:
-    """A (16 x 16 rows of this warp) of step 2 wd + h of group gl, as multiply_pair_wg builds its registers:
+    """A (16 x 16 rows of this warp) of step 2 wd + h of group gl, as multiply_pair builds its registers:
     lane (g, c) unpacks words wd of its chunk c (k = 128 gl + 32 c + 8 wd ..) of rows r0 (fragment row g)
     and r1 (row g + 8); half2 2h goes to slots 2c, 2c+1 and half2 2h+1 to slots 2c+8, 2c+9."""
     a = np.zeros((16, 16))
@@ -93,15 +95,15 @@ def test_wgmma_x_copies_cover_once_and_spread_banks(ncols):
     x = np.zeros((ncols, PAIR_K))
     seen: dict[tuple[int, int], int] = {}
     banks: dict[tuple[int, int], set[int]] = {}
-    for warp, item, _lane, off, n, k in issue_x_wg(x, ncols, n_build, 0):
+    for warp, item, _lane, off, n, k in x_places(x, ncols, n_build, 0):
         seen[(n, k)] = seen.get((n, k), 0) + 1
         banks.setdefault((warp, item), set()).add((off // 4) % 32)
     assert seen == {(n, k): 1 for n in range(ncols) for k in range(0, PAIR_K, 2)}
     assert all(len(b) == 32 for b in banks.values()), "a copy instruction's lanes share a bank"
 
 
-def issue_x_quarters(x: np.ndarray, ncols: int, n_cols_build: int, pg: int, warps: int):
-    """issue_x_quarters (NQ_TILE_X_BY_QUARTER): yields (warp, (quarter, column), lane, offset, column, k)."""
+def issue_x(x: np.ndarray, ncols: int, n_cols_build: int, pg: int, warps: int):
+    """issue_x (o_proj and down): yields (warp, (quarter, column), lane, offset, column, k)."""
     k_total = x.shape[1]
     for warp in range(warps):
         for qq in range(warp, 4, warps):
@@ -120,16 +122,16 @@ def issue_x_quarters(x: np.ndarray, ncols: int, n_cols_build: int, pg: int, warp
 
 
 @pytest.mark.parametrize("ncols,warps", [(1, 4), (5, 4), (8, 4), (37, 4), (64, 4), (64, 2), (9, 1)])
-def test_x_by_quarter_makes_the_same_copies(ncols, warps):
-    """The cheaper copy order puts every (column, k) pair where issue_x_wg puts it, once, and each copy
+def test_issue_x_makes_the_layouts_copies(ncols, warps):
+    """issue_x's copy order puts every (column, k) pair at its place in the layout, once, and each copy
     instruction's 32 lanes still write 32 different banks."""
     n_build = max(8, -(-ncols // 8) * 8)
     for k_total, pg in ((PAIR_K, 0), (2 * PAIR_K, 1), (PAIR_K + 128, 1)):  # the last: an odd group count
         x = np.zeros((ncols, k_total))
-        want = {(n, k): off for _, _, _, off, n, k in issue_x_wg(x, ncols, n_build, pg)}
+        want = {(n, k): off for _, _, _, off, n, k in x_places(x, ncols, n_build, pg)}
         got: dict[tuple[int, int], int] = {}
         banks: dict[tuple, set[int]] = {}
-        for warp, item, _lane, off, n, k in issue_x_quarters(x, ncols, n_build, pg, warps):
+        for warp, item, _lane, off, n, k in issue_x(x, ncols, n_build, pg, warps):
             assert (n, k) not in got, "copied twice"
             got[(n, k)] = off
             banks.setdefault((warp, item), set()).add((off // 4) % 32)
@@ -163,8 +165,8 @@ def issue_x_pre_chunks(ncols: int, n_cols_build: int, k_total: int, pg: int, war
 
 @pytest.mark.parametrize("ncols", [1, 5, 8, 9, 37, 64])
 def test_preperm_x_lands_where_the_copies_expect_it(ncols):
-    """NQ_TILE_X_PREPERM: the RMSNorm writes each column's x at the offset issue_x_wg would have copied it
-    to, within its pair's block, and issue_x_pre's 16-byte chunks cover every one of those places (and
+    """NQ_TILE_X_PREPERM: the RMSNorm writes each column's x at its place in the stage layout, within its
+    pair's block, and issue_x_pre's 16-byte chunks cover every one of those places (and
     stay inside the buffer the launcher passes: build x K halves)."""
     n_build = max(8, -(-ncols // 8) * 8)
     for k_total in (PAIR_K, 3 * PAIR_K, 3 * PAIR_K + 128):  # the last: an odd group count
@@ -172,7 +174,7 @@ def test_preperm_x_lands_where_the_copies_expect_it(ncols):
         pairs = -(-k_total // PAIR_K)
         want = {}
         for pg in range(pairs):
-            want.update({(n, k): pg * n_build * 512 + off for _, _, _, off, n, k in issue_x_wg(x, ncols, n_build, pg)})
+            want.update({(n, k): pg * n_build * 512 + off for _, _, _, off, n, k in x_places(x, ncols, n_build, pg)})
         got = {(n, k): norm_cols_wg_offset(n, k, n_build) for n in range(ncols) for k in range(0, k_total, 2)}
         assert got == want
         assert max(got.values()) + 4 <= n_build * k_total * 2

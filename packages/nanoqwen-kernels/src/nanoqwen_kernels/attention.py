@@ -14,6 +14,7 @@ import numpy as np
 from . import checks as ck
 from .dims import HEAD_DIM, PAGE_TOKENS, ModelDims
 from .errors import KernelError
+from .loader import Define
 
 MAX_BATCH = 64  # the largest batch a default workspace serves (the engine's max_batch)
 DECODE_SOURCES = ["attention_decode.cu"]
@@ -43,7 +44,7 @@ def _variant(variant: str) -> tuple[int, int]:
     return VARIANTS[variant]
 
 
-def decode_defines(dims: ModelDims, variant: str = DEFAULT_VARIANT) -> dict[str, int | float]:
+def decode_defines(dims: ModelDims, variant: str = DEFAULT_VARIANT) -> dict[str, Define]:
     mma, consumers = _variant(variant)
     return {
         **dims.defines(),

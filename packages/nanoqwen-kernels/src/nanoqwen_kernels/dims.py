@@ -10,7 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from .errors import KernelError
+from .loader import Define
 
 GROUP = 128  # INT4 quantization group along K (docs/FORMAT.md); the GEMV tiles K by whole groups
 HEAD_DIM = 128  # RoPE pairs d and d+64 and the attention tiles assume 128-wide heads
@@ -70,8 +73,16 @@ class ModelDims(HeadWidths):
                 f"unsupported heads: n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}"
             )
 
-    def defines(self) -> dict[str, int | float]:
-        """The -D constants every kernel source sees (names mirrored in cuda/common.cuh)."""
+    def rope_inv_freq(self) -> tuple[float, ...]:
+        """RoPE's inverse frequencies 1 / theta^(2d / head_dim), d < head_dim / 2: computed in fp64 and
+        rounded once to fp32, as the reference backend computes them (so the correctly rounded values)."""
+        hd = self.head_dim
+        return tuple(float(np.float32(1.0 / self.rope_theta ** ((2.0 * d) / hd))) for d in range(hd // 2))
+
+    def defines(self) -> dict[str, Define]:
+        """The -D constants every kernel source sees (names mirrored in cuda/common.cuh). The RoPE table is
+        one of them: computing 1 / theta^(2d/128) in fp64 where it is used cost the fused q/k/v epilogue
+        ~550 fp64 instructions (SASS of the 7B tile64 entry) and its last block ~10 us at B = 64."""
         return {
             "NQ_HIDDEN": self.hidden,
             "NQ_INTER": self.intermediate,
@@ -81,6 +92,7 @@ class ModelDims(HeadWidths):
             "NQ_VOCAB": self.vocab,
             "NQ_NLAYERS": self.n_layers,
             "NQ_ROPE_THETA": float(self.rope_theta),
+            "NQ_ROPE_INV_FREQ": self.rope_inv_freq(),
         }
 
 

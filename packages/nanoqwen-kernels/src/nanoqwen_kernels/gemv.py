@@ -151,8 +151,8 @@ def tile_threads() -> int:
 
 def tile_x_preperm() -> bool:
     """Whether the q/k/v and gate/up tile entries read x pre-permuted into the tile layout (gemm_tiles.cuh
-    NQ_TILE_X_PREPERM, a $NANOQWEN_KERNEL_DEFINES knob, default off), written by nq_norm_cols_wg_h."""
-    return bool(extra_defines().get("NQ_TILE_X_PREPERM", 0))
+    NQ_TILE_X_PREPERM, a $NANOQWEN_KERNEL_DEFINES knob, default on), written by nq_norm_cols_wg_h."""
+    return bool(extra_defines().get("NQ_TILE_X_PREPERM", 1))
 
 
 def tile_stages(cols: int) -> int:

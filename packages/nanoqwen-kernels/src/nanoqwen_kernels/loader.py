@@ -54,11 +54,17 @@ def cache_dir() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "nanoqwen" / "kernels"
 
 
-def _format_define(name: str, value: int | float) -> str:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise KernelError(f"define {name} must be an int or float, got {value!r}")
+# A -D constant: an int, a float, or a tuple of floats (an initializer list: a table the kernels index)
+Define = int | float | tuple[float, ...]
+
+
+def _format_define(name: str, value: Define) -> str:
     if not name.isidentifier():
         raise KernelError(f"define name {name!r} is not a C identifier")
+    if isinstance(value, tuple) and value and all(isinstance(v, float) for v in value):
+        return f"-D{name}=" + ",".join(f"{v!r}f" for v in value)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise KernelError(f"define {name} must be an int, a float or a tuple of floats, got {value!r}")
     if isinstance(value, float):
         # repr round-trips exactly; the f suffix keeps the constant a float, not a double
         return f"-D{name}={value!r}f"
@@ -145,7 +151,7 @@ def extra_defines() -> dict[str, int]:
     return out
 
 
-def build_options(defines: dict[str, int | float], arch: str) -> list[str]:
+def build_options(defines: dict[str, Define], arch: str) -> list[str]:
     opts = ["-std=c++17", f"--gpu-architecture={arch}", "--extra-device-vectorization"]
     if _debug():
         opts.append("-lineinfo")
@@ -153,7 +159,7 @@ def build_options(defines: dict[str, int | float], arch: str) -> list[str]:
     return opts
 
 
-def compile_cubin(sources: list[str], defines: dict[str, int | float], arch: str = DEFAULT_ARCH) -> bytes:
+def compile_cubin(sources: list[str], defines: dict[str, Define], arch: str = DEFAULT_ARCH) -> bytes:
     """Compile (or fetch from the disk cache) the cubin of `sources` (file names under cuda/)."""
     srcs = _read_sources(list(sources))
     options = build_options(dict(defines), arch)
@@ -245,7 +251,7 @@ def _load_cached(sources: tuple[str, ...], defines: tuple, arch: str, device: in
     return LoadedModule(compile_cubin(list(sources), dict(defines), arch), sources)
 
 
-def load_module(sources: list[str], defines: dict[str, int | float], arch: str | None = None) -> LoadedModule:
+def load_module(sources: list[str], defines: dict[str, Define], arch: str | None = None) -> LoadedModule:
     """Compile (cached) and load `sources` on the current CuPy device; arch defaults to the device's."""
     import cupy
 

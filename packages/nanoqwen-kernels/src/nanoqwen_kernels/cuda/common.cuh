@@ -14,8 +14,8 @@
 #error "NQ_HIDDEN not defined: compile through nanoqwen_kernels.loader with ModelDims.defines()"
 #endif
 #if !defined(NQ_INTER) || !defined(NQ_NHEADS) || !defined(NQ_NKV) || !defined(NQ_HEAD_DIM) || \
-    !defined(NQ_VOCAB) || !defined(NQ_ROPE_THETA)
-#error "model dims incomplete: NQ_INTER, NQ_NHEADS, NQ_NKV, NQ_HEAD_DIM, NQ_VOCAB, NQ_ROPE_THETA needed"
+    !defined(NQ_VOCAB) || !defined(NQ_ROPE_THETA) || !defined(NQ_ROPE_INV_FREQ)
+#error "model dims incomplete: NQ_INTER, NQ_NHEADS, NQ_NKV, NQ_HEAD_DIM, NQ_VOCAB, NQ_ROPE_THETA, NQ_ROPE_INV_FREQ needed"
 #endif
 #if NQ_HEAD_DIM != 128
 #error "nanoqwen kernels are built for head_dim 128"
@@ -34,6 +34,10 @@ constexpr int kInter = NQ_INTER;           // I
 constexpr int kHeads = NQ_NHEADS;          // query heads
 constexpr int kKvHeads = NQ_NKV;           // KV heads
 constexpr int kHeadDim = NQ_HEAD_DIM;      // 128
+// RoPE's inverse frequencies 1 / theta^(2d / 128), d < 64, rounded once to fp32 on the host (dims.py
+// rope_inv_freq, as the reference backend computes them). A table rather than pow() in fp64 where it is
+// used: the fused q/k/v epilogue called it per output (the 7B tile64 entry: ~550 fp64 instructions).
+__device__ const float kRopeInvFreq[kHeadDim / 2] = {NQ_ROPE_INV_FREQ};
 constexpr int kQDim = kHeads * kHeadDim;   // q rows of the fused qkv
 constexpr int kKvDim = kKvHeads * kHeadDim;
 constexpr int kQkvRows = kQDim + 2 * kKvDim;

@@ -23,7 +23,7 @@
 //     W   [256 row slots][128 B]   INT4 words of groups 2pg, 2pg+1; row slot rs = rr * 128 + u holds row
 //                                 r0 (rr = 0) or r1 (rr = 1) of unit u (the Map names them)
 //     S   [256 row slots][2] fp16  their scales (one 4-byte copy per row: groups 2pg, 2pg+1 are adjacent)
-//     X   [B / 8][4][1024 B]      x of the pair in wgmma's B layout (issue_x_wg): 128-byte-swizzled atoms
+//     X   [B / 8][4][1024 B]      x of the pair in wgmma's B layout (below): 128-byte-swizzled atoms
 //   Bank layout of W: lane (g, c) reads 16 B of unit u = ... + g at chunk 4 gl + c; units g and g + 1 of a
 //   quarter-warp are 128 B apart (the same banks), so an odd row slot stores its two 64-byte halves
 //   swapped (chunk j at j ^ 4): the quarter-warp then covers all 32 banks once.
@@ -32,7 +32,7 @@
 //   rows r0 and r1 of unit 8 w + g); warps 4 i .. 4 i + 3 form warpgroup i, whose wgmma m64 x (8 NT) x 16
 //   takes the 4 warps' m16 fragments as A (registers) and x as B (shared memory, wgmma.cuh). Per group,
 //   per 8-k word: 4 half2 of rows r0 / r1 (unpack8, exact) times the group's fp16 scale, the k order inside
-//   a wgmma a permutation A and the staged x share (issue_x_wg); the wgmmas accumulate in fp32.
+//   a wgmma a permutation A and the staged x share (the x layout, below); the wgmmas accumulate in fp32.
 //
 // Stripes (Marlin's load balance): the work items are (tile, pair), tile-major, W_items = tiles x pairs.
 //   Block b of P (gridDim.x) takes items [b W / P, (b + 1) W / P): the tail of one tile, whole tiles, the
@@ -104,67 +104,38 @@ __device__ __forceinline__ uint4* tile_ring_base(uint4* raw) {
   return raw + ((1024u - (smem_u32(raw) & 1023u)) & 1023u) / 16;
 }
 
-// The activation copies of pair pg: x of every column, placed as wgmma's B operand
-// (wgmma.cuh) in the k order of the A fragments. Lane c of a quad holds the weights of words
-// 32 c + 8 w .. + 7 of a group (w = 0..3, one 16-byte chunk per lane, as mma.sync had them) and gives
-// the two k16 steps s = 2 w, 2 w + 1 of the group its half2 pairs: step 2 w + h takes k = 32 c + 8 w +
-// 4 h + {0, 1} into its slots 2 c, 2 c + 1 and k = .. + {2, 3} into 2 c + 8, 2 c + 9. So the x of step
-// s is not 16 consecutive k but 4 bytes from each of 8 places: staged with 4-byte copies. Stage layout:
-// step s (0..15 over the pair) of column n is atom (s / 4) x (kCols / 8) + n / 8, row n % 8, chunk
-// 2 (s % 4) + j (j = 0: slots 0..7, 1: slots 8..15), 4-byte slot c of it. Launch shape of the copies:
-// one warp per (column, 4 steps of a group), lane = 8 c + q with q the (unswizzled) chunk: the 32 lanes
-// write 32 different banks (chunk q ^ (n % 8), slot c) and read 4 runs of 32 bytes of x.
-// Issued by the producer warps: warp `warp` of `warps` takes items warp, warp + warps, ..
-template <int K, int kCols>
-__device__ __forceinline__ void issue_x_wg(const uint16_t* __restrict__ x, int ncols, int pg, uint4* xs, int warp,
-                                           int warps) {
-  const int lane = threadIdx.x & 31;
-  const int c = lane >> 3, q = lane & 7;  // q = 2 (s % 4) + j: w % 2 = q >> 2, h = (q >> 1) & 1, j = q & 1
-  char* base = reinterpret_cast<char*>(xs);
-  for (int item = warp; item < ncols * 4; item += warps) {
-    const int n = item >> 2, qq = item & 3;  // qq = s / 4 = 2 gl + w / 2
-    const int k = 256 * pg + 128 * (qq >> 1) + 32 * c + 8 * (2 * (qq & 1) + (q >> 2)) + 2 * (q & 3);
-    const int off = (qq * (kCols / 8) + (n >> 3)) * 1024 + (n & 7) * 128 + ((q ^ (n & 7)) << 4) + 4 * c;
-    if (K % 256 == 0 || k < K) cp_async4(base + off, x + static_cast<size_t>(n) * K + k);  // past K: never read
-  }
-}
-
-// NQ_TILE_X_BY_QUARTER (A/B knob, default 0; not yet run on a GPU): the same copies as issue_x_wg, to the
-// same places, in an order that makes each cheap. Producer warp pw takes the quarters qq = pw, pw + P, ..
-// (qq = 2 gl + w / 2, as issue_x_wg's items) for every column: a lane's source is then a fixed pointer plus
-// n K, and its destination a fixed offset plus n / 8 atoms plus, for n % 8 = r known at compile time, row r
-// and chunk q ^ r. Why: issue_x_wg spends ~14 instructions per 4-byte copy (its item's column and quarter
-// recomputed for each), and at B = 64 its 8,192 copies per step are most of the producers' issue
-// (SASS of the 7B gate/up build, docs/PERF.md "sixth lease").
-#ifndef NQ_TILE_X_BY_QUARTER
-#define NQ_TILE_X_BY_QUARTER 0
-#endif
-// NQ_TILE_X_PREPERM (A/B knob, default 0; not yet run on a GPU; gemv.py tile_x_preperm mirrors it): the q/k/v
-// and gate/up entries (kXPre) read x already in the stage layout, written so by the RMSNorm before them
-// (nq_norm_cols_wg_h, gemv_mma.cuh norm_cols<K, true>): pair pg's x is bytes [pg, pg + 1) x 512 x kCols of it,
-// and the producers copy its first ceil(B / 8) atoms of each quarter as 16-byte chunks (at B = 64: 16 per
-// producer thread per step, against 64 four-byte copies). o_proj and down read x from the attention and
-// the gate/up epilogue, in the natural layout, as before.
+// The x layout of a stage (X above): x of every column, placed as wgmma's B operand (wgmma.cuh) in the k
+// order of the A fragments. Lane c of a quad holds the weights of words 32 c + 8 w .. + 7 of a group
+// (w = 0..3, one 16-byte chunk per lane, as mma.sync had them) and gives the two k16 steps s = 2 w, 2 w + 1
+// of the group its half2 pairs: step 2 w + h takes k = 32 c + 8 w + 4 h + {0, 1} into its slots 2 c, 2 c + 1
+// and k = .. + {2, 3} into 2 c + 8, 2 c + 9. So the x of step s is not 16 consecutive k but 4 bytes from
+// each of 8 places. Step s (0..15 over the pair) of column n is atom (s / 4) x (kCols / 8) + n / 8, row
+// n % 8, 16-byte chunk 2 (s % 4) + j (j = 0: slots 0..7, 1: slots 8..15) stored at chunk q ^ (n % 8) (the
+// 128-byte swizzle), 4-byte slot c of it. tests/test_wgmma_tile_mapping.py checks the map, the banks and
+// the data flow in numpy.
+//
+// Two ways x gets there:
+// - issue_x (o_proj and down, whose x comes from the attention and the gate/up epilogue in the natural
+//   [B, K] layout): 4-byte copies. Producer warp pw takes the quarters qq = pw, pw + P, .. (qq = s / 4 =
+//   2 gl + w / 2) for every column, lane = 8 c + q (q the unswizzled chunk): a lane's source is a fixed
+//   pointer plus n K, its destination a fixed offset plus n / 8 atoms plus, for n % 8 = r known at compile
+//   time, row r and chunk q ^ r; the 32 lanes write 32 different banks. Why this order: the first version
+//   (one warp per (column, quarter) item) recomputed the item's column and quarter for each copy, ~14.5
+//   instructions a copy against ~7.8 here, and at B = 64 the 8,192 x copies of a step are most of the
+//   producers' issue (step GEMVs at B = 32 / 64: 3,754 / 5,606 -> 3,628 / 5,339 us; H200, fcb65af).
+// - issue_x_pre (q/k/v and gate/up, NQ_TILE_X_PREPERM, default 1; gemv.py tile_x_preperm mirrors it): their
+//   x comes from an RMSNorm anyway, so nq_norm_cols_wg_h (gemv_mma.cuh norm_cols<K, true>) writes it in this
+//   layout, pair after pair (pair pg's x is bytes [pg, pg + 1) x 512 x kCols of it), and the producers copy
+//   its first ceil(B / 8) atoms of each quarter as 16-byte chunks (at B = 64: 16 per producer thread per
+//   step, against 64 four-byte copies). Measured with issue_x's order on the other two (7B step GEMVs at
+//   B = 8 / 16 / 32 / 64): 2,459 / 2,878 / 3,754 / 5,606 us before either -> 2,444 / 2,782 / 3,524 / 5,082;
+//   engine steps at B = 32 / 64 4.38 / 6.52 -> 4.12 / 5.95 ms (H200, fcb65af, docs/PERF.md "seventh lease").
 #ifndef NQ_TILE_X_PREPERM
-#define NQ_TILE_X_PREPERM 0
+#define NQ_TILE_X_PREPERM 1
 #endif
-// The x copies of pair pg from a pre-permuted x (NQ_TILE_X_PREPERM)
 template <int K, int kCols>
-__device__ __forceinline__ void issue_x_pre(const uint16_t* __restrict__ x, int ncols, int pg, uint4* xs, int warp,
-                                            int warps) {
-  const int lane = threadIdx.x & 31;
-  const int chunks = (ncols + 7) / 8 * 64;  // 16-byte chunks of the used atoms of one quarter
-  const char* src = reinterpret_cast<const char*>(x) + static_cast<size_t>(pg) * kCols * 512;
-  char* dst = reinterpret_cast<char*>(xs);
-  for (int qq = warp; qq < 4; qq += warps) {
-    if (K % 256 != 0 && 256 * pg + 128 * (qq >> 1) >= K) continue;  // past K: never written, never read
-    const int q0 = qq * (kCols / 8) * 1024;
-    for (int ch = lane; ch < chunks; ch += 32) cp_async16(dst + q0 + 16 * ch, src + q0 + 16 * ch);
-  }
-}
-template <int K, int kCols>
-__device__ __forceinline__ void issue_x_quarters(const uint16_t* __restrict__ x, int ncols, int pg, uint4* xs,
-                                                 int warp, int warps) {
+__device__ __forceinline__ void issue_x(const uint16_t* __restrict__ x, int ncols, int pg, uint4* xs, int warp,
+                                        int warps) {
   const int lane = threadIdx.x & 31;
   const int c = lane >> 3, q = lane & 7;
   const int klane = 32 * c + 8 * (q >> 2) + 2 * (q & 3);
@@ -182,11 +153,24 @@ __device__ __forceinline__ void issue_x_quarters(const uint16_t* __restrict__ x,
     }
   }
 }
+template <int K, int kCols>
+__device__ __forceinline__ void issue_x_pre(const uint16_t* __restrict__ x, int ncols, int pg, uint4* xs, int warp,
+                                            int warps) {
+  const int lane = threadIdx.x & 31;
+  const int chunks = (ncols + 7) / 8 * 64;  // 16-byte chunks of the used atoms of one quarter
+  const char* src = reinterpret_cast<const char*>(x) + static_cast<size_t>(pg) * kCols * 512;
+  char* dst = reinterpret_cast<char*>(xs);
+  for (int qq = warp; qq < 4; qq += warps) {
+    if (K % 256 != 0 && 256 * pg + 128 * (qq >> 1) >= K) continue;  // past K: never written, never read
+    const int q0 = qq * (kCols / 8) * 1024;
+    for (int ch = lane; ch < chunks; ch += 32) cp_async16(dst + q0 + 16 * ch, src + q0 + 16 * ch);
+  }
+}
 
 // Multiply one staged pair into acc: per group, the warp dequantizes its 16 rows' 128 k (unpack8, exact q,
 // then q * scale in fp16: one rounding; the wgmmas accumulate in fp32) into the A fragments of 8 k16
 // steps, then its warpgroup issues them as 8 wgmmas over all the columns at once (x read from the stage by
-// the tensor cores, issue_x_wg's layout). Each group waits for its own wgmmas before the next group's
+// the tensor cores, the x layout above). Each group waits for its own wgmmas before the next group's
 // fragments are written: with both groups' fragments live (64 registers) ptxas ran out of registers at
 // 640 threads and serialized every wgmma (ptxas C7511/C7512, a wait after each one) from 16 columns up.
 // The final wait is also what lets the ring refill this stage (its x read) and the epilogue read acc.
@@ -275,11 +259,17 @@ __device__ __forceinline__ void partial_segment(int t, bool first, float* __rest
   tile_consumer_sync();
   if (!last_flag) return;  // block-uniform
   __threadfence();  // the other blocks' partial sums (seen through their tickets) before reading them
-  // Thread tid sums unit u = tid % 128 of columns tid / 128 + 2 q over the contributors, in block order
-  // (the same sums at every batch size). All kPer loads of one contributor are independent and issued
-  // together: the reduction costs (contributors) L2 round trips, not (contributors x outputs per thread).
+  // Thread tid sums unit u = tid % 128 of columns tid / 128 + 4 q over the contributors, in block order
+  // (the same sums at every batch size). The loads of kJ contributors are issued together before any of
+  // them is added: the reduction costs contributors / kJ L2 round trips per pass rather than one per
+  // contributor (at 8 / 16 columns: 4 / 2 contributors a round trip). Why: o_proj and q/k/v have ~7
+  // contributors per tile (2 work items a block) and the last block's reduction is on the kernel's
+  // critical path.
   constexpr int kPer = kTileUnits * kCols / kTileThreads;
   constexpr int kChunk = kPer < 8 ? kPer : 8;  // outputs summed per pass (registers: 2 x kChunk)
+  // contributors in flight (registers: 2 x kJ x kChunk): 8 float2 a thread; 16 spilled in the gate/up
+  // entry for 64 columns (SASS, tests/test_compile.py)
+  constexpr int kJ = 8 / kChunk;
   const int u = tid % kTileUnits, col0 = tid / kTileUnits;
   const int p = t * kTileUnits + u;
   int r0 = 0, r1 = 0;
@@ -289,17 +279,27 @@ __device__ __forceinline__ void partial_segment(int t, bool first, float* __rest
     float o0[kChunk], o1[kChunk];
 #pragma unroll
     for (int q = 0; q < kChunk; ++q) o0[q] = o1[q] = 0.f;
-    for (int b = b_first; b <= b_last; ++b) {
-      const int tb = static_cast<int>(stripe_lo(b, w_items, p_blocks) / kPairs);
-      const int sb = 2 * b + (tb == t ? 0 : 1);
-      const float2* src = reinterpret_cast<const float2*>(ws) + static_cast<size_t>(sb) * kCols * kTileUnits + u;
+    for (int b = b_first; b <= b_last; b += kJ) {
+      float2 v[kJ][kChunk];
 #pragma unroll
-      for (int q = 0; q < kChunk; ++q) {
-        const int col = col0 + (kTileThreads / kTileUnits) * (q0 + q);
-        if (col < ncols) {
-          const float2 v = __ldcg(src + col * kTileUnits);
-          o0[q] += v.x;
-          o1[q] += v.y;
+      for (int j = 0; j < kJ; ++j) {
+        const int bj = b + j;
+        const int tb = static_cast<int>(stripe_lo(bj, w_items, p_blocks) / kPairs);
+        const int sb = 2 * bj + (tb == t ? 0 : 1);
+        const float2* src = reinterpret_cast<const float2*>(ws) + static_cast<size_t>(sb) * kCols * kTileUnits + u;
+#pragma unroll
+        for (int q = 0; q < kChunk; ++q) {
+          const int col = col0 + (kTileThreads / kTileUnits) * (q0 + q);
+          v[j][q] = (bj <= b_last && col < ncols) ? __ldcg(src + col * kTileUnits) : make_float2(0.f, 0.f);
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kJ; ++j) {
+        if (b + j > b_last) break;
+#pragma unroll
+        for (int q = 0; q < kChunk; ++q) {
+          o0[q] += v[j][q].x;
+          o1[q] += v[j][q].y;
         }
       }
     }
@@ -318,7 +318,7 @@ __device__ __forceinline__ void partial_segment(int t, bool first, float* __rest
 // ws: fp32 [2 P][8 NT][kTileUnits][2]; tickets: int [tiles], zero before the launch (and after it).
 // Producer thread pt (0 .. 32 NQ_TILE_PRODUCERS - 1) copies, per step: chunk pt % 8 of the weight rows of
 // units pt / 8 + 4 NQ_TILE_PRODUCERS j (both rows of each unit), the scales of slots pt + 32 P j, and x
-// items (column, quarter) pw, pw + P, .. (issue_x_wg, one warp per item).
+// quarters pw, pw + P, .. of x (issue_x, or issue_x_pre for an x laid out by nq_norm_cols_wg_h).
 template <int K, int NT, bool kXPre = false, class Map, class Epi>
 __device__ __forceinline__ void gemm_tiles(const uint32_t* __restrict__ qw, const uint16_t* __restrict__ sc,
                                            const uint16_t* __restrict__ x, int units, int n_cols,
@@ -390,10 +390,8 @@ __device__ __forceinline__ void gemm_tiles(const uint32_t* __restrict__ qw, cons
       if (i == 0) pdl_wait();  // x is the previous kernel's output; the weights above may go first
       if constexpr (kXPre)
         issue_x_pre<K, kCols>(x, ncols, pg, base + kTileSlots * 8 + kTileSlots / 4, pw, kP);
-      else if constexpr (NQ_TILE_X_BY_QUARTER)
-        issue_x_quarters<K, kCols>(x, ncols, pg, base + kTileSlots * 8 + kTileSlots / 4, pw, kP);
       else
-        issue_x_wg<K, kCols>(x, ncols, pg, base + kTileSlots * 8 + kTileSlots / 4, pw, kP);
+        issue_x<K, kCols>(x, ncols, pg, base + kTileSlots * 8 + kTileSlots / 4, pw, kP);
       cp_async_mbar_arrive(&full_bar[st]);
       if constexpr (kG % 2 != 0) mbar_arrive(&full_bar[st]);  // the plain scale stores above (release)
     }

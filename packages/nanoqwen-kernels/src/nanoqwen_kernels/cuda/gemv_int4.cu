@@ -212,10 +212,10 @@ struct QkvEpi {
     x1 += h2f(bias[r1]);
     if (head < kHeads + kKvHeads) {  // q or k: rotate the pair (d, d + 64)
       // HF: inv_freq[d] = 1 / theta^(2d/128), angle = pos * inv_freq in fp32. inv_freq is computed in
-      // fp64 and rounded once, so it is the correctly rounded fp32 value (as the engine's numpy
-      // reference computes it): an ulp of inv_freq is ~2e-3 rad of angle at pos 32k. Precise sincosf
-      // (no fast math) because the angle reaches ~3e4 rad at 32k context.
-      const float inv = static_cast<float>(1.0 / pow(static_cast<double>(NQ_ROPE_THETA), (2.0 * d) / kHeadDim));
+      // fp64 and rounded once (kRopeInvFreq, common.cuh), so it is the correctly rounded fp32 value (as
+      // the engine's numpy reference computes it): an ulp of inv_freq is ~2e-3 rad of angle at pos 32k.
+      // Precise sincosf (no fast math) because the angle reaches ~3e4 rad at 32k context.
+      const float inv = kRopeInvFreq[d];
       const float ang = static_cast<float>(ps) * inv;
       float sn, cs;
       sincosf(ang, &sn, &cs);

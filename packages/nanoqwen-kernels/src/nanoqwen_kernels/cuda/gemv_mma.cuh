@@ -333,7 +333,7 @@ __device__ __forceinline__ void gemv_mma(const W& wsrc, const uint16_t* __restri
 // xn[b] = RMSNorm(x[b]) * norm_w for column b = blockIdx.x: the same column_rms factor and rms_apply8 that
 // gemv_mma's staging uses, so the tile GEMM (gemm_tiles.cuh) multiplies the same normalised x bits.
 // kTileLayout (NQ_TILE_X_PREPERM's nq_norm_cols_wg_h): xn is written in the tile GEMM's stage layout for x
-// instead (issue_x_wg's places, pair after pair, tile_cols = the build's columns), and norm_w may be NULL
+// instead (gemm_tiles.cuh's x layout, pair after pair, tile_cols = the build's columns), and norm_w may be NULL
 // (x only re-laid out). Chunk i (k = 8 i .. + 7) of column n: in its 128-k group gl, c = lane quad's 32-k
 // slice, w = word; its 4 half2 go to q = 4 (w % 2) + {0, 1, 2, 3} of quarter qq = 2 gl + w / 2.
 template <int K, bool kTileLayout = false>

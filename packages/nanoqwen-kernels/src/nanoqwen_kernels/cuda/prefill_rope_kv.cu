@@ -52,7 +52,7 @@ extern "C" __global__ void __launch_bounds__(64)
   }
   float y0 = x0, y1 = x1;
   if (head < nq::kHeads + nq::kKvHeads) {
-    const float inv_freq = static_cast<float>(1.0 / pow(static_cast<double>(NQ_ROPE_THETA), (2.0 * d) / 128.0));
+    const float inv_freq = nq::kRopeInvFreq[d];  // fp64-computed, rounded once (common.cuh)
     float sn, cs;
     sincosf(static_cast<float>(pos) * inv_freq, &sn, &cs);
     y0 = x0 * cs - x1 * sn;
