@@ -539,12 +539,20 @@ extern "C" __global__ void __launch_bounds__(nq_dec::kThreads, 1)
 }
 
 // The combine: one block per (head, sequence).
+#ifndef NQ_ATTN_PDL_TRIGGER
+#define NQ_ATTN_PDL_TRIGGER 0
+#endif
 extern "C" __global__ void __launch_bounds__(128)
     nq_attention_decode_combine(const float* __restrict__ workspace,   // the split kernel's partials
                                 const int* __restrict__ seq_len_dev,   // [B]
                                 int max_pages, int n_splits,
                                 nq::uint16_t* __restrict__ out) {      // [B, NQ_NHEADS*128]
   nq::pdl_wait();  // launch overlap (common.cuh): nothing read or written before it
+#if NQ_ATTN_PDL_TRIGGER
+  // A/B knob (default 0): o_proj's tile GEMM after this one-wave kernel may place its blocks and issue its
+  // first weight copies now (it still waits for this kernel's completion before reading x)
+  nq::pdl_trigger();
+#endif
   using namespace nq_dec;
   const float* ws_acc = workspace;
   const float* ws_ml = workspace + static_cast<size_t>(gridDim.y) * n_splits * nq::kHeads * 128;

@@ -133,6 +133,9 @@ __device__ __forceinline__ uint4* tile_ring_base(uint4* raw) {
 #ifndef NQ_TILE_X_PREPERM
 #define NQ_TILE_X_PREPERM 1
 #endif
+#ifndef NQ_TILE_PDL_TRIGGER
+#define NQ_TILE_PDL_TRIGGER 0
+#endif
 template <int K, int kCols>
 __device__ __forceinline__ void issue_x(const uint16_t* __restrict__ x, int ncols, int pg, uint4* xs, int warp,
                                         int warps) {
@@ -352,6 +355,13 @@ __device__ __forceinline__ void gemm_tiles(const uint32_t* __restrict__ qw, cons
     }
   }
   __syncthreads();  // the barriers initialised before anyone uses them (the last block-wide barrier)
+#if NQ_TILE_PDL_TRIGGER
+  // A/B knob (default 0): the kernel after this one (one wave: P <= SMs, every block resident) is launched
+  // now; its blocks take SMs as ours exit (or SMs we leave idle) and a tile GEMM among them issues its
+  // first weight copies there while our last blocks still reduce. It reads our outputs only after its
+  // pdl_wait, which waits for this grid's completion.
+  pdl_trigger();
+#endif
 
   if (warp >= kTileWarps) {  // ---- producers ----
     const int pt = tid - kTileThreads, pw = warp - kTileWarps;
