@@ -143,6 +143,19 @@ def tile_min_items() -> int:
     return int(raw)
 
 
+TILE_CORE_MAX_B = 8  # the largest B that $NANOQWEN_TILE_CORE_KINDS sends to the tensor-core core
+
+
+def tile_core_kinds() -> frozenset[str]:
+    """$NANOQWEN_TILE_CORE_KINDS: matrix kinds (GEMV_KINDS, comma-separated) run on the tensor-core core
+    instead of the tile GEMM at B <= TILE_CORE_MAX_B (an A/B knob; default none)."""
+    raw = os.environ.get("NANOQWEN_TILE_CORE_KINDS", "")
+    kinds = frozenset(k.strip() for k in raw.split(",") if k.strip())
+    if not kinds <= set(GEMV_KINDS):
+        raise KernelError(f"NANOQWEN_TILE_CORE_KINDS={raw!r}: expected kinds among {', '.join(GEMV_KINDS)}")
+    return kinds
+
+
 def tile_threads() -> int:
     """Threads of a tile GEMM block (gemm_tiles.cuh kTileBlockThreads): the 16 consumer warps and
     NQ_TILE_PRODUCERS producer warps (a $NANOQWEN_KERNEL_DEFINES knob, default TILE_PRODUCERS)."""
@@ -233,6 +246,7 @@ class GemvKernels:
         self._fp16 = f.get_function("nq_gemv_fp16")
         self._fp16_mma = {c: f.get_function(f"nq_gemv_fp16_mma{c}", max_dynamic_smem=smem) for c in MMA_BUILDS}
         self._tiles = variant in TILE_VARIANTS
+        self._core_small_b = tile_core_kinds()
         self._tile_min_b = 1 if variant in TILE_AT_B1 else 2
         if self._tiles:
             self._tile = {
@@ -256,6 +270,14 @@ class GemvKernels:
             self._tile_xn = cp.empty(TILE_BUILDS[-1] * max(dims.hidden, dims.intermediate), dtype=np.float16)
 
     # ---- the tile GEMM ------------------------------------------------------------------------------
+
+    def _on_tiles(self, kind: str, b: int) -> bool:
+        """Whether this matrix kind at B columns runs on the tile GEMM: B > 1 in the tile variants, except
+        the kinds of $NANOQWEN_TILE_CORE_KINDS (an A/B knob, default none) at B <= TILE_CORE_MAX_B, which
+        run on the tensor-core core (gemv_mma.cuh)."""
+        if not self._tiles or b < self._tile_min_b:
+            return False
+        return not (b <= TILE_CORE_MAX_B and kind in self._core_small_b)
 
     def _units_by_kind(self) -> dict[str, tuple[int, int]]:
         """(units, K) of each INT4 matrix kind: o_proj, down_proj, the fused q/k/v and gate/up."""
@@ -358,7 +380,7 @@ class GemvKernels:
             np.int32(n),
         )
         units = (n + 1) // 2
-        if self._tiles and b >= self._tile_min_b:
+        if self._on_tiles(kind, b):
             epi = (residual if residual is not None else ck.NULL, out, np.int32(n))
             self._launch_tiles(kind, units, k, b, (qweight, scales), x, norm_w, e, epi)
         elif b == 1 and kind not in self._mma_at_b1:
@@ -406,7 +428,7 @@ class GemvKernels:
             np.int32(n_pages),
             q_out,
         )
-        if self._tiles and b >= self._tile_min_b:
+        if self._on_tiles("qkv", b):
             self._launch_tiles("qkv", rows // 2, d.hidden, b, (qweight, scales), x, norm_w, e,
                                (bias, *args[6:]))
         elif b == 1 and "qkv" not in self._mma_at_b1:
@@ -428,7 +450,7 @@ class GemvKernels:
         ck.check_array("out", out, np.float16, (*lead, d.intermediate))
         ck.check_distinct(x=x, out=out)
         args = (qweight, scales, x, norm_w if norm_w is not None else ck.NULL, e, out)
-        if self._tiles and b >= self._tile_min_b:
+        if self._on_tiles("gu", b):
             self._launch_tiles("gu", d.intermediate, d.hidden, b, (qweight, scales), x, norm_w, e, (out,))
         elif b == 1 and "gu" not in self._mma_at_b1:
             fn = self._half2["gu"]
