@@ -296,7 +296,9 @@ def test_x_is_laid_out_for_qkv_and_gate_up_only(launches, monkeypatch, b, build)
     qh, sh = dev((d.hidden, d.hidden // 8), np.uint32), dev((d.hidden, d.hidden // 128), np.float16)
     res = dev((b, d.hidden), np.float16)
     g.gemv_int4(qh, sh, x, res, residual=res, norm_w=dev((d.hidden,), np.float16))
-    assert [f for f, _, _ in got] == ["nq_norm_cols_h", f"nq_gemv_int4_h_tile{build}"]
+    # o_proj at B <= 8 runs on the tensor-core core (its own norm), above on the tile GEMM
+    want = ["nq_gemv_int4_h_mma8"] if b <= 8 else ["nq_norm_cols_h", f"nq_gemv_int4_h_tile{build}"]
+    assert [f for f, _, _ in got] == want
 
 
 def test_x_preperm_off_gives_gate_up_the_plain_norm(launches, monkeypatch):
@@ -310,3 +312,23 @@ def test_x_preperm_off_gives_gate_up_the_plain_norm(launches, monkeypatch):
     x, out = dev((5, d.hidden), np.float16), dev((5, d.intermediate), np.float16)
     g.gate_up_silu(qw, sc, x, dev((d.hidden,), np.float16), 1e-6, out)
     assert [f for f, _, _ in got] == ["nq_norm_cols_h", "nq_gate_up_silu_tile8"]
+
+
+@pytest.mark.parametrize("env, b, want", [
+    (None, 8, "nq_gemv_int4_h_mma8"), (None, 9, "nq_gemv_int4_h_tile16"), ("", 8, "nq_gemv_int4_h_tile8"),
+    ("h,i", 2, "nq_gemv_int4_h_mma8"),
+])
+def test_small_batches_of_o_proj_run_on_the_core(launches, monkeypatch, env, b, want):
+    """tile_core_kinds(): o_proj (kind "h") at B <= 8 on the tensor-core core by default, on the tile GEMM
+    above 8 or when $NANOQWEN_TILE_CORE_KINDS is empty; an unknown kind is refused."""
+    if env is not None:
+        monkeypatch.setenv("NANOQWEN_TILE_CORE_KINDS", env)
+    d = QWEN25_7B
+    g = GemvKernels(d, load)
+    qh, sh = dev((d.hidden, d.hidden // 8), np.uint32), dev((d.hidden, d.hidden // 128), np.float16)
+    x, out = dev((b, d.hidden), np.float16), dev((b, d.hidden), np.float16)
+    g.gemv_int4(qh, sh, x, out)
+    assert launches[-1][0] == want
+    monkeypatch.setenv("NANOQWEN_TILE_CORE_KINDS", "h,lm_head")
+    with pytest.raises(KernelError, match="NANOQWEN_TILE_CORE_KINDS"):
+        GemvKernels(d, load)

@@ -143,13 +143,20 @@ def tile_min_items() -> int:
     return int(raw)
 
 
-TILE_CORE_MAX_B = 8  # the largest B that $NANOQWEN_TILE_CORE_KINDS sends to the tensor-core core
+# o_proj at B <= 8 runs on the tensor-core core rather than the tile GEMM: a 3584 x 3584 matrix is 98 tile
+# blocks of 2 work items each, whose fixed costs (ring fill, partial sums, the last block's reduction) the
+# core does not pay. H200, ce87abe, bench_batch (7B, 128 + 256 tokens) step at B = 8, two runs each: tile
+# GEMM 2.72 / 2.73 ms, o_proj on the core 2.64 / 2.66 ms, o_proj and q/k/v on the core 2.81 ms; B = 16
+# unchanged. The price: a sequence's o_proj bits differ between B <= 8 and B > 8 (as B = 1's half2 loop
+# differs from both): greedy outputs may part at a near-tie when a batch grows past 8.
+TILE_CORE_MAX_B = 8  # the largest B that tile_core_kinds() sends to the tensor-core core
+TILE_CORE_KINDS = "h"
 
 
 def tile_core_kinds() -> frozenset[str]:
-    """$NANOQWEN_TILE_CORE_KINDS: matrix kinds (GEMV_KINDS, comma-separated) run on the tensor-core core
-    instead of the tile GEMM at B <= TILE_CORE_MAX_B (an A/B knob; default none)."""
-    raw = os.environ.get("NANOQWEN_TILE_CORE_KINDS", "")
+    """Matrix kinds (GEMV_KINDS) run on the tensor-core core instead of the tile GEMM at B <=
+    TILE_CORE_MAX_B: TILE_CORE_KINDS, or $NANOQWEN_TILE_CORE_KINDS (comma-separated; empty: none)."""
+    raw = os.environ.get("NANOQWEN_TILE_CORE_KINDS", TILE_CORE_KINDS)
     kinds = frozenset(k.strip() for k in raw.split(",") if k.strip())
     if not kinds <= set(GEMV_KINDS):
         raise KernelError(f"NANOQWEN_TILE_CORE_KINDS={raw!r}: expected kinds among {', '.join(GEMV_KINDS)}")
@@ -273,8 +280,8 @@ class GemvKernels:
 
     def _on_tiles(self, kind: str, b: int) -> bool:
         """Whether this matrix kind at B columns runs on the tile GEMM: B > 1 in the tile variants, except
-        the kinds of $NANOQWEN_TILE_CORE_KINDS (an A/B knob, default none) at B <= TILE_CORE_MAX_B, which
-        run on the tensor-core core (gemv_mma.cuh)."""
+        the kinds of tile_core_kinds() (o_proj) at B <= TILE_CORE_MAX_B, which run on the tensor-core core
+        (gemv_mma.cuh)."""
         if not self._tiles or b < self._tile_min_b:
             return False
         return not (b <= TILE_CORE_MAX_B and kind in self._core_small_b)
