@@ -13,7 +13,8 @@
 # kernels / engine / ladder / cli (pytest -m gpu of each suite; cli = tests/test_cli_gpu.py), kbench (packages/nanoqwen-kernels/bench/*.py),
 # gemvvariants (bench_gemv.py: the default and tiles1 GEMV variants at B = 1 .. 64),
 # clibench (nanoqwen-cli bench --synthetic 7b --json, graph then eager), batchbench (scripts/bench_batch.py:
-# batched decode throughput, B = 1, 8, 32, 64 requests of 128 + 256 tokens at once), breakdown
+# batched decode throughput, B = 1, 8, 32, 64 requests of 128 + 256 tokens at once, then the same levels
+# through `nanoqwen-cli bench --concurrency`), breakdown
 # pdl (NANOQWEN_PDL=0/1 A/B), prefill (prefill graphs A/B, 7B and the 1.5B's dims),
 # (scripts/decode_breakdown.py: the decode step's time per kernel family vs its byte floor, batch 1 at
 # context 640, then batch 32 at context 384), peer (scripts/peer_transformers.py: HF transformers bf16
@@ -122,6 +123,12 @@ fi
 
 # Issue 13's protocol at the backend level (aggregate tok/s, inter-token latency, TTFT per batch size).
 want batchbench && run batchbench 300 $PY scripts/bench_batch.py "$NANOQWEN_LADDER_7B" --json "$OUT/bench_batch_7b.json"
+# ... and through the engine's batched API as a user runs it (the CLI: scheduler, chunked prefill, streaming
+# handles), 128-token prompts + 256 generated per request, 2 timed runs per level; the record lands in
+# $WORK/logs/cli_concurrency_7b.json (details.tar.gz) and is printed
+want batchbench && run cli_concurrency 400 bash -c "$PY -m nanoqwen_cli bench --synthetic 7b --prompt-tokens 128 \
+  --gen-tokens 256 --concurrency 1,8,32,64 --runs 2 --warmup 1 --json > '$WORK/logs/cli_concurrency_7b.json'; \
+  rc=\$?; cat '$WORK/logs/cli_concurrency_7b.json'; exit \$rc"
 # Programmatic dependent launch A/B (issue 15): the same benches with NANOQWEN_PDL=0 (plain launches) and
 # =1 (the default), each in its own process: the 7B decode (512 + 128, and a 1-token prompt for depth 0),
 # bench_batch at 1 / 8 / 32 / 64, and the real 1.5B's decode where its conversion exists. Records in

@@ -114,3 +114,16 @@ def test_extra_defines_from_env_enter_the_options(monkeypatch):
     monkeypatch.setenv("NANOQWEN_KERNEL_DEFINES", "NQ_X=fast")
     with pytest.raises(KernelError, match="NAME=INT"):
         loader.build_options({}, "sm_90a")
+
+
+def test_define_values():
+    """-D constants: an int, a float (kept a float by its suffix, exactly), or a non-empty tuple of floats
+    (an initializer list); anything else is refused by name before NVRTC sees it."""
+    assert loader._format_define("NQ_A", 3) == "-DNQ_A=3"
+    assert loader._format_define("NQ_B", 0.1) == "-DNQ_B=0.1f"
+    assert loader._format_define("NQ_T", (1.0, 0.5)) == "-DNQ_T=1.0f,0.5f"
+    for bad in (True, "3", (), (1, 2), (1.0, "x"), [1.0]):
+        with pytest.raises(KernelError, match="NQ_X must be an int, a float or a tuple of floats"):
+            loader._format_define("NQ_X", bad)
+    with pytest.raises(KernelError, match="not a C identifier"):
+        loader._format_define("NQ-X", 1)
