@@ -7,8 +7,9 @@ size serves every step.
 Which body runs:
   B = 1   the half2 loop or the tensor-core core, per matrix, as the GEMV variant says (below);
   B > 1   the INT4 GEMVs on the tile GEMM (gemm_tiles.cuh, planned by `plan_tiles`) in the "tiles"
-          variants, but o_proj at B <= 8 (TILE_CORE_KINDS); else on the tensor-core core: up to 32 columns (sequences) per pass over the weights,
-          planned by `plan_gemv` (passes, and the slices of K that x is staged in). The lm_head
+          variants, but o_proj at B <= 8 (TILE_CORE_KINDS); else on the tensor-core core: up to 32
+          columns (sequences) per pass over the weights, planned by `plan_gemv` (passes, and the slices
+          of K that x is staged in). The lm_head
           (gemv_fp16) at B > 1 is one cuBLAS GEMM (blas.py; LM_HEAD_BODIES), or gemv_mma's passes.
 """
 
