@@ -121,6 +121,7 @@ def test_concurrency_levels_through_the_batched_api(invoke):
         n = lv["concurrency"]
         assert lv["generated_tokens"] == [n * 5], "every request generates --gen-tokens"
         assert lv["aggregate_tok_s"] == pytest.approx(n * 5 / lv["wall_s"][0])
+        assert lv["decode_tok_s"] > 0, "tokens arrive after every request's first one"
         assert 0 < lv["ttft_ms_p50"] <= lv["ttft_ms_p99"]
         assert 0 < lv["itl_ms_p50"] <= lv["itl_ms_p99"]
         assert lv["preemptions"] == 0, "the pool holds every request of the level"

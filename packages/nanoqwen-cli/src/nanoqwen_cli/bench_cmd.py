@@ -70,7 +70,8 @@ class IntList(click.ParamType):
     type=IntList(min=1),
     default=None,
     help="Submit N requests at once through the engine's batched API (levels: 1,8,32,64): aggregate "
-    "tok/s, time to first token and inter-token latency p50/p99 per level.",
+    "tok/s (prefills included), decode tok/s (once every request has its first token), time to first "
+    "token and inter-token latency p50/p99 per level.",
 )
 @count_option("--runs", default=5, help="Timed runs per test (or level).")
 @count_option("--warmup", default=1, lo=0, help="Untimed runs first.")

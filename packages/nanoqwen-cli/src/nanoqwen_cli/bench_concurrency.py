@@ -5,7 +5,11 @@ All N requests of a level are submitted back to back (the prompt tokenized once,
 ids) and consumed on one asyncio loop (`async for` over each RequestHandle), which timestamps every
 event as it arrives. From those timestamps:
 
-- aggregate throughput: every generated token of the level / (last event - first submit);
+- aggregate throughput: every generated token of the level / (last event - first submit), prompts'
+  prefill included;
+- decode throughput: the tokens that arrive after every request has its first token / the time from that
+  moment to the last event: the steady decode of the whole batch, which is what issue 13's "aggregate
+  decode throughput" targets and what scripts/bench_batch.py measures at the backend level;
 - time to first token (TTFT): first event - that request's submit;
 - inter-token latency (ITL): the gaps between consecutive events of one request, over all requests;
 
@@ -44,9 +48,13 @@ def _one_run(engine, ids: list[int], params, n: int) -> dict:
 
     submitted, times, t_end, handles = asyncio.run(level())
     tokens = sum(len(t) for t in times)
+    all_first = max((t[0] for t in times if t), default=t_end)
+    last = max((t[-1] for t in times if t), default=t_end)
     return {
         "tokens": tokens,
         "wall_s": t_end - submitted[0],
+        "decode_tokens": sum(1 for t in times for x in t if x > all_first),
+        "decode_s": last - all_first,
         "ttft_s": [t[0] - s for s, t in zip(submitted, times, strict=True) if t],
         "itl_s": [float(g) for t in times for g in np.diff(t)],
         "preemptions": sum(h.result().stats.get("preemptions", 0) for h in handles),
@@ -59,6 +67,7 @@ def measure_level(engine, ids: list[int], params, n: int, runs: int, warmup: int
         _one_run(engine, ids, params, n)
     timed = [_one_run(engine, ids, params, n) for _ in range(runs)]
     rates = [r["tokens"] / r["wall_s"] for r in timed]
+    decode_rates = [r["decode_tokens"] / r["decode_s"] for r in timed if r["decode_tokens"] and r["decode_s"] > 0]
     ttft = np.array([x for r in timed for x in r["ttft_s"]]) * 1e3
     itl = np.array([x for r in timed for x in r["itl_s"]] or [float("nan")]) * 1e3
     s = spread(rates)
@@ -69,6 +78,7 @@ def measure_level(engine, ids: list[int], params, n: int, runs: int, warmup: int
         "wall_s": [r["wall_s"] for r in timed],
         "aggregate_tok_s": s["median"],
         "aggregate_tok_s_spread": s,
+        "decode_tok_s": spread(decode_rates)["median"] if decode_rates else None,
         "ttft_ms_p50": float(np.percentile(ttft, 50)),
         "ttft_ms_p99": float(np.percentile(ttft, 99)),
         "itl_ms_p50": float(np.percentile(itl, 50)),

@@ -62,7 +62,7 @@ def markdown(records: list[dict]) -> str:
     first = records[0]
     lines = _preamble(first)
     if "levels" in first:
-        header = ["test", "concurrency", "tok/s (median)", "tok/s (mean ± sd)", "TTFT p50", "TTFT p99",
+        header = ["test", "concurrency", "tok/s (median)", "tok/s (mean ± sd)", "decode tok/s", "TTFT p50", "TTFT p99",
                   "ITL p50", "ITL p99", "preempted"]  # fmt: skip
         rows = [
             [
@@ -70,6 +70,7 @@ def markdown(records: list[dict]) -> str:
                 str(lv["concurrency"]),
                 rate(lv["aggregate_tok_s"]),
                 mean_sd(lv["aggregate_tok_s_spread"]),
+                rate(lv.get("decode_tok_s")),
                 f"{lv['ttft_ms_p50']:.1f} ms",
                 f"{lv['ttft_ms_p99']:.1f} ms",
                 f"{lv['itl_ms_p50']:.2f} ms",
@@ -113,7 +114,7 @@ CSV_FIELDS = ["model", "model_path", "device", "gpu_name", "mode", "prompt_token
               "achieved_gbs", "copy_bw_gbs", "pct_of_copy_bw", "load_s", "peak_host_rss_bytes",
               "peak_gpu_mem_bytes"]  # fmt: skip
 CSV_LEVEL_FIELDS = ["concurrency", "aggregate_tok_s", "aggregate_tok_s_mean",
-                    "aggregate_tok_s_stddev", "ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99",
+                    "aggregate_tok_s_stddev", "decode_tok_s", "ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99",
                     "preemptions"]  # fmt: skip
 
 

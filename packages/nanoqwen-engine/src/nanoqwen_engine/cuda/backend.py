@@ -331,7 +331,7 @@ class CudaBackend:
             s.length += 1
             samp.seen[t] = True  # what observe([t]) does, for an id the device drew (in range by construction)
         self._last = ("decode", bucket, rows)
-        if run_ahead and self._may_run_ahead(seqs, bucket, mode):
+        if run_ahead and self._may_run_ahead(seqs, bucket, mode) and self._open_next_pages(seqs, rows):
             with self._guard():
                 self.step.launch(bucket, mode, eager=False)
             self._ahead = _Ahead(bucket, rows, {s.seq_id: (r, s.length, t) for s, r, t in
@@ -341,10 +341,33 @@ class CudaBackend:
     def _may_run_ahead(self, seqs, bucket: int, mode: str) -> bool:
         """The next step may be launched before the caller asks for it when it needs nothing from the
         host: a captured greedy graph (a sampled row would spend a random draw and mark its seen-ids set
-        on a step that may be discarded) and, for every sequence, a next position inside the page its
-        last token went to (the page table the device holds covers it; a new page is the host's to give)."""
-        return (self.decode_mode == "graph" and mode == GREEDY and self.step.captured(bucket, mode)
-                and all(s.length % PAGE_TOKENS != 0 and s.length < s.capacity for s in seqs))
+        on a step that may be discarded)."""
+        return self.decode_mode == "graph" and mode == GREEDY and self.step.captured(bucket, mode)
+
+    def _open_next_pages(self, seqs, rows) -> bool:
+        """Give each sequence whose next position opens a page that page now, and tell the device, so
+        the step run ahead has somewhere to write its K/V; False (do not run ahead) when the pool or a
+        page table has no room for all of them, nothing changed then.
+
+        Why: in a batch whose prompts were admitted in different steps the rows cross page boundaries
+        at different steps, so at B = 32 or 64 some row opens a page on almost every step. Refusing to
+        run ahead then (as the backend once did) left the host's per-step work exposed on nearly every
+        step of a large batch. The page is the one the scheduler would reserve before the next step
+        anyway (its _pages_to_grow is then 0); if the step ahead is discarded the sequence just holds
+        it early, and it goes back with the others when the sequence is freed."""
+        opening = [(s, r) for s, r in zip(seqs, rows, strict=True) if s.length >= s.capacity]
+        if not opening:
+            return True
+        if len(opening) > self.pool.n_free or any(s.n_pages >= self.pool.max_pages_per_seq for s, _ in opening):
+            return False
+        cells = []
+        for s, r in opening:
+            self.pool.grow(s, s.length + 1)
+            page = s.length // PAGE_TOKENS
+            cells.append((r, page, int(s.page_table[page])))
+        with self._guard(), self.dev.use():
+            self.step.write_pages(cells)
+        return True
 
     def _settle_ahead(self) -> None:
         """Discard a step that ran ahead (its ids are never read; ctrl is rewritten at the next step)."""

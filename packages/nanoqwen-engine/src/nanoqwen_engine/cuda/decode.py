@@ -251,6 +251,17 @@ class DecodeStep:
                 self.dev.h2d(self.ctrl[lo:hi], sh[lo:hi])
         return fed_changed
 
+    def write_pages(self, cells: Sequence[tuple[int, int, int]]) -> None:
+        """Set page-table entries (row, index, page id) in ctrl, on the device and in the host's shadow:
+        the pages a step run ahead opens (backend._open_next_pages). Ordered on the stream before the
+        next launch; the step that just finished never read these entries (past its positions)."""
+        assert self.shadow is not None, "write_pages follows a step (ctrl's shadow exists)"
+        lay, sh = self.layout, self.shadow
+        idx = np.array([lay.table + r * lay.max_pages + n for r, n, _ in cells], dtype=np.int64)
+        sh[idx] = np.array([p for _, _, p in cells], dtype=np.int32)
+        for lo, hi in _spans(idx):
+            self.dev.h2d(self.ctrl[lo:hi], sh[lo:hi])
+
     def invalidate(self) -> None:
         """Forget what ctrl holds (after an error): the next step copies all of it."""
         self.shadow = None
