@@ -1,11 +1,14 @@
 """Prefill benchmarks (7B dims): INT4 GEMM at M = 512 (dequantize + cuBLAS), RoPE/KV write, causal attention.
 
-    PYTHONPATH=packages/nanoqwen-kernels/src python packages/nanoqwen-kernels/bench/bench_prefill.py
+    PYTHONPATH=packages/nanoqwen-kernels/src python packages/nanoqwen-kernels/bench/bench_prefill.py [7b|1.5b]
+        [--attention-only]     # the dims preset (default 7b); only RoPE/KV and attention (no GEMMs)
 
 CUDA events around N back-to-back calls on one stream, median of several such batches, divided by N.
 GEMM: TFLOP/s "effective" = 2 M N K / (dequantize + GEMM time); beside it cuBLAS alone on the already
 dequantized fp16 weight (the peer, and the ceiling of this two-step design) and the dequantizer alone.
 Attention: FLOPs counted as 4 x heads x 128 x (causal pairs), i.e. QK^T and PV, no masked work.
+RoPE/KV and attention also print "graph": the same calls captured in a CUDA graph (time_graph), the
+kernels' own time without Python's per-launch overhead, which the eager loop includes.
 A timing is a measurement, never an assertion.
 """
 
@@ -15,11 +18,11 @@ import sys
 
 import cupy as cp
 import numpy as np
-from nanoqwen_kernels.dims import QWEN25_7B
+from nanoqwen_kernels.dims import PRESETS
 from nanoqwen_kernels.loader import load_module
 from nanoqwen_kernels.prefill import ATTENTION_VARIANTS, PrefillKernels
 
-D = QWEN25_7B
+D = PRESETS[next((a for a in sys.argv[1:] if a in PRESETS), "7b")]
 M = 512
 # (name, N, K) of the 7B projections as the prefill runs them (q/k/v fused, gate/up fused)
 PROJ = [
@@ -40,6 +43,30 @@ def time_calls(fn, n: int = 10, batches: int = 7) -> float:
         a.record(stream)
         for _ in range(n):
             fn()
+        b.record(stream)
+        b.synchronize()
+        times.append(cp.cuda.get_elapsed_time(a, b) * 1e-3 / n)
+    return float(np.median(times))
+
+
+def time_graph(fn, n: int = 20, launches: int = 15) -> float:
+    """Median seconds of one fn() when n calls are captured in one CUDA graph: the GPU's time without
+    Python's launch overhead (which the eager loop above includes; it dominates a ~10 us kernel)."""
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        fn()  # load outside the capture
+        stream.synchronize()
+        stream.begin_capture()
+        for _ in range(n):
+            fn()
+        graph = stream.end_capture()
+    graph.launch(stream)
+    stream.synchronize()
+    times = []
+    for _ in range(launches):
+        a, b = cp.cuda.Event(), cp.cuda.Event()
+        a.record(stream)
+        graph.launch(stream)
         b.record(stream)
         b.synchronize()
         times.append(cp.cuda.get_elapsed_time(a, b) * 1e-3 / n)
@@ -74,8 +101,10 @@ def bench_attention(pk: PrefillKernels, kc, vc, table, T: int, n: int, batches: 
     out = cp.empty((T, D.q_dim), cp.float16)
     t = time_calls(lambda: pk.attention_prefill(qt, kc, vc, table, 0, T, 0, out), n=n, batches=batches)
     fl = 4.0 * D.n_heads * 128 * T * (T + 1) / 2
+    g = time_graph(lambda: pk.attention_prefill(qt, kc, vc, table, 0, T, 0, out), n=n, launches=batches + 2)
     print(
-        f"| attention_prefill[{pk.attention_variant}] T = {T} | {t * 1e6:.1f} | {fl / t / 1e12:.1f} | | | |"
+        f"| attention_prefill[{pk.attention_variant}] T = {T} | {t * 1e6:.1f} | {fl / t / 1e12:.1f} | "
+        f"graph: {g * 1e6:.1f} us, {fl / g / 1e12:.1f} TFLOP/s | | |"
     )
 
 
@@ -83,11 +112,12 @@ def main() -> int:
     pk = PrefillKernels(D, load_module)
     rng = np.random.default_rng(0)
     print(
-        "| prefill kernel (7B, M = 512) | eager (us) | TFLOP/s | kernels: dequant + cuBLAS (us, TFLOP/s) "
+        f"| prefill kernel ({D.n_heads} heads, hidden {D.hidden}, M = 512) | eager (us) | TFLOP/s | kernels: dequant + cuBLAS (us, TFLOP/s) "
         "| cuBLAS fp16 alone (us, TFLOP/s) | dequant (us) |"
     )
     print("| --- | --- | --- | --- | --- | --- |")
-    total = sum(bench_gemm(pk, name, n, k, rng) for name, n, k in PROJ) * D.n_layers
+    gemms = "--attention-only" not in sys.argv
+    total = sum(bench_gemm(pk, name, n, k, rng) for name, n, k in PROJ) * D.n_layers if gemms else 0.0
 
     n_pages = 32768 // 16 + 1
     cache_shape = (1, n_pages, D.n_kv_heads, 16, 128)
@@ -96,13 +126,18 @@ def main() -> int:
     table = cp.asarray(rng.permutation(n_pages).astype(np.int32))
     qkv = cp.random.standard_normal((M, D.qkv_rows), dtype=cp.float32).astype(cp.float16)
     q = cp.empty((M, D.q_dim), cp.float16)
-    t = time_calls(lambda: pk.rope_kv_prefill(qkv, 0, table, kc, vc, 0, q))
-    print(f"| rope_kv_prefill T = {M} | {t * 1e6:.1f} | | | | |")
+    bias = cp.random.standard_normal(D.qkv_rows, dtype=cp.float32).astype(cp.float16)
+    for body in ("scalar", "vec"):
+        pk.rope_body = body
+        t = time_calls(lambda: pk.rope_kv_prefill(qkv, 0, table, kc, vc, 0, q, bias=bias))
+        g = time_graph(lambda: pk.rope_kv_prefill(qkv, 0, table, kc, vc, 0, q, bias=bias))
+        print(f"| rope_kv_prefill[{body}] T = {M} | {t * 1e6:.1f} | | graph: {g * 1e6:.1f} us | | |")
     for variant in ATTENTION_VARIANTS:
         pa = PrefillKernels(D, load_module, variant)
-        for T, n, b in ((512, 10, 7), (4096, 3, 3), (32768, 1, 1)):
+        for T, n, b in ((512, 10, 7), (2048, 5, 5), (8192, 2, 3), (32768, 1, 1)):
             bench_attention(pa, kc, vc, table, T, n, b)
-    print(f"\n28 layers of the four GEMMs at M = {M} (kernel time): {total * 1e3:.2f} ms")
+    if gemms:
+        print(f"\n{D.n_layers} layers of the four GEMMs at M = {M} (kernel time): {total * 1e3:.2f} ms")
     return 0
 
 

@@ -159,12 +159,23 @@ def test_rope_kv_prefill_checks(launches):
                 **_paged(d))
     p.rope_kv_prefill(**good)  # positions 61..63: the last slots of 4 pages
     fn, grid, args = launches[-1]
-    assert fn == "nq_rope_kv_prefill" and grid == (3, d.n_heads + 2 * d.n_kv_heads, 1)
+    # the default body: 16 items of 4 pairs per head and token, 256 per block, T passed last
+    items = 3 * (d.n_heads + 2 * d.n_kv_heads) * 16
+    assert fn == "nq_rope_kv_prefill_vec" and grid == (-(-items // 256), 1, 1) and int(args[10]) == 3
     assert int(args[1]) == 0  # no bias: a null pointer
     assert [int(args[i]) for i in (2, 3, 7, 8)] == [61, 0, 1, 4]  # start_pos, no ctl, layer, n_pages
     bias = dev((d.qkv_rows,), np.float16)
     p.rope_kv_prefill(**good, bias=bias)
-    assert launches[-1][2][1] is bias
+    assert launches[-1][2][1] is bias and launches[-1][0] == "nq_rope_kv_prefill_vec"
+    # a bias view off an 8-byte boundary: the scalar body, one (token, head) per block, 10 arguments
+    odd = dev((d.qkv_rows + 1,), np.float16)[1:]
+    p.rope_kv_prefill(**good, bias=odd)
+    assert launches[-1][0] == "nq_rope_kv_prefill" and launches[-1][1] == (3, d.n_heads + 2 * d.n_kv_heads, 1)
+    assert len(launches[-1][2]) == 10
+    p.rope_body = "scalar"  # what $NANOQWEN_ROPE_PREFILL=scalar selects
+    p.rope_kv_prefill(**good)
+    assert launches[-1][0] == "nq_rope_kv_prefill"
+    p.rope_body = "vec"
     # a captured graph's form: start_pos and the valid rows on the device, start_pos None
     ctl = dev((2,), np.int32)
     p.rope_kv_prefill(**{**good, "start_pos": None}, ctl=ctl)
@@ -194,7 +205,7 @@ def test_rope_kv_prefill_checks(launches):
 def test_attention_prefill_checks(launches, variant):
     d = TINY
     p = PrefillKernels(d, load, variant)
-    kernel, rows, threads = ATTENTION_VARIANTS[variant]
+    kernel, rows, threads, smem = ATTENTION_VARIANTS[variant]
     good = dict(q=dev((33, d.q_dim), np.float16), start_pos=0, T=33, layer=0, out=dev((33, d.q_dim), np.float16),
                 **_paged(d))
     p.attention_prefill(**good)

@@ -16,6 +16,7 @@ from refs import rope, scattered_pages
 OK, REASON = gpu_status()
 gpu = pytest.mark.skipif(not OK, reason=REASON)
 DIMS = {"7b": QWEN25_7B, "tiny": TINY}
+BODIES = ["vec", "scalar"]  # prefill.py's rope bodies: 4 pairs per thread (the default), 1 pair per thread
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +24,14 @@ def kernels():
     from nanoqwen_kernels.loader import load_module
     from nanoqwen_kernels.prefill import PrefillKernels
 
-    return {name: PrefillKernels(d, load_module) for name, d in DIMS.items()}
+    out = {}
+    for name, d in DIMS.items():
+        for body in BODIES:
+            pk = PrefillKernels(d, load_module)
+            pk.rope_body = body  # the launcher's body ($NANOQWEN_ROPE_PREFILL's default is "vec")
+            out[name, body] = pk
+        out[name] = out[name, "vec"]
+    return out
 
 
 @gpu
@@ -32,7 +40,8 @@ def kernels():
 @pytest.mark.parametrize("start_pos", [0, 37])
 @pytest.mark.parametrize("T", [1, 15, 16, 17, 100, 513])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_rope_kv_prefill(kernels, rng, name, start_pos, T, with_bias):
+@pytest.mark.parametrize("body", BODIES)
+def test_rope_kv_prefill(kernels, rng, name, start_pos, T, with_bias, body):
     """with_bias: the projection's bias is added in the kernel (fp32, before RoPE and the K/V write)."""
     import cupy as cp
 
@@ -45,7 +54,7 @@ def test_rope_kv_prefill(kernels, rng, name, start_pos, T, with_bias):
     q_out = cp.full((T, d.q_dim), np.nan, dtype=cp.float16)
     layer = 1
     bias = rng.standard_normal(d.qkv_rows).astype(np.float16) if with_bias else None
-    kernels[name].rope_kv_prefill(
+    kernels[name, body].rope_kv_prefill(
         cp.asarray(qkv), start_pos, cp.asarray(table), k_cache, v_cache, layer, q_out,
         bias=None if bias is None else cp.asarray(bias),
     )
@@ -96,3 +105,28 @@ def test_rope_kv_prefill_from_device_ctl(kernels, rng, start_pos, T, bucket):
         outs.append((cp.asnumpy(q_out[:T]), cp.asnumpy(k_cache), cp.asnumpy(v_cache)))
     for a, b in zip(outs[0], outs[1], strict=True):
         assert np.array_equal(a.view(np.uint16), b.view(np.uint16))
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize(("start_pos", "T"), [(0, 513), (32000, 77)])
+def test_rope_kv_prefill_bodies_agree_bit_for_bit(kernels, rng, start_pos, T):
+    """The vec body performs the scalar body's fp32 operations on each pair: q, K and V identical, bit for
+    bit, with a bias, at positions up to 32k (where an ulp of angle shows)."""
+    import cupy as cp
+
+    d = DIMS["7b"]
+    table, n_pages = scattered_pages(rng, start_pos + T)
+    qkv = cp.asarray(rng.standard_normal((T, d.qkv_rows)).astype(np.float16))
+    bias = cp.asarray(rng.standard_normal(d.qkv_rows).astype(np.float16))
+    outs = []
+    for body in BODIES:
+        shape = (1, n_pages, d.n_kv_heads, 16, 128)
+        k_cache = cp.full(shape, np.nan, dtype=cp.float16)
+        v_cache = cp.full(shape, np.nan, dtype=cp.float16)
+        q_out = cp.full((T, d.q_dim), np.nan, dtype=cp.float16)
+        kernels["7b", body].rope_kv_prefill(qkv, start_pos, cp.asarray(table), k_cache, v_cache, 0, q_out,
+                                            bias=bias)
+        outs.append([cp.asnumpy(a).view(np.uint16) for a in (q_out, k_cache, v_cache)])
+    for a, b in zip(*outs, strict=True):
+        assert np.array_equal(a, b)

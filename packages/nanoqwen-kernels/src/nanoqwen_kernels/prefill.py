@@ -8,6 +8,8 @@ depends on T anyway (decode, captured in a graph, reads its position from the de
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from . import checks as ck
@@ -19,10 +21,14 @@ PREFILL_SOURCES = ["dequant_int4.cu", "prefill_rope_kv.cu", "attention_prefill.c
 SILU_THREADS = 256  # prefill_act.cu: 8 outputs per thread
 _DEQUANT_THREADS = 256
 _DEQUANT_BLOCKS_PER_SM = 16  # grid-stride beyond this many blocks per SM: enough to fill each many times
-# attention_prefill bodies: name -> (kernel, query rows per block (kBQ), threads) in attention_prefill.cu
+# attention_prefill bodies: name -> (kernel, query rows per block (kBQ), threads, dynamic smem bytes) in
+# attention_prefill.cu. "mma2": the tensor-core body with a block's key tiles split over 2 groups of 4
+# warps (the last query block's walk over the keys, the critical path at short prompts, halved);
+# 34,816 B of smem per group (nq_pre_mma::smem_bytes).
 ATTENTION_VARIANTS = {
-    "fma": ("nq_attention_prefill", 32, 256),
-    "mma": ("nq_attention_prefill_mma", 64, 128),
+    "fma": ("nq_attention_prefill", 32, 256, 0),
+    "mma": ("nq_attention_prefill_mma", 64, 128, 34816),
+    "mma2": ("nq_attention_prefill_mma2", 64, 256, 2 * 34816),
 }
 # "mma" (tensor cores, P rounded to fp16 as in FlashAttention) is the default: 40 us vs 226 us for "fma"
 # at T = 512 and 56 ms vs 446 ms at T = 32768 on the H200 (docs/PERF.md); its outputs differ from the fp32
@@ -67,7 +73,9 @@ def _check_gemm_io(X, out, n: int, k: int) -> None:
 class PrefillKernels:
     """The prefill build for one ModelDims. `load_module(sources, defines)` is the loader's."""
 
-    def __init__(self, dims: ModelDims, load_module, attention_variant: str = DEFAULT_ATTENTION_VARIANT):
+    def __init__(self, dims: ModelDims, load_module, attention_variant: str | None = None):
+        attention_variant = (attention_variant or os.environ.get("NANOQWEN_PREFILL_ATTENTION")
+                             or DEFAULT_ATTENTION_VARIANT)
         if attention_variant not in ATTENTION_VARIANTS:
             raise KernelError(
                 f"unknown attention_prefill variant {attention_variant!r}; one of {sorted(ATTENTION_VARIANTS)}"
@@ -75,11 +83,16 @@ class PrefillKernels:
         self.dims = dims
         self.attention_variant = attention_variant
         self._blas = Blas()
-        kernel, self._attn_rows, self._attn_threads = ATTENTION_VARIANTS[attention_variant]
+        kernel, self._attn_rows, self._attn_threads, self._attn_smem = ATTENTION_VARIANTS[attention_variant]
         mod = load_module(PREFILL_SOURCES, dims.defines())
         self._dequant = mod.get_function("nq_dequantize_int4")
         self._rope = mod.get_function("nq_rope_kv_prefill")
-        self._attn = mod.get_function(kernel)
+        self._rope_vec = mod.get_function("nq_rope_kv_prefill_vec")
+        # "vec" (4 pairs per thread, 256-thread blocks) unless $NANOQWEN_ROPE_PREFILL=scalar (A/B knob)
+        self.rope_body = os.environ.get("NANOQWEN_ROPE_PREFILL", "vec")
+        if self.rope_body not in ("vec", "scalar"):
+            raise KernelError(f"NANOQWEN_ROPE_PREFILL must be vec or scalar, got {self.rope_body!r}")
+        self._attn = mod.get_function(kernel, max_dynamic_smem=self._attn_smem)
         self._silu = mod.get_function("nq_silu_mul_rows")
 
     # ---- INT4 GEMM ------------------------------------------------------------------------------
@@ -172,23 +185,24 @@ class PrefillKernels:
         if bias is not None:
             ck.check_array("bias", bias, np.float16, shape=(d.qkv_rows,))
         layer, n_pages, start_pos = _check_pages(d, k_cache, v_cache, layer, page_table, start_pos, t, ctl)
-        ck.launch(
-            self._rope,
-            (t, d.n_heads + 2 * d.n_kv_heads, 1),
-            (HEAD_DIM // 2, 1, 1),
-            (
-                qkv,
-                bias if bias is not None else ck.NULL,
-                np.int32(start_pos),
-                ctl if ctl is not None else ck.NULL,
-                page_table,
-                k_cache,
-                v_cache,
-                np.int32(layer),
-                np.int32(n_pages),
-                q_out,
-            ),
+        args = (
+            qkv,
+            bias if bias is not None else ck.NULL,
+            np.int32(start_pos),
+            ctl if ctl is not None else ck.NULL,
+            page_table,
+            k_cache,
+            v_cache,
+            np.int32(layer),
+            np.int32(n_pages),
+            q_out,
         )
+        # the vec body reads 8-byte pieces: a bias view off an 8-byte boundary takes the scalar one
+        if self.rope_body == "vec" and (bias is None or bias.data.ptr % 8 == 0):
+            items = t * (d.n_heads + 2 * d.n_kv_heads) * (HEAD_DIM // 8)
+            ck.launch(self._rope_vec, (-(-items // 256), 1, 1), (256, 1, 1), (*args, np.int32(t)))
+        else:
+            ck.launch(self._rope, (t, d.n_heads + 2 * d.n_kv_heads, 1), (HEAD_DIM // 2, 1, 1), args)
 
     # ---- causal attention over the pages ----------------------------------------------------------
 
@@ -223,4 +237,5 @@ class PrefillKernels:
                 np.int32(n_pages),
                 out,
             ),
+            shared_mem=self._attn_smem,
         )

@@ -6,8 +6,10 @@
 // Shapes: q, out fp16 [T, NQ_NHEADS*128] (q already roped), k/v_cache fp16 [L, n_pages, NQ_NKV, 16, 128],
 //   page_table int32 [max_pages].
 // Two bodies, the same contract (prefill.py ATTENTION_VARIANTS picks one):
-//   nq_attention_prefill_mma  the default: tensor cores (mma.sync), FlashAttention-2 structure, P rounded
-//                             to fp16 before P.V (as FlashAttention does). Its section below.
+//   nq_attention_prefill_mma  tensor cores (mma.sync), FlashAttention-2 structure, P rounded to fp16
+//                             before P.V (as FlashAttention does). Its section below; _mma2 splits
+//                             each block's key tiles over 2 warp groups (the same results up to the
+//                             order of the final merge).
 //   nq_attention_prefill      fp32 throughout on CUDA cores (fp32 probabilities): the slower fallback,
 //                             kept as the numerically tighter body ("fma").
 // Memory is O(T) in both (no T x T score matrix): T = 32768 runs as ceil(T / rows) x heads blocks.
@@ -220,8 +222,9 @@ extern "C" __global__ void __launch_bounds__(nq_pre::kThreads) nq_attention_pref
 // ======================================================================================================
 // nq_attention_prefill_mma: the same computation on tensor cores (FlashAttention-2 structure); the default.
 //
-// Launch: grid (ceil(T/64), NQ_NHEADS), 128 threads (4 warps), 34 KB static smem.
-//   Block = 64 query rows of one head; warp w owns rows 16w .. 16w+15 (the M of m16n8k16).
+// Launch: grid (ceil(T/64), NQ_NHEADS), 128 threads (4 warps) per group of the build (below: 1 or 2
+//   groups, kernels nq_attention_prefill_mma and _mma2), 34 KB of dynamic smem per group.
+//   Block = 64 query rows of one head; warp w of a group owns rows 16w .. 16w+15 (the M of m16n8k16).
 //   Key tiles of 64 positions (4 pages) are copied into padded smem rows (136 halves = 272 B, so the
 //   8 row addresses of an ldmatrix land on 8 distinct 16-byte bank groups). Per tile and warp:
 //     S = Q [16 x 128] . K^T [128 x 64]: 8 key tiles x 8 dim steps = 64 mma (K via ldmatrix)
@@ -234,8 +237,13 @@ using nq::uint16_t;
 using nq::uint32_t;
 constexpr int kBQ = 64;
 constexpr int kBK = 64;
-constexpr int kThreads = 128;
+constexpr int kWarpsPerGroup = 4;  // the 4 warps of a group own the block's 64 query rows, 16 each
 constexpr int kRowH = 136;  // padded smem row (halves) of the K/V tiles
+constexpr int kTileHalves = kBK * kRowH;  // one K (or V) tile
+// dynamic smem of a block of G groups: G x (K tile + V tile) = G x 34,816 B; the same bytes hold the
+// merge area at the end (128 lanes x 68 floats per group = 34,816 B: m, l of 2 rows + 64 output values)
+__host__ __device__ constexpr int smem_bytes(int groups) { return groups * 2 * kTileHalves * 2; }
+static_assert(smem_bytes(1) == 128 * 68 * 4, "a group's merge area must be its tile area");
 using nq::kScaleLog2;
 using nq::ldmatrix_x4;
 using nq::ldmatrix_x4_trans;
@@ -246,12 +254,19 @@ using nq_pre_common::Block;
 using nq_pre_common::kv_offset;
 }  // namespace nq_pre_mma
 
-extern "C" __global__ void __launch_bounds__(nq_pre_mma::kThreads)
-    nq_attention_prefill_mma(NQ_ATTENTION_PREFILL_ARGS) {
-  nq::pdl_wait();  // launch overlap (common.cuh): nothing read or written before it
+// kGroups groups of 4 warps share a block's 64 query rows and split its key tiles: in each round the
+// block's threads load kGroups consecutive tiles together, group j computes tile j of the round, and at
+// the end the groups' online-softmax states (m, l, O) merge through shared memory. Why: a block's keys
+// run up to its last query, so the block of the last 64 queries walks T / 64 tiles one after another
+// (8 at T = 512: the whole kernel's critical path when every block is resident at once); with kGroups
+// groups that walk is T / (64 kGroups) rounds, the loads of a round in flight together. kGroups = 1 is
+// the plain FlashAttention-2 loop ("mma"), 2 is "mma2" (prefill.py). 4 groups (512 threads) would cap a
+// thread at 128 registers: ptxas spilled 147 instructions' worth there, so there is no such build.
+template <int kGroups>
+__device__ __forceinline__ void attention_prefill_mma_body(NQ_ATTENTION_PREFILL_ARGS) {
   using namespace nq_pre_mma;
-  __shared__ __align__(16) uint16_t ks[kBK * kRowH];  // [64 keys][136] fp16 (128 used)
-  __shared__ __align__(16) uint16_t vs[kBK * kRowH];  // [64 keys][136] fp16
+  constexpr int kThreads = 32 * kWarpsPerGroup * kGroups;
+  extern __shared__ __align__(16) uint16_t smem_pre[];  // [kGroups][K tile | V tile]
 
   if (ctl != nullptr) {  // a captured prefill graph (prefill_rope_kv.cu): the grid covers its bucket's rows
     start_pos = ctl[0];
@@ -261,10 +276,13 @@ extern "C" __global__ void __launch_bounds__(nq_pre_mma::kThreads)
   const int h = blk.h;
   const int tid = threadIdx.x;
   const int warp = tid >> 5, lane = tid & 31;
+  const int grp = warp / kWarpsPerGroup, wq = warp % kWarpsPerGroup;
   const int g = lane >> 2, t = lane & 3;
-  const int r0 = blk.q0 + 16 * warp + g;  // this lane's rows r0 and r0 + 8 (query index)
+  const int r0 = blk.q0 + 16 * wq + g;  // this lane's rows r0 and r0 + 8 (query index)
   const int r1 = r0 + 8;
   const int qpos0 = start_pos + r0, qpos1 = start_pos + r1;
+  const uint16_t* ks = smem_pre + grp * 2 * kTileHalves;  // this group's K tile [64 keys][136]
+  const uint16_t* vs = ks + kTileHalves;                   // and V tile
 
   // Q A fragments for the 8 dim steps: a0 (row g, dims 16ks+2t), a1 (row g+8), a2/a3 (dims +8)
   uint32_t qa[8][4];
@@ -284,14 +302,20 @@ extern "C" __global__ void __launch_bounds__(nq_pre_mma::kThreads)
 #pragma unroll
   for (int n = 0; n < 16; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
 
-  for (int kb = 0; kb < blk.kv_end; kb += kBK) {
-    __syncthreads();  // the previous tile's ldmatrix reads are done
-    for (int ch = tid; ch < kBK * 16; ch += kThreads) {
-      NQ_KV_CHUNK(ch, kb)
-      *reinterpret_cast<uint4*>(ks + kk * kRowH + dd) = kr;
-      *reinterpret_cast<uint4*>(vs + kk * kRowH + dd) = vr;
+  for (int kb0 = 0; kb0 < blk.kv_end; kb0 += kGroups * kBK) {
+    __syncthreads();  // the previous round's ldmatrix reads are done
+    for (int c = tid; c < kGroups * kBK * 16; c += kThreads) {
+      const int tile = c / (kBK * 16);  // which group's tile this chunk belongs to
+      const int ch = c % (kBK * 16);
+      NQ_KV_CHUNK(ch, kb0 + tile * kBK)
+      uint16_t* kt = smem_pre + tile * 2 * kTileHalves;
+      *reinterpret_cast<uint4*>(kt + kk * kRowH + dd) = kr;
+      *reinterpret_cast<uint4*>(kt + kTileHalves + kk * kRowH + dd) = vr;
     }
     __syncthreads();
+    const int kb = kb0 + grp * kBK;  // this group's tile of the round
+    if (kb >= blk.kv_end) continue;  // warp-uniform: past the block's last key (no barrier skipped: the
+                                     // next round's, or the merge's, is reached by every warp)
 
     // S = Q K^T for 64 keys: key tile nt (keys 8nt..8nt+7), C (row g / g+8, keys 8nt+2t, +1)
     float s[8][4];
@@ -371,6 +395,45 @@ extern "C" __global__ void __launch_bounds__(nq_pre_mma::kThreads)
     l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
     l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
   }
+  if constexpr (kGroups > 1) {
+    // Merge: groups 1.. leave (m, l, O) in their own smem area, [68 values][128 lanes] fp32 (lane-minor:
+    // conflict-free), group 0 folds them into its state: M = max m_j, O = sum 2^(m_j - M) O_j, same for l.
+    __syncthreads();  // every group's last ldmatrix read of its tiles is done: the areas may be reused
+    const int gl = tid % (32 * kWarpsPerGroup);  // lane within the group
+    if (grp > 0) {
+      float* mg = reinterpret_cast<float*>(smem_pre + grp * 2 * kTileHalves);
+      mg[0 * 128 + gl] = m[0];
+      mg[1 * 128 + gl] = m[1];
+      mg[2 * 128 + gl] = l[0];
+      mg[3 * 128 + gl] = l[1];
+#pragma unroll
+      for (int n = 0; n < 16; ++n)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) mg[(4 + 4 * n + j) * 128 + gl] = o[n][j];
+    }
+    __syncthreads();
+    if (grp > 0) return;  // no barrier follows
+#pragma unroll
+    for (int j = 1; j < kGroups; ++j) {
+      const float* mg = reinterpret_cast<const float*>(smem_pre + j * 2 * kTileHalves);
+      float f_self[2], f_other[2];
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const float mj = mg[i * 128 + gl];
+        const float mn = fmaxf(m[i], mj);
+        // a state that saw no visible key has m = -inf (and l = 0, O = 0): weight 0, no -inf - -inf
+        f_self[i] = m[i] == neg_inf() ? 0.f : exp2f(m[i] - mn);
+        f_other[i] = mj == neg_inf() ? 0.f : exp2f(mj - mn);
+        l[i] = l[i] * f_self[i] + mg[(2 + i) * 128 + gl] * f_other[i];
+        m[i] = mn;
+      }
+#pragma unroll
+      for (int n = 0; n < 16; ++n)
+#pragma unroll
+        for (int jj = 0; jj < 4; ++jj)
+          o[n][jj] = o[n][jj] * f_self[jj >> 1] + mg[(4 + 4 * n + jj) * 128 + gl] * f_other[jj >> 1];
+    }
+  }
   const float inv0 = l[0] > 0.f ? 1.f / l[0] : 0.f, inv1 = l[1] > 0.f ? 1.f / l[1] : 0.f;
 #pragma unroll
   for (int n = 0; n < 16; ++n) {
@@ -382,4 +445,14 @@ extern "C" __global__ void __launch_bounds__(nq_pre_mma::kThreads)
       *reinterpret_cast<uint32_t*>(out + static_cast<size_t>(r1) * nq::kQDim + h * 128 + d) =
           pack_h2(o[n][2] * inv1, o[n][3] * inv1);
   }
+}
+
+// Launch: grid (ceil(T/64), NQ_NHEADS), 128 x groups threads, nq_pre_mma::smem_bytes(groups) dynamic smem.
+extern "C" __global__ void __launch_bounds__(128) nq_attention_prefill_mma(NQ_ATTENTION_PREFILL_ARGS) {
+  nq::pdl_wait();  // launch overlap (common.cuh): nothing read or written before it
+  attention_prefill_mma_body<1>(q, k_cache, v_cache, page_table, start_pos, T, ctl, layer, n_pages, out);
+}
+extern "C" __global__ void __launch_bounds__(256) nq_attention_prefill_mma2(NQ_ATTENTION_PREFILL_ARGS) {
+  nq::pdl_wait();
+  attention_prefill_mma_body<2>(q, k_cache, v_cache, page_table, start_pos, T, ctl, layer, n_pages, out);
 }

@@ -73,3 +73,81 @@ extern "C" __global__ void __launch_bounds__(64)
   dst[d] = nq::f2h(y0);
   dst[d + 64] = nq::f2h(y1);
 }
+
+// nq_rope_kv_prefill_vec: the same results, element for element (the same fp32 operations on each pair),
+// with each thread on 4 adjacent pairs (d0..d0+3, d0+64..d0+67) of one head of one token: 8-byte loads
+// and stores instead of 2-byte ones, and a flat grid of 256-thread blocks instead of one 64-thread block
+// per (token, head) (18,432 blocks at T = 512 on the 7B, each too small to keep loads in flight).
+// Launch: grid ceil(rows * kQkvHeads * 16 / 256), 256 threads; rows = T of the launch (the bucket's rows
+// when ctl is given: ctl[1] of them are real, as above).
+extern "C" __global__ void __launch_bounds__(256)
+    nq_rope_kv_prefill_vec(const nq::uint16_t* __restrict__ qkv, const nq::uint16_t* __restrict__ bias,
+                           int start_pos, const int* __restrict__ ctl, const int* __restrict__ page_table,
+                           nq::uint16_t* __restrict__ k_cache, nq::uint16_t* __restrict__ v_cache, int layer,
+                           int n_pages, nq::uint16_t* __restrict__ q_out, int rows) {
+  nq::pdl_wait();  // launch overlap (common.cuh): nothing read or written before it
+  constexpr int kHeadsAll = nq::kHeads + 2 * nq::kKvHeads;
+  constexpr int kPerRow = kHeadsAll * 16;  // work items per token: 16 groups of 4 pairs per head
+  int valid = rows;
+  if (ctl != nullptr) {
+    start_pos = ctl[0];
+    valid = ctl[1];
+  }
+  const int item = blockIdx.x * blockDim.x + threadIdx.x;
+  if (item >= rows * kPerRow) return;
+  const int i = item / kPerRow;
+  const int head = (item % kPerRow) / 16;
+  const int d0 = (item % 16) * 4;
+  if (i >= valid && head >= nq::kHeads) return;  // a padding row writes no K/V (its page may not exist)
+  const int pos = start_pos + i;
+  const nq::uint16_t* x = qkv + static_cast<size_t>(i) * nq::kQkvRows + head * 128;
+  const uint2 lo = *reinterpret_cast<const uint2*>(x + d0);  // halves d0..d0+3, low half first
+  const uint2 hi = *reinterpret_cast<const uint2*>(x + d0 + 64);
+  uint2 blo = make_uint2(0u, 0u), bhi = make_uint2(0u, 0u);
+  if (bias != nullptr) {
+    blo = *reinterpret_cast<const uint2*>(bias + head * 128 + d0);
+    bhi = *reinterpret_cast<const uint2*>(bias + head * 128 + d0 + 64);
+  }
+  const bool roped = head < nq::kHeads + nq::kKvHeads;
+  // the 4 pairs in a loop that stays rolled: sincosf's slow path (Payne-Hanek reduction for large
+  // angles) keeps a local array, and four inlined copies of it spilled (40 local loads/stores in SASS)
+  nq::uint32_t ol0 = 0u, ol1 = 0u, oh0 = 0u, oh1 = 0u;  // the outputs, packed two per word as loaded
+#pragma unroll 1
+  for (int j = 0; j < 4; ++j) {
+    const int w = j >> 1, sh = 16 * (j & 1);
+    const nq::uint32_t xw0 = w ? lo.y : lo.x, xw1 = w ? hi.y : hi.x;
+    const nq::uint32_t bw0 = w ? blo.y : blo.x, bw1 = w ? bhi.y : bhi.x;
+    {
+      float x0 = nq::h2f(static_cast<nq::uint16_t>(xw0 >> sh)), x1 = nq::h2f(static_cast<nq::uint16_t>(xw1 >> sh));
+      if (bias != nullptr) {
+        x0 += nq::h2f(static_cast<nq::uint16_t>(bw0 >> sh));
+        x1 += nq::h2f(static_cast<nq::uint16_t>(bw1 >> sh));
+      }
+      float y0 = x0, y1 = x1;
+      if (roped) {
+        const float inv_freq = nq::kRopeInvFreq[d0 + j];
+        float sn, cs;
+        sincosf(static_cast<float>(pos) * inv_freq, &sn, &cs);
+        y0 = x0 * cs - x1 * sn;
+        y1 = x1 * cs + x0 * sn;
+      }
+      const nq::uint32_t h0 = static_cast<nq::uint32_t>(nq::f2h(y0)) << sh;
+      const nq::uint32_t h1 = static_cast<nq::uint32_t>(nq::f2h(y1)) << sh;
+      if (w) { ol1 |= h0; oh1 |= h1; } else { ol0 |= h0; oh0 |= h1; }  // registers, not an indexed array
+    }
+  }
+  nq::uint16_t* dst;
+  if (head < nq::kHeads) {
+    dst = q_out + static_cast<size_t>(i) * nq::kQDim + head * 128;
+  } else {
+    const bool is_k = head < nq::kHeads + nq::kKvHeads;
+    const int kvh = head - nq::kHeads - (is_k ? 0 : nq::kKvHeads);
+    const int page = page_table[pos / nq::kPageTokens];
+    const size_t off =
+        ((static_cast<size_t>(layer) * n_pages + page) * nq::kKvHeads + kvh) * (nq::kPageTokens * 128) +
+        (pos % nq::kPageTokens) * 128;
+    dst = (is_k ? k_cache : v_cache) + off;
+  }
+  *reinterpret_cast<uint2*>(dst + d0) = make_uint2(ol0, ol1);
+  *reinterpret_cast<uint2*>(dst + d0 + 64) = make_uint2(oh0, oh1);
+}
