@@ -30,11 +30,16 @@ ATTENTION_VARIANTS = {
     "mma": ("nq_attention_prefill_mma", 64, 128, 34816),
     "mma2": ("nq_attention_prefill_mma2", 64, 256, 2 * 34816),
 }
-# "mma" (tensor cores, P rounded to fp16 as in FlashAttention) is the default: 40 us vs 226 us for "fma"
-# at T = 512 and 56 ms vs 446 ms at T = 32768 on the H200 (docs/PERF.md); its outputs differ from the fp32
-# reference by the fp16 rounding of P (<= 2^-11 sum p|v|, tests/test_attention_prefill.py). "fma" keeps
-# fp32 probabilities and is the fallback: PrefillKernels(dims, load_module, "fma").
-DEFAULT_ATTENTION_VARIANT = "mma"
+# "auto", the default, is "mma2" when a launch has at most one block per SM (ceil(T/64) x n_heads <= SMs)
+# and "mma" otherwise. Measured on the H200 (docs/PERF.md, eighth lease; kernel time in a CUDA graph):
+# with a block per SM or fewer the kernel is the last query block's walk over its keys, which mma2 halves
+# (1.5B dims, 12 heads, T = 512: 34.7 -> 23.3 us); with more blocks than SMs each SM is busy with
+# several and splitting a block gains nothing (7B, 28 heads, T = 512: 39.6 vs 40.2 us) or loses (7B at
+# 8k / 32k: 4.35 / 62.1 ms with mma, 4.60 / 68.4 with mma2). Every tensor-core body rounds P to fp16 as
+# FlashAttention does; outputs differ from the fp32 reference by that rounding (<= 2^-11 sum p|v|,
+# tests/test_attention_prefill.py). "fma" keeps fp32 probabilities: PrefillKernels(dims, load, "fma").
+ATTENTION_AUTO = "auto"
+DEFAULT_ATTENTION_VARIANT = ATTENTION_AUTO
 
 
 def _check_positions(page_table, start_pos, t: int) -> int:
@@ -76,15 +81,18 @@ class PrefillKernels:
     def __init__(self, dims: ModelDims, load_module, attention_variant: str | None = None):
         attention_variant = (attention_variant or os.environ.get("NANOQWEN_PREFILL_ATTENTION")
                              or DEFAULT_ATTENTION_VARIANT)
-        if attention_variant not in ATTENTION_VARIANTS:
-            raise KernelError(
-                f"unknown attention_prefill variant {attention_variant!r}; one of {sorted(ATTENTION_VARIANTS)}"
-            )
+        if attention_variant not in ATTENTION_VARIANTS and attention_variant != ATTENTION_AUTO:
+            raise KernelError(f"unknown attention_prefill variant {attention_variant!r}; one of "
+                              f"{sorted([*ATTENTION_VARIANTS, ATTENTION_AUTO])}")
         self.dims = dims
         self.attention_variant = attention_variant
         self._blas = Blas()
-        kernel, self._attn_rows, self._attn_threads, self._attn_smem = ATTENTION_VARIANTS[attention_variant]
         mod = load_module(PREFILL_SOURCES, dims.defines())
+        names = ["mma", "mma2"] if attention_variant == ATTENTION_AUTO else [attention_variant]
+        self._attn = {}  # variant -> (function, rows per block, threads, dynamic smem)
+        for name in names:
+            kernel, rows, threads, smem = ATTENTION_VARIANTS[name]
+            self._attn[name] = (mod.get_function(kernel, max_dynamic_smem=smem), rows, threads, smem)
         self._dequant = mod.get_function("nq_dequantize_int4")
         self._rope = mod.get_function("nq_rope_kv_prefill")
         self._rope_vec = mod.get_function("nq_rope_kv_prefill_vec")
@@ -92,7 +100,6 @@ class PrefillKernels:
         self.rope_body = os.environ.get("NANOQWEN_ROPE_PREFILL", "vec")
         if self.rope_body not in ("vec", "scalar"):
             raise KernelError(f"NANOQWEN_ROPE_PREFILL must be vec or scalar, got {self.rope_body!r}")
-        self._attn = mod.get_function(kernel, max_dynamic_smem=self._attn_smem)
         self._silu = mod.get_function("nq_silu_mul_rows")
 
     # ---- INT4 GEMM ------------------------------------------------------------------------------
@@ -221,10 +228,11 @@ class PrefillKernels:
         ck.check_array("q", q, np.float16, shape=(T, d.q_dim))
         ck.check_array("out", out, np.float16, shape=(T, d.q_dim))
         layer, n_pages, start_pos = _check_pages(d, k_cache, v_cache, layer, page_table, start_pos, T, ctl)
+        fn, rows, threads, smem = self._attn[self.attention_body(T)]
         ck.launch(
-            self._attn,
-            ((T + self._attn_rows - 1) // self._attn_rows, d.n_heads, 1),
-            (self._attn_threads, 1, 1),
+            fn,
+            ((T + rows - 1) // rows, d.n_heads, 1),
+            (threads, 1, 1),
             (
                 q,
                 k_cache,
@@ -237,5 +245,12 @@ class PrefillKernels:
                 np.int32(n_pages),
                 out,
             ),
-            shared_mem=self._attn_smem,
+            shared_mem=smem,
         )
+
+    def attention_body(self, T: int) -> str:
+        """The attention body a launch of T query rows uses (the variant, or auto's choice for T)."""
+        if self.attention_variant != ATTENTION_AUTO:
+            return self.attention_variant
+        blocks = -(-T // ATTENTION_VARIANTS["mma"][1]) * self.dims.n_heads
+        return "mma2" if blocks <= ck.sm_count() else "mma"
