@@ -66,9 +66,6 @@
 #ifndef NQ_DECODE_CONSUMERS
 #define NQ_DECODE_CONSUMERS 4
 #endif
-#ifndef NQ_DECODE_MIN_PAGES
-#define NQ_DECODE_MIN_PAGES 1
-#endif
 #ifndef NQ_DECODE_MMA
 #define NQ_DECODE_MMA 1  // 1: consumers on tensor cores (mma.sync, attention.py's default), 0: fp32 FMAs
 #endif
@@ -414,9 +411,7 @@ __device__ __forceinline__ SplitRange split_range(int seq_len_raw, int max_pages
   SplitRange r;
   r.seq_len = min(max(seq_len_raw, 0), max_pages * nq::kPageTokens);
   const int n_seq_pages = (r.seq_len + nq::kPageTokens - 1) / nq::kPageTokens;
-  // NQ_DECODE_MIN_PAGES (A/B knob, default 1): at least that many pages per split, so a short context
-  // runs fewer, fuller splits (fewer partials to combine) instead of one page each
-  r.per_split = max((n_seq_pages + n_splits - 1) / n_splits, NQ_DECODE_MIN_PAGES);
+  r.per_split = (n_seq_pages + n_splits - 1) / n_splits;
   r.used = r.per_split > 0 ? (n_seq_pages + r.per_split - 1) / r.per_split : 0;
   return r;
 }
@@ -590,7 +585,10 @@ extern "C" __global__ void __launch_bounds__(nq_dec::kThreads, 1)
 
 // The combine: one block per (head, sequence).
 #ifndef NQ_ATTN_COMBINE_PAR
-#define NQ_ATTN_COMBINE_PAR 1  // 1: combine_par (splits across the threads), 0: combine_one (A/B knob)
+#define NQ_ATTN_COMBINE_PAR 1  // 1: combine_par (splits across the threads) at many splits, 0: never (A/B knob)
+#endif
+#ifndef NQ_ATTN_COMBINE_PAR_MIN_SPLITS
+#define NQ_ATTN_COMBINE_PAR_MIN_SPLITS 8
 #endif
 #ifndef NQ_ATTN_PDL_TRIGGER
 #define NQ_ATTN_PDL_TRIGGER 1
@@ -612,11 +610,14 @@ extern "C" __global__ void __launch_bounds__(128)
   const float* ws_ml = workspace + static_cast<size_t>(gridDim.y) * n_splits * nq::kHeads * 128;
   const int h = blockIdx.x, b = blockIdx.y, d = threadIdx.x;
   const int used = split_range(seq_len_dev[b], max_pages, n_splits).used;
-#if NQ_ATTN_COMBINE_PAR
-  out[static_cast<size_t>(b) * nq::kQDim + h * 128 + d] =
-      nq::f2h(combine_par(ws_acc, ws_ml, static_cast<size_t>(b) * n_splits, used, h, d));
-#else
-  out[static_cast<size_t>(b) * nq::kQDim + h * 128 + d] =
-      nq::f2h(combine_one(ws_acc, ws_ml, static_cast<size_t>(b) * n_splits, used, h, d));
-#endif
+  // combine_par where there are many splits to combine (batch 1..4 at 7B: 33..9 splits), the plain loop
+  // where there are few (B = 8: 5, B >= 33: 1), where combine_par's barriers cost more than they save:
+  // 7B, H200, same call (docs/PERF.md, eighth lease), decode at depth 512: 2.144 -> 2.083 ms/token with
+  // combine_par at every B; bench_batch steps at B = 8 / 64: 2.68 / 5.30 -> 2.73 / 5.35 ms.
+  // n_splits is a launch argument: the branch is grid-uniform.
+  const size_t base = static_cast<size_t>(b) * n_splits;
+  const float o = (NQ_ATTN_COMBINE_PAR && n_splits >= NQ_ATTN_COMBINE_PAR_MIN_SPLITS)
+                      ? combine_par(ws_acc, ws_ml, base, used, h, d)
+                      : combine_one(ws_acc, ws_ml, base, used, h, d);
+  out[static_cast<size_t>(b) * nq::kQDim + h * 128 + d] = nq::f2h(o);
 }
