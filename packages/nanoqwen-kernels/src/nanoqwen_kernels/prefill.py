@@ -29,6 +29,7 @@ ATTENTION_VARIANTS = {
     "fma": ("nq_attention_prefill", 32, 256, 0),
     "mma": ("nq_attention_prefill_mma", 64, 128, 34816),
     "mma2": ("nq_attention_prefill_mma2", 64, 256, 2 * 34816),
+    "mma_db": ("nq_attention_prefill_mma_db", 64, 128, 2 * 34816),
 }
 # "auto", the default, is "mma2" when a launch has at most one block per SM (ceil(T/64) x n_heads <= SMs)
 # and "mma" otherwise. Measured on the H200 (docs/PERF.md, eighth lease; kernel time in a CUDA graph):

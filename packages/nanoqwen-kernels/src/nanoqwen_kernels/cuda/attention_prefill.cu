@@ -34,8 +34,10 @@ namespace nq_pre_common {
 // past the sequence, kv_len = start_pos + T).
 struct Block {
   int q0, h, kvh, kv_len, kv_end;
-  __device__ __forceinline__ Block(int rows, int start_pos, int T) {
-    q0 = blockIdx.x * rows;
+  // heavy_first: block x takes query block gridDim.x - 1 - x, so the blocks with the most keys start first
+  // and the grid's last wave holds the short ones (the copy pipeline's build; the others as measured)
+  __device__ __forceinline__ Block(int rows, int start_pos, int T, bool heavy_first = false) {
+    q0 = (heavy_first ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * rows;
     h = blockIdx.y;
     kvh = h / (nq::kHeads / nq::kKvHeads);
     kv_len = start_pos + T;
@@ -254,6 +256,85 @@ using nq_pre_common::Block;
 using nq_pre_common::kv_offset;
 }  // namespace nq_pre_mma
 
+// One key tile of 64 keys (K and V rows in ks / vs, padded rows) for this warp's 16 query rows: S = Q K^T,
+// the causal mask, the online-softmax update of (m, l) and O += P V. Shared by every tensor-core build.
+__device__ __forceinline__ void tile_step(const nq::uint32_t (&qa)[8][4], float (&m)[2], float (&l)[2],
+                                          float (&o)[16][4], const nq::uint16_t* ks, const nq::uint16_t* vs,
+                                          int kb, int lane, int r0, int r1, int qpos0, int qpos1, int T) {
+  using namespace nq_pre_mma;
+  const int t = lane & 3;
+  // S = Q K^T for 64 keys: key tile nt (keys 8nt..8nt+7), C (row g / g+8, keys 8nt+2t, +1)
+  float s[8][4];
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt) {
+    s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < 8; kk += 2) {
+      // matrices: (keys 8nt.., dims 16kk..), (dims +8), (dims +16), (dims +24) -> b0,b1 of steps kk, kk+1
+      uint32_t b[4];
+      ldmatrix_x4(b, ks + (8 * nt + (lane & 7)) * kRowH + 16 * kk + 8 * (lane >> 3));
+      mma16816(s[nt], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], b[0], b[1]);
+      mma16816(s[nt], qa[kk + 1][0], qa[kk + 1][1], qa[kk + 1][2], qa[kk + 1][3], b[2], b[3]);
+    }
+  }
+  // causal mask + online softmax, rows r0 (s[][0..1]) and r1 (s[][2..3])
+  float mx[2] = {neg_inf(), neg_inf()};
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int kp = kb + 8 * nt + 2 * t + (j & 1);
+      const bool ok = (j < 2) ? (r0 < T && kp <= qpos0) : (r1 < T && kp <= qpos1);
+      s[nt][j] = ok ? s[nt][j] * kScaleLog2 : neg_inf();
+      mx[j >> 1] = fmaxf(mx[j >> 1], s[nt][j]);
+    }
+  }
+  float alpha[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+    mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+    const float m_new = fmaxf(m[i], mx[i]);
+    // rows past T, or with nothing visible yet, keep m = -inf: no -inf - -inf
+    alpha[i] = m_new == neg_inf() ? 1.f : exp2f(m[i] - m_new);
+    m[i] = m_new;
+    l[i] *= alpha[i];
+  }
+  uint32_t pa[4][4];  // P as A fragments of the 4 key steps (16 keys each)
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt) {
+    float p[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      p[j] = s[nt][j] == neg_inf() ? 0.f : exp2f(s[nt][j] - m[j >> 1]);
+      l[j >> 1] += p[j];
+    }
+    // key step kk = nt/2: a0/a1 from the even key tile (keys 16kk+2t..), a2/a3 from the odd one
+    pa[nt >> 1][(nt & 1) * 2 + 0] = pack_h2(p[0], p[1]);  // row g
+    pa[nt >> 1][(nt & 1) * 2 + 1] = pack_h2(p[2], p[3]);  // row g+8
+  }
+#pragma unroll
+  for (int n = 0; n < 16; ++n) {
+    o[n][0] *= alpha[0]; o[n][1] *= alpha[0];
+    o[n][2] *= alpha[1]; o[n][3] *= alpha[1];
+  }
+  // O += P V: key step kk (keys 16kk..16kk+15), dim tiles n, n+1 per ldmatrix.x4.trans
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+#pragma unroll
+    for (int n = 0; n < 16; n += 2) {
+      // matrices: (keys 16kk.., dims 8n..), (keys 16kk+8.., dims 8n..), (keys 16kk.., dims 8n+8..),
+      // (keys 16kk+8.., dims 8n+8..) -> b0,b1 of dim tile n, then of n+1
+      uint32_t b[4];
+      const int key = 16 * kk + (lane & 7) + 8 * ((lane >> 3) & 1);
+      const int dim = 8 * n + 8 * (lane >> 4);
+      ldmatrix_x4_trans(b, vs + key * kRowH + dim);
+      mma16816(o[n], pa[kk][0], pa[kk][1], pa[kk][2], pa[kk][3], b[0], b[1]);
+      mma16816(o[n + 1], pa[kk][0], pa[kk][1], pa[kk][2], pa[kk][3], b[2], b[3]);
+    }
+  }
+}
+
 // kGroups groups of 4 warps share a block's 64 query rows and split its key tiles: in each round the
 // block's threads load kGroups consecutive tiles together, group j computes tile j of the round, and at
 // the end the groups' online-softmax states (m, l, O) merge through shared memory. Why: a block's keys
@@ -262,17 +343,23 @@ using nq_pre_common::kv_offset;
 // groups that walk is T / (64 kGroups) rounds, the loads of a round in flight together. kGroups = 1 is
 // the plain FlashAttention-2 loop ("mma"), 2 is "mma2" (prefill.py). 4 groups (512 threads) would cap a
 // thread at 128 registers: ptxas spilled 147 instructions' worth there, so there is no such build.
-template <int kGroups>
+//
+// kStages = 2 ("mma_db", one group): the FlashAttention-2 pipeline. The next tile's K/V go to the other
+// smem buffer by cp.async (16-byte copies, no registers) while the warps multiply the current one, so a
+// block no longer waits out each tile's load; the page ids of the tile after that are read one tile
+// ahead, so a copy's address never waits on its page-table read either. Smem: 2 x 34,816 B.
+template <int kGroups, int kStages = 1>
 __device__ __forceinline__ void attention_prefill_mma_body(NQ_ATTENTION_PREFILL_ARGS) {
   using namespace nq_pre_mma;
+  static_assert(kStages == 1 || (kStages == 2 && kGroups == 1), "the copy pipeline is a one-group build");
   constexpr int kThreads = 32 * kWarpsPerGroup * kGroups;
-  extern __shared__ __align__(16) uint16_t smem_pre[];  // [kGroups][K tile | V tile]
+  extern __shared__ __align__(16) uint16_t smem_pre[];  // [kGroups or kStages][K tile | V tile]
 
   if (ctl != nullptr) {  // a captured prefill graph (prefill_rope_kv.cu): the grid covers its bucket's rows
     start_pos = ctl[0];
     T = ctl[1];
   }
-  const Block blk(kBQ, start_pos, T);
+  const Block blk(kBQ, start_pos, T, kStages == 2);
   const int h = blk.h;
   const int tid = threadIdx.x;
   const int warp = tid >> 5, lane = tid & 31;
@@ -302,6 +389,55 @@ __device__ __forceinline__ void attention_prefill_mma_body(NQ_ATTENTION_PREFILL_
 #pragma unroll
   for (int n = 0; n < 16; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
 
+  if constexpr (kStages == 2) {
+    // thread tid copies chunks ch = tid + 128 j (j = 0..7) of a tile: key kk = tid / 16 + 8 j (page j / 2
+    // of the tile's 4), dims dd = (tid % 16) * 8
+    const int kk0 = tid >> 4, dd = (tid & 15) * 8;
+    int pg[4];  // page ids of the tile to copy next (read a tile ahead of their use)
+    auto read_pages = [&](int kb) {
+#pragma unroll
+      for (int p = 0; p < 4; ++p) {
+        const int kp = kb + 16 * p;
+        pg[p] = kp < blk.kv_len ? page_table[kp / nq::kPageTokens] : 0;
+      }
+    };
+    auto issue = [&](int kb, int stage) {
+      uint16_t* kt = smem_pre + stage * 2 * kTileHalves;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int kk = kk0 + 8 * j, kp = kb + kk;
+        uint16_t* dk = kt + kk * kRowH + dd;
+        if (kp < blk.kv_len) {
+          const size_t off = ((static_cast<size_t>(layer) * n_pages + pg[j >> 1]) * nq::kKvHeads + blk.kvh) *
+                                 (nq::kPageTokens * 128) + (kp % nq::kPageTokens) * 128 + dd;
+          nq::cp_async16(dk, k_cache + off);
+          nq::cp_async16(dk + kTileHalves, v_cache + off);
+        } else {  // past the sequence: zeros, never a page's stale (maybe NaN) bytes
+          *reinterpret_cast<uint4*>(dk) = make_uint4(0u, 0u, 0u, 0u);
+          *reinterpret_cast<uint4*>(dk + kTileHalves) = make_uint4(0u, 0u, 0u, 0u);
+        }
+      }
+      nq::cp_async_commit();
+    };
+    read_pages(0);
+    issue(0, 0);
+    read_pages(kBK);
+    int stage = 0;
+    for (int kb = 0; kb < blk.kv_end; kb += kBK) {
+      if (kb + kBK < blk.kv_end) {
+        issue(kb + kBK, stage ^ 1);  // the buffer the previous tile used: every warp left it (barrier below)
+        read_pages(kb + 2 * kBK);
+      } else {
+        nq::cp_async_commit();  // an empty group: "all but the newest" below still means this tile
+      }
+      nq::cp_async_wait<1>();  // this thread's copies of the current tile have landed
+      __syncthreads();         // ... and every thread's (and the zero stores)
+      const uint16_t* kst = smem_pre + stage * 2 * kTileHalves;
+      tile_step(qa, m, l, o, kst, kst + kTileHalves, kb, lane, r0, r1, qpos0, qpos1, T);
+      __syncthreads();  // every warp is done with this buffer before the next round copies into it
+      stage ^= 1;
+    }
+  } else {
   for (int kb0 = 0; kb0 < blk.kv_end; kb0 += kGroups * kBK) {
     __syncthreads();  // the previous round's ldmatrix reads are done
     for (int c = tid; c < kGroups * kBK * 16; c += kThreads) {
@@ -317,77 +453,9 @@ __device__ __forceinline__ void attention_prefill_mma_body(NQ_ATTENTION_PREFILL_
     if (kb >= blk.kv_end) continue;  // warp-uniform: past the block's last key (no barrier skipped: the
                                      // next round's, or the merge's, is reached by every warp)
 
-    // S = Q K^T for 64 keys: key tile nt (keys 8nt..8nt+7), C (row g / g+8, keys 8nt+2t, +1)
-    float s[8][4];
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-      s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
-#pragma unroll
-      for (int kk = 0; kk < 8; kk += 2) {
-        // matrices: (keys 8nt.., dims 16kk..), (dims +8), (dims +16), (dims +24) -> b0,b1 of steps kk, kk+1
-        uint32_t b[4];
-        ldmatrix_x4(b, ks + (8 * nt + (lane & 7)) * kRowH + 16 * kk + 8 * (lane >> 3));
-        mma16816(s[nt], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], b[0], b[1]);
-        mma16816(s[nt], qa[kk + 1][0], qa[kk + 1][1], qa[kk + 1][2], qa[kk + 1][3], b[2], b[3]);
-      }
-    }
-    // causal mask + online softmax, rows r0 (s[][0..1]) and r1 (s[][2..3])
-    float mx[2] = {neg_inf(), neg_inf()};
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int kp = kb + 8 * nt + 2 * t + (j & 1);
-        const bool ok = (j < 2) ? (r0 < T && kp <= qpos0) : (r1 < T && kp <= qpos1);
-        s[nt][j] = ok ? s[nt][j] * kScaleLog2 : neg_inf();
-        mx[j >> 1] = fmaxf(mx[j >> 1], s[nt][j]);
-      }
-    }
-    float alpha[2];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
-      mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
-      const float m_new = fmaxf(m[i], mx[i]);
-      // rows past T, or with nothing visible yet, keep m = -inf: no -inf - -inf
-      alpha[i] = m_new == neg_inf() ? 1.f : exp2f(m[i] - m_new);
-      m[i] = m_new;
-      l[i] *= alpha[i];
-    }
-    uint32_t pa[4][4];  // P as A fragments of the 4 key steps (16 keys each)
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-      float p[4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        p[j] = s[nt][j] == neg_inf() ? 0.f : exp2f(s[nt][j] - m[j >> 1]);
-        l[j >> 1] += p[j];
-      }
-      // key step kk = nt/2: a0/a1 from the even key tile (keys 16kk+2t..), a2/a3 from the odd one
-      pa[nt >> 1][(nt & 1) * 2 + 0] = pack_h2(p[0], p[1]);  // row g
-      pa[nt >> 1][(nt & 1) * 2 + 1] = pack_h2(p[2], p[3]);  // row g+8
-    }
-#pragma unroll
-    for (int n = 0; n < 16; ++n) {
-      o[n][0] *= alpha[0]; o[n][1] *= alpha[0];
-      o[n][2] *= alpha[1]; o[n][3] *= alpha[1];
-    }
-    // O += P V: key step kk (keys 16kk..16kk+15), dim tiles n, n+1 per ldmatrix.x4.trans
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-#pragma unroll
-      for (int n = 0; n < 16; n += 2) {
-        // matrices: (keys 16kk.., dims 8n..), (keys 16kk+8.., dims 8n..), (keys 16kk.., dims 8n+8..),
-        // (keys 16kk+8.., dims 8n+8..) -> b0,b1 of dim tile n, then of n+1
-        uint32_t b[4];
-        const int key = 16 * kk + (lane & 7) + 8 * ((lane >> 3) & 1);
-        const int dim = 8 * n + 8 * (lane >> 4);
-        ldmatrix_x4_trans(b, vs + key * kRowH + dim);
-        mma16816(o[n], pa[kk][0], pa[kk][1], pa[kk][2], pa[kk][3], b[0], b[1]);
-        mma16816(o[n + 1], pa[kk][0], pa[kk][1], pa[kk][2], pa[kk][3], b[2], b[3]);
-      }
-    }
+    tile_step(qa, m, l, o, ks, vs, kb, lane, r0, r1, qpos0, qpos1, T);
   }
+  }  // kStages == 1
 
   // full row sums: the 4 lanes of a row each hold part of it
 #pragma unroll
@@ -451,6 +519,10 @@ __device__ __forceinline__ void attention_prefill_mma_body(NQ_ATTENTION_PREFILL_
 extern "C" __global__ void __launch_bounds__(128) nq_attention_prefill_mma(NQ_ATTENTION_PREFILL_ARGS) {
   nq::pdl_wait();  // launch overlap (common.cuh): nothing read or written before it
   attention_prefill_mma_body<1>(q, k_cache, v_cache, page_table, start_pos, T, ctl, layer, n_pages, out);
+}
+extern "C" __global__ void __launch_bounds__(128) nq_attention_prefill_mma_db(NQ_ATTENTION_PREFILL_ARGS) {
+  nq::pdl_wait();
+  attention_prefill_mma_body<1, 2>(q, k_cache, v_cache, page_table, start_pos, T, ctl, layer, n_pages, out);
 }
 extern "C" __global__ void __launch_bounds__(256) nq_attention_prefill_mma2(NQ_ATTENTION_PREFILL_ARGS) {
   nq::pdl_wait();
