@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from fakes import Loaded, assert_each_refused, dev, load
 from nanoqwen_kernels import KernelError
-from nanoqwen_kernels.dims import QWEN25_1_5B, QWEN25_7B, TINY
+from nanoqwen_kernels.dims import QWEN25_7B, TINY
 from nanoqwen_kernels.embed import EmbedKernels
 from nanoqwen_kernels.norm import NormKernels
 from nanoqwen_kernels.prefill import ATTENTION_VARIANTS, PrefillKernels
@@ -227,27 +227,6 @@ def test_attention_prefill_checks(launches, variant):
         (dict(layer=True), "layer must be an int"),
     ]
     assert_each_refused(p.attention_prefill, good, bad)
-
-
-@pytest.mark.parametrize(("dims", "T", "body"), [
-    (TINY, 33, "mma2"),                        # 1 x 4 heads: far below 132 SMs
-    (QWEN25_1_5B, 512, "mma2"),                # 8 x 12 = 96 blocks
-    (QWEN25_1_5B, 704, "mma2"),                # 11 x 12 = 132: one block per SM
-    (QWEN25_1_5B, 705, "mma"),                 # 12 x 12 = 144 > 132
-    (QWEN25_7B, 256, "mma2"),                  # 4 x 28 = 112
-    (QWEN25_7B, 512, "mma"),                   # 8 x 28 = 224
-])
-def test_attention_prefill_auto_picks_by_blocks_per_sm(launches, dims, T, body):
-    """The default ("auto"): mma2 while the grid has at most one block per SM (132 here), mma beyond."""
-    p = PrefillKernels(dims, load)
-    assert p.attention_variant == "auto" and p.attention_body(T) == body
-    n_pages = -(-T // 16)
-    p.attention_prefill(q=dev((T, dims.q_dim), np.float16), k_cache=dev((1, n_pages, dims.n_kv_heads, 16, 128),
-                        np.float16), v_cache=dev((1, n_pages, dims.n_kv_heads, 16, 128), np.float16),
-                        page_table=dev((n_pages,), np.int32), start_pos=0, T=T, layer=0,
-                        out=dev((T, dims.q_dim), np.float16))
-    kernel, rows, threads, smem = ATTENTION_VARIANTS[body]
-    assert launches[-1][0] == kernel and launches[-1][1] == (-(-T // rows), dims.n_heads, 1)
 
 
 def test_silu_mul_checks(launches):

@@ -22,25 +22,21 @@ SILU_THREADS = 256  # prefill_act.cu: 8 outputs per thread
 _DEQUANT_THREADS = 256
 _DEQUANT_BLOCKS_PER_SM = 16  # grid-stride beyond this many blocks per SM: enough to fill each many times
 # attention_prefill bodies: name -> (kernel, query rows per block (kBQ), threads, dynamic smem bytes) in
-# attention_prefill.cu. "mma2": the tensor-core body with a block's key tiles split over 2 groups of 4
-# warps (the last query block's walk over the keys, the critical path at short prompts, halved);
-# 34,816 B of smem per group (nq_pre_mma::smem_bytes).
+# attention_prefill.cu (34,816 B per K+V tile buffer: nq_pre_mma::smem_bytes).
 ATTENTION_VARIANTS = {
     "fma": ("nq_attention_prefill", 32, 256, 0),
     "mma": ("nq_attention_prefill_mma", 64, 128, 34816),
-    "mma2": ("nq_attention_prefill_mma2", 64, 256, 2 * 34816),
     "mma_db": ("nq_attention_prefill_mma_db", 64, 128, 2 * 34816),
 }
-# "auto", the default, is "mma2" when a launch has at most one block per SM (ceil(T/64) x n_heads <= SMs)
-# and "mma" otherwise. Measured on the H200 (docs/PERF.md, eighth lease; kernel time in a CUDA graph):
-# with a block per SM or fewer the kernel is the last query block's walk over its keys, which mma2 halves
-# (1.5B dims, 12 heads, T = 512: 34.7 -> 23.3 us); with more blocks than SMs each SM is busy with
-# several and splitting a block gains nothing (7B, 28 heads, T = 512: 39.6 vs 40.2 us) or loses (7B at
-# 8k / 32k: 4.35 / 62.1 ms with mma, 4.60 / 68.4 with mma2). Every tensor-core body rounds P to fp16 as
-# FlashAttention does; outputs differ from the fp32 reference by that rounding (<= 2^-11 sum p|v|,
-# tests/test_attention_prefill.py). "fma" keeps fp32 probabilities: PrefillKernels(dims, load, "fma").
-ATTENTION_AUTO = "auto"
-DEFAULT_ATTENTION_VARIANT = ATTENTION_AUTO
+# "mma_db" (tensor cores, the next K/V tile copied by cp.async while the current one is multiplied) is the
+# default: kernel time on the H200 (docs/PERF.md, eighth lease; CUDA graph), 7B at T = 512 / 2k / 8k / 32k
+# 29.7 us / 228 us / 2.76 ms / 41.3 ms against 36.7 / 321 / 4,039 / 57,303 for "mma" (one buffer), 1.5B
+# dims 21.4 us / 125 us / 1.29 ms / 17.7 ms against 32.0 / 176 / 1,945 / 25,450. A build splitting each
+# block's key tiles over two warp groups ("mma2", 23.3 us at 1.5B / 512) lost to mma_db everywhere and was
+# removed. The tensor-core bodies round P to fp16 as FlashAttention does; their outputs differ from the
+# fp32 reference by that rounding (<= 2^-11 sum p|v|, tests/test_attention_prefill.py). "fma" keeps fp32
+# probabilities: PrefillKernels(dims, load, "fma").
+DEFAULT_ATTENTION_VARIANT = "mma_db"
 
 
 def _check_positions(page_table, start_pos, t: int) -> int:
@@ -82,18 +78,15 @@ class PrefillKernels:
     def __init__(self, dims: ModelDims, load_module, attention_variant: str | None = None):
         attention_variant = (attention_variant or os.environ.get("NANOQWEN_PREFILL_ATTENTION")
                              or DEFAULT_ATTENTION_VARIANT)
-        if attention_variant not in ATTENTION_VARIANTS and attention_variant != ATTENTION_AUTO:
+        if attention_variant not in ATTENTION_VARIANTS:
             raise KernelError(f"unknown attention_prefill variant {attention_variant!r}; one of "
-                              f"{sorted([*ATTENTION_VARIANTS, ATTENTION_AUTO])}")
+                              f"{sorted(ATTENTION_VARIANTS)}")
         self.dims = dims
         self.attention_variant = attention_variant
         self._blas = Blas()
         mod = load_module(PREFILL_SOURCES, dims.defines())
-        names = ["mma", "mma2"] if attention_variant == ATTENTION_AUTO else [attention_variant]
-        self._attn = {}  # variant -> (function, rows per block, threads, dynamic smem)
-        for name in names:
-            kernel, rows, threads, smem = ATTENTION_VARIANTS[name]
-            self._attn[name] = (mod.get_function(kernel, max_dynamic_smem=smem), rows, threads, smem)
+        kernel, rows, threads, smem = ATTENTION_VARIANTS[attention_variant]
+        self._attn = (mod.get_function(kernel, max_dynamic_smem=smem), rows, threads, smem)
         self._dequant = mod.get_function("nq_dequantize_int4")
         self._rope = mod.get_function("nq_rope_kv_prefill")
         self._rope_vec = mod.get_function("nq_rope_kv_prefill_vec")
@@ -229,7 +222,7 @@ class PrefillKernels:
         ck.check_array("q", q, np.float16, shape=(T, d.q_dim))
         ck.check_array("out", out, np.float16, shape=(T, d.q_dim))
         layer, n_pages, start_pos = _check_pages(d, k_cache, v_cache, layer, page_table, start_pos, T, ctl)
-        fn, rows, threads, smem = self._attn[self.attention_body(T)]
+        fn, rows, threads, smem = self._attn
         ck.launch(
             fn,
             ((T + rows - 1) // rows, d.n_heads, 1),
@@ -248,10 +241,3 @@ class PrefillKernels:
             ),
             shared_mem=smem,
         )
-
-    def attention_body(self, T: int) -> str:
-        """The attention body a launch of T query rows uses (the variant, or auto's choice for T)."""
-        if self.attention_variant != ATTENTION_AUTO:
-            return self.attention_variant
-        blocks = -(-T // ATTENTION_VARIANTS["mma"][1]) * self.dims.n_heads
-        return "mma2" if blocks <= ck.sm_count() else "mma"

@@ -6,10 +6,10 @@
 // Shapes: q, out fp16 [T, NQ_NHEADS*128] (q already roped), k/v_cache fp16 [L, n_pages, NQ_NKV, 16, 128],
 //   page_table int32 [max_pages].
 // Two bodies, the same contract (prefill.py ATTENTION_VARIANTS picks one):
-//   nq_attention_prefill_mma  tensor cores (mma.sync), FlashAttention-2 structure, P rounded to fp16
-//                             before P.V (as FlashAttention does). Its section below; _mma2 splits
-//                             each block's key tiles over 2 warp groups (the same results up to the
-//                             order of the final merge).
+//   nq_attention_prefill_mma_db  tensor cores (mma.sync), FlashAttention-2 structure, P rounded to
+//                             fp16 before P.V (as FlashAttention does), the next K/V tile copied while
+//                             the current one is multiplied: the default. Its section below; _mma is
+//                             the same math with one buffer (load, barrier, multiply).
 //   nq_attention_prefill      fp32 throughout on CUDA cores (fp32 probabilities): the slower fallback,
 //                             kept as the numerically tighter body ("fma").
 // Memory is O(T) in both (no T x T score matrix): T = 32768 runs as ceil(T / rows) x heads blocks.
@@ -222,11 +222,11 @@ extern "C" __global__ void __launch_bounds__(nq_pre::kThreads) nq_attention_pref
 }
 
 // ======================================================================================================
-// nq_attention_prefill_mma: the same computation on tensor cores (FlashAttention-2 structure); the default.
+// nq_attention_prefill_mma_db / _mma: the same computation on tensor cores (FlashAttention-2 structure).
 //
-// Launch: grid (ceil(T/64), NQ_NHEADS), 128 threads (4 warps) per group of the build (below: 1 or 2
-//   groups, kernels nq_attention_prefill_mma and _mma2), 34 KB of dynamic smem per group.
-//   Block = 64 query rows of one head; warp w of a group owns rows 16w .. 16w+15 (the M of m16n8k16).
+// Launch: grid (ceil(T/64), NQ_NHEADS), 128 threads (4 warps), 34 KB of dynamic smem per tile buffer
+//   (2 for _mma_db, 1 for _mma).
+//   Block = 64 query rows of one head; warp w owns rows 16w .. 16w+15 (the M of m16n8k16).
 //   Key tiles of 64 positions (4 pages) are copied into padded smem rows (136 halves = 272 B, so the
 //   8 row addresses of an ldmatrix land on 8 distinct 16-byte bank groups). Per tile and warp:
 //     S = Q [16 x 128] . K^T [128 x 64]: 8 key tiles x 8 dim steps = 64 mma (K via ldmatrix)
@@ -239,13 +239,11 @@ using nq::uint16_t;
 using nq::uint32_t;
 constexpr int kBQ = 64;
 constexpr int kBK = 64;
-constexpr int kWarpsPerGroup = 4;  // the 4 warps of a group own the block's 64 query rows, 16 each
+constexpr int kWarps = 4;  // the block's 4 warps own its 64 query rows, 16 each
 constexpr int kRowH = 136;  // padded smem row (halves) of the K/V tiles
 constexpr int kTileHalves = kBK * kRowH;  // one K (or V) tile
-// dynamic smem of a block of G groups: G x (K tile + V tile) = G x 34,816 B; the same bytes hold the
-// merge area at the end (128 lanes x 68 floats per group = 34,816 B: m, l of 2 rows + 64 output values)
-__host__ __device__ constexpr int smem_bytes(int groups) { return groups * 2 * kTileHalves * 2; }
-static_assert(smem_bytes(1) == 128 * 68 * 4, "a group's merge area must be its tile area");
+// dynamic smem of a block with S tile buffers: S x (K tile + V tile) = S x 34,816 B
+__host__ __device__ constexpr int smem_bytes(int stages) { return stages * 2 * kTileHalves * 2; }
 using nq::kScaleLog2;
 using nq::ldmatrix_x4;
 using nq::ldmatrix_x4_trans;
@@ -335,25 +333,13 @@ __device__ __forceinline__ void tile_step(const nq::uint32_t (&qa)[8][4], float 
   }
 }
 
-// kGroups groups of 4 warps share a block's 64 query rows and split its key tiles: in each round the
-// block's threads load kGroups consecutive tiles together, group j computes tile j of the round, and at
-// the end the groups' online-softmax states (m, l, O) merge through shared memory. Why: a block's keys
-// run up to its last query, so the block of the last 64 queries walks T / 64 tiles one after another
-// (8 at T = 512: the whole kernel's critical path when every block is resident at once); with kGroups
-// groups that walk is T / (64 kGroups) rounds, the loads of a round in flight together. kGroups = 1 is
-// the plain FlashAttention-2 loop ("mma"), 2 is "mma2" (prefill.py). 4 groups (512 threads) would cap a
-// thread at 128 registers: ptxas spilled 147 instructions' worth there, so there is no such build.
-//
-// kStages = 2 ("mma_db", one group): the FlashAttention-2 pipeline. The next tile's K/V go to the other
-// smem buffer by cp.async (16-byte copies, no registers) while the warps multiply the current one, so a
-// block no longer waits out each tile's load; the page ids of the tile after that are read one tile
-// ahead, so a copy's address never waits on its page-table read either. Smem: 2 x 34,816 B.
-template <int kGroups, int kStages = 1>
+// kStages = 1 ("mma"): load a tile (through registers), barrier, multiply, barrier: the plain loop.
+template <int kStages>
 __device__ __forceinline__ void attention_prefill_mma_body(NQ_ATTENTION_PREFILL_ARGS) {
   using namespace nq_pre_mma;
-  static_assert(kStages == 1 || (kStages == 2 && kGroups == 1), "the copy pipeline is a one-group build");
-  constexpr int kThreads = 32 * kWarpsPerGroup * kGroups;
-  extern __shared__ __align__(16) uint16_t smem_pre[];  // [kGroups or kStages][K tile | V tile]
+  static_assert(kStages == 1 || kStages == 2, "one buffer or two");
+  constexpr int kThreads = 32 * kWarps;
+  extern __shared__ __align__(16) uint16_t smem_pre[];  // [kStages][K tile | V tile]
 
   if (ctl != nullptr) {  // a captured prefill graph (prefill_rope_kv.cu): the grid covers its bucket's rows
     start_pos = ctl[0];
@@ -363,13 +349,12 @@ __device__ __forceinline__ void attention_prefill_mma_body(NQ_ATTENTION_PREFILL_
   const int h = blk.h;
   const int tid = threadIdx.x;
   const int warp = tid >> 5, lane = tid & 31;
-  const int grp = warp / kWarpsPerGroup, wq = warp % kWarpsPerGroup;
   const int g = lane >> 2, t = lane & 3;
-  const int r0 = blk.q0 + 16 * wq + g;  // this lane's rows r0 and r0 + 8 (query index)
+  const int r0 = blk.q0 + 16 * warp + g;  // this lane's rows r0 and r0 + 8 (query index)
   const int r1 = r0 + 8;
   const int qpos0 = start_pos + r0, qpos1 = start_pos + r1;
-  const uint16_t* ks = smem_pre + grp * 2 * kTileHalves;  // this group's K tile [64 keys][136]
-  const uint16_t* vs = ks + kTileHalves;                   // and V tile
+  const uint16_t* ks = smem_pre;        // K tile [64 keys][136] (one buffer; the pipeline's are below)
+  const uint16_t* vs = ks + kTileHalves;  // and V tile
 
   // Q A fragments for the 8 dim steps: a0 (row g, dims 16ks+2t), a1 (row g+8), a2/a3 (dims +8)
   uint32_t qa[8][4];
@@ -438,69 +423,23 @@ __device__ __forceinline__ void attention_prefill_mma_body(NQ_ATTENTION_PREFILL_
       stage ^= 1;
     }
   } else {
-  for (int kb0 = 0; kb0 < blk.kv_end; kb0 += kGroups * kBK) {
-    __syncthreads();  // the previous round's ldmatrix reads are done
-    for (int c = tid; c < kGroups * kBK * 16; c += kThreads) {
-      const int tile = c / (kBK * 16);  // which group's tile this chunk belongs to
-      const int ch = c % (kBK * 16);
-      NQ_KV_CHUNK(ch, kb0 + tile * kBK)
-      uint16_t* kt = smem_pre + tile * 2 * kTileHalves;
-      *reinterpret_cast<uint4*>(kt + kk * kRowH + dd) = kr;
-      *reinterpret_cast<uint4*>(kt + kTileHalves + kk * kRowH + dd) = vr;
+    for (int kb = 0; kb < blk.kv_end; kb += kBK) {
+      __syncthreads();  // the previous tile's ldmatrix reads are done
+      for (int ch = tid; ch < kBK * 16; ch += kThreads) {
+        NQ_KV_CHUNK(ch, kb)
+        *reinterpret_cast<uint4*>(smem_pre + kk * kRowH + dd) = kr;
+        *reinterpret_cast<uint4*>(smem_pre + kTileHalves + kk * kRowH + dd) = vr;
+      }
+      __syncthreads();
+      tile_step(qa, m, l, o, ks, vs, kb, lane, r0, r1, qpos0, qpos1, T);
     }
-    __syncthreads();
-    const int kb = kb0 + grp * kBK;  // this group's tile of the round
-    if (kb >= blk.kv_end) continue;  // warp-uniform: past the block's last key (no barrier skipped: the
-                                     // next round's, or the merge's, is reached by every warp)
-
-    tile_step(qa, m, l, o, ks, vs, kb, lane, r0, r1, qpos0, qpos1, T);
   }
-  }  // kStages == 1
 
   // full row sums: the 4 lanes of a row each hold part of it
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
     l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
-  }
-  if constexpr (kGroups > 1) {
-    // Merge: groups 1.. leave (m, l, O) in their own smem area, [68 values][128 lanes] fp32 (lane-minor:
-    // conflict-free), group 0 folds them into its state: M = max m_j, O = sum 2^(m_j - M) O_j, same for l.
-    __syncthreads();  // every group's last ldmatrix read of its tiles is done: the areas may be reused
-    const int gl = tid % (32 * kWarpsPerGroup);  // lane within the group
-    if (grp > 0) {
-      float* mg = reinterpret_cast<float*>(smem_pre + grp * 2 * kTileHalves);
-      mg[0 * 128 + gl] = m[0];
-      mg[1 * 128 + gl] = m[1];
-      mg[2 * 128 + gl] = l[0];
-      mg[3 * 128 + gl] = l[1];
-#pragma unroll
-      for (int n = 0; n < 16; ++n)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) mg[(4 + 4 * n + j) * 128 + gl] = o[n][j];
-    }
-    __syncthreads();
-    if (grp > 0) return;  // no barrier follows
-#pragma unroll
-    for (int j = 1; j < kGroups; ++j) {
-      const float* mg = reinterpret_cast<const float*>(smem_pre + j * 2 * kTileHalves);
-      float f_self[2], f_other[2];
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const float mj = mg[i * 128 + gl];
-        const float mn = fmaxf(m[i], mj);
-        // a state that saw no visible key has m = -inf (and l = 0, O = 0): weight 0, no -inf - -inf
-        f_self[i] = m[i] == neg_inf() ? 0.f : exp2f(m[i] - mn);
-        f_other[i] = mj == neg_inf() ? 0.f : exp2f(mj - mn);
-        l[i] = l[i] * f_self[i] + mg[(2 + i) * 128 + gl] * f_other[i];
-        m[i] = mn;
-      }
-#pragma unroll
-      for (int n = 0; n < 16; ++n)
-#pragma unroll
-        for (int jj = 0; jj < 4; ++jj)
-          o[n][jj] = o[n][jj] * f_self[jj >> 1] + mg[(4 + 4 * n + jj) * 128 + gl] * f_other[jj >> 1];
-    }
   }
   const float inv0 = l[0] > 0.f ? 1.f / l[0] : 0.f, inv1 = l[1] > 0.f ? 1.f / l[1] : 0.f;
 #pragma unroll
@@ -515,16 +454,12 @@ __device__ __forceinline__ void attention_prefill_mma_body(NQ_ATTENTION_PREFILL_
   }
 }
 
-// Launch: grid (ceil(T/64), NQ_NHEADS), 128 x groups threads, nq_pre_mma::smem_bytes(groups) dynamic smem.
+// Launch: grid (ceil(T/64), NQ_NHEADS), 128 threads, nq_pre_mma::smem_bytes(kStages) dynamic smem.
 extern "C" __global__ void __launch_bounds__(128) nq_attention_prefill_mma(NQ_ATTENTION_PREFILL_ARGS) {
   nq::pdl_wait();  // launch overlap (common.cuh): nothing read or written before it
   attention_prefill_mma_body<1>(q, k_cache, v_cache, page_table, start_pos, T, ctl, layer, n_pages, out);
 }
 extern "C" __global__ void __launch_bounds__(128) nq_attention_prefill_mma_db(NQ_ATTENTION_PREFILL_ARGS) {
-  nq::pdl_wait();
-  attention_prefill_mma_body<1, 2>(q, k_cache, v_cache, page_table, start_pos, T, ctl, layer, n_pages, out);
-}
-extern "C" __global__ void __launch_bounds__(256) nq_attention_prefill_mma2(NQ_ATTENTION_PREFILL_ARGS) {
   nq::pdl_wait();
   attention_prefill_mma_body<2>(q, k_cache, v_cache, page_table, start_pos, T, ctl, layer, n_pages, out);
 }
