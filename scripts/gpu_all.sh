@@ -189,6 +189,8 @@ print(convert(sys.argv[1], sys.argv[2], progress=False))" "$NQ_REAL_GGUF" "$REAL
   run real_tier 420 $PY scripts/real_vs_transformers.py "$REAL_NQ" --out "$OUT/real_vs_transformers.json"
   run real_bench 120 bash -c "$PY -m nanoqwen_cli bench --model '$REAL_NQ' --json > '$WORK/logs/bench_real_1.5b.json'; \
     rc=\$?; cat '$WORK/logs/bench_real_1.5b.json'; exit \$rc"
+  # where the real model's batch-1 step goes (issue 15 keeps this breakdown for the 7B and the real 1.5B)
+  run real_breakdown 120 $PY scripts/decode_breakdown.py "$REAL_NQ" --json "$WORK/logs/breakdown_real_1.5b.json"
 fi
 # The OpenAI-compatible server under load (issue 14): needs the wheels in .whl (starlette, uvicorn, openai).
 if want serve; then
