@@ -46,8 +46,11 @@ def next_id(tokens: list[int], sampler: SamplerState) -> int:
 class PagedEcho:
     """The Backend protocol over a token-id "cache" in the real page layout."""
 
-    def __init__(self, n_pages: int, max_context: int):
+    def __init__(self, n_pages: int, max_context: int, open_ahead: bool = False):
         self.pool = PagePool(n_pages, pages_for(max_context))
+        # open_ahead: on a run_ahead hint, give every sequence whose next position opens a page that page
+        # now, all or none, as the CUDA backend does before launching a step ahead (_open_next_pages)
+        self.open_ahead = open_ahead
         self.max_context = max_context
         self.cache = np.full((n_pages, PAGE_TOKENS), -1, dtype=np.int64)
         self.calls: list[tuple[str, int]] = []  # ("decode", B) / ("prefill", T)
@@ -82,7 +85,13 @@ class PagedEcho:
         for s, t in zip(seqs, token_ids, strict=True):
             self._write(s, [int(t)])
         self.calls.append(("decode", len(seqs)))
-        return [next_id(self._read(s), sp) for s, sp in zip(seqs, samplers, strict=True)]
+        out = [next_id(self._read(s), sp) for s, sp in zip(seqs, samplers, strict=True)]
+        if run_ahead and self.open_ahead:
+            opening = [s for s in seqs if s.length >= s.capacity]
+            if len(opening) <= self.pool.n_free and all(s.n_pages < self.pool.max_pages_per_seq for s in opening):
+                for s in opening:
+                    self.pool.grow(s, s.length + 1)
+        return out
 
 
 def solo(prompt: list[int], params: SamplingParams, max_context: int) -> list[int]:
@@ -134,6 +143,8 @@ def check_pool(sched: Scheduler) -> None:
     for r in live:  # a running request holds its whole prompt's pages from admission
         assert r.seq.n_pages >= pages_for(r.prefill_target)
         assert r.seq.length <= r.prefill_target
+        # ... and at most one page past what its next token needs (one opened ahead of a step run ahead)
+        assert r.seq.n_pages <= max(pages_for(r.prefill_target), pages_for(r.seq.length + 1)) + 1
 
 
 # -- policy, step by step --------------------------------------------------------------------------------
@@ -276,16 +287,18 @@ def test_head_of_line_waits_for_pages_and_max_batch_caps_running(tokenizer, rng)
 
 class SchedulerMachine(RuleBasedStateMachine):
     """Arrivals, cancellations and steps against small pools; the pool is checked after every step and
-    every request's tokens against its solo run at the end."""
+    every request's tokens against its solo run at the end. With open_ahead the backend takes pages
+    ahead of the scheduler's reserve on run-ahead hints, as the CUDA backend does: the same tokens, the
+    pool whole at the end, nothing stuck."""
 
     tokenizer = None  # set by the test below (a session fixture)
     sched: Scheduler | None = None  # set by setup (the first rule hypothesis runs)
 
     @initialize(n_pages=st.integers(3, 12), max_batch=st.integers(1, 5), chunk=st.integers(1, 48),
-                ctx_pages=st.integers(2, 6))
-    def setup(self, n_pages, max_batch, chunk, ctx_pages):
+                ctx_pages=st.integers(2, 6), open_ahead=st.booleans())
+    def setup(self, n_pages, max_batch, chunk, ctx_pages, open_ahead):
         self.max_context = min(ctx_pages, n_pages) * PAGE_TOKENS
-        self.be = PagedEcho(n_pages, self.max_context)
+        self.be = PagedEcho(n_pages, self.max_context, open_ahead)
         self.sched = Scheduler(self.be, max_batch=max_batch, prefill_chunk=chunk)
         self.reqs: list[Request] = []
 
