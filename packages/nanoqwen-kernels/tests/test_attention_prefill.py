@@ -19,7 +19,7 @@ gpu = pytest.mark.skipif(not OK, reason=REASON)
 DIMS = {"7b": QWEN25_7B, "tiny": TINY}
 
 
-VARIANTS = ["fma", "mma", "mma_db"]  # attention bodies (nanoqwen_kernels.prefill.ATTENTION_VARIANTS)
+VARIANTS = ["fma", "mma", "mma_db", "wg_db"]  # attention bodies (nanoqwen_kernels.prefill.ATTENTION_VARIANTS)
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +53,7 @@ def causal_ref(q, k, v, start_pos, g, with_pv_abs=False):
 
 def tolerance(ref, pv_abs, variant):
     tol = 2e-4 + 4e-3 * np.abs(ref)
-    return tol + P_ROUNDING * pv_abs if variant.startswith("mma") else tol
+    return tol + P_ROUNDING * pv_abs if variant != "fma" else tol  # tensor-core bodies round P to fp16
 
 
 @gpu

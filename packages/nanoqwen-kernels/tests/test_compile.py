@@ -210,3 +210,15 @@ def test_odd_group_count_build_releases_its_scale_stores():
         name = f"nq_gate_up_silu_tile{c}"
         arrivals = [len(re.findall(r"SYNCS\.ARRIVE\.TRANS64", f[name])) for f in (funcs, even)]
         assert "ARRIVES.LDGSTSBAR" in funcs[name] and arrivals[0] > arrivals[1], (name, arrivals)
+
+
+def test_attention_prefill_sass():
+    """The copy-pipeline builds copy K/V with LDGSTS (cp.async), not through registers; the wg build's
+    scores are 8 HGMMA m64n64k16 per tile behind one arrive and one wait; nothing spills."""
+    funcs = _functions(_sass("attention_prefill.cu", QWEN25_7B))
+    for name in ("nq_attention_prefill_mma_db", "nq_attention_prefill_wg"):
+        body = funcs[name]
+        assert "LDGSTS" in body and "STL" not in body and "LDL" not in body, name
+    wg = funcs["nq_attention_prefill_wg"]
+    assert wg.count("HGMMA.64x64x16.F32") == 8 and wg.count("WARPGROUP.DEPBAR") == 1, "wgmma scores"
+    assert "HGMMA" not in funcs["nq_attention_prefill_mma_db"]

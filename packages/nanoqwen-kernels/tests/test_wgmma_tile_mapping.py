@@ -184,3 +184,43 @@ def test_preperm_x_lands_where_the_copies_expect_it(ncols):
             for (n, k), off in got.items():
                 if k // PAIR_K == pg:
                     assert (off - pg * n_build * 512) // 16 * 16 in copied, (n, k)
+
+
+# ---- attention_prefill.cu's wg build: S = Q K^T with K in the same B layout ----------------------------------
+
+def k_tile_offset(n: int, c: int) -> int:
+    """nq_pre_wg::k_offset: the byte where key n's dims 8c .. 8c+7 land in the stage's K tile (c = 0..15)."""
+    return 8192 * (c >> 3) + 1024 * (n >> 3) + 128 * (n & 7) + 16 * ((c & 7) ^ (n & 7))
+
+
+def test_attention_k_tile_places_every_value_once_in_16_byte_pieces():
+    seen = set()
+    for n in range(64):
+        for c in range(16):
+            off = k_tile_offset(n, c)
+            assert off % 16 == 0 and 0 <= off < 16384
+            seen.add(off)
+    assert len(seen) == 64 * 16
+    # the 8 lanes copying one key's chunks 0..7 (or 8..15) write 8 different 16-byte bank groups
+    for n in range(64):
+        for half in (0, 8):
+            assert len({(k_tile_offset(n, c) >> 4) & 7 for c in range(half, half + 8)}) == 8
+
+
+def test_attention_k_tile_scores_are_q_times_k():
+    """The wg build's 8 wgmmas per tile (A = each warp's Q fragments of step kk, B read from the K tile at
+    8192 (kk / 4) + 32 (kk % 4) bytes) give S = Q K^T for all 64 query rows and 64 keys."""
+    rng = np.random.default_rng()
+    q = rng.standard_normal((64, 128))
+    k = rng.standard_normal((64, 128))
+    smem = np.full(16384 // 2, np.nan)
+    for n in range(64):
+        for c in range(16):
+            o = k_tile_offset(n, c) // 2
+            smem[o:o + 8] = k[n, 8 * c:8 * c + 8]
+    s = np.zeros((64, 64))
+    for kk in range(8):
+        b = read_b(smem, 8192 * (kk >> 2) + 32 * (kk & 3), 64)  # 16 dims x 64 keys
+        for w in range(4):  # warp w's A fragments: rows 16w .., dims 16kk .. (the qa layout)
+            s[16 * w:16 * w + 16] += q[16 * w:16 * w + 16, 16 * kk:16 * kk + 16] @ b
+    np.testing.assert_allclose(s, q @ k.T, rtol=1e-12, atol=1e-12)

@@ -27,6 +27,9 @@ ATTENTION_VARIANTS = {
     "fma": ("nq_attention_prefill", 32, 256, 0),
     "mma": ("nq_attention_prefill_mma", 64, 128, 34816),
     "mma_db": ("nq_attention_prefill_mma_db", 64, 128, 2 * 34816),
+    # S = Q K^T on wgmma (K in wgmma's swizzled layout), P V on mma.sync; prepared, not yet run on a GPU
+    # (docs/PERF.md, eighth lease): opt-in only. 2 stages x (16,384 + 17,408) + 1,024 B of alignment room.
+    "wg_db": ("nq_attention_prefill_wg", 64, 128, 2 * (16384 + 17408) + 1024),
 }
 # "mma_db" (tensor cores, the next K/V tile copied by cp.async while the current one is multiplied) is the
 # default: kernel time on the H200 (docs/PERF.md, eighth lease; CUDA graph), 7B at T = 512 / 2k / 8k / 32k
