@@ -348,11 +348,38 @@ __device__ __forceinline__ void tile_step(const nq::uint32_t (&qa)[8][4], float 
   tile_softmax_pv(s, m, l, o, vs, kb, lane, r0, r1, qpos0, qpos1, T);
 }
 
+// ------------------------------------------------------------------------------------------------------
+// nq_attention_prefill_wg ("wg_db"): mma_db's pipeline with S = Q K^T on Hopper's warpgroup MMA. The block's
+// 4 warps are one warpgroup; per key tile, 8 wgmma m64n64k16 (A = Q from the same registers as mma.sync's
+// A fragments, B = K read by the tensor cores from shared memory) replace each warp's 64 mma.sync and 16
+// ldmatrix; P V stays on mma.sync from the padded V tile. The D fragments of a wgmma are mma.sync's C
+// fragments per 16 rows (wgmma.cuh), so the mask, softmax and P V code is the other builds'.
+// K tile in wgmma's B layout (K-major, 128-byte swizzle; wgmma.cuh): keys are B's columns, dims its k.
+// Dims 64 kc .. 64 kc + 63 of key n sit in 128-byte row n % 8 of atom n / 8 of k-chunk kc; 16-byte chunk
+// j of that row is stored at chunk j ^ (n % 8):
+//   byte (key n, dim k) = 8192 kc + 1024 (n / 8) + 128 (n % 8) + 16 (((k % 64) / 8) ^ (n % 8)) + 2 (k % 8)
+// and the k16 step s (dims 16 s ..) starts 8192 (s / 4) + 32 (s % 4) bytes in, the next 8 keys 1024 on.
+// tests/test_wgmma_tile_mapping.py (test_attention_k_tile_*) emulates this read against Q K^T.
+// Smem per stage: K 16,384 B (1024-aligned atoms) + V 17,408 B (padded rows) = 33 x 1024 B; 2 stages and
+// 1024 B of alignment room: 68,608 B. PREPARED, NOT YET RUN ON A GPU: not the default. It is the body
+// below with kWg = true: only the K tile's layout, a proxy fence and the scores differ.
+namespace nq_pre_wg {
+constexpr int kKBytes = 2 * 8 * 1024;                           // K tile: 2 k-chunks x 8 atoms x 1024 B
+constexpr int kVHalves = nq_pre_mma::kBK * nq_pre_mma::kRowH;   // V tile, padded rows
+constexpr int kStageBytes = kKBytes + kVHalves * 2;             // 33,792 = 33 x 1024
+static_assert(kStageBytes % 1024 == 0, "every stage's K atoms must stay 1024-aligned");
+__host__ __device__ constexpr int smem_bytes() { return 2 * kStageBytes + 1024; }
+__device__ __forceinline__ int k_offset(int n, int c) {  // byte of key n's dims 8c .. 8c+7 (c = 0..15)
+  return 8192 * (c >> 3) + 1024 * (n >> 3) + 128 * (n & 7) + 16 * ((c & 7) ^ (n & 7));
+}
+}  // namespace nq_pre_wg
+
 // kStages = 1 ("mma"): load a tile (through registers), barrier, multiply, barrier: the plain loop.
-template <int kStages>
+template <int kStages, bool kWg = false>
 __device__ __forceinline__ void attention_prefill_mma_body(NQ_ATTENTION_PREFILL_ARGS) {
   using namespace nq_pre_mma;
   static_assert(kStages == 1 || kStages == 2, "one buffer or two");
+  static_assert(!kWg || kStages == 2, "the wgmma scores come with the copy pipeline");
   constexpr int kThreads = 32 * kWarps;
   extern __shared__ __align__(16) uint16_t smem_pre[];  // [kStages][K tile | V tile]
 
@@ -401,20 +428,33 @@ __device__ __forceinline__ void attention_prefill_mma_body(NQ_ATTENTION_PREFILL_
         pg[p] = kp < blk.kv_len ? page_table[kp / nq::kPageTokens] : 0;
       }
     };
+    // a stage: [K tile | V tile], padded rows ([64][136] halves each); with kWg the K tile is in wgmma's
+    // layout (nq_pre_wg) and every stage starts on a 1024-byte boundary
+    unsigned char* stages = reinterpret_cast<unsigned char*>(smem_pre);
+    if constexpr (kWg) stages += (1024u - (nq::smem_u32(stages) & 1023u)) & 1023u;
+    constexpr int kStageBytes = kWg ? nq_pre_wg::kStageBytes : 2 * kTileHalves * 2;
+    constexpr int kVBytes = kWg ? nq_pre_wg::kKBytes : kTileHalves * 2;  // the V tile's offset in a stage
     auto issue = [&](int kb, int stage) {
-      uint16_t* kt = smem_pre + stage * 2 * kTileHalves;
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         const int kk = kk0 + 8 * j, kp = kb + kk;
-        uint16_t* dk = kt + kk * kRowH + dd;
+        uint16_t *dk, *dv;
+        if constexpr (kWg) {
+          unsigned char* st = stages + stage * kStageBytes;
+          dk = reinterpret_cast<uint16_t*>(st + nq_pre_wg::k_offset(kk, dd / 8));
+          dv = reinterpret_cast<uint16_t*>(st + kVBytes) + kk * kRowH + dd;
+        } else {
+          dk = smem_pre + stage * 2 * kTileHalves + kk * kRowH + dd;
+          dv = dk + kTileHalves;
+        }
         if (kp < blk.kv_len) {
           const size_t off = ((static_cast<size_t>(layer) * n_pages + pg[j >> 1]) * nq::kKvHeads + blk.kvh) *
                                  (nq::kPageTokens * 128) + (kp % nq::kPageTokens) * 128 + dd;
           nq::cp_async16(dk, k_cache + off);
-          nq::cp_async16(dk + kTileHalves, v_cache + off);
+          nq::cp_async16(dv, v_cache + off);
         } else {  // past the sequence: zeros, never a page's stale (maybe NaN) bytes
           *reinterpret_cast<uint4*>(dk) = make_uint4(0u, 0u, 0u, 0u);
-          *reinterpret_cast<uint4*>(dk + kTileHalves) = make_uint4(0u, 0u, 0u, 0u);
+          *reinterpret_cast<uint4*>(dv) = make_uint4(0u, 0u, 0u, 0u);
         }
       }
       nq::cp_async_commit();
@@ -431,9 +471,29 @@ __device__ __forceinline__ void attention_prefill_mma_body(NQ_ATTENTION_PREFILL_
         nq::cp_async_commit();  // an empty group: "all but the newest" below still means this tile
       }
       nq::cp_async_wait<1>();  // this thread's copies of the current tile have landed
+      if constexpr (kWg) nq::fence_proxy_async_smem();  // ... where the wgmmas (async proxy) will read them
       __syncthreads();         // ... and every thread's (and the zero stores)
-      const uint16_t* kst = smem_pre + stage * 2 * kTileHalves;
-      tile_step(qa, m, l, o, kst, kst + kTileHalves, kb, lane, r0, r1, qpos0, qpos1, T);
+      float s[8][4];
+      if constexpr (kWg) {
+        const unsigned char* st = stages + stage * kStageBytes;
+        // S = Q K^T: 8 wgmma m64n64k16, step kk's B 8192 (kk / 4) + 32 (kk % 4) bytes into the K tile
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+        const nq::uint64_t desc0 = nq::wgmma_desc_sw128(nq::smem_u32(st));
+        nq::wgmma_fence();  // the zeroed accumulators (and qa) written before the wgmmas read them
+#pragma unroll
+        for (int kk = 0; kk < 8; ++kk) {
+          const nq::uint64_t desc = desc0 + static_cast<nq::uint64_t>((8192 * (kk >> 2) + 32 * (kk & 3)) >> 4);
+          nq::wgmma_rs<8>(s, qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], desc);
+        }
+        nq::wgmma_commit();
+        nq::wgmma_wait<0>();  // S complete in registers; this stage's K no longer read
+        tile_softmax_pv(s, m, l, o, reinterpret_cast<const uint16_t*>(st + kVBytes), kb, lane, r0, r1, qpos0,
+                        qpos1, T);
+      } else {
+        const uint16_t* kst = smem_pre + stage * 2 * kTileHalves;
+        tile_step(qa, m, l, o, kst, kst + kTileHalves, kb, lane, r0, r1, qpos0, qpos1, T);
+      }
       __syncthreads();  // every warp is done with this buffer before the next round copies into it
       stage ^= 1;
     }
@@ -469,147 +529,6 @@ __device__ __forceinline__ void attention_prefill_mma_body(NQ_ATTENTION_PREFILL_
   }
 }
 
-// ------------------------------------------------------------------------------------------------------
-// nq_attention_prefill_wg ("wg_db"): mma_db's pipeline with S = Q K^T on Hopper's warpgroup MMA. The block's
-// 4 warps are one warpgroup; per key tile, 8 wgmma m64n64k16 (A = Q from the same registers as mma.sync's
-// A fragments, B = K read by the tensor cores from shared memory) replace each warp's 64 mma.sync and 16
-// ldmatrix; P V stays on mma.sync from the padded V tile. The D fragments of a wgmma are mma.sync's C
-// fragments per 16 rows (wgmma.cuh), so the mask, softmax and P V code is the other builds'.
-// K tile in wgmma's B layout (K-major, 128-byte swizzle; wgmma.cuh): keys are B's columns, dims its k.
-// Dims 64 kc .. 64 kc + 63 of key n sit in 128-byte row n % 8 of atom n / 8 of k-chunk kc; 16-byte chunk
-// j of that row is stored at chunk j ^ (n % 8):
-//   byte (key n, dim k) = 8192 kc + 1024 (n / 8) + 128 (n % 8) + 16 (((k % 64) / 8) ^ (n % 8)) + 2 (k % 8)
-// and the k16 step s (dims 16 s ..) starts 8192 (s / 4) + 32 (s % 4) bytes in, the next 8 keys 1024 on.
-// tests/test_wgmma_tile_mapping.py (test_attention_k_tile_*) emulates this read against Q K^T.
-// Smem per stage: K 16,384 B (1024-aligned atoms) + V 17,408 B (padded rows) = 33 x 1024 B; 2 stages and
-// 1024 B of alignment room: 68,608 B. PREPARED, NOT YET RUN ON A GPU: not the default.
-namespace nq_pre_wg {
-constexpr int kKBytes = 2 * 8 * 1024;                           // K tile: 2 k-chunks x 8 atoms x 1024 B
-constexpr int kVHalves = nq_pre_mma::kBK * nq_pre_mma::kRowH;   // V tile, padded rows
-constexpr int kStageBytes = kKBytes + kVHalves * 2;             // 33,792 = 33 x 1024
-static_assert(kStageBytes % 1024 == 0, "every stage's K atoms must stay 1024-aligned");
-__host__ __device__ constexpr int smem_bytes() { return 2 * kStageBytes + 1024; }
-__device__ __forceinline__ int k_offset(int n, int c) {  // byte of key n's dims 8c .. 8c+7 (c = 0..15)
-  return 8192 * (c >> 3) + 1024 * (n >> 3) + 128 * (n & 7) + 16 * ((c & 7) ^ (n & 7));
-}
-}  // namespace nq_pre_wg
-
-extern "C" __global__ void __launch_bounds__(128) nq_attention_prefill_wg(NQ_ATTENTION_PREFILL_ARGS) {
-  nq::pdl_wait();  // launch overlap (common.cuh): nothing read or written before it
-  using namespace nq_pre_mma;
-  using namespace nq_pre_wg;
-  extern __shared__ __align__(16) unsigned char smem_wg_raw[];
-  unsigned char* smem = smem_wg_raw + ((1024u - (nq::smem_u32(smem_wg_raw) & 1023u)) & 1023u);
-
-  if (ctl != nullptr) {
-    start_pos = ctl[0];
-    T = ctl[1];
-  }
-  const Block blk(kBQ, start_pos, T, true);
-  const int h = blk.h;
-  const int tid = threadIdx.x;
-  const int warp = tid >> 5, lane = tid & 31;
-  const int g = lane >> 2, t = lane & 3;
-  const int r0 = blk.q0 + 16 * warp + g;
-  const int r1 = r0 + 8;
-  const int qpos0 = start_pos + r0, qpos1 = start_pos + r1;
-
-  uint32_t qa[8][4];  // Q A fragments, as the other builds (and wgmma's A from registers) lay them out
-#pragma unroll
-  for (int kk = 0; kk < 8; ++kk) {
-    const int d0 = 16 * kk + 2 * t;
-    const nq::uint16_t* p0 = q + static_cast<size_t>(r0) * nq::kQDim + h * 128;
-    const nq::uint16_t* p1 = q + static_cast<size_t>(r1) * nq::kQDim + h * 128;
-    qa[kk][0] = r0 < T ? *reinterpret_cast<const uint32_t*>(p0 + d0) : 0u;
-    qa[kk][1] = r1 < T ? *reinterpret_cast<const uint32_t*>(p1 + d0) : 0u;
-    qa[kk][2] = r0 < T ? *reinterpret_cast<const uint32_t*>(p0 + d0 + 8) : 0u;
-    qa[kk][3] = r1 < T ? *reinterpret_cast<const uint32_t*>(p1 + d0 + 8) : 0u;
-  }
-  float m[2] = {neg_inf(), neg_inf()}, l[2] = {0.f, 0.f};
-  float o[16][4];
-#pragma unroll
-  for (int n = 0; n < 16; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
-
-  // copies as in mma_db: thread tid takes key kk0 + 8 j (j = 0..7), 16-byte chunk c of its 16
-  const int kk0 = tid >> 4, c = tid & 15;
-  int pg[4];
-  auto read_pages = [&](int kb) {
-#pragma unroll
-    for (int p = 0; p < 4; ++p) {
-      const int kp = kb + 16 * p;
-      pg[p] = kp < blk.kv_len ? page_table[kp / nq::kPageTokens] : 0;
-    }
-  };
-  auto issue = [&](int kb, int stage) {
-    unsigned char* kt = smem + stage * kStageBytes;
-    uint16_t* vt = reinterpret_cast<uint16_t*>(kt + kKBytes);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const int kk = kk0 + 8 * j, kp = kb + kk;
-      unsigned char* dk = kt + k_offset(kk, c);
-      uint16_t* dv = vt + kk * kRowH + 8 * c;
-      if (kp < blk.kv_len) {
-        const size_t off = ((static_cast<size_t>(layer) * n_pages + pg[j >> 1]) * nq::kKvHeads + blk.kvh) *
-                               (nq::kPageTokens * 128) + (kp % nq::kPageTokens) * 128 + 8 * c;
-        nq::cp_async16(dk, k_cache + off);
-        nq::cp_async16(dv, v_cache + off);
-      } else {
-        *reinterpret_cast<uint4*>(dk) = make_uint4(0u, 0u, 0u, 0u);
-        *reinterpret_cast<uint4*>(dv) = make_uint4(0u, 0u, 0u, 0u);
-      }
-    }
-    nq::cp_async_commit();
-  };
-  read_pages(0);
-  issue(0, 0);
-  read_pages(kBK);
-  int stage = 0;
-  for (int kb = 0; kb < blk.kv_end; kb += kBK) {
-    if (kb + kBK < blk.kv_end) {
-      issue(kb + kBK, stage ^ 1);
-      read_pages(kb + 2 * kBK);
-    } else {
-      nq::cp_async_commit();
-    }
-    nq::cp_async_wait<1>();
-    nq::fence_proxy_async_smem();  // this thread's copies and stores (generic proxy), seen by the wgmmas
-    __syncthreads();
-    const unsigned char* kt = smem + stage * kStageBytes;
-    float s[8][4];
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
-    const nq::uint64_t desc0 = nq::wgmma_desc_sw128(nq::smem_u32(kt));
-    nq::wgmma_fence();  // the zeroed accumulators (and qa) written before the wgmmas read them
-#pragma unroll
-    for (int kk = 0; kk < 8; ++kk) {
-      const nq::uint64_t desc = desc0 + static_cast<nq::uint64_t>((8192 * (kk >> 2) + 32 * (kk & 3)) >> 4);
-      nq::wgmma_rs<8>(s, qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], desc);
-    }
-    nq::wgmma_commit();
-    nq::wgmma_wait<0>();  // S complete in registers; this stage's K no longer read
-    tile_softmax_pv(s, m, l, o, reinterpret_cast<const uint16_t*>(kt + kKBytes), kb, lane, r0, r1, qpos0, qpos1,
-                    T);
-    __syncthreads();  // every warp done with this stage before the next round copies into it
-    stage ^= 1;
-  }
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
-    l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
-  }
-  const float inv0 = l[0] > 0.f ? 1.f / l[0] : 0.f, inv1 = l[1] > 0.f ? 1.f / l[1] : 0.f;
-#pragma unroll
-  for (int n = 0; n < 16; ++n) {
-    const int d = 8 * n + 2 * t;
-    if (r0 < T)
-      *reinterpret_cast<uint32_t*>(out + static_cast<size_t>(r0) * nq::kQDim + h * 128 + d) =
-          pack_h2(o[n][0] * inv0, o[n][1] * inv0);
-    if (r1 < T)
-      *reinterpret_cast<uint32_t*>(out + static_cast<size_t>(r1) * nq::kQDim + h * 128 + d) =
-          pack_h2(o[n][2] * inv1, o[n][3] * inv1);
-  }
-}
-
 // Launch: grid (ceil(T/64), NQ_NHEADS), 128 threads, nq_pre_mma::smem_bytes(kStages) dynamic smem.
 extern "C" __global__ void __launch_bounds__(128) nq_attention_prefill_mma(NQ_ATTENTION_PREFILL_ARGS) {
   nq::pdl_wait();  // launch overlap (common.cuh): nothing read or written before it
@@ -618,4 +537,8 @@ extern "C" __global__ void __launch_bounds__(128) nq_attention_prefill_mma(NQ_AT
 extern "C" __global__ void __launch_bounds__(128) nq_attention_prefill_mma_db(NQ_ATTENTION_PREFILL_ARGS) {
   nq::pdl_wait();
   attention_prefill_mma_body<2>(q, k_cache, v_cache, page_table, start_pos, T, ctl, layer, n_pages, out);
+}
+extern "C" __global__ void __launch_bounds__(128) nq_attention_prefill_wg(NQ_ATTENTION_PREFILL_ARGS) {
+  nq::pdl_wait();
+  attention_prefill_mma_body<2, true>(q, k_cache, v_cache, page_table, start_pos, T, ctl, layer, n_pages, out);
 }
