@@ -23,6 +23,33 @@
 // Tested: tests/test_prefill_rope_kv.py (numpy float64 reference, pages scattered).
 #include "common.cuh"
 
+// The pair (x0, x1) = dims (d, d + 64) of one head at position pos, rotated when `roped` (q and k heads;
+// v is copied): the rotate-half RoPE above, inv_freq from the host-computed table (common.cuh).
+__device__ __forceinline__ void rope_pair(float x0, float x1, int pos, int d, bool roped, float& y0, float& y1) {
+  y0 = x0;
+  y1 = x1;
+  if (roped) {
+    const float inv_freq = nq::kRopeInvFreq[d];  // fp64-computed, rounded once (common.cuh)
+    float sn, cs;
+    sincosf(static_cast<float>(pos) * inv_freq, &sn, &cs);
+    y0 = x0 * cs - x1 * sn;
+    y1 = x1 * cs + x0 * sn;
+  }
+}
+
+// Where head `head` of token i (position pos) goes: its q_out row, or its slot in the K / V page.
+__device__ __forceinline__ nq::uint16_t* out_row(int head, int i, int pos, const int* __restrict__ page_table,
+                                                 nq::uint16_t* k_cache, nq::uint16_t* v_cache, int layer,
+                                                 int n_pages, nq::uint16_t* q_out) {
+  if (head < nq::kHeads) return q_out + static_cast<size_t>(i) * nq::kQDim + head * 128;
+  const bool is_k = head < nq::kHeads + nq::kKvHeads;
+  const int kvh = head - nq::kHeads - (is_k ? 0 : nq::kKvHeads);
+  const int page = page_table[pos / nq::kPageTokens];
+  const size_t off = ((static_cast<size_t>(layer) * n_pages + page) * nq::kKvHeads + kvh) *
+                         (nq::kPageTokens * 128) + (pos % nq::kPageTokens) * 128;
+  return (is_k ? k_cache : v_cache) + off;
+}
+
 extern "C" __global__ void __launch_bounds__(64)
     nq_rope_kv_prefill(const nq::uint16_t* __restrict__ qkv,     // [T, kQkvRows] fp16
                     const nq::uint16_t* __restrict__ bias,    // [kQkvRows] fp16, or NULL
@@ -50,26 +77,9 @@ extern "C" __global__ void __launch_bounds__(64)
     x0 += nq::h2f(bias[head * 128 + d]);
     x1 += nq::h2f(bias[head * 128 + d + 64]);
   }
-  float y0 = x0, y1 = x1;
-  if (head < nq::kHeads + nq::kKvHeads) {
-    const float inv_freq = nq::kRopeInvFreq[d];  // fp64-computed, rounded once (common.cuh)
-    float sn, cs;
-    sincosf(static_cast<float>(pos) * inv_freq, &sn, &cs);
-    y0 = x0 * cs - x1 * sn;
-    y1 = x1 * cs + x0 * sn;
-  }
-  nq::uint16_t* dst;
-  if (head < nq::kHeads) {
-    dst = q_out + static_cast<size_t>(i) * nq::kQDim + head * 128;
-  } else {
-    const bool is_k = head < nq::kHeads + nq::kKvHeads;
-    const int kvh = head - nq::kHeads - (is_k ? 0 : nq::kKvHeads);
-    const int page = page_table[pos / nq::kPageTokens];
-    const size_t off =
-        ((static_cast<size_t>(layer) * n_pages + page) * nq::kKvHeads + kvh) * (nq::kPageTokens * 128) +
-        (pos % nq::kPageTokens) * 128;
-    dst = (is_k ? k_cache : v_cache) + off;
-  }
+  float y0, y1;
+  rope_pair(x0, x1, pos, d, head < nq::kHeads + nq::kKvHeads, y0, y1);
+  nq::uint16_t* dst = out_row(head, i, pos, page_table, k_cache, v_cache, layer, n_pages, q_out);
   dst[d] = nq::f2h(y0);
   dst[d + 64] = nq::f2h(y1);
 }
@@ -123,31 +133,14 @@ extern "C" __global__ void __launch_bounds__(256)
         x0 += nq::h2f(static_cast<nq::uint16_t>(bw0 >> sh));
         x1 += nq::h2f(static_cast<nq::uint16_t>(bw1 >> sh));
       }
-      float y0 = x0, y1 = x1;
-      if (roped) {
-        const float inv_freq = nq::kRopeInvFreq[d0 + j];
-        float sn, cs;
-        sincosf(static_cast<float>(pos) * inv_freq, &sn, &cs);
-        y0 = x0 * cs - x1 * sn;
-        y1 = x1 * cs + x0 * sn;
-      }
+      float y0, y1;
+      rope_pair(x0, x1, pos, d0 + j, roped, y0, y1);
       const nq::uint32_t h0 = static_cast<nq::uint32_t>(nq::f2h(y0)) << sh;
       const nq::uint32_t h1 = static_cast<nq::uint32_t>(nq::f2h(y1)) << sh;
       if (w) { ol1 |= h0; oh1 |= h1; } else { ol0 |= h0; oh0 |= h1; }  // registers, not an indexed array
     }
   }
-  nq::uint16_t* dst;
-  if (head < nq::kHeads) {
-    dst = q_out + static_cast<size_t>(i) * nq::kQDim + head * 128;
-  } else {
-    const bool is_k = head < nq::kHeads + nq::kKvHeads;
-    const int kvh = head - nq::kHeads - (is_k ? 0 : nq::kKvHeads);
-    const int page = page_table[pos / nq::kPageTokens];
-    const size_t off =
-        ((static_cast<size_t>(layer) * n_pages + page) * nq::kKvHeads + kvh) * (nq::kPageTokens * 128) +
-        (pos % nq::kPageTokens) * 128;
-    dst = (is_k ? k_cache : v_cache) + off;
-  }
+  nq::uint16_t* dst = out_row(head, i, pos, page_table, k_cache, v_cache, layer, n_pages, q_out);
   *reinterpret_cast<uint2*>(dst + d0) = make_uint2(ol0, ol1);
   *reinterpret_cast<uint2*>(dst + d0 + 64) = make_uint2(oh0, oh1);
 }
