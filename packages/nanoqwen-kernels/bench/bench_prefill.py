@@ -18,6 +18,7 @@ import sys
 
 import cupy as cp
 import numpy as np
+from bench_attention import time_graph  # this folder's graph timer (n calls in one graph, median)
 from nanoqwen_kernels.dims import PRESETS
 from nanoqwen_kernels.loader import load_module
 from nanoqwen_kernels.prefill import ATTENTION_VARIANTS, PrefillKernels
@@ -43,30 +44,6 @@ def time_calls(fn, n: int = 10, batches: int = 7) -> float:
         a.record(stream)
         for _ in range(n):
             fn()
-        b.record(stream)
-        b.synchronize()
-        times.append(cp.cuda.get_elapsed_time(a, b) * 1e-3 / n)
-    return float(np.median(times))
-
-
-def time_graph(fn, n: int = 20, launches: int = 15) -> float:
-    """Median seconds of one fn() when n calls are captured in one CUDA graph: the GPU's time without
-    Python's launch overhead (which the eager loop above includes; it dominates a ~10 us kernel)."""
-    stream = cp.cuda.Stream(non_blocking=True)
-    with stream:
-        fn()  # load outside the capture
-        stream.synchronize()
-        stream.begin_capture()
-        for _ in range(n):
-            fn()
-        graph = stream.end_capture()
-    graph.launch(stream)
-    stream.synchronize()
-    times = []
-    for _ in range(launches):
-        a, b = cp.cuda.Event(), cp.cuda.Event()
-        a.record(stream)
-        graph.launch(stream)
         b.record(stream)
         b.synchronize()
         times.append(cp.cuda.get_elapsed_time(a, b) * 1e-3 / n)
@@ -101,7 +78,7 @@ def bench_attention(pk: PrefillKernels, kc, vc, table, T: int, n: int, batches: 
     out = cp.empty((T, D.q_dim), cp.float16)
     t = time_calls(lambda: pk.attention_prefill(qt, kc, vc, table, 0, T, 0, out), n=n, batches=batches)
     fl = 4.0 * D.n_heads * 128 * T * (T + 1) / 2
-    g = time_graph(lambda: pk.attention_prefill(qt, kc, vc, table, 0, T, 0, out), n=n, launches=batches + 2)
+    g = time_graph(lambda i: pk.attention_prefill(qt, kc, vc, table, 0, T, 0, out), n, launches=batches + 2)
     print(
         f"| attention_prefill[{pk.attention_variant}] T = {T} | {t * 1e6:.1f} | {fl / t / 1e12:.1f} | "
         f"graph: {g * 1e6:.1f} us, {fl / g / 1e12:.1f} TFLOP/s | | |"
@@ -130,7 +107,7 @@ def main() -> int:
     for body in ("scalar", "vec"):
         pk.rope_body = body
         t = time_calls(lambda: pk.rope_kv_prefill(qkv, 0, table, kc, vc, 0, q, bias=bias))
-        g = time_graph(lambda: pk.rope_kv_prefill(qkv, 0, table, kc, vc, 0, q, bias=bias))
+        g = time_graph(lambda i: pk.rope_kv_prefill(qkv, 0, table, kc, vc, 0, q, bias=bias), 20, launches=15)
         print(f"| rope_kv_prefill[{body}] T = {M} | {t * 1e6:.1f} | | graph: {g * 1e6:.1f} us | | |")
     for variant in ATTENTION_VARIANTS:
         pa = PrefillKernels(D, load_module, variant)
