@@ -17,7 +17,8 @@ from .blas import Blas
 from .dims import GROUP, HEAD_DIM, PAGE_TOKENS, ModelDims
 from .errors import KernelError
 
-PREFILL_SOURCES = ["dequant_int4.cu", "prefill_rope_kv.cu", "attention_prefill.cu", "prefill_act.cu"]
+PREFILL_SOURCES = ["dequant_int4.cu", "prefill_rope_kv.cu", "attention_prefill_fma.cu", "attention_prefill.cu",
+                   "prefill_act.cu"]
 SILU_THREADS = 256  # prefill_act.cu: 8 outputs per thread
 _DEQUANT_THREADS = 256
 _DEQUANT_BLOCKS_PER_SM = 16  # grid-stride beyond this many blocks per SM: enough to fill each many times
