@@ -17,7 +17,7 @@ from .errors import KernelError
 from .loader import Define
 
 MAX_BATCH = 64  # the largest batch a default workspace serves (the engine's max_batch)
-DECODE_SOURCES = ["attention_decode.cu"]
+DECODE_SOURCES = ["attention_decode.cu", "attention_decode_combine.cu"]
 DECODE_STAGES = 8  # ring slots of 8 KiB (K+V page): 64 KiB in flight per SM (Little's law needs ~32 KB)
 # Consumer variants: "fma" = fp32 dot products on CUDA cores, 4 consumer warps; "mma" = mma.sync m16n8k16
 # on tensor cores (fp16 in, fp32 accumulate, P rounded to fp16 as FlashAttention does), 4 or 8 consumer
