@@ -3,8 +3,9 @@ H200's copy rate.
 
     PYTHONPATH=packages/nanoqwen-kernels/src python packages/nanoqwen-kernels/bench/bench_attention.py \
         [--variants fma,mma]    # default: every consumer variant
+        [--builds one,split]    # default: both builds (one kernel with cluster combine; split + combine)
 
-Method: R calls (split + combine kernels each) captured in one CUDA graph, each call on the next layer
+Method: R calls (one kernel, or split + combine kernels) captured in one CUDA graph, each call on the next layer
 of a cache whose layers together exceed twice the 60 MB L2, so every call streams its K/V from HBM;
 CUDA events around a graph launch, median of many launches, divided by R. Bytes = the K and V the call
 must read (seq_len x n_kv x 128 x 2 B x 2). Reference rate: 4.19 TB/s measured copy bandwidth.
@@ -13,12 +14,13 @@ A timing is a measurement, never an assertion.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
 import cupy as cp
 import numpy as np
-from nanoqwen_kernels.attention import VARIANTS, AttentionKernels
+from nanoqwen_kernels.attention import BUILDS, VARIANTS, AttentionKernels
 from nanoqwen_kernels.dims import QWEN25_7B
 from nanoqwen_kernels.loader import load_module
 
@@ -28,6 +30,11 @@ L2_BYTES = 60 * 2**20
 
 def time_graph(fn_per_rep, reps_in_graph: int, launches: int = 30) -> float:
     """Median seconds of one fn call, fn(i) captured reps_in_graph times into one graph."""
+    # The inputs were made on the legacy default stream and this stream does not wait for it: without the
+    # synchronize, the first calls could read a page table whose copy had not landed yet (pool memory
+    # recycled from the float32 temporaries: garbage page ids, an illegal address). That was the
+    # "unexplained" fault of this benchmark's decode rows, found 2026-12-01.
+    cp.cuda.Device().synchronize()
     stream = cp.cuda.Stream(non_blocking=True)
     with stream:
         fn_per_rep(0)  # compile/load outside the capture
@@ -48,9 +55,9 @@ def time_graph(fn_per_rep, reps_in_graph: int, launches: int = 30) -> float:
     return float(np.median(times))
 
 
-def bench_decode(ctx: int, variant: str, batch: int = 1) -> dict:
-    """`batch` sequences of `ctx` tokens each, pages scattered through one pool."""
-    d = QWEN25_7B
+def bench_decode(ctx: int, variant: str, batch: int = 1, dims=QWEN25_7B, label: str = "7B") -> dict:
+    """`batch` sequences of `ctx` tokens each, pages scattered through one pool (build: $NANOQWEN_ATTN_DECODE)."""
+    d = dims
     ak = AttentionKernels(d, load_module, variant)
     kv_bytes = batch * ctx * d.n_kv_heads * 128 * 2 * 2  # K + V read per call
     n_layers = max(2, -(-2 * L2_BYTES // kv_bytes))
@@ -68,7 +75,7 @@ def bench_decode(ctx: int, variant: str, batch: int = 1) -> dict:
     t = time_graph(lambda i: ak.attention_decode(q, k, v, table, seq, i % n_layers, out, ws), 4 * n_layers)
     gbs = kv_bytes / t / 1e9
     return dict(
-        name=f"attention_decode[{variant}] 7B B={batch} ctx {ctx}",
+        name=f"attention_decode[{variant}/{ak.build}] {label} B={batch} ctx {ctx}",
         us=t * 1e6,
         gbs=gbs,
         pct=100 * gbs / (COPY_TBS * 1e3),
@@ -123,8 +130,13 @@ def main() -> int:
         v = sys.argv[sys.argv.index("--variant") + 1]
         # batch 1 at a long context (issue 15's case), and the batched protocol's contexts (128 prompt +
         # up to 256 generated tokens) at the batch sizes the engine runs
-        for batch, ctx in ((1, 640), (1, 4096), (1, 32768), (8, 384), (32, 384), (64, 384)):
+        from nanoqwen_kernels.dims import QWEN25_1_5B
+
+        for batch, ctx in ((1, 640), (1, 1024), (1, 4096), (1, 16384), (1, 32768), (8, 384), (32, 384), (64, 384)):
             r = bench_decode(ctx, v, batch)
+            print(f"| {r['name']} | {r['us']:.2f} | {r['gbs']:.0f} | {r['pct']:.1f}% |", flush=True)
+        for batch, ctx in ((1, 640), (1, 4096), (1, 32768), (32, 384)):
+            r = bench_decode(ctx, v, batch, QWEN25_1_5B, "1.5B dims")
             print(f"| {r['name']} | {r['us']:.2f} | {r['gbs']:.0f} | {r['pct']:.1f}% |", flush=True)
         return 0
     # Each variant in its own process: a sticky CUDA error (an illegal address) takes the whole context,
@@ -132,15 +144,18 @@ def main() -> int:
     print("| kernel | time (us) | K+V GB/s | % of 4.19 TB/s |")
     print("| --- | --- | --- | --- |", flush=True)
     worst = 0
-    for v in sys.argv[sys.argv.index("--variants") + 1].split(",") if "--variants" in sys.argv else VARIANTS:
-        p = subprocess.run([sys.executable, __file__, "--variant", v], capture_output=True, text=True)
+    builds = sys.argv[sys.argv.index("--builds") + 1].split(",") if "--builds" in sys.argv else BUILDS
+    variants = sys.argv[sys.argv.index("--variants") + 1].split(",") if "--variants" in sys.argv else VARIANTS
+    for v, build in [(v, b) for v in variants for b in builds]:
+        env = dict(os.environ, NANOQWEN_ATTN_DECODE=build)
+        p = subprocess.run([sys.executable, __file__, "--variant", v], capture_output=True, text=True, env=env)
         rows = [ln for ln in p.stdout.splitlines() if ln.startswith("|")]
         print("\n".join(rows), flush=True)
         if p.returncode:
             print(p.stderr[-3000:], file=sys.stderr)  # the whole traceback, for the log
             tail = (p.stderr.strip().splitlines() or ["?"])[-1]
             print(
-                f"| attention_decode[{v}] | FAILED (rc {p.returncode}) after {len(rows)} rows: {tail} | | |"
+                f"| attention_decode[{v}/{build}] | FAILED (rc {p.returncode}) after {len(rows)} rows: {tail} | | |"
             )
             worst = 1
     return worst

@@ -32,6 +32,7 @@ PER_GRAPH = 20
 def _time_graph(cp, launches, reps: int) -> tuple[float, str]:
     """Median seconds per launch of `launches` (callables) replayed in one graph, and how it was timed:
     "graph", or "eager" when the launches could not be captured (Python's launch cost is then in it)."""
+    cp.cuda.Device().synchronize()  # inputs made on the legacy stream, which this one does not wait for
     stream = cp.cuda.Stream(non_blocking=True)
     with stream:
         for f in launches[:2]:  # warm up (module load, cuBLAS handle) outside the capture

@@ -27,16 +27,26 @@ def _private_kernel_cache(tmp_path_factory, monkeypatch):
 @pytest.fixture
 def launches(monkeypatch):
     """The launches a launcher makes, as (function name, grid, args), with nothing compiled or run (each
-    one's arguments packed as the PDL launch would: pdl.pack_args refuses what it cannot pass): the
-    launch helpers of nanoqwen_kernels.checks replaced (132 SMs; CuPy stood in for by fakes.fake_cupy)."""
+    one's arguments packed as the PDL launch would: pdl.pack_args refuses what it cannot pass, and a
+    cluster shape checked against its grid as make_config does): the launch helpers of
+    nanoqwen_kernels.checks replaced (132 SMs; CuPy stood in for by fakes.fake_cupy). `.clusters` holds
+    each launch's cluster dims (None: no cluster)."""
     from fakes import fake_cupy
     from nanoqwen_kernels import checks, pdl
 
-    calls = []
+    class Calls(list):
+        clusters: list
 
-    def record(fn, grid, block, args, shared_mem=0):
+    calls = Calls()
+    calls.clusters = []
+
+    def record(fn, grid, block, args, shared_mem=0, cluster=None):
         pdl.pack_args(args)  # every launch's arguments must be marshallable for cuLaunchKernelEx
+        if cluster is not None:
+            pdl.make_config(grid if isinstance(grid, tuple) else (grid,), block if isinstance(block, tuple)
+                            else (block,), shared_mem, 0, cluster)
         calls.append((fn, grid, args))
+        calls.clusters.append(cluster)
 
     monkeypatch.setattr(checks, "launch", record)
     monkeypatch.setattr(

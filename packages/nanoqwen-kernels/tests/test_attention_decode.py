@@ -3,8 +3,11 @@
 Fresh random q/K/V each run (seeded by the `rng` fixture); a batch of sequences of mixed lengths shares
 one pool, each sequence's pages scattered at random through it; every slot the kernel must not read
 (free pages, the other layer, the tail page's slots past seq_len, the page-table entries past a
-sequence's pages) holds NaN, so reading one shows up as NaN in the output; out and workspace are NaN
-before launch. A row of length 0 is an idle (padding) row: its output must be exactly 0.
+sequence's pages) holds NaN, so reading one shows up as NaN in the output; out and the workspace's
+partials are NaN before launch (its ticket words stay 0, as the one-kernel build requires between calls,
+and are checked to be 0 again after). A row of length 0 is an idle (padding) row: its output must be
+exactly 0. Both builds ("one": clusters combining through distributed shared memory; "split": split +
+combine kernels) run the same checks.
 
 Tolerance (fp16 output of an fp32 computation): |out - ref| <= 2e-4 + 4e-3 |ref|. fp16 rounding alone
 is 2^-11 |ref| ~ 4.9e-4 |ref|; the rest is fp32 accumulation over up to 32768 positions and exp2f.
@@ -15,6 +18,7 @@ The tensor-core bodies ("mma", "mma8") round p to fp16 before P.V (as FlashAtten
 import numpy as np
 import pytest
 from nanoqwen_kernels import KernelError, gpu_status
+from nanoqwen_kernels.attention import BUILDS, TICKET_WORDS
 from nanoqwen_kernels.dims import QWEN25_7B, TINY
 
 OK, REASON = gpu_status()
@@ -27,14 +31,14 @@ MIXED = [1, 15, 16, 17, 1000, 5000]  # lengths the batches cycle through (page b
 
 
 class _Builds(dict):
-    """(dims name, variant) -> AttentionKernels, built on first use."""
+    """(dims name, variant[, build]) -> AttentionKernels, built on first use (default build: "one")."""
 
     def __missing__(self, key):
         from nanoqwen_kernels.attention import AttentionKernels
         from nanoqwen_kernels.loader import load_module
 
-        name, variant = key
-        ak = AttentionKernels(DIMS[name], load_module, variant)
+        name, variant, build = (*key, "one")[:3]
+        ak = AttentionKernels(DIMS[name], load_module, variant, build=build)
         self[key] = ak
         return ak
 
@@ -116,11 +120,22 @@ def make_batch(cp, dims, lengths, rng, n_layers=2, layer=1, spare_pages=7, extra
     )
 
 
+def poisoned_workspace(ak, B):
+    """A workspace whose partials are NaN and whose ticket words are 0 (what every call must leave)."""
+    ws = ak.new_workspace(max_batch=B)
+    ws[TICKET_WORDS:].fill(np.nan)
+    return ws
+
+
+def tickets_clear(cp, ws):
+    return not cp.asnumpy(ws[:TICKET_WORDS]).view(np.int32).any()
+
+
 def run(cp, ak, dims, c, B):
     out = cp.full((B, dims.n_heads * 128), np.nan, dtype=cp.float16)
-    ws = ak.new_workspace(max_batch=B)
-    ws.fill(np.nan)
+    ws = poisoned_workspace(ak, B)
     ak.attention_decode(c["q"], c["k"], c["v"], c["table"], c["seq"], c["layer"], out, ws)
+    assert tickets_clear(cp, ws), "a call left a ticket counter non-zero"
     return cp.asnumpy(out).astype(np.float64).reshape(B, dims.n_heads, 128)
 
 
@@ -135,37 +150,40 @@ def check(got, c, variant, lengths):
 
 @gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("build", BUILDS)
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("name", ["7b", "tiny"])
-@pytest.mark.parametrize("seq_len", [1, 15, 16, 17, 4095, 32768])
-def test_decode_matches_reference(kernels, name, seq_len, variant, rng):
-    """Batch 1 (a 1-D q, as the single-sequence callers pass it) over the context lengths that matter."""
+@pytest.mark.parametrize("seq_len", [1, 15, 16, 17, 1024, 1025, 4095, 32768])
+def test_decode_matches_reference(kernels, name, seq_len, variant, build, rng):
+    """Batch 1 (a 1-D q, as the single-sequence callers pass it) over the context lengths that matter
+    (1,024 / 1,025: the last length one cluster holds alone, and the first that spreads over two)."""
     import cupy as cp
 
-    dims, ak = DIMS[name], kernels[name, variant]
+    dims, ak = DIMS[name], kernels[name, variant, build]
     c = make_batch(cp, dims, [seq_len], rng)
     out = cp.full(dims.n_heads * 128, np.nan, dtype=cp.float16)
-    ws = ak.new_workspace(max_batch=1)
-    ws.fill(np.nan)
+    ws = poisoned_workspace(ak, 1)
     ak.attention_decode(c["q"][0], c["k"], c["v"], c["table"][0], c["seq"], c["layer"], out, ws)
     got = cp.asnumpy(out).astype(np.float64).reshape(1, dims.n_heads, 128)
     check(got, c, variant, [seq_len])
+    assert tickets_clear(cp, ws)
 
 
-# (dims, consumer body): both bodies on the 7B shape, the default body on the tiny one
-BUILDS = [("7b", "fma"), ("7b", "mma"), ("tiny", "fma")]
+# (dims, consumer body, build): both bodies on the 7B shape, the default body on the tiny one
+MIXED_BUILDS = [("7b", "fma", "one"), ("7b", "mma", "one"), ("tiny", "fma", "one"), ("7b", "mma", "split"),
+                ("tiny", "fma", "split")]
 
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("name,variant", BUILDS)
-@pytest.mark.parametrize("B", [1, 3, 8, 33, 64])
-def test_batch_of_mixed_lengths(kernels, name, B, variant, rng):
+@pytest.mark.parametrize("name,variant,build", MIXED_BUILDS)
+@pytest.mark.parametrize("B", [1, 2, 3, 8, 33, 64])
+def test_batch_of_mixed_lengths(kernels, name, B, variant, build, rng):
     """B sequences of mixed lengths (cycling through MIXED from a random offset, one idle row of length 0
     when B > 1) in one launch: every row matches its own float64 reference."""
     import cupy as cp
 
-    dims, ak = DIMS[name], kernels[name, variant]
+    dims, ak = DIMS[name], kernels[name, variant, build]
     off = int(rng.integers(len(MIXED)))
     lengths = [MIXED[(off + b) % len(MIXED)] for b in range(B)]
     if B > 1:
@@ -219,12 +237,15 @@ def test_decode_reads_seq_len_on_device(kernels, variant, rng):
 
 @gpu
 @pytest.mark.gpu
-def test_replays_in_a_graph_as_lengths_change(kernels, rng):
-    """One captured launch serves every step: lengths and page tables change on the device between replays."""
+@pytest.mark.parametrize("build", BUILDS)
+def test_replays_in_a_graph_as_lengths_change(kernels, build, rng):
+    """One captured launch serves every step: lengths and page tables change on the device between replays,
+    across the one-kernel build's single-cluster / several-cluster line (1,024 tokens), and every replay
+    leaves the ticket counters at 0 for the next."""
     import cupy as cp
 
-    dims, ak = TINY, kernels["tiny", "fma"]
-    c = make_batch(cp, dims, [100, 37, 64], rng)
+    dims, ak = TINY, kernels["tiny", "fma", build]
+    c = make_batch(cp, dims, [3000, 37, 1100], rng)
     out = cp.empty((3, dims.n_heads * 128), dtype=cp.float16)
     ws = ak.new_workspace(max_batch=3)
     stream = cp.cuda.Stream(non_blocking=True)
@@ -233,11 +254,12 @@ def test_replays_in_a_graph_as_lengths_change(kernels, rng):
         stream.begin_capture()
         ak.attention_decode(c["q"], c["k"], c["v"], c["table"], c["seq"], c["layer"], out, ws)
         graph = stream.end_capture()
-    for lens in ([1, 1, 1], [17, 0, 64], [100, 37, 63], [100, 37, 63]):
+    for lens in ([1, 1, 1], [17, 0, 64], [3000, 37, 1100], [1025, 37, 1024], [2999, 0, 1099], [2999, 0, 1099]):
         with stream:
             c["seq"].set(np.array(lens, np.int32), stream=stream)
         graph.launch(stream)
         stream.synchronize()
+        assert tickets_clear(cp, ws), lens
         got = cp.asnumpy(out).astype(np.float64).reshape(3, dims.n_heads, 128)
         with stream:
             out2 = cp.empty_like(out)

@@ -37,6 +37,20 @@ def test_config_carries_grid_block_smem_stream_and_the_attribute(rng):
     assert cfg.attrs[0].value[0] == 1 and list(cfg.attrs[0].value[1:]) == [0] * 15
 
 
+def test_config_carries_cluster_dims_with_or_without_pdl(rng):
+    c = int(rng.integers(2, 9))
+    gy = c * int(rng.integers(1, 20))
+    cfg = pdl.make_config((4, gy, 3), (160,), 1000, 7, cluster=(1, c, 1))
+    assert cfg.numAttrs == 2 and cfg.attrs[0].id == pdl.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    assert cfg.attrs[1].id == pdl.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION == 4
+    assert list(cfg.attrs[1].value[:4]) == [1, c, 1, 0]
+    plain = pdl.make_config((4, gy, 3), (160,), 1000, 7, cluster=(1, c, 1), programmatic=False)
+    assert plain.numAttrs == 1 and plain.attrs[0].id == pdl.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+    assert pdl.make_config((4,), (32,), 0, 7, programmatic=False).numAttrs == 0
+    with pytest.raises(KernelError, match="does not divide"):
+        pdl.make_config((4, gy + 1, 3), (160,), 0, 7, cluster=(1, c, 1))
+
+
 def test_arguments_are_marshalled_as_cupy_would(rng):
     ptr = int(rng.integers(1, 2**47))
     i32 = np.int32(rng.integers(-(2**31), 2**31))

@@ -1,13 +1,16 @@
-"""Paged decode attention over a batch: launcher for cuda/attention_decode.cu (split kernel + combine).
+"""Paged decode attention over a batch: launcher for cuda/attention_decode.cu.
 
 `AttentionKernels(dims, load_module).attention_decode(q[B, n_heads*128], k_cache, v_cache,
-page_table[B, max_pages], seq_len_dev[B], layer, out[B, n_heads*128], workspace)` launches two kernels
-(split, combine) on the current CuPy stream and never synchronises; lengths and page tables are read on
+page_table[B, max_pages], seq_len_dev[B], layer, out[B, n_heads*128], workspace)` launches one kernel
+(the "one" build: splits in thread-block clusters that combine through distributed shared memory) or two
+(the "split" build: split kernel + combine kernel) on the current CuPy stream and never synchronises; lengths and page tables are read on
 the device, so a captured CUDA graph serves every token of a batch of that size. A 1-D q/out is the
 batch of one. Every bad argument is one KernelError naming it (checks.py), before anything reaches the GPU.
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 
@@ -29,6 +32,15 @@ DECODE_STAGES = 8  # ring slots of 8 KiB (K+V page): 64 KiB in flight per SM (Li
 # threads and shared memory sized here.
 VARIANTS = {"fma": (0, 4), "mma": (1, 4), "mma8": (1, 8)}
 DEFAULT_VARIANT = "mma"
+# Builds: "one" = nq_attention_decode, one kernel whose splits sit in clusters of <= 8 blocks and combine
+# through distributed shared memory (a sequence of <= 1,024 tokens in one cluster writes its output
+# directly; longer ones spread over several clusters, the last to finish folding their partials through
+# the workspace); "split" = nq_attention_decode_split + nq_attention_decode_combine. $NANOQWEN_ATTN_DECODE
+# picks one (default "one"; docs/PERF.md has the A/B).
+BUILDS = ("one", "split")
+DEFAULT_BUILD = "one"
+CLUSTER_MAX = 8  # the portable cluster size
+TICKET_WORDS = 1024  # the workspace's first words: the one-kernel build's ticket counters (kTicketWords)
 
 
 def decode_splits(dims: ModelDims, batch: int, sms: int) -> int:
@@ -36,6 +48,22 @@ def decode_splits(dims: ModelDims, batch: int, sms: int) -> int:
     SMs at least once: at batch 1 every SM streams one slice of the one sequence (7B on 132 SMs: 33
     splits per KV head); a large batch has blocks enough with one split each."""
     return max(1, -(-sms // (dims.n_kv_heads * batch)))
+
+
+def decode_clusters(dims: ModelDims, batch: int, sms: int) -> tuple[int, int]:
+    """(cluster size C, clusters per (sequence, KV head)) of the one-kernel build: the split count of
+    decode_splits, in clusters of at most CLUSTER_MAX blocks (7B on 132 SMs: (8, 5) at batch 1, (5, 1) at
+    8, (1, 1) from 33)."""
+    s = decode_splits(dims, batch, sms)
+    c = min(CLUSTER_MAX, s)
+    return c, -(-s // c)
+
+
+def build_by_env() -> str:
+    b = os.environ.get("NANOQWEN_ATTN_DECODE", DEFAULT_BUILD).strip().lower() or DEFAULT_BUILD
+    if b not in BUILDS:
+        raise KernelError(f"NANOQWEN_ATTN_DECODE={b!r}: one of {', '.join(BUILDS)}")
+    return b
 
 
 def _variant(variant: str) -> tuple[int, int]:
@@ -61,32 +89,42 @@ def decode_smem_bytes(dims: ModelDims, variant: str = DEFAULT_VARIANT) -> int:
     ring = DECODE_STAGES * 2 * PAGE_TOKENS * HEAD_DIM * 2  # [stages][K|V][16][128] fp16
     merge = consumers * g * HEAD_DIM * 4 + 2 * consumers * 8 * 4  # acc + (m, l)
     pbuf = consumers * 16 * 8 * 4
-    return ring + merge + pbuf + 2 * DECODE_STAGES * 8  # + full/empty mbarriers
+    blk_ml = 2 * 8 * 4  # the block's merged (m, l) per head
+    return ring + merge + pbuf + blk_ml + 2 * DECODE_STAGES * 8  # + full/empty mbarriers
 
 
 def decode_workspace_floats(dims: ModelDims, batch: int, sms: int) -> int:
-    """float32 elements a batch of `batch` needs: partial acc [B, splits, heads, 128] + (m, l)
-    [B, splits, heads, 2]."""
-    return batch * decode_splits(dims, batch, sms) * dims.n_heads * (HEAD_DIM + 2)
+    """float32 elements a batch of `batch` needs in either build: the ticket words, then the split build's
+    partial acc [B, splits, heads, 128] + (m, l) [B, splits, heads, 2], or the one-kernel build's
+    [B, clusters, heads, 128] + [B, clusters, C, heads, 2], whichever is larger."""
+    split = batch * decode_splits(dims, batch, sms) * dims.n_heads * (HEAD_DIM + 2)
+    c, n = decode_clusters(dims, batch, sms)
+    one = batch * n * dims.n_heads * (HEAD_DIM + 2 * c)
+    return TICKET_WORDS + max(split, one)
 
 
 class AttentionKernels:
     """The decode attention build for one ModelDims. `load_module(sources, defines)` is the loader's;
     `sms` the device's SM count (asked of the current device when None)."""
 
-    def __init__(self, dims: ModelDims, load_module, variant: str = DEFAULT_VARIANT, sms: int | None = None):
+    def __init__(self, dims: ModelDims, load_module, variant: str = DEFAULT_VARIANT, sms: int | None = None,
+                 build: str | None = None):
         if dims.n_heads // dims.n_kv_heads > 8:
             raise KernelError(
                 f"unsupported GQA group {dims.n_heads // dims.n_kv_heads}: attention_decode handles <= 8"
             )
         self.dims = dims
         self.variant = variant
+        self.build = build_by_env() if build is None else build
+        if self.build not in BUILDS:
+            raise KernelError(f"unknown attention_decode build {self.build!r}; one of {', '.join(BUILDS)}")
         self.threads = 32 * (1 + _variant(variant)[1])  # 1 producer warp + the consumer warps
         self.smem_bytes = decode_smem_bytes(dims, variant)
         self._sms = sms
         mod = load_module(DECODE_SOURCES, decode_defines(dims, variant))
         self._split = mod.get_function("nq_attention_decode_split", max_dynamic_smem=self.smem_bytes)
         self._combine = mod.get_function("nq_attention_decode_combine")
+        self._one = mod.get_function("nq_attention_decode", max_dynamic_smem=self.smem_bytes)
 
     @property
     def sms(self) -> int:
@@ -105,8 +143,10 @@ class AttentionKernels:
         return max(decode_workspace_floats(self.dims, b, self.sms) for b in range(1, max_batch + 1))
 
     def new_workspace(self, max_batch: int = MAX_BATCH):
-        """A float32 workspace for batches of up to max_batch sequences (allocate once, reuse every token)."""
-        return ck.cupy_module().empty(self.workspace_floats(max_batch), dtype=np.float32)
+        """A float32 workspace for batches of up to max_batch sequences (allocate once, reuse every token).
+        Zeroed: its first TICKET_WORDS are the one-kernel build's ticket counters, which start at 0 (and
+        every call leaves them 0)."""
+        return ck.cupy_module().zeros(self.workspace_floats(max_batch), dtype=np.float32)
 
     def attention_decode(self, q, k_cache, v_cache, page_table, seq_len_dev, layer, out, workspace) -> None:
         """out[b, h] = softmax(q[b, h] K_b^T / sqrt(128)) V_b over positions < seq_len_dev[b] of sequence
@@ -134,24 +174,19 @@ class AttentionKernels:
             raise KernelError(f"page_table has {max_pages} pages per sequence: too many for int32 positions")
         if B > 65535:
             raise KernelError(f"q has {B} rows; a launch takes at most 65535 sequences (grid.z)")
-        ck.launch(
-            self._split,
-            (d.n_kv_heads, splits, B),
-            (self.threads, 1, 1),
-            (
-                q,
-                k_cache,
-                v_cache,
-                page_table,
-                seq_len_dev,
-                np.int32(layer),
-                np.int32(n_pages),
-                np.int32(max_pages),
-                np.int32(splits),
-                workspace,
-            ),
-            shared_mem=self.smem_bytes,
-        )
+        common = (q, k_cache, v_cache, page_table, seq_len_dev, np.int32(layer), np.int32(n_pages),
+                  np.int32(max_pages))
+        if self.build == "one":
+            c, n = decode_clusters(d, B, self.sms)
+            if n > 1 and B * d.n_kv_heads * c > TICKET_WORDS:
+                raise KernelError(f"a batch of {B} needs {B * d.n_kv_heads * c} tickets; the workspace has "
+                                  f"{TICKET_WORDS}")
+            ck.launch(self._one, (d.n_kv_heads, c * n, B), (self.threads, 1, 1),
+                      (*common, np.int32(c), np.int32(n), workspace, out), shared_mem=self.smem_bytes,
+                      cluster=(1, c, 1))
+            return
+        ck.launch(self._split, (d.n_kv_heads, splits, B), (self.threads, 1, 1),
+                  (*common, np.int32(splits), workspace), shared_mem=self.smem_bytes)
         ck.launch(
             self._combine,
             (d.n_heads, B, 1),

@@ -155,15 +155,19 @@ def even_grid(fn, block_units: int, threads: int, shared_mem: int = 0, copies: i
     return max(1, -(-block_units // iters))
 
 
-def launch(fn, grid: int | tuple, block: int | tuple, args: tuple, shared_mem: int = 0) -> None:
+def launch(fn, grid: int | tuple, block: int | tuple, args: tuple, shared_mem: int = 0,
+           cluster: tuple | None = None) -> None:
     """On the current CuPy stream, named explicitly so a graph capture on it records the launch.
     grid/block: an int (1-D) or a tuple. On Hopper every kernel goes out with programmatic dependent
-    launch (pdl.py: it may start while the previous kernel drains); $NANOQWEN_PDL=0 launches plainly."""
+    launch (pdl.py: it may start while the previous kernel drains); $NANOQWEN_PDL=0 launches plainly.
+    cluster: thread-block cluster dims (x, y, z) dividing the grid's (always through cuLaunchKernelEx:
+    CuPy's launch has no cluster argument)."""
     cupy = cupy_module()
     grid = grid if isinstance(grid, tuple) else (grid,)
     block = block if isinstance(block, tuple) else (block,)
     stream = cupy.cuda.get_current_stream()
-    if pdl.supported(cupy.cuda.Device().id):
-        pdl.launch(fn, grid, block, args, shared_mem, stream.ptr)
+    use_pdl = pdl.supported(cupy.cuda.Device().id)
+    if use_pdl or (cluster is not None and cluster != (1, 1, 1)):
+        pdl.launch(fn, grid, block, args, shared_mem, stream.ptr, cluster=cluster, programmatic=use_pdl)
     else:
         fn(grid, block, args, shared_mem=shared_mem, stream=stream)

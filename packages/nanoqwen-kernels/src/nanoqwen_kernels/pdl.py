@@ -31,6 +31,7 @@ import numpy as np
 from .errors import KernelError
 
 # cuda.h: CUlaunchAttributeID
+CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
 CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 
 
@@ -87,17 +88,29 @@ def pack_args(args: tuple) -> tuple[ctypes.Array, list]:
     return params, bufs
 
 
-# the one attribute every launch carries (read-only after this)
-_ATTRS = (LaunchAttribute * 1)()
-_ATTRS[0].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-_ATTRS[0].value[0] = 1  # programmaticStreamSerializationAllowed
-
-
-def make_config(grid: tuple, block: tuple, shared_mem: int, stream_ptr: int) -> LaunchConfig:
-    """The launch config, carrying the PDL attribute."""
+def make_config(grid: tuple, block: tuple, shared_mem: int, stream_ptr: int, cluster: tuple | None = None,
+                programmatic: bool = True) -> LaunchConfig:
+    """The launch config, carrying the PDL attribute (programmatic) and the cluster dims (cluster, when
+    given: value = {x, y, z}, each dividing the grid's). The attribute array hangs off the config
+    (cfg._attrs keeps it alive as long as the config)."""
     g = (*grid, 1, 1)
     b = (*block, 1, 1)
-    return LaunchConfig(g[0], g[1], g[2], b[0], b[1], b[2], shared_mem, stream_ptr, _ATTRS, 1)
+    ids = ([CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION] if programmatic else []) + (
+        [CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION] if cluster is not None else [])
+    attrs = (LaunchAttribute * max(1, len(ids)))()
+    for i, aid in enumerate(ids):
+        attrs[i].id = aid
+        if aid == CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION:
+            c = (*cluster, 1, 1)[:3]
+            for j in range(3):
+                if c[j] < 1 or (*grid, 1, 1)[j] % c[j]:
+                    raise KernelError(f"cluster {tuple(cluster)} does not divide grid {tuple(grid)}")
+                attrs[i].value[j] = c[j]
+        else:
+            attrs[i].value[0] = 1  # programmaticStreamSerializationAllowed
+    cfg = LaunchConfig(g[0], g[1], g[2], b[0], b[1], b[2], shared_mem, stream_ptr, attrs, len(ids))
+    cfg._attrs = attrs
+    return cfg
 
 
 @functools.cache
@@ -119,12 +132,14 @@ def supported(device_id: int) -> bool:
     return enabled_by_env() and int(cupy.cuda.Device(device_id).compute_capability) >= 90
 
 
-def launch(fn, grid: tuple, block: tuple, args: tuple, shared_mem: int, stream_ptr: int) -> None:
-    """fn (a CuPy Function, .ptr = CUfunction) on the stream, with the PDL attribute."""
-    cfg = make_config(grid, block, shared_mem, stream_ptr)
+def launch(fn, grid: tuple, block: tuple, args: tuple, shared_mem: int, stream_ptr: int,
+           cluster: tuple | None = None, programmatic: bool = True) -> None:
+    """fn (a CuPy Function, .ptr = CUfunction) on the stream, with the PDL attribute (programmatic) and
+    thread-block cluster dims (cluster)."""
+    cfg = make_config(grid, block, shared_mem, stream_ptr, cluster, programmatic)
     params, bufs = pack_args(args)
     rc = _driver().cuLaunchKernelEx(ctypes.byref(cfg), fn.ptr, params, None)
     del bufs  # (alive until here: the driver copies the parameters during the call)
     if rc != 0:
         raise KernelError(f"cuLaunchKernelEx failed with CUresult {rc} (grid {grid}, block {block}, "
-                          f"{shared_mem} B shared); set NANOQWEN_PDL=0 to launch without it")
+                          f"{shared_mem} B shared, cluster {cluster}); set NANOQWEN_PDL=0 to launch without PDL")

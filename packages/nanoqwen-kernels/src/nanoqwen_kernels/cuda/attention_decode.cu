@@ -95,7 +95,9 @@ constexpr int kRingBytes = kStages * kSlotBytes;
 constexpr int kMergeAccBytes = kConsumers * kG * 128 * 4;
 constexpr int kMergeMlBytes = 2 * kConsumers * kGPad * 4;
 constexpr int kPBufBytes = kConsumers * 16 * kGPad * 4;
-constexpr int kBarOffset = kRingBytes + kMergeAccBytes + kMergeMlBytes + kPBufBytes;
+constexpr int kBlkMlBytes = 2 * kGPad * 4;  // the block's merged (m, l) per head (nq_attention_decode)
+constexpr int kBarOffset = kRingBytes + kMergeAccBytes + kMergeMlBytes + kPBufBytes + kBlkMlBytes;
+
 constexpr int kSmemBytes = kBarOffset + 2 * kStages * 8;
 static_assert(kBarOffset % 8 == 0, "mbarriers need 8-byte alignment");
 
@@ -402,45 +404,47 @@ __device__ __forceinline__ void consume_mma(int c, int lane, const unsigned char
 
 }  // namespace nq_dec
 
-extern "C" __global__ void __launch_bounds__(nq_dec::kThreads, 1)
-    nq_attention_decode_split(const nq::uint16_t* __restrict__ q,          // [B, NQ_NHEADS*128]
-                              const nq::uint16_t* __restrict__ k_cache,    // [L, n_pages, NQ_NKV, 16, 128]
-                              const nq::uint16_t* __restrict__ v_cache,    // same
-                              const int* __restrict__ page_table,          // [B, max_pages]
-                              const int* __restrict__ seq_len_dev,         // [B]
-                              int layer, int n_pages, int max_pages, int n_splits,
-                              float* __restrict__ workspace) {             // ws_acc, then ws_ml (header)
-  nq::pdl_wait();  // launch overlap (common.cuh): nothing read or written before it
-  using namespace nq_dec;
-  float* ws_acc = workspace;
-  float* ws_ml = workspace + static_cast<size_t>(gridDim.z) * n_splits * nq::kHeads * 128;
-  extern __shared__ __align__(128) unsigned char smem[];
-  unsigned char* ring = smem;                                              // [kStages][2][4096 B]
-  float* merge_acc = reinterpret_cast<float*>(smem + kRingBytes);          // [kConsumers][kG][128]
-  float* merge_m = merge_acc + kConsumers * kG * 128;                      // [kConsumers][kGPad]
-  float* merge_l = merge_m + kConsumers * kGPad;                           // [kConsumers][kGPad]
-  float* pbuf_all = merge_l + kConsumers * kGPad;                          // [kConsumers][16][kGPad]
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + kBarOffset);         // [kStages]
-  uint64_t* empty = full + kStages;                                        // [kStages]
+namespace nq_dec {
 
-  const int kvh = blockIdx.x;
-  const int split = blockIdx.y;
-  const int b = blockIdx.z;  // sequence of the batch
+// This block's view of shared memory (attention_decode.cu's header draws the ring).
+struct Smem {
+  unsigned char* ring;  // [kStages][2][4096 B]
+  float* merge_acc;     // [kConsumers][kG][128]
+  float* merge_m;       // [kConsumers][kGPad]
+  float* merge_l;       // [kConsumers][kGPad]
+  float* pbuf_all;      // [kConsumers][16][kGPad]
+  float* blk_m;         // [kGPad]  the block's merged (m, l) per head (nq_attention_decode)
+  float* blk_l;         // [kGPad]
+  uint64_t* full;       // [kStages]
+  uint64_t* empty;      // [kStages]
+};
+
+__device__ __forceinline__ Smem carve(unsigned char* smem) {
+  Smem m;
+  m.ring = smem;
+  m.merge_acc = reinterpret_cast<float*>(smem + kRingBytes);
+  m.merge_m = m.merge_acc + kConsumers * kG * 128;
+  m.merge_l = m.merge_m + kConsumers * kGPad;
+  m.pbuf_all = m.merge_l + kConsumers * kGPad;
+  m.blk_m = m.pbuf_all + kConsumers * 16 * kGPad;
+  m.blk_l = m.blk_m + kGPad;
+  m.full = reinterpret_cast<uint64_t*>(smem + kBarOffset);
+  m.empty = m.full + kStages;
+  return m;
+}
+
+// The whole block streams pages p0 .. p0+count-1 of sequence b's KV head kvh through the ring: one
+// producer warp, the consumer warps (their states left in merge_*). Called by every thread; ends with a
+// block barrier.
+__device__ __forceinline__ void stream_pages(const Smem& sm, const uint16_t* qb, const uint16_t* k_cache,
+                                             const uint16_t* v_cache, const int* table, int layer, int n_pages,
+                                             int kvh, int p0, int count, int seq_len) {
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
-  const int* table = page_table + static_cast<size_t>(b) * max_pages;
-  const uint16_t* qb = q + static_cast<size_t>(b) * nq::kQDim;
-
-  const SplitRange r = split_range(seq_len_dev[b], max_pages, n_splits);
-  const int seq_len = r.seq_len;
-  const int p0 = split * r.per_split;
-  const int n_seq_pages = (seq_len + nq::kPageTokens - 1) / nq::kPageTokens;
-  const int count = max(0, min(p0 + r.per_split, n_seq_pages) - p0);  // pages of this split
-
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(&full[s], 1);
-      mbar_init(&empty[s], 1);
+      mbar_init(&sm.full[s], 1);
+      mbar_init(&sm.empty[s], 1);
     }
     // make the initialised barriers visible to the async proxy (the copy engine) before any copy
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -453,53 +457,307 @@ extern "C" __global__ void __launch_bounds__(nq_dec::kThreads, 1)
   // before their copies land). Every hand-off is an mbarrier (full/empty per slot); the only block
   // barriers are the one above and the one after both branches.
   if (warp == 0) {
-    // producer: one lane issues everything; the other 31 lanes go straight to the final barrier
-    if (lane == 0) {
-      for (int i = 0; i < count; ++i) {
-        const int slot = i % kStages;
-        const int use = i / kStages;
-        if (use > 0) mbar_wait(&empty[slot], (use - 1) & 1);  // the consumer of use-1 is done
-        const int page = table[p0 + i];
-        const size_t off = ((static_cast<size_t>(layer) * n_pages + page) * nq::kKvHeads + kvh) *
-                           static_cast<size_t>(kPageElems);
-        unsigned char* dst = ring + slot * kSlotBytes;
-        mbar_arrive_expect_tx(&full[slot], kSlotBytes);
-        bulk_copy_g2s(dst, k_cache + off, kPageBytes, &full[slot]);
-        bulk_copy_g2s(dst + kPageBytes, v_cache + off, kPageBytes, &full[slot]);
+    // producer: the warp reads the run's page ids 32 at a time (one coalesced load; read one by one, each
+    // copy waited on its own L2 round trip for its page id first), lane 0 issues every copy
+    for (int base = 0; base < count; base += 32) {
+      const int n = min(32, count - base);
+      // a page id outside the cache (a corrupt table) reads page 0 rather than faulting: garbage out, no
+      // GPU fault, as split_range does for a corrupt length
+      const int raw_page = lane < n ? table[p0 + base + lane] : 0;
+      const int my_page = static_cast<unsigned>(raw_page) < static_cast<unsigned>(n_pages) ? raw_page : 0;
+      for (int j = 0; j < n; ++j) {
+        const int page = __shfl_sync(0xffffffffu, my_page, j);
+        if (lane == 0) {
+          const int i = base + j;
+          const int slot = i % kStages;
+          const int use = i / kStages;
+          if (use > 0) mbar_wait(&sm.empty[slot], (use - 1) & 1);  // the consumer of use-1 is done
+          const size_t off = ((static_cast<size_t>(layer) * n_pages + page) * nq::kKvHeads + kvh) *
+                             static_cast<size_t>(kPageElems);
+          unsigned char* dst = sm.ring + slot * kSlotBytes;
+          mbar_arrive_expect_tx(&sm.full[slot], kSlotBytes);
+          bulk_copy_g2s(dst, k_cache + off, kPageBytes, &sm.full[slot]);
+          bulk_copy_g2s(dst + kPageBytes, v_cache + off, kPageBytes, &sm.full[slot]);
+        }
       }
     }
   } else {
 #if NQ_DECODE_MMA
-    consume_mma(warp - 1, lane, ring, full, empty, qb, kvh, p0, count, seq_len, merge_acc, merge_m, merge_l);
+    consume_mma(warp - 1, lane, sm.ring, sm.full, sm.empty, qb, kvh, p0, count, seq_len, sm.merge_acc,
+                sm.merge_m, sm.merge_l);
 #else
-    consume_fma(warp - 1, lane, ring, full, empty, qb, kvh, p0, count, seq_len, merge_acc, merge_m, merge_l,
-                pbuf_all);
+    consume_fma(warp - 1, lane, sm.ring, sm.full, sm.empty, qb, kvh, p0, count, seq_len, sm.merge_acc,
+                sm.merge_m, sm.merge_l, sm.pbuf_all);
 #endif
   }
   __syncthreads();  // both roles done; the one block-wide barrier after the role branches
+}
+
+// The consumer warps' states merged for head g, dim d: (max, unnormalised acc, sum). A warp that saw no
+// page (m = -inf) contributes nothing (and no inf - inf).
+struct Partial {
+  float m, a, l;
+};
+
+__device__ __forceinline__ Partial merge_consumers(const Smem& sm, int g, int d) {
+  float mx = neg_inf();
+#pragma unroll
+  for (int w = 0; w < kConsumers; ++w) mx = fmaxf(mx, sm.merge_m[w * kGPad + g]);
+  float a = 0.f, sum = 0.f;
+#pragma unroll
+  for (int w = 0; w < kConsumers; ++w) {
+    const float mw = sm.merge_m[w * kGPad + g];
+    if (mw != neg_inf()) {
+      const float f = exp2f(mw - mx);
+      a += f * sm.merge_acc[(w * kG + g) * 128 + d];
+      sum += f * sm.merge_l[w * kGPad + g];
+    }
+  }
+  return {mx, a, sum};
+}
+
+}  // namespace nq_dec
+
+extern "C" __global__ void __launch_bounds__(nq_dec::kThreads, 1)
+    nq_attention_decode_split(const nq::uint16_t* __restrict__ q,          // [B, NQ_NHEADS*128]
+                              const nq::uint16_t* __restrict__ k_cache,    // [L, n_pages, NQ_NKV, 16, 128]
+                              const nq::uint16_t* __restrict__ v_cache,    // same
+                              const int* __restrict__ page_table,          // [B, max_pages]
+                              const int* __restrict__ seq_len_dev,         // [B]
+                              int layer, int n_pages, int max_pages, int n_splits,
+                              float* __restrict__ workspace) {             // tickets, ws_acc, ws_ml (header)
+  nq::pdl_wait();  // launch overlap (common.cuh): nothing read or written before it
+  using namespace nq_dec;
+  float* ws_acc = workspace + kTicketWords;
+  float* ws_ml = ws_acc + static_cast<size_t>(gridDim.z) * n_splits * nq::kHeads * 128;
+  extern __shared__ __align__(128) unsigned char smem[];
+  const Smem sm = carve(smem);
+
+  const int kvh = blockIdx.x;
+  const int split = blockIdx.y;
+  const int b = blockIdx.z;  // sequence of the batch
+  const int* table = page_table + static_cast<size_t>(b) * max_pages;
+  const uint16_t* qb = q + static_cast<size_t>(b) * nq::kQDim;
+
+  const SplitRange r = split_range(seq_len_dev[b], max_pages, n_splits);
+  const int seq_len = r.seq_len;
+  const int p0 = split * r.per_split;
+  const int n_seq_pages = (seq_len + nq::kPageTokens - 1) / nq::kPageTokens;
+  const int count = max(0, min(p0 + r.per_split, n_seq_pages) - p0);  // pages of this split
+
+  stream_pages(sm, qb, k_cache, v_cache, table, layer, n_pages, kvh, p0, count, seq_len);
 
   // merge the consumer states into this split's partial (all threads)
   const size_t part = static_cast<size_t>(b) * n_splits + split;  // (sequence, split) partial index
   for (int idx = threadIdx.x; idx < kG * 128; idx += kThreads) {
     const int g = idx >> 7, d = idx & 127;
-    float mx = neg_inf();
-#pragma unroll
-    for (int w = 0; w < kConsumers; ++w) mx = fmaxf(mx, merge_m[w * kGPad + g]);
-    float a = 0.f, sum = 0.f;
-#pragma unroll
-    for (int w = 0; w < kConsumers; ++w) {
-      const float mw = merge_m[w * kGPad + g];
-      if (mw != neg_inf()) {  // a warp that saw no page contributes nothing (and no inf - inf)
-        const float f = exp2f(mw - mx);
-        a += f * merge_acc[(w * kG + g) * 128 + d];
-        sum += f * merge_l[w * kGPad + g];
-      }
-    }
+    const Partial pm = merge_consumers(sm, g, d);
     const int h = kvh * kG + g;
-    ws_acc[(part * nq::kHeads + h) * 128 + d] = a;
+    ws_acc[(part * nq::kHeads + h) * 128 + d] = pm.a;
     if (d == 0) {
-      ws_ml[(part * nq::kHeads + h) * 2 + 0] = mx;  // -inf for an empty split: neutral in combine
-      ws_ml[(part * nq::kHeads + h) * 2 + 1] = sum;
+      ws_ml[(part * nq::kHeads + h) * 2 + 0] = pm.m;  // -inf for an empty split: neutral in combine
+      ws_ml[(part * nq::kHeads + h) * 2 + 1] = pm.l;
     }
   }
+}
+
+// ---- the one-kernel build: splits of a cluster combine through distributed shared memory ------------
+//
+// nq_attention_decode: grid (NQ_NKV, C x n_clusters, B), cluster (1, C, 1), C <= 8 (the portable cluster
+// size). The C blocks of a cluster share one contiguous run of the sequence's pages (each block a
+// contiguous sub-run); after streaming, each block merges its consumer warps into merge_acc[0] / blk_m /
+// blk_l, the cluster synchronises, and block rank r combines outputs o = t + kThreads (r + C j) of the
+// G heads x 128 dims by reading the C blocks' partials through DSMEM (mapa + ld.shared::cluster).
+//   - A sequence of <= NQ_DECODE_MIN_CLUSTER_PAGES pages lives in cluster 0 alone, which writes `out`
+//     itself: no workspace, no second kernel (the short-context case, where the split kernel + combine
+//     kernel cost 8.4 us per call at context 640 on the 7B, 3.8 us of it the combine: docs/PERF.md).
+//   - A longer one spreads over several clusters (every SM streams); each cluster writes its partial to
+//     the workspace, and the last cluster to finish (an atomic ticket per (sequence, KV head, rank)) folds
+//     them into `out`. Rank r of the last cluster reads only what rank r of every cluster wrote, so one
+//     ticket chain per rank orders every read after every write it needs.
+// Workspace (fp32 words): tickets [kTicketWords] (ints, 0 between calls: the last cluster resets its own),
+// then ws_acc [B, n_clusters, NQ_NHEADS, 128], then ws_ml [B, n_clusters, C, NQ_NHEADS, 2] (one (m, l)
+// copy per rank: see above).
+namespace nq_dec {
+
+__device__ __forceinline__ uint32_t cluster_rank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+
+// every thread of every block of the cluster: what each block wrote to its shared memory before is
+// visible to the others after (release / acquire at cluster scope)
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+// a float of block `rank`'s shared memory, at the address `local` has in this block's
+__device__ __forceinline__ float ld_cluster(const float* local, uint32_t rank) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(nq::smem_u32(local)), "r"(rank));
+  float v;
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+  return v;
+}
+
+}  // namespace nq_dec
+
+namespace nq_dec {
+constexpr int kClusterMax = 8;  // the portable cluster size: the launcher's CLUSTER_MAX
+}
+
+#ifndef NQ_ATTN_ONE_TRIGGER
+#define NQ_ATTN_ONE_TRIGGER 1  // 1: let the next kernel launch once every block has its pages (A/B knob)
+#endif
+#ifndef NQ_DECODE_MIN_CLUSTER_PAGES
+#define NQ_DECODE_MIN_CLUSTER_PAGES 64  // a cluster's run is at least this long: <= 1,024 tokens in one cluster
+#endif
+
+extern "C" __global__ void __launch_bounds__(nq_dec::kThreads, 1)
+    nq_attention_decode(const nq::uint16_t* __restrict__ q,          // [B, NQ_NHEADS*128]
+                        const nq::uint16_t* __restrict__ k_cache,    // [L, n_pages, NQ_NKV, 16, 128]
+                        const nq::uint16_t* __restrict__ v_cache,    // same
+                        const int* __restrict__ page_table,          // [B, max_pages]
+                        const int* __restrict__ seq_len_dev,         // [B]
+                        int layer, int n_pages, int max_pages, int csize, int n_clusters,
+                        float* __restrict__ workspace,               // tickets, ws_acc, ws_ml
+                        nq::uint16_t* __restrict__ out) {            // [B, NQ_NHEADS*128]
+  nq::pdl_wait();  // launch overlap (common.cuh): nothing read or written before it
+  using namespace nq_dec;
+  extern __shared__ __align__(128) unsigned char smem[];
+  const Smem sm = carve(smem);
+  const int kvh = blockIdx.x;
+  const int b = blockIdx.z;
+  const int rank = csize > 1 ? static_cast<int>(cluster_rank()) : 0;  // == blockIdx.y % csize
+  const int ci = blockIdx.y / csize;                                  // this block's cluster
+  const int* table = page_table + static_cast<size_t>(b) * max_pages;
+  const uint16_t* qb = q + static_cast<size_t>(b) * nq::kQDim;
+  nq::uint16_t* outb = out + static_cast<size_t>(b) * nq::kQDim + kvh * kG * 128;
+
+  // the pages: clusters take contiguous runs of >= NQ_DECODE_MIN_CLUSTER_PAGES, blocks sub-runs of those
+  const int seq_len = min(max(seq_len_dev[b], 0), max_pages * nq::kPageTokens);  // clamped, as split_range
+  const int n_seq_pages = (seq_len + nq::kPageTokens - 1) / nq::kPageTokens;
+  const int per_cluster = max((n_seq_pages + n_clusters - 1) / n_clusters, NQ_DECODE_MIN_CLUSTER_PAGES);
+  const int used = (n_seq_pages + per_cluster - 1) / per_cluster;  // clusters holding pages
+  const int o_first = threadIdx.x + kThreads * rank, o_step = kThreads * csize;  // this block's outputs
+  if (ci >= used) {  // uniform over the cluster: no cluster barrier is skipped by only some of its blocks
+    if (ci == 0) {   // an idle row (seq_len 0): defined output 0
+      for (int o = o_first; o < kG * 128; o += o_step) outb[o] = nq::f2h(0.f);
+    }
+    return;
+  }
+  const int c0 = ci * per_cluster;
+  const int c_cnt = min(per_cluster, n_seq_pages - c0);
+  const int per_block = (c_cnt + csize - 1) / csize;
+  const int p0 = c0 + rank * per_block;
+  const int count = max(0, min(per_block, c_cnt - rank * per_block));
+
+  stream_pages(sm, qb, k_cache, v_cache, table, layer, n_pages, kvh, p0, count, seq_len);
+#if NQ_ATTN_ONE_TRIGGER
+  // o_proj may launch once every block of this grid is here (all resident or gone, so its blocks cannot
+  // crowd out one of ours) and place its blocks during this combine; it still waits for this kernel's
+  // completion before reading `out`. What the combine kernel's trigger gave the split build at B >= 8.
+  nq::pdl_trigger();
+#endif
+
+  // the block's partial, in place: merge_acc[0][g][d] (this thread alone reads and writes (g, d))
+  for (int idx = threadIdx.x; idx < kG * 128; idx += kThreads) {
+    const int g = idx >> 7, d = idx & 127;
+    const Partial pm = merge_consumers(sm, g, d);
+    sm.merge_acc[idx] = pm.a;
+    if (d == 0) {
+      sm.blk_m[g] = pm.m;
+      sm.blk_l[g] = pm.l;
+    }
+  }
+  if (csize > 1) cluster_sync();  // every block's partial visible to the cluster
+  else __syncthreads();
+
+  // fold the cluster's C partials for this block's outputs (local reads when csize == 1); one cluster:
+  // the result; several: this cluster's partial to the workspace
+  float* ws_acc = workspace + kTicketWords;
+  float* ws_ml = ws_acc + static_cast<size_t>(gridDim.z) * n_clusters * nq::kHeads * 128;
+  const size_t cpart = static_cast<size_t>(b) * n_clusters + ci;  // (sequence, cluster)
+  for (int o = o_first; o < kG * 128; o += o_step) {
+    const int g = o >> 7, d = o & 127;
+    // every load issued before any is used (each a DSMEM round trip: one after another, 8 ranks x 4
+    // dependent loads cost more than the combine kernel this replaces); a rank past csize or with no page
+    // (m = -inf, acc = l = 0) weighs 0
+    float ms[kClusterMax], as[kClusterMax], ls[kClusterMax];
+#pragma unroll
+    for (int s = 0; s < kClusterMax; ++s) {
+      const bool in = s < csize;
+      ms[s] = in ? (csize > 1 ? ld_cluster(sm.blk_m + g, s) : sm.blk_m[g]) : neg_inf();
+      as[s] = in ? (csize > 1 ? ld_cluster(sm.merge_acc + o, s) : sm.merge_acc[o]) : 0.f;
+      ls[s] = in ? (csize > 1 ? ld_cluster(sm.blk_l + g, s) : sm.blk_l[g]) : 0.f;
+    }
+    float mx = neg_inf();
+#pragma unroll
+    for (int s = 0; s < kClusterMax; ++s) mx = fmaxf(mx, ms[s]);
+    float a = 0.f, l = 0.f;
+#pragma unroll
+    for (int s = 0; s < kClusterMax; ++s) {
+      const float f = ms[s] == neg_inf() ? 0.f : exp2f(ms[s] - mx);  // no inf - inf
+      a += f * as[s];
+      l += f * ls[s];
+    }
+    if (used == 1) {  // the short-context case: this cluster holds the whole sequence
+      outb[o] = nq::f2h(l > 0.f ? a / l : 0.f);
+      continue;
+    }
+    const int h = kvh * kG + g;
+    ws_acc[(cpart * nq::kHeads + h) * 128 + d] = a;
+    // head g's (m, l) as this rank sees it: written where a run of this rank's outputs meets head g
+    // (a run of kThreads outputs starts at o % kThreads == 0), so rank r's fold below finds it for
+    // every head it folds
+    if (threadIdx.x == 0 || d == 0) {
+      float* ml = ws_ml + ((cpart * csize + rank) * nq::kHeads + h) * 2;
+      ml[0] = mx;
+      ml[1] = l;
+    }
+  }
+  if (csize > 1) cluster_sync();  // no block leaves (freeing its shared memory) while another reads it
+  if (used == 1) return;
+
+  // several clusters: take a ticket; rank r of the last cluster to count folds every cluster's partial
+  __threadfence();  // this thread's partial is visible device-wide before the ticket below
+  __syncthreads();
+  __shared__ int last;
+  int* ticket = reinterpret_cast<int*>(workspace) + (static_cast<size_t>(b) * nq::kKvHeads + kvh) * csize + rank;
+  if (threadIdx.x == 0) last = atomicAdd(ticket, 1) == used - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();  // acquire side: the other clusters' partials, published before their tickets
+  for (int o = o_first; o < kG * 128; o += o_step) {
+    const int g = o >> 7, d = o & 127;
+    const int h = kvh * kG + g;
+    float mx = neg_inf(), a = 0.f, l = 0.f;  // online over the clusters, 4 clusters' loads at a time
+    for (int c0 = 0; c0 < used; c0 += 4) {
+      float mc[4], ac[4], lc[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const size_t cp = static_cast<size_t>(b) * n_clusters + min(c0 + j, used - 1);
+        const float* ml = ws_ml + ((cp * csize + rank) * nq::kHeads + h) * 2;
+        mc[j] = c0 + j < used ? __ldcg(ml) : neg_inf();
+        lc[j] = __ldcg(ml + 1);
+        ac[j] = __ldcg(ws_acc + (cp * nq::kHeads + h) * 128 + d);
+      }
+      float m_new = mx;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) m_new = fmaxf(m_new, mc[j]);
+      const float alpha = mx == neg_inf() ? 0.f : exp2f(mx - m_new);
+      a *= alpha;
+      l *= alpha;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float f = mc[j] == neg_inf() ? 0.f : exp2f(mc[j] - m_new);
+        a += f * ac[j];
+        l += f * lc[j];
+      }
+      mx = m_new;
+    }
+    outb[o] = nq::f2h(l > 0.f ? a / l : 0.f);
+  }
+  if (threadIdx.x == 0) *ticket = 0;  // every used cluster has counted: ready for the next call
 }

@@ -2,7 +2,7 @@
 // has the whole design): each (query head, sequence) folds the split kernel's partials into its output.
 //   out[b, h, :] = sum_s 2^(m_s - M) acc_s[h, :] / sum_s 2^(m_s - M) l_s over the used splits of b
 // Launch: nq_attention_decode_combine grid (NQ_NHEADS, B), 128 threads (one output dim each).
-// Workspace: ws_acc [B, n_splits, NQ_NHEADS, 128] then ws_ml [B, n_splits, NQ_NHEADS, 2] (fp32).
+// Workspace: kTicketWords (unused here), ws_acc [B, n_splits, NQ_NHEADS, 128] then ws_ml [B, n_splits, NQ_NHEADS, 2] (fp32).
 #include "common.cuh"
 #include "attention_decode_splits.cuh"
 
@@ -97,8 +97,8 @@ extern "C" __global__ void __launch_bounds__(128)
   nq::pdl_trigger();
 #endif
   using namespace nq_dec;
-  const float* ws_acc = workspace;
-  const float* ws_ml = workspace + static_cast<size_t>(gridDim.y) * n_splits * nq::kHeads * 128;
+  const float* ws_acc = workspace + kTicketWords;
+  const float* ws_ml = ws_acc + static_cast<size_t>(gridDim.y) * n_splits * nq::kHeads * 128;
   const int h = blockIdx.x, b = blockIdx.y, d = threadIdx.x;
   const int used = split_range(seq_len_dev[b], max_pages, n_splits).used;
   // combine_par where there are many splits to combine (batch 1..4 at 7B: 33..9 splits), the plain loop

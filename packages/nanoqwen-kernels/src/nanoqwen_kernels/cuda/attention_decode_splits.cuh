@@ -5,6 +5,10 @@
 
 namespace nq_dec {
 
+// The workspace's first words: nq_attention_decode's ticket counters (ints, 0 between calls), before any
+// partial; both decode builds leave them there (attention.py's TICKET_WORDS).
+constexpr int kTicketWords = 1024;
+
 // The pages of one split: a sequence of seq_len tokens (clamped to what its page-table row can address,
 // so a corrupt length cannot walk off the table) has n_seq_pages pages, dealt to n_splits splits in
 // contiguous runs of per_split pages. Both kernels derive the same runs from the same device values.
