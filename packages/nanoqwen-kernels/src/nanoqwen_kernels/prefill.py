@@ -28,18 +28,16 @@ ATTENTION_VARIANTS = {
     "fma": ("nq_attention_prefill", 32, 256, 0),
     "mma": ("nq_attention_prefill_mma", 64, 128, 34816),
     "mma_db": ("nq_attention_prefill_mma_db", 64, 128, 2 * 34816),
-    # S = Q K^T on wgmma (K in wgmma's swizzled layout), P V on mma.sync; prepared, not yet run on a GPU
-    # (docs/PERF.md, eighth lease): opt-in only. 2 stages x (16,384 + 17,408) + 1,024 B of alignment room.
-    "wg_db": ("nq_attention_prefill_wg", 64, 128, 2 * (16384 + 17408) + 1024),
 }
 # "mma_db" (tensor cores, the next K/V tile copied by cp.async while the current one is multiplied) is the
 # default: kernel time on the H200 (docs/PERF.md, eighth lease; CUDA graph), 7B at T = 512 / 2k / 8k / 32k
 # 29.7 us / 228 us / 2.76 ms / 41.3 ms against 36.7 / 321 / 4,039 / 57,303 for "mma" (one buffer), 1.5B
 # dims 21.4 us / 125 us / 1.29 ms / 17.7 ms against 32.0 / 176 / 1,945 / 25,450. A build splitting each
 # block's key tiles over two warp groups ("mma2", 23.3 us at 1.5B / 512) lost to mma_db everywhere and was
-# removed. The tensor-core bodies round P to fp16 as FlashAttention does; their outputs differ from the
-# fp32 reference by that rounding (<= 2^-11 sum p|v|, tests/test_attention_prefill.py). "fma" keeps fp32
-# probabilities: PrefillKernels(dims, load, "fma").
+# removed, as was one with S = Q K^T on wgmma (7B: 30.5 us / 242 us / 2.89 ms / 42.8 ms). The tensor-core
+# bodies round P to fp16 as FlashAttention does; their outputs differ from the fp32 reference by that
+# rounding (<= 2^-11 sum p|v|, tests/test_attention_prefill.py). "fma" keeps fp32 probabilities:
+# PrefillKernels(dims, load, "fma").
 DEFAULT_ATTENTION_VARIANT = "mma_db"
 
 

@@ -20,7 +20,6 @@
 // Tested: tests/test_attention_prefill.py (numpy float64 reference, T 1..513 and 32768, start_pos 0 and
 //   > 0, both bodies); measured: bench/bench_prefill.py.
 #include "attention_prefill_common.cuh"
-#include "wgmma.cuh"
 
 // ======================================================================================================
 // nq_attention_prefill_mma_db / _mma: the same computation on tensor cores (FlashAttention-2 structure).
@@ -148,38 +147,11 @@ __device__ __forceinline__ void tile_step(const nq::uint32_t (&qa)[8][4], float 
   tile_softmax_pv(s, m, l, o, vs, kb, lane, r0, r1, qpos0, qpos1, T);
 }
 
-// ------------------------------------------------------------------------------------------------------
-// nq_attention_prefill_wg ("wg_db"): mma_db's pipeline with S = Q K^T on Hopper's warpgroup MMA. The block's
-// 4 warps are one warpgroup; per key tile, 8 wgmma m64n64k16 (A = Q from the same registers as mma.sync's
-// A fragments, B = K read by the tensor cores from shared memory) replace each warp's 64 mma.sync and 16
-// ldmatrix; P V stays on mma.sync from the padded V tile. The D fragments of a wgmma are mma.sync's C
-// fragments per 16 rows (wgmma.cuh), so the mask, softmax and P V code is the other builds'.
-// K tile in wgmma's B layout (K-major, 128-byte swizzle; wgmma.cuh): keys are B's columns, dims its k.
-// Dims 64 kc .. 64 kc + 63 of key n sit in 128-byte row n % 8 of atom n / 8 of k-chunk kc; 16-byte chunk
-// j of that row is stored at chunk j ^ (n % 8):
-//   byte (key n, dim k) = 8192 kc + 1024 (n / 8) + 128 (n % 8) + 16 (((k % 64) / 8) ^ (n % 8)) + 2 (k % 8)
-// and the k16 step s (dims 16 s ..) starts 8192 (s / 4) + 32 (s % 4) bytes in, the next 8 keys 1024 on.
-// tests/test_wgmma_tile_mapping.py (test_attention_k_tile_*) emulates this read against Q K^T.
-// Smem per stage: K 16,384 B (1024-aligned atoms) + V 17,408 B (padded rows) = 33 x 1024 B; 2 stages and
-// 1024 B of alignment room: 68,608 B. PREPARED, NOT YET RUN ON A GPU: not the default. It is the body
-// below with kWg = true: only the K tile's layout, a proxy fence and the scores differ.
-namespace nq_pre_wg {
-constexpr int kKBytes = 2 * 8 * 1024;                           // K tile: 2 k-chunks x 8 atoms x 1024 B
-constexpr int kVHalves = nq_pre_mma::kBK * nq_pre_mma::kRowH;   // V tile, padded rows
-constexpr int kStageBytes = kKBytes + kVHalves * 2;             // 33,792 = 33 x 1024
-static_assert(kStageBytes % 1024 == 0, "every stage's K atoms must stay 1024-aligned");
-__host__ __device__ constexpr int smem_bytes() { return 2 * kStageBytes + 1024; }
-__device__ __forceinline__ int k_offset(int n, int c) {  // byte of key n's dims 8c .. 8c+7 (c = 0..15)
-  return 8192 * (c >> 3) + 1024 * (n >> 3) + 128 * (n & 7) + 16 * ((c & 7) ^ (n & 7));
-}
-}  // namespace nq_pre_wg
-
 // kStages = 1 ("mma"): load a tile (through registers), barrier, multiply, barrier: the plain loop.
-template <int kStages, bool kWg = false>
+template <int kStages>
 __device__ __forceinline__ void attention_prefill_mma_body(NQ_ATTENTION_PREFILL_ARGS) {
   using namespace nq_pre_mma;
   static_assert(kStages == 1 || kStages == 2, "one buffer or two");
-  static_assert(!kWg || kStages == 2, "the wgmma scores come with the copy pipeline");
   constexpr int kThreads = 32 * kWarps;
   extern __shared__ __align__(16) uint16_t smem_pre[];  // [kStages][K tile | V tile]
 
@@ -228,25 +200,13 @@ __device__ __forceinline__ void attention_prefill_mma_body(NQ_ATTENTION_PREFILL_
         pg[p] = kp < blk.kv_len ? page_table[kp / nq::kPageTokens] : 0;
       }
     };
-    // a stage: [K tile | V tile], padded rows ([64][136] halves each); with kWg the K tile is in wgmma's
-    // layout (nq_pre_wg) and every stage starts on a 1024-byte boundary
-    unsigned char* stages = reinterpret_cast<unsigned char*>(smem_pre);
-    if constexpr (kWg) stages += (1024u - (nq::smem_u32(stages) & 1023u)) & 1023u;
-    constexpr int kStageBytes = kWg ? nq_pre_wg::kStageBytes : 2 * kTileHalves * 2;
-    constexpr int kVBytes = kWg ? nq_pre_wg::kKBytes : kTileHalves * 2;  // the V tile's offset in a stage
+    // a stage: [K tile | V tile], padded rows ([64][136] halves each)
     auto issue = [&](int kb, int stage) {
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         const int kk = kk0 + 8 * j, kp = kb + kk;
-        uint16_t *dk, *dv;
-        if constexpr (kWg) {
-          unsigned char* st = stages + stage * kStageBytes;
-          dk = reinterpret_cast<uint16_t*>(st + nq_pre_wg::k_offset(kk, dd / 8));
-          dv = reinterpret_cast<uint16_t*>(st + kVBytes) + kk * kRowH + dd;
-        } else {
-          dk = smem_pre + stage * 2 * kTileHalves + kk * kRowH + dd;
-          dv = dk + kTileHalves;
-        }
+        uint16_t* dk = smem_pre + stage * 2 * kTileHalves + kk * kRowH + dd;
+        uint16_t* dv = dk + kTileHalves;
         if (kp < blk.kv_len) {
           const size_t off = ((static_cast<size_t>(layer) * n_pages + pg[j >> 1]) * nq::kKvHeads + blk.kvh) *
                                  (nq::kPageTokens * 128) + (kp % nq::kPageTokens) * 128 + dd;
@@ -271,29 +231,9 @@ __device__ __forceinline__ void attention_prefill_mma_body(NQ_ATTENTION_PREFILL_
         nq::cp_async_commit();  // an empty group: "all but the newest" below still means this tile
       }
       nq::cp_async_wait<1>();  // this thread's copies of the current tile have landed
-      if constexpr (kWg) nq::fence_proxy_async_smem();  // ... where the wgmmas (async proxy) will read them
       __syncthreads();         // ... and every thread's (and the zero stores)
-      float s[8][4];
-      if constexpr (kWg) {
-        const unsigned char* st = stages + stage * kStageBytes;
-        // S = Q K^T: 8 wgmma m64n64k16, step kk's B 8192 (kk / 4) + 32 (kk % 4) bytes into the K tile
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
-        const nq::uint64_t desc0 = nq::wgmma_desc_sw128(nq::smem_u32(st));
-        nq::wgmma_fence();  // the zeroed accumulators (and qa) written before the wgmmas read them
-#pragma unroll
-        for (int kk = 0; kk < 8; ++kk) {
-          const nq::uint64_t desc = desc0 + static_cast<nq::uint64_t>((8192 * (kk >> 2) + 32 * (kk & 3)) >> 4);
-          nq::wgmma_rs<8>(s, qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], desc);
-        }
-        nq::wgmma_commit();
-        nq::wgmma_wait<0>();  // S complete in registers; this stage's K no longer read
-        tile_softmax_pv(s, m, l, o, reinterpret_cast<const uint16_t*>(st + kVBytes), kb, lane, r0, r1, qpos0,
-                        qpos1, T);
-      } else {
-        const uint16_t* kst = smem_pre + stage * 2 * kTileHalves;
-        tile_step(qa, m, l, o, kst, kst + kTileHalves, kb, lane, r0, r1, qpos0, qpos1, T);
-      }
+      const uint16_t* kst = smem_pre + stage * 2 * kTileHalves;
+      tile_step(qa, m, l, o, kst, kst + kTileHalves, kb, lane, r0, r1, qpos0, qpos1, T);
       __syncthreads();  // every warp is done with this buffer before the next round copies into it
       stage ^= 1;
     }
@@ -337,8 +277,4 @@ extern "C" __global__ void __launch_bounds__(128) nq_attention_prefill_mma(NQ_AT
 extern "C" __global__ void __launch_bounds__(128) nq_attention_prefill_mma_db(NQ_ATTENTION_PREFILL_ARGS) {
   nq::pdl_wait();
   attention_prefill_mma_body<2>(q, k_cache, v_cache, page_table, start_pos, T, ctl, layer, n_pages, out);
-}
-extern "C" __global__ void __launch_bounds__(128) nq_attention_prefill_wg(NQ_ATTENTION_PREFILL_ARGS) {
-  nq::pdl_wait();
-  attention_prefill_mma_body<2, true>(q, k_cache, v_cache, page_table, start_pos, T, ctl, layer, n_pages, out);
 }
