@@ -3,9 +3,8 @@ H200's copy rate.
 
     PYTHONPATH=packages/nanoqwen-kernels/src python packages/nanoqwen-kernels/bench/bench_attention.py \
         [--variants fma,mma]    # default: every consumer variant
-        [--builds one,split]    # default: both builds (one kernel with cluster combine; split + combine)
 
-Method: R calls (one kernel, or split + combine kernels) captured in one CUDA graph, each call on the next layer
+Method: R calls captured in one CUDA graph, each call on the next layer
 of a cache whose layers together exceed twice the 60 MB L2, so every call streams its K/V from HBM;
 CUDA events around a graph launch, median of many launches, divided by R. Bytes = the K and V the call
 must read (seq_len x n_kv x 128 x 2 B x 2). Reference rate: 4.19 TB/s measured copy bandwidth.
@@ -14,13 +13,12 @@ A timing is a measurement, never an assertion.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
 import cupy as cp
 import numpy as np
-from nanoqwen_kernels.attention import BUILDS, VARIANTS, AttentionKernels
+from nanoqwen_kernels.attention import VARIANTS, AttentionKernels
 from nanoqwen_kernels.dims import QWEN25_7B
 from nanoqwen_kernels.loader import load_module
 
@@ -56,7 +54,7 @@ def time_graph(fn_per_rep, reps_in_graph: int, launches: int = 30) -> float:
 
 
 def bench_decode(ctx: int, variant: str, batch: int = 1, dims=QWEN25_7B, label: str = "7B") -> dict:
-    """`batch` sequences of `ctx` tokens each, pages scattered through one pool (build: $NANOQWEN_ATTN_DECODE)."""
+    """`batch` sequences of `ctx` tokens each, pages scattered through one pool."""
     d = dims
     ak = AttentionKernels(d, load_module, variant)
     kv_bytes = batch * ctx * d.n_kv_heads * 128 * 2 * 2  # K + V read per call
@@ -75,7 +73,7 @@ def bench_decode(ctx: int, variant: str, batch: int = 1, dims=QWEN25_7B, label: 
     t = time_graph(lambda i: ak.attention_decode(q, k, v, table, seq, i % n_layers, out, ws), 4 * n_layers)
     gbs = kv_bytes / t / 1e9
     return dict(
-        name=f"attention_decode[{variant}/{ak.build}] {label} B={batch} ctx {ctx}",
+        name=f"attention_decode[{variant}] {label} B={batch} ctx {ctx}",
         us=t * 1e6,
         gbs=gbs,
         pct=100 * gbs / (COPY_TBS * 1e3),
@@ -144,18 +142,15 @@ def main() -> int:
     print("| kernel | time (us) | K+V GB/s | % of 4.19 TB/s |")
     print("| --- | --- | --- | --- |", flush=True)
     worst = 0
-    builds = sys.argv[sys.argv.index("--builds") + 1].split(",") if "--builds" in sys.argv else BUILDS
-    variants = sys.argv[sys.argv.index("--variants") + 1].split(",") if "--variants" in sys.argv else VARIANTS
-    for v, build in [(v, b) for v in variants for b in builds]:
-        env = dict(os.environ, NANOQWEN_ATTN_DECODE=build)
-        p = subprocess.run([sys.executable, __file__, "--variant", v], capture_output=True, text=True, env=env)
+    for v in sys.argv[sys.argv.index("--variants") + 1].split(",") if "--variants" in sys.argv else VARIANTS:
+        p = subprocess.run([sys.executable, __file__, "--variant", v], capture_output=True, text=True)
         rows = [ln for ln in p.stdout.splitlines() if ln.startswith("|")]
         print("\n".join(rows), flush=True)
         if p.returncode:
             print(p.stderr[-3000:], file=sys.stderr)  # the whole traceback, for the log
             tail = (p.stderr.strip().splitlines() or ["?"])[-1]
             print(
-                f"| attention_decode[{v}/{build}] | FAILED (rc {p.returncode}) after {len(rows)} rows: {tail} | | |"
+                f"| attention_decode[{v}] | FAILED (rc {p.returncode}) after {len(rows)} rows: {tail} | | |"
             )
             worst = 1
     return worst

@@ -6,8 +6,7 @@ one pool, each sequence's pages scattered at random through it; every slot the k
 sequence's pages) holds NaN, so reading one shows up as NaN in the output; out and the workspace's
 partials are NaN before launch (its ticket words stay 0, as the one-kernel build requires between calls,
 and are checked to be 0 again after). A row of length 0 is an idle (padding) row: its output must be
-exactly 0. Both builds ("one": clusters combining through distributed shared memory; "split": split +
-combine kernels) run the same checks.
+exactly 0.
 
 Tolerance (fp16 output of an fp32 computation): |out - ref| <= 2e-4 + 4e-3 |ref|. fp16 rounding alone
 is 2^-11 |ref| ~ 4.9e-4 |ref|; the rest is fp32 accumulation over up to 32768 positions and exp2f.
@@ -18,7 +17,7 @@ The tensor-core bodies ("mma", "mma8") round p to fp16 before P.V (as FlashAtten
 import numpy as np
 import pytest
 from nanoqwen_kernels import KernelError, gpu_status
-from nanoqwen_kernels.attention import BUILDS, TICKET_WORDS
+from nanoqwen_kernels.attention import TICKET_WORDS
 from nanoqwen_kernels.dims import QWEN25_7B, TINY
 
 OK, REASON = gpu_status()
@@ -31,14 +30,14 @@ MIXED = [1, 15, 16, 17, 1000, 5000]  # lengths the batches cycle through (page b
 
 
 class _Builds(dict):
-    """(dims name, variant[, build]) -> AttentionKernels, built on first use (default build: "one")."""
+    """(dims name, variant) -> AttentionKernels, built on first use."""
 
     def __missing__(self, key):
         from nanoqwen_kernels.attention import AttentionKernels
         from nanoqwen_kernels.loader import load_module
 
-        name, variant, build = (*key, "one")[:3]
-        ak = AttentionKernels(DIMS[name], load_module, variant, build=build)
+        name, variant = key
+        ak = AttentionKernels(DIMS[name], load_module, variant)
         self[key] = ak
         return ak
 
@@ -150,16 +149,15 @@ def check(got, c, variant, lengths):
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("build", BUILDS)
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("name", ["7b", "tiny"])
 @pytest.mark.parametrize("seq_len", [1, 15, 16, 17, 1024, 1025, 4095, 32768])
-def test_decode_matches_reference(kernels, name, seq_len, variant, build, rng):
+def test_decode_matches_reference(kernels, name, seq_len, variant, rng):
     """Batch 1 (a 1-D q, as the single-sequence callers pass it) over the context lengths that matter
     (1,024 / 1,025: the last length one cluster holds alone, and the first that spreads over two)."""
     import cupy as cp
 
-    dims, ak = DIMS[name], kernels[name, variant, build]
+    dims, ak = DIMS[name], kernels[name, variant]
     c = make_batch(cp, dims, [seq_len], rng)
     out = cp.full(dims.n_heads * 128, np.nan, dtype=cp.float16)
     ws = poisoned_workspace(ak, 1)
@@ -169,21 +167,20 @@ def test_decode_matches_reference(kernels, name, seq_len, variant, build, rng):
     assert tickets_clear(cp, ws)
 
 
-# (dims, consumer body, build): both bodies on the 7B shape, the default body on the tiny one
-MIXED_BUILDS = [("7b", "fma", "one"), ("7b", "mma", "one"), ("tiny", "fma", "one"), ("7b", "mma", "split"),
-                ("tiny", "fma", "split")]
+# (dims, consumer body): both bodies on the 7B shape, the default body on the tiny one
+BUILDS = [("7b", "fma"), ("7b", "mma"), ("tiny", "fma")]
 
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("name,variant,build", MIXED_BUILDS)
+@pytest.mark.parametrize("name,variant", BUILDS)
 @pytest.mark.parametrize("B", [1, 2, 3, 8, 33, 64])
-def test_batch_of_mixed_lengths(kernels, name, B, variant, build, rng):
+def test_batch_of_mixed_lengths(kernels, name, B, variant, rng):
     """B sequences of mixed lengths (cycling through MIXED from a random offset, one idle row of length 0
     when B > 1) in one launch: every row matches its own float64 reference."""
     import cupy as cp
 
-    dims, ak = DIMS[name], kernels[name, variant, build]
+    dims, ak = DIMS[name], kernels[name, variant]
     off = int(rng.integers(len(MIXED)))
     lengths = [MIXED[(off + b) % len(MIXED)] for b in range(B)]
     if B > 1:
@@ -196,7 +193,7 @@ def test_batch_of_mixed_lengths(kernels, name, B, variant, build, rng):
 @pytest.mark.gpu
 def test_rows_are_independent_of_the_batch(kernels, rng):
     """Row b of a batch of 8 and the same sequence launched alone both match the reference; a row of one
-    page is one split in both launches (the same arithmetic), so those agree bit for bit."""
+    page is one block's in both launches (the same arithmetic), so those agree bit for bit."""
     import cupy as cp
 
     dims, ak = QWEN25_7B, kernels["7b", "fma"]
@@ -208,7 +205,7 @@ def test_rows_are_independent_of_the_batch(kernels, rng):
                "ref": c["ref"][b : b + 1], "pv_abs": c["pv_abs"][b : b + 1]}
         alone = run(cp, ak, dims, one, 1)
         check(alone, one, "fma", [n])
-        if n <= 16:  # one page: one split holds it in both launches, the same arithmetic
+        if n <= 16:  # one page: one block holds it in both launches, the same arithmetic
             np.testing.assert_array_equal(alone[0], batch[b])
 
 
@@ -237,14 +234,13 @@ def test_decode_reads_seq_len_on_device(kernels, variant, rng):
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("build", BUILDS)
-def test_replays_in_a_graph_as_lengths_change(kernels, build, rng):
+def test_replays_in_a_graph_as_lengths_change(kernels, rng):
     """One captured launch serves every step: lengths and page tables change on the device between replays,
-    across the one-kernel build's single-cluster / several-cluster line (1,024 tokens), and every replay
-    leaves the ticket counters at 0 for the next."""
+    across the single-cluster / several-cluster line (1,024 tokens), and every replay leaves the ticket
+    counters at 0 for the next."""
     import cupy as cp
 
-    dims, ak = TINY, kernels["tiny", "fma", build]
+    dims, ak = TINY, kernels["tiny", "fma"]
     c = make_batch(cp, dims, [3000, 37, 1100], rng)
     out = cp.empty((3, dims.n_heads * 128), dtype=cp.float16)
     ws = ak.new_workspace(max_batch=3)

@@ -99,37 +99,26 @@ def test_attention_decode_launch_and_checks(launches):
     q, out = dev((B, W), np.float16), dev((B, W), np.float16)
     k, v = dev((2, 40, d.n_kv_heads, 16, 128), np.float16), dev((2, 40, d.n_kv_heads, 16, 128), np.float16)
     table, lens = dev((B, P), np.int32), dev((B,), np.int32)
-    splits = decode_splits(d, B, 132)
-    assert splits == 11  # ceil(132 / (4 KV heads x 3 sequences))
-    # the split build: split kernel + combine
-    ak = AttentionKernels(d, load, sms=132, build="split")
+    assert decode_splits(d, B, 132) == 11  # ceil(132 / (4 KV heads x 3 sequences))
+    ak = AttentionKernels(d, load, sms=132)
     ws = dev((ak.workspace_floats(B),), np.float32)
     ak.attention_decode(q, k, v, table, lens, 1, out, ws)
-    (fn1, grid1, args1), (fn2, grid2, args2) = launches[-2:]
-    assert (fn1, grid1, fn2, grid2) == ("nq_attention_decode_split", (4, splits, B),
-                                       "nq_attention_decode_combine", (d.n_heads, B, 1))
-    assert args1[-1] is ws and args2[-1] is out and int(args1[-2]) == splits
-    assert launches.clusters[-2:] == [None, None]
-    # the one-kernel build (the default): 11 splits as 2 clusters of 8 per (sequence, KV head)
-    ak = AttentionKernels(d, load, sms=132)
-    assert ak.build == "one"
-    n0 = len(launches)
-    ak.attention_decode(q, k, v, table, lens, 1, out, ws)
-    assert len(launches) == n0 + 1
+    # 11 splits as 2 clusters of 8 per (sequence, KV head), one launch
     fn, grid, args = launches[-1]
-    assert decode_clusters(d, B, 132) == (8, 2)
+    assert len(launches) == 1 and decode_clusters(d, B, 132) == (8, 2)
     assert (fn, grid, launches.clusters[-1]) == ("nq_attention_decode", (4, 16, B), (1, 8, 1))
     assert args[-1] is out and args[-2] is ws and (int(args[-4]), int(args[-3])) == (8, 2)
     # the batch of one: 1-D q, out and table; 33 splits -> 5 clusters of 8
     ak.attention_decode(dev((W,), np.float16), k, v, dev((P,), np.int32), dev((1,), np.int32), 1,
                         dev((W,), np.float16), ws)
     assert launches[-1][1] == (4, 40, 1) and launches.clusters[-1] == (1, 8, 1)
-    # from 33 sequences one split each: no cluster
+    assert ak.workspace_floats(1) == TICKET_WORDS + 5 * d.n_heads * (128 + 2 * 8)
+    # 8 sequences: 5 splits, one cluster of 5; from 33 sequences one split each: clusters of 1
+    assert decode_clusters(d, 8, 132) == (5, 1) and decode_clusters(d, 33, 132) == (1, 1)
     q64, out64 = dev((64, W), np.float16), dev((64, W), np.float16)
     ws64 = dev((ak.workspace_floats(64),), np.float32)
     ak.attention_decode(q64, k, v, dev((64, P), np.int32), dev((64,), np.int32), 1, out64, ws64)
     assert launches[-1][1] == (4, 1, 64) and launches.clusters[-1] == (1, 1, 1)
-    assert ak.workspace_floats(1) >= TICKET_WORDS + 5 * d.n_heads * (128 + 2 * 8)  # 5 clusters of 8
     bad = dict(
         page_table=(dev((2, P), np.int32), "page_table"),
         seq_len_dev=(dev((2,), np.int32), "seq_len_dev"),

@@ -2,15 +2,13 @@
 
 `AttentionKernels(dims, load_module).attention_decode(q[B, n_heads*128], k_cache, v_cache,
 page_table[B, max_pages], seq_len_dev[B], layer, out[B, n_heads*128], workspace)` launches one kernel
-(the "one" build: splits in thread-block clusters that combine through distributed shared memory) or two
-(the "split" build: split kernel + combine kernel) on the current CuPy stream and never synchronises; lengths and page tables are read on
+(splits in thread-block clusters that combine through distributed shared memory) on the current CuPy
+stream and never synchronises; lengths and page tables are read on
 the device, so a captured CUDA graph serves every token of a batch of that size. A 1-D q/out is the
 batch of one. Every bad argument is one KernelError naming it (checks.py), before anything reaches the GPU.
 """
 
 from __future__ import annotations
-
-import os
 
 import numpy as np
 
@@ -20,7 +18,7 @@ from .errors import KernelError
 from .loader import Define
 
 MAX_BATCH = 64  # the largest batch a default workspace serves (the engine's max_batch)
-DECODE_SOURCES = ["attention_decode.cu", "attention_decode_combine.cu"]
+DECODE_SOURCES = ["attention_decode.cu"]
 DECODE_STAGES = 8  # ring slots of 8 KiB (K+V page): 64 KiB in flight per SM (Little's law needs ~32 KB)
 # Consumer variants: "fma" = fp32 dot products on CUDA cores, 4 consumer warps; "mma" = mma.sync m16n8k16
 # on tensor cores (fp16 in, fp32 accumulate, P rounded to fp16 as FlashAttention does), 4 or 8 consumer
@@ -32,13 +30,10 @@ DECODE_STAGES = 8  # ring slots of 8 KiB (K+V page): 64 KiB in flight per SM (Li
 # threads and shared memory sized here.
 VARIANTS = {"fma": (0, 4), "mma": (1, 4), "mma8": (1, 8)}
 DEFAULT_VARIANT = "mma"
-# Builds: "one" = nq_attention_decode, one kernel whose splits sit in clusters of <= 8 blocks and combine
-# through distributed shared memory (a sequence of <= 1,024 tokens in one cluster writes its output
-# directly; longer ones spread over several clusters, the last to finish folding their partials through
-# the workspace); "split" = nq_attention_decode_split + nq_attention_decode_combine. $NANOQWEN_ATTN_DECODE
-# picks one (default "one"; docs/PERF.md has the A/B).
-BUILDS = ("one", "split")
-DEFAULT_BUILD = "one"
+# The kernel's splits sit in clusters of <= CLUSTER_MAX blocks that combine through distributed shared
+# memory: a sequence of <= 1,024 tokens in one cluster writes its output directly; longer ones spread over
+# several clusters, the last to finish folding their partials through the workspace. It replaced a split
+# kernel + combine kernel pair (2026-12-01, docs/PERF.md: 7B batch 1, context 640 8.56 -> 7.24 us per call).
 CLUSTER_MAX = 8  # the portable cluster size
 TICKET_WORDS = 1024  # the workspace's first words: the one-kernel build's ticket counters (kTicketWords)
 
@@ -51,19 +46,12 @@ def decode_splits(dims: ModelDims, batch: int, sms: int) -> int:
 
 
 def decode_clusters(dims: ModelDims, batch: int, sms: int) -> tuple[int, int]:
-    """(cluster size C, clusters per (sequence, KV head)) of the one-kernel build: the split count of
+    """(cluster size C, clusters per (sequence, KV head)): the split count of
     decode_splits, in clusters of at most CLUSTER_MAX blocks (7B on 132 SMs: (8, 5) at batch 1, (5, 1) at
     8, (1, 1) from 33)."""
     s = decode_splits(dims, batch, sms)
     c = min(CLUSTER_MAX, s)
     return c, -(-s // c)
-
-
-def build_by_env() -> str:
-    b = os.environ.get("NANOQWEN_ATTN_DECODE", DEFAULT_BUILD).strip().lower() or DEFAULT_BUILD
-    if b not in BUILDS:
-        raise KernelError(f"NANOQWEN_ATTN_DECODE={b!r}: one of {', '.join(BUILDS)}")
-    return b
 
 
 def _variant(variant: str) -> tuple[int, int]:
@@ -83,7 +71,7 @@ def decode_defines(dims: ModelDims, variant: str = DEFAULT_VARIANT) -> dict[str,
 
 
 def decode_smem_bytes(dims: ModelDims, variant: str = DEFAULT_VARIANT) -> int:
-    """Dynamic shared memory of attention_decode_split; mirrors kSmemBytes in attention_decode.cu."""
+    """Dynamic shared memory of nq_attention_decode; mirrors kSmemBytes in attention_decode.cu."""
     consumers = _variant(variant)[1]
     g = dims.n_heads // dims.n_kv_heads
     ring = DECODE_STAGES * 2 * PAGE_TOKENS * HEAD_DIM * 2  # [stages][K|V][16][128] fp16
@@ -94,49 +82,40 @@ def decode_smem_bytes(dims: ModelDims, variant: str = DEFAULT_VARIANT) -> int:
 
 
 def decode_workspace_floats(dims: ModelDims, batch: int, sms: int) -> int:
-    """float32 elements a batch of `batch` needs in either build: the ticket words, then the split build's
-    partial acc [B, splits, heads, 128] + (m, l) [B, splits, heads, 2], or the one-kernel build's
-    [B, clusters, heads, 128] + [B, clusters, C, heads, 2], whichever is larger."""
-    split = batch * decode_splits(dims, batch, sms) * dims.n_heads * (HEAD_DIM + 2)
+    """float32 elements a batch of `batch` needs: the ticket words, then the clusters' partial acc
+    [B, clusters, heads, 128] and (m, l) per rank [B, clusters, C, heads, 2]."""
     c, n = decode_clusters(dims, batch, sms)
-    one = batch * n * dims.n_heads * (HEAD_DIM + 2 * c)
-    return TICKET_WORDS + max(split, one)
+    return TICKET_WORDS + batch * n * dims.n_heads * (HEAD_DIM + 2 * c)
 
 
 class AttentionKernels:
     """The decode attention build for one ModelDims. `load_module(sources, defines)` is the loader's;
     `sms` the device's SM count (asked of the current device when None)."""
 
-    def __init__(self, dims: ModelDims, load_module, variant: str = DEFAULT_VARIANT, sms: int | None = None,
-                 build: str | None = None):
+    def __init__(self, dims: ModelDims, load_module, variant: str = DEFAULT_VARIANT, sms: int | None = None):
         if dims.n_heads // dims.n_kv_heads > 8:
             raise KernelError(
                 f"unsupported GQA group {dims.n_heads // dims.n_kv_heads}: attention_decode handles <= 8"
             )
         self.dims = dims
         self.variant = variant
-        self.build = build_by_env() if build is None else build
-        if self.build not in BUILDS:
-            raise KernelError(f"unknown attention_decode build {self.build!r}; one of {', '.join(BUILDS)}")
         self.threads = 32 * (1 + _variant(variant)[1])  # 1 producer warp + the consumer warps
         self.smem_bytes = decode_smem_bytes(dims, variant)
         self._sms = sms
         mod = load_module(DECODE_SOURCES, decode_defines(dims, variant))
-        self._split = mod.get_function("nq_attention_decode_split", max_dynamic_smem=self.smem_bytes)
-        self._combine = mod.get_function("nq_attention_decode_combine")
-        self._one = mod.get_function("nq_attention_decode", max_dynamic_smem=self.smem_bytes)
+        self._fn = mod.get_function("nq_attention_decode", max_dynamic_smem=self.smem_bytes)
 
     @property
     def sms(self) -> int:
-        """SMs the split counts are sized for (asked of the device on first use, so a CPU can build the
-        launcher for its argument checks)."""
+        """SMs the split and cluster counts are sized for (asked of the device on first use, so a CPU can
+        build the launcher for its argument checks)."""
         if self._sms is None:
             self._sms = ck.sm_count()
         return self._sms
 
-    def splits(self, batch: int) -> int:
-        """The split count a batch of `batch` sequences launches with."""
-        return decode_splits(self.dims, batch, self.sms)
+    def clusters(self, batch: int) -> tuple[int, int]:
+        """(cluster size, clusters per (sequence, KV head)) a batch of `batch` sequences launches with."""
+        return decode_clusters(self.dims, batch, self.sms)
 
     def workspace_floats(self, max_batch: int = MAX_BATCH) -> int:
         """float32 elements a workspace needs to serve every batch size 1..max_batch."""
@@ -144,8 +123,8 @@ class AttentionKernels:
 
     def new_workspace(self, max_batch: int = MAX_BATCH):
         """A float32 workspace for batches of up to max_batch sequences (allocate once, reuse every token).
-        Zeroed: its first TICKET_WORDS are the one-kernel build's ticket counters, which start at 0 (and
-        every call leaves them 0)."""
+        Zeroed: its first TICKET_WORDS are the kernel's ticket counters, which start at 0 (and every call
+        leaves them 0)."""
         return ck.cupy_module().zeros(self.workspace_floats(max_batch), dtype=np.float32)
 
     def attention_decode(self, q, k_cache, v_cache, page_table, seq_len_dev, layer, out, workspace) -> None:
@@ -154,7 +133,8 @@ class AttentionKernels:
 
         q, out: fp16 [B, n_heads*128] (or [n_heads*128], B = 1); k/v_cache: fp16 [n_layers, n_pages,
         n_kv, 16, 128]; page_table: int32 [B, max_pages] (or [max_pages] for B = 1); seq_len_dev: int32
-        [B] (device); workspace: float32 of at least B x splits(B) x n_heads x 130 elements (new_workspace).
+        [B] (device); workspace: float32, zeroed, of at least decode_workspace_floats(dims, B, sms) elements
+        (new_workspace; its first TICKET_WORDS must be 0, as every call leaves them).
         seq_len is clamped to max_pages*16 on the device.
         """
         d = self.dims
@@ -167,29 +147,22 @@ class AttentionKernels:
         ck.check_page_table(page_table, rows=None if one_table else B)
         max_pages = int(page_table.shape[-1])
         ck.check_array("seq_len_dev", seq_len_dev, np.int32, shape=(B,))
-        splits = self.splits(B)
         ck.check_array("workspace", workspace, np.float32,
                     min_size=decode_workspace_floats(d, B, self.sms))
         if max_pages * PAGE_TOKENS >= 2**31:
             raise KernelError(f"page_table has {max_pages} pages per sequence: too many for int32 positions")
         if B > 65535:
             raise KernelError(f"q has {B} rows; a launch takes at most 65535 sequences (grid.z)")
-        common = (q, k_cache, v_cache, page_table, seq_len_dev, np.int32(layer), np.int32(n_pages),
-                  np.int32(max_pages))
-        if self.build == "one":
-            c, n = decode_clusters(d, B, self.sms)
-            if n > 1 and B * d.n_kv_heads * c > TICKET_WORDS:
-                raise KernelError(f"a batch of {B} needs {B * d.n_kv_heads * c} tickets; the workspace has "
-                                  f"{TICKET_WORDS}")
-            ck.launch(self._one, (d.n_kv_heads, c * n, B), (self.threads, 1, 1),
-                      (*common, np.int32(c), np.int32(n), workspace, out), shared_mem=self.smem_bytes,
-                      cluster=(1, c, 1))
-            return
-        ck.launch(self._split, (d.n_kv_heads, splits, B), (self.threads, 1, 1),
-                  (*common, np.int32(splits), workspace), shared_mem=self.smem_bytes)
+        c, n = self.clusters(B)
+        if n > 1 and B * d.n_kv_heads * c > TICKET_WORDS:
+            raise KernelError(f"a batch of {B} needs {B * d.n_kv_heads * c} tickets; the workspace has "
+                              f"{TICKET_WORDS}")
         ck.launch(
-            self._combine,
-            (d.n_heads, B, 1),
-            (HEAD_DIM, 1, 1),
-            (workspace, seq_len_dev, np.int32(max_pages), np.int32(splits), out),
+            self._fn,
+            (d.n_kv_heads, c * n, B),
+            (self.threads, 1, 1),
+            (q, k_cache, v_cache, page_table, seq_len_dev, np.int32(layer), np.int32(n_pages),
+             np.int32(max_pages), np.int32(c), np.int32(n), workspace, out),
+            shared_mem=self.smem_bytes,
+            cluster=(1, c, 1),
         )

@@ -1,5 +1,6 @@
-// attention_decode.cu: paged decode attention over a batch of sequences of different lengths,
-// warp-specialised, split over pages + combine.
+// attention_decode.cu: paged decode attention over a batch of sequences of different lengths, one kernel:
+// warp-specialised blocks each stream a run of pages, and the blocks of a thread-block cluster combine
+// their partials through distributed shared memory.
 //
 // What: for every sequence b of the batch and every query head h,
 //   out[b, h, :] = softmax_t(q[b, h] . K_b[t] / sqrt(128)) . V_b[t] over b's positions t < seq_len[b];
@@ -10,25 +11,34 @@
 //   page_table   int32 [B, max_pages]: row b maps b's logical block (tokens 16j..16j+15) -> page id
 //   seq_len_dev  int32 [B], read on the device (a decode step is one CUDA graph replayed every token);
 //                a row with seq_len 0 is an idle (padding) row: it reads nothing and its output is 0
-//   workspace    fp32, two arrays back to back (one pointer, so the launcher passes no views):
-//     ws_acc     [B, n_splits, NQ_NHEADS, 128]   unnormalised partial outputs
-//     ws_ml      [B, n_splits, NQ_NHEADS, 2]     partial (max, sum) in the log2 domain
-// Launch: nq_attention_decode_split  grid (NQ_NKV, n_splits, B), 32 * (1 + NQ_DECODE_CONSUMERS) threads,
-//         kSmemBytes dynamic smem;
-//         nq_attention_decode_combine grid (NQ_NHEADS, B), 128 threads (attention_decode_combine.cu;
-//         the page runs both derive: attention_decode_splits.cuh).
-//   The combine is a kernel of its own: folding it into the split kernel (the last split block of each
-//   (sequence, KV head) combining, through an atomic ticket) measured 29.4 us per call against 11.3 us
-//   for split + combine at batch 1, context 640 on the H200 (docs/PERF.md): one block then combines
-//   all G heads' 128 dims over every split alone, where the combine kernel spreads that over
-//   NQ_NHEADS x B blocks.
-//   n_splits is a launch argument chosen by the launcher (attention.py) from B so that
-//   NQ_NKV * n_splits * B blocks fill the SMs: at batch 1 and 7B, 33 splits per KV head (a single KV
-//   head's 32k context is 512 KiB x 2 and one SM cannot stream it fast enough alone); at batch 64 one
-//   split per (sequence, KV head) already gives 256 blocks. Each split takes a contiguous run of its
-//   sequence's pages; the device-side seq_len decides the runs (split_range below), so one graph serves
-//   every length. A split with no pages writes a neutral partial (m = -inf, l = 0, acc = 0), and the
-//   combine reads only the splits that can hold pages.
+//   workspace    fp32 words, three arrays back to back (one pointer, so the launcher passes no views):
+//     tickets    [kTicketWords] ints, 0 between calls (the launcher's workspace starts zeroed; the
+//                last cluster of each call resets what it counted)
+//     ws_acc     [B, n_clusters, NQ_NHEADS, 128]          a cluster's unnormalised partial outputs
+//     ws_ml      [B, n_clusters, C, NQ_NHEADS, 2]         its (max, sum) in the log2 domain, per rank
+// Launch: nq_attention_decode grid (NQ_NKV, C x n_clusters, B), cluster (1, C, 1), C <= 8,
+//         32 * (1 + NQ_DECODE_CONSUMERS) threads, kSmemBytes dynamic smem (attention.py: C and n_clusters
+//         from B, so that NQ_NKV x C x n_clusters x B blocks cover the SMs: 7B at batch 1 (8, 5), 33
+//         sequences and more (1, 1)).
+//
+// Splits and clusters: a sequence's pages are dealt to clusters in contiguous runs of at least
+//   NQ_DECODE_MIN_CLUSTER_PAGES (64 pages, 1,024 tokens), and a cluster's run to its C blocks in
+//   contiguous sub-runs; the device-side seq_len decides the runs, so one graph serves every length.
+//   - <= 1,024 tokens: cluster 0 alone. Its blocks publish their partials in shared memory, the cluster
+//     synchronises, and block rank r folds outputs o = t + kThreads (r + C j) of the G heads x 128 dims
+//     from all C blocks' shared memory (mapa + ld.shared::cluster), then writes `out`. No workspace, no
+//     second kernel.
+//   - longer: every cluster folds its blocks the same way into the workspace; the last cluster to take a
+//     ticket (atomic, one counter per (sequence, KV head, rank)) folds the clusters' partials into `out`.
+//     Rank r of the last cluster reads only what rank r of each cluster wrote (acc for its outputs and its
+//     own copy of each head's (m, l)), so one ticket chain per rank orders every read after its write.
+//   A block with no page contributes a neutral partial (m = -inf, acc = l = 0).
+// Why one kernel (H200, docs/PERF.md "2026-12-01"): the split kernel + a combine kernel took 8.56 us per
+//   call at 7B, batch 1, context 640, 3.8 us of it the combine's launch and its L2 round trips; this
+//   kernel 7.24 us (1.5B dims 8.87 -> 7.21). An earlier one-kernel try (the last split block combining
+//   everything through a ticket, before clusters) measured 29.4 us: one block then folded 7 heads x 128
+//   dims over 20 splits alone, with dependent loads; here the fold is spread over the cluster's blocks and
+//   every load is issued before any is used.
 //
 // Why this design: decode attention is a stream of K/V bytes (56 KiB per token of context at 7B) with
 // little arithmetic, so what matters is keeping bytes in flight. One producer warp (one lane of it)
@@ -53,14 +63,13 @@
 //   empty[s] (count 1): the consumer warp that read slot s arrives once (lane 0, after __syncwarp)
 //   then: merge area fp32 [consumers][G][128] + m,l [consumers][8] each; p buffer fp32 [consumers][16][8]
 //
-//   page i of the split -> slot i % kStages, use u = i / kStages:
+//   page i of the block's run -> slot i % kStages, use u = i / kStages:
 //     producer waits empty[slot] parity (u-1)&1 (u > 0), consumer waits full[slot] parity u&1.
 //
 // Tested: tests/test_attention_decode.py (numpy float64 reference; batches of mixed lengths 1..32768,
 // pages scattered, every unread slot NaN; SASS holds UBLKCP and SYNCS); measured: bench/bench_attention.py.
 #include "common.cuh"
 #include "mma.cuh"
-#include "attention_decode_splits.cuh"
 
 #ifndef NQ_DECODE_STAGES
 #define NQ_DECODE_STAGES 8
@@ -100,6 +109,7 @@ constexpr int kBarOffset = kRingBytes + kMergeAccBytes + kMergeMlBytes + kPBufBy
 
 constexpr int kSmemBytes = kBarOffset + 2 * kStages * 8;
 static_assert(kBarOffset % 8 == 0, "mbarriers need 8-byte alignment");
+constexpr int kTicketWords = 1024;  // the workspace's first words: ticket counters (attention.py's TICKET_WORDS)
 
 __device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count) : "memory");
@@ -157,7 +167,7 @@ __device__ __forceinline__ void reduce_scatter_step(float (&s)[16][kG], int lane
   }
 }
 
-// Page i of this split's run, once its copies have landed in the ring (both consumer bodies start a page
+// Page i of this block's run, once its copies have landed in the ring (both consumer bodies start a page
 // here): its slot (handed back through empty[slot] when the warp is done), its K and V slices ([16][128]
 // fp16 each), and how many of its 16 tokens lie below seq_len. The tail page's other slots still hold
 // whatever the page had (stale or never-written data, possibly NaN): the consumers mask them by position.
@@ -181,7 +191,7 @@ __device__ __forceinline__ void consume_fma(int c, int lane, const unsigned char
                                             uint64_t* empty, const uint16_t* q, int kvh, int p0, int count,
                                             int seq_len, float* merge_acc, float* merge_m, float* merge_l,
                                             float* pbuf_all) {
-    // consumer warp c: pages c, c+4, c+8, ... of this split; lane owns dims 4*lane .. 4*lane+3
+    // consumer warp c: pages c, c+4, c+8, ... of this block's run; lane owns dims 4*lane .. 4*lane+3
     float* pbuf = pbuf_all + c * 16 * kGPad;  // [16 tokens][kGPad] probabilities of the current page
     float qr[kG][4];                          // q of the G heads, pre-scaled into the log2 domain
 #pragma unroll
@@ -462,7 +472,7 @@ __device__ __forceinline__ void stream_pages(const Smem& sm, const uint16_t* qb,
     for (int base = 0; base < count; base += 32) {
       const int n = min(32, count - base);
       // a page id outside the cache (a corrupt table) reads page 0 rather than faulting: garbage out, no
-      // GPU fault, as split_range does for a corrupt length
+      // GPU fault, as the clamp of seq_len does for a corrupt length
       const int raw_page = lane < n ? table[p0 + base + lane] : 0;
       const int my_page = static_cast<unsigned>(raw_page) < static_cast<unsigned>(n_pages) ? raw_page : 0;
       for (int j = 0; j < n; ++j) {
@@ -516,69 +526,8 @@ __device__ __forceinline__ Partial merge_consumers(const Smem& sm, int g, int d)
   return {mx, a, sum};
 }
 
-}  // namespace nq_dec
-
-extern "C" __global__ void __launch_bounds__(nq_dec::kThreads, 1)
-    nq_attention_decode_split(const nq::uint16_t* __restrict__ q,          // [B, NQ_NHEADS*128]
-                              const nq::uint16_t* __restrict__ k_cache,    // [L, n_pages, NQ_NKV, 16, 128]
-                              const nq::uint16_t* __restrict__ v_cache,    // same
-                              const int* __restrict__ page_table,          // [B, max_pages]
-                              const int* __restrict__ seq_len_dev,         // [B]
-                              int layer, int n_pages, int max_pages, int n_splits,
-                              float* __restrict__ workspace) {             // tickets, ws_acc, ws_ml (header)
-  nq::pdl_wait();  // launch overlap (common.cuh): nothing read or written before it
-  using namespace nq_dec;
-  float* ws_acc = workspace + kTicketWords;
-  float* ws_ml = ws_acc + static_cast<size_t>(gridDim.z) * n_splits * nq::kHeads * 128;
-  extern __shared__ __align__(128) unsigned char smem[];
-  const Smem sm = carve(smem);
-
-  const int kvh = blockIdx.x;
-  const int split = blockIdx.y;
-  const int b = blockIdx.z;  // sequence of the batch
-  const int* table = page_table + static_cast<size_t>(b) * max_pages;
-  const uint16_t* qb = q + static_cast<size_t>(b) * nq::kQDim;
-
-  const SplitRange r = split_range(seq_len_dev[b], max_pages, n_splits);
-  const int seq_len = r.seq_len;
-  const int p0 = split * r.per_split;
-  const int n_seq_pages = (seq_len + nq::kPageTokens - 1) / nq::kPageTokens;
-  const int count = max(0, min(p0 + r.per_split, n_seq_pages) - p0);  // pages of this split
-
-  stream_pages(sm, qb, k_cache, v_cache, table, layer, n_pages, kvh, p0, count, seq_len);
-
-  // merge the consumer states into this split's partial (all threads)
-  const size_t part = static_cast<size_t>(b) * n_splits + split;  // (sequence, split) partial index
-  for (int idx = threadIdx.x; idx < kG * 128; idx += kThreads) {
-    const int g = idx >> 7, d = idx & 127;
-    const Partial pm = merge_consumers(sm, g, d);
-    const int h = kvh * kG + g;
-    ws_acc[(part * nq::kHeads + h) * 128 + d] = pm.a;
-    if (d == 0) {
-      ws_ml[(part * nq::kHeads + h) * 2 + 0] = pm.m;  // -inf for an empty split: neutral in combine
-      ws_ml[(part * nq::kHeads + h) * 2 + 1] = pm.l;
-    }
-  }
-}
-
-// ---- the one-kernel build: splits of a cluster combine through distributed shared memory ------------
-//
-// nq_attention_decode: grid (NQ_NKV, C x n_clusters, B), cluster (1, C, 1), C <= 8 (the portable cluster
-// size). The C blocks of a cluster share one contiguous run of the sequence's pages (each block a
-// contiguous sub-run); after streaming, each block merges its consumer warps into merge_acc[0] / blk_m /
-// blk_l, the cluster synchronises, and block rank r combines outputs o = t + kThreads (r + C j) of the
-// G heads x 128 dims by reading the C blocks' partials through DSMEM (mapa + ld.shared::cluster).
-//   - A sequence of <= NQ_DECODE_MIN_CLUSTER_PAGES pages lives in cluster 0 alone, which writes `out`
-//     itself: no workspace, no second kernel (the short-context case, where the split kernel + combine
-//     kernel cost 8.4 us per call at context 640 on the 7B, 3.8 us of it the combine: docs/PERF.md).
-//   - A longer one spreads over several clusters (every SM streams); each cluster writes its partial to
-//     the workspace, and the last cluster to finish (an atomic ticket per (sequence, KV head, rank)) folds
-//     them into `out`. Rank r of the last cluster reads only what rank r of every cluster wrote, so one
-//     ticket chain per rank orders every read after every write it needs.
-// Workspace (fp32 words): tickets [kTicketWords] (ints, 0 between calls: the last cluster resets its own),
-// then ws_acc [B, n_clusters, NQ_NHEADS, 128], then ws_ml [B, n_clusters, C, NQ_NHEADS, 2] (one (m, l)
-// copy per rank: see above).
-namespace nq_dec {
+// ---- the cluster fold (header: "Splits and clusters") -------------------------------------------------
+constexpr int kClusterMax = 8;  // the portable cluster size: the launcher's CLUSTER_MAX
 
 __device__ __forceinline__ uint32_t cluster_rank() {
   uint32_t r;
@@ -602,10 +551,6 @@ __device__ __forceinline__ float ld_cluster(const float* local, uint32_t rank) {
 }
 
 }  // namespace nq_dec
-
-namespace nq_dec {
-constexpr int kClusterMax = 8;  // the portable cluster size: the launcher's CLUSTER_MAX
-}
 
 #ifndef NQ_ATTN_ONE_TRIGGER
 #define NQ_ATTN_ONE_TRIGGER 1  // 1: let the next kernel launch once every block has its pages (A/B knob)
@@ -636,7 +581,8 @@ extern "C" __global__ void __launch_bounds__(nq_dec::kThreads, 1)
   nq::uint16_t* outb = out + static_cast<size_t>(b) * nq::kQDim + kvh * kG * 128;
 
   // the pages: clusters take contiguous runs of >= NQ_DECODE_MIN_CLUSTER_PAGES, blocks sub-runs of those
-  const int seq_len = min(max(seq_len_dev[b], 0), max_pages * nq::kPageTokens);  // clamped, as split_range
+  // clamped to what the page-table row can address, so a corrupt length cannot walk off the table
+  const int seq_len = min(max(seq_len_dev[b], 0), max_pages * nq::kPageTokens);
   const int n_seq_pages = (seq_len + nq::kPageTokens - 1) / nq::kPageTokens;
   const int per_cluster = max((n_seq_pages + n_clusters - 1) / n_clusters, NQ_DECODE_MIN_CLUSTER_PAGES);
   const int used = (n_seq_pages + per_cluster - 1) / per_cluster;  // clusters holding pages
@@ -657,7 +603,8 @@ extern "C" __global__ void __launch_bounds__(nq_dec::kThreads, 1)
 #if NQ_ATTN_ONE_TRIGGER
   // o_proj may launch once every block of this grid is here (all resident or gone, so its blocks cannot
   // crowd out one of ours) and place its blocks during this combine; it still waits for this kernel's
-  // completion before reading `out`. What the combine kernel's trigger gave the split build at B >= 8.
+  // completion before reading `out`. Engine, 1.5B dims (docs/PERF.md): decode at depth 512 1.085 ->
+  // 1.009 ms/token, batch 1 / 8 steps 1.00 / 1.56 -> 0.97 / 1.55 ms; the 7B within noise.
   nq::pdl_trigger();
 #endif
 
