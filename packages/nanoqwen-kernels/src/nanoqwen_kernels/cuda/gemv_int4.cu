@@ -106,10 +106,16 @@ __device__ __forceinline__ float dot8(uint32_t w, uint4 x) {
   return f.x + f.y;
 }
 
-// One warp: dot products of rows r0 and r1 with xs; the full sums end in every lane.
+// One chunk of a unit's loads: kInFlight 16-byte pieces of each of the 2 rows per lane, and their scales.
+struct RowChunk {
+  uint4 v0[kInFlight], v1[kInFlight];
+  uint16_t g0[kInFlight], g1[kInFlight];
+};
+
+// Issue the loads of chunk j0 (pieces j0 .. j0+kInFlight-1 of each lane) of rows r0 and r1.
 template <int K>
-__device__ __forceinline__ void dot_rows2(const uint32_t* __restrict__ qw, const uint16_t* __restrict__ sc,
-                                          int r0, int r1, const uint4* xs, float& o0, float& o1) {
+__device__ __forceinline__ void load_chunk(const uint32_t* __restrict__ qw, const uint16_t* __restrict__ sc,
+                                           int r0, int r1, int j0, RowChunk& c) {
   constexpr int kNU = K / 32;                 // 16-byte pieces per row
   constexpr int kNJ = (kNU + 31) / 32;        // pieces per lane
   constexpr int kGroups = K / kGroup;         // scales per row
@@ -118,38 +124,70 @@ __device__ __forceinline__ void dot_rows2(const uint32_t* __restrict__ qw, const
   const uint4* w1 = reinterpret_cast<const uint4*>(qw + static_cast<size_t>(r1) * (K / 8));
   const uint16_t* s0 = sc + static_cast<size_t>(r0) * kGroups;
   const uint16_t* s1 = sc + static_cast<size_t>(r1) * kGroups;
+#pragma unroll
+  for (int jj = 0; jj < kInFlight; ++jj) {  // issue every load of the chunk first
+    const int u = (j0 + jj) * 32 + lane;
+    if (j0 + jj < kNJ && u < kNU) {
+      c.v0[jj] = ld_stream_v4(w0 + u);
+      c.v1[jj] = ld_stream_v4(w1 + u);
+      c.g0[jj] = s0[u >> 2];  // 4 pieces per group: lanes 4m..4m+3 share a scale
+      c.g1[jj] = s1[u >> 2];
+    }
+  }
+}
+
+// Multiply chunk j0 with xs into the lane's partial sums.
+template <int K>
+__device__ __forceinline__ void use_chunk(const RowChunk& c, int j0, const uint4* xs, float& a0, float& a1) {
+  constexpr int kNU = K / 32;
+  constexpr int kNJ = (kNU + 31) / 32;
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int jj = 0; jj < kInFlight; ++jj) {
+    const int u = (j0 + jj) * 32 + lane;
+    if (j0 + jj < kNJ && u < kNU) {
+      const uint4 x0 = xs[u], x1 = xs[kNU + u], x2 = xs[2 * kNU + u], x3 = xs[3 * kNU + u];
+      a0 += h2f(c.g0[jj]) * (dot8(c.v0[jj].x, x0) + dot8(c.v0[jj].y, x1) + dot8(c.v0[jj].z, x2) + dot8(c.v0[jj].w, x3));
+      a1 += h2f(c.g1[jj]) * (dot8(c.v1[jj].x, x0) + dot8(c.v1[jj].y, x1) + dot8(c.v1[jj].z, x2) + dot8(c.v1[jj].w, x3));
+    }
+  }
+}
+
+// One warp: dot products of rows r0 and r1 with xs; the full sums end in every lane. `first`, when
+// given, is chunk 0 already loaded (gemv_units issues it before the launch-overlap wait).
+template <int K>
+__device__ __forceinline__ void dot_rows2(const uint32_t* __restrict__ qw, const uint16_t* __restrict__ sc,
+                                          int r0, int r1, const uint4* xs, float& o0, float& o1,
+                                          const RowChunk* first = nullptr) {
+  constexpr int kNU = K / 32;
+  constexpr int kNJ = (kNU + 31) / 32;
   float a0 = 0.f, a1 = 0.f;
 #pragma unroll
   for (int j0 = 0; j0 < kNJ; j0 += kInFlight) {
-    uint4 v0[kInFlight], v1[kInFlight];
-    uint16_t g0[kInFlight], g1[kInFlight];
-#pragma unroll
-    for (int jj = 0; jj < kInFlight; ++jj) {  // issue every load of the chunk first
-      const int u = (j0 + jj) * 32 + lane;
-      if (j0 + jj < kNJ && u < kNU) {
-        v0[jj] = ld_stream_v4(w0 + u);
-        v1[jj] = ld_stream_v4(w1 + u);
-        g0[jj] = s0[u >> 2];  // 4 pieces per group: lanes 4m..4m+3 share a scale
-        g1[jj] = s1[u >> 2];
-      }
+    RowChunk c;
+    if (j0 == 0 && first != nullptr) {
+      c = *first;
+    } else {
+      load_chunk<K>(qw, sc, r0, r1, j0, c);
     }
-#pragma unroll
-    for (int jj = 0; jj < kInFlight; ++jj) {
-      const int u = (j0 + jj) * 32 + lane;
-      if (j0 + jj < kNJ && u < kNU) {
-        const uint4 x0 = xs[u], x1 = xs[kNU + u], x2 = xs[2 * kNU + u], x3 = xs[3 * kNU + u];
-        a0 += h2f(g0[jj]) * (dot8(v0[jj].x, x0) + dot8(v0[jj].y, x1) + dot8(v0[jj].z, x2) + dot8(v0[jj].w, x3));
-        a1 += h2f(g1[jj]) * (dot8(v1[jj].x, x0) + dot8(v1[jj].y, x1) + dot8(v1[jj].z, x2) + dot8(v1[jj].w, x3));
-      }
-    }
+    use_chunk<K>(c, j0, xs, a0, a1);
   }
   o0 = warp_sum(a0);
   o1 = warp_sum(a1);
 }
 
+#ifndef NQ_GEMV_PRELOAD
+#define NQ_GEMV_PRELOAD 1  // 1: a warp's first chunk of weights is loaded before the launch-overlap wait
+#endif
+
 // The half2 loop over units: a warp takes unit p, `map` names its 2 rows, `epi` (lane 0) writes the
 // results of column 0. The same maps and epilogues serve the tensor-core core (gemv_mma.cuh), so each
 // fused epilogue is written once.
+// Weights before the wait (NQ_GEMV_PRELOAD): the weights and scales are constant for the whole decode, so
+// a warp may load its first unit's first chunk before griddepcontrol.wait, while the previous kernel (the
+// producer of x) drains; the DRAM round trip then overlaps that kernel's tail and this one's x prologue
+// instead of following them. Only weight loads go before the wait; x is read after it (the one exception
+// to common.cuh's rule that nothing is read before the wait, checked in tests/test_compile.py).
 template <int K, class Map, class Epi>
 __device__ __forceinline__ void gemv_units(const uint32_t* __restrict__ qw, const uint16_t* __restrict__ sc,
                                            const uint16_t* __restrict__ x, const uint16_t* __restrict__ norm_w,
@@ -157,10 +195,28 @@ __device__ __forceinline__ void gemv_units(const uint32_t* __restrict__ qw, cons
   __shared__ uint4 xs[K / 8];  // [4][K/32] x 16 B: K * 2 bytes (37.9 KB at K = 18944)
   __shared__ float red[32];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int p_first = blockIdx.x * kWarps + warp;
+#if NQ_GEMV_PRELOAD
+  RowChunk first;
+  int f0 = 0, f1 = 0;
+  if (p_first < units) {
+    map(p_first, f0, f1);
+    load_chunk<K>(qw, sc, f0, f1, 0, first);
+  }
+#endif
   pdl_wait();  // launch overlap (common.cuh): x is the previous kernel's output
   stage_x<K>(x, norm_w, eps, xs, red);
   // no barrier below: warps leave the loop independently
-  for (int p = blockIdx.x * kWarps + warp; p < units; p += gridDim.x * kWarps) {
+  int p = p_first;
+#if NQ_GEMV_PRELOAD
+  if (p < units) {
+    float o0, o1;
+    dot_rows2<K>(qw, sc, f0, f1, xs, o0, o1, &first);
+    if (lane == 0) epi(0, p, f0, f1, o0, o1);
+  }
+  p += gridDim.x * kWarps;
+#endif
+  for (; p < units; p += gridDim.x * kWarps) {
     int r0, r1;
     map(p, r0, r1);
     float o0, o1;
