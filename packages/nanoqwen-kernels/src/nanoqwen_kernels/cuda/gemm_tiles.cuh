@@ -360,8 +360,9 @@ __device__ __forceinline__ void gemm_tiles(const uint32_t* __restrict__ qw, cons
   // blocks take SMs as ours exit (or SMs we leave idle) and a tile GEMM among them issues its first
   // weight copies there while our last blocks still reduce. It reads our outputs only after its pdl_wait,
   // which waits for this grid's completion. H200, bc4631e, bench_batch (7B) steps at B = 8 / 32 / 64:
-  // 2.84 / 3.82 / 5.33 ms without, 2.72 / 3.71 / 5.23 with, 2.68 / 3.70 / 5.21 with the attention
-  // combine's trigger too (attention_decode.cu). An A/B knob (NQ_TILE_PDL_TRIGGER=0 turns it off).
+  // 2.84 / 3.82 / 5.33 ms without, 2.72 / 3.71 / 5.23 with, 2.68 / 3.70 / 5.21 with the attention's
+  // trigger too (then in its combine kernel, now in attention_decode.cu once every block has its pages).
+  // An A/B knob (NQ_TILE_PDL_TRIGGER=0 turns it off).
   pdl_trigger();
 #endif
 
