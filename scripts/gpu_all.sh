@@ -22,7 +22,8 @@
 # llamacpp (llama.cpp on the real 1.5B only), and, not in the default set, peers (issue 18: nanoqwen beside
 # llama.cpp and transformers on the 7B-shaped model and the real 1.5B, the same shapes on both sides, and
 # scripts/peer_tables.py's markdown tables; after `peer_llamacpp.sh build` and `prep7b` earlier in the
-# lease: GPU_ALL_SECTIONS="info model7b peers"). Each section runs under its own
+# lease: GPU_ALL_SECTIONS="info model7b peers"), and ncu (Nsight Compute counters of the batch-1 GEMVs).
+# Each section runs under its own
 # timeout (SECTION_TIMEOUT_<name>, seconds), so one hang costs one section, not the call.
 # Files back from $OUT (the device tool returns at most 8): gpu_all.log (everything), summary.txt,
 # bench_7b_graph.json, bench_7b_eager.json, bench_batch_7b.json, breakdown_7b.json, peer_transformers.json,
@@ -176,6 +177,20 @@ if want breakdown; then
   run breakdown 120 $PY scripts/decode_breakdown.py "$NANOQWEN_LADDER_7B" --json "$OUT/breakdown_7b.json"
   run breakdown_b32 180 $PY scripts/decode_breakdown.py "$NANOQWEN_LADDER_7B" --batch 32 --context 384 \
     --json "$WORK/logs/breakdown_7b_b32.json"
+fi
+# Hardware counters of the batch-1 GEMVs (not in the default set: GPU_ALL_SECTIONS="info ncu"): Nsight
+# Compute on each half2-loop entry at the 7B's shapes, one launch each after warm-up, the lines that say
+# whether a kernel is bound by DRAM, by issue or by latency (first used 2026-12-01 on o_proj: 20% of the
+# warps active, 0.31 instructions per scheduler per cycle). Needs ncu reading counters (Firecracker
+# machines; KINDS.md); --clock-control none leaves the clocks as the benchmarks run them.
+if want ncu; then
+  for k in nq_gate_up_silu nq_gemv_int4_i nq_qkv_rope_kv nq_gemv_int4_h; do
+    run "ncu_$k" 150 bash -c "ncu --clock-control none -k regex:'^$k\$' --launch-skip 10 --launch-count 1 \
+      --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
+      --section Occupancy --section LaunchStats $PY packages/nanoqwen-kernels/bench/bench_gemv.py --batch 1 \
+      --no-peer --reps 2 | grep -E '^  nq_|Duration|DRAM Throughput|Issued Warp Per|No Eligible|Eligible Warps|\
+Achieved Occupancy|Warp Cycles Per Issued|Registers Per|Grid Size|stalled|Theoretical Occ'"
+  done
 fi
 want peer && run peer 180 $PY scripts/peer_transformers.py --out "$OUT/peer_transformers.json"
 
