@@ -88,29 +88,35 @@ def pack_args(args: tuple) -> tuple[ctypes.Array, list]:
     return params, bufs
 
 
-def make_config(grid: tuple, block: tuple, shared_mem: int, stream_ptr: int, cluster: tuple | None = None,
-                programmatic: bool = True) -> LaunchConfig:
-    """The launch config, carrying the PDL attribute (programmatic) and the cluster dims (cluster, when
-    given: value = {x, y, z}, each dividing the grid's). The attribute array hangs off the config
-    (cfg._attrs keeps it alive as long as the config)."""
-    g = (*grid, 1, 1)
-    b = (*block, 1, 1)
+@functools.cache
+def _attributes(programmatic: bool, cluster: tuple | None) -> tuple[ctypes.Array, int]:
+    """(the attribute array, its length) for one combination, built once: every launch of a decode or
+    prefill reuses it (read-only, alive for the process) instead of building ctypes objects per launch."""
     ids = ([CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION] if programmatic else []) + (
         [CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION] if cluster is not None else [])
     attrs = (LaunchAttribute * max(1, len(ids)))()
     for i, aid in enumerate(ids):
         attrs[i].id = aid
         if aid == CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION:
-            c = (*cluster, 1, 1)[:3]
             for j in range(3):
-                if c[j] < 1 or (*grid, 1, 1)[j] % c[j]:
-                    raise KernelError(f"cluster {tuple(cluster)} does not divide grid {tuple(grid)}")
-                attrs[i].value[j] = c[j]
+                attrs[i].value[j] = cluster[j]
         else:
             attrs[i].value[0] = 1  # programmaticStreamSerializationAllowed
-    cfg = LaunchConfig(g[0], g[1], g[2], b[0], b[1], b[2], shared_mem, stream_ptr, attrs, len(ids))
-    cfg._attrs = attrs
-    return cfg
+    return attrs, len(ids)
+
+
+def make_config(grid: tuple, block: tuple, shared_mem: int, stream_ptr: int, cluster: tuple | None = None,
+                programmatic: bool = True) -> LaunchConfig:
+    """The launch config, carrying the PDL attribute (programmatic) and the cluster dims (cluster, when
+    given: value = {x, y, z}, each dividing the grid's)."""
+    g = (*grid, 1, 1)
+    b = (*block, 1, 1)
+    if cluster is not None:
+        cluster = (*cluster, 1, 1)[:3]
+        if any(c < 1 or gd % c for c, gd in zip(cluster, g[:3], strict=True)):
+            raise KernelError(f"cluster {cluster} does not divide grid {tuple(grid)}")
+    attrs, n = _attributes(programmatic, cluster)
+    return LaunchConfig(g[0], g[1], g[2], b[0], b[1], b[2], shared_mem, stream_ptr, attrs, n)
 
 
 @functools.cache
