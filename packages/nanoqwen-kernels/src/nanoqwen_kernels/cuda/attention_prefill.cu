@@ -44,12 +44,10 @@ constexpr int kRowH = 136;  // padded smem row (halves) of the K/V tiles
 constexpr int kTileHalves = kBK * kRowH;  // one K (or V) tile
 // dynamic smem of a block with S tile buffers: S x (K tile + V tile) = S x 34,816 B
 __host__ __device__ constexpr int smem_bytes(int stages) { return stages * 2 * kTileHalves * 2; }
-using nq::kScaleLog2;
 using nq::ldmatrix_x4;
 using nq::ldmatrix_x4_trans;
 using nq::mma16816;
 using nq::neg_inf;
-using nq::pack_h2;
 using nq_pre_common::Block;
 using nq_pre_common::kv_offset;
 }  // namespace nq_pre_mma
@@ -73,55 +71,11 @@ __device__ __forceinline__ void tile_scores_mma(const nq::uint32_t (&qa)[8][4], 
   }
 }
 
-// The rest of a key tile once S is in registers (any build): the causal mask, the online-softmax update
-// of (m, l) and O += P V (V rows in vs, padded; ldmatrix.trans, mma.sync).
-__device__ __forceinline__ void tile_softmax_pv(float (&s)[8][4], float (&m)[2], float (&l)[2], float (&o)[16][4],
-                                                const nq::uint16_t* vs, int kb, int lane, int r0, int r1, int qpos0,
-                                                int qpos1, int T) {
+// O += P V for one key tile by mma.sync (V rows in vs, padded; ldmatrix.trans): the "mma" builds' P V.
+__device__ __forceinline__ void tile_pv_mma(const nq::uint32_t (&pa)[4][4], float (&o)[16][4], const nq::uint16_t* vs,
+                                            int lane) {
   using namespace nq_pre_mma;
-  const int t = lane & 3;
-  // causal mask + online softmax, rows r0 (s[][0..1]) and r1 (s[][2..3])
-  float mx[2] = {neg_inf(), neg_inf()};
-#pragma unroll
-  for (int nt = 0; nt < 8; ++nt) {
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int kp = kb + 8 * nt + 2 * t + (j & 1);
-      const bool ok = (j < 2) ? (r0 < T && kp <= qpos0) : (r1 < T && kp <= qpos1);
-      s[nt][j] = ok ? s[nt][j] * kScaleLog2 : neg_inf();
-      mx[j >> 1] = fmaxf(mx[j >> 1], s[nt][j]);
-    }
-  }
-  float alpha[2];
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
-    mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
-    const float m_new = fmaxf(m[i], mx[i]);
-    // rows past T, or with nothing visible yet, keep m = -inf: no -inf - -inf
-    alpha[i] = m_new == neg_inf() ? 1.f : exp2f(m[i] - m_new);
-    m[i] = m_new;
-    l[i] *= alpha[i];
-  }
-  uint32_t pa[4][4];  // P as A fragments of the 4 key steps (16 keys each)
-#pragma unroll
-  for (int nt = 0; nt < 8; ++nt) {
-    float p[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      p[j] = s[nt][j] == neg_inf() ? 0.f : exp2f(s[nt][j] - m[j >> 1]);
-      l[j >> 1] += p[j];
-    }
-    // key step kk = nt/2: a0/a1 from the even key tile (keys 16kk+2t..), a2/a3 from the odd one
-    pa[nt >> 1][(nt & 1) * 2 + 0] = pack_h2(p[0], p[1]);  // row g
-    pa[nt >> 1][(nt & 1) * 2 + 1] = pack_h2(p[2], p[3]);  // row g+8
-  }
-#pragma unroll
-  for (int n = 0; n < 16; ++n) {
-    o[n][0] *= alpha[0]; o[n][1] *= alpha[0];
-    o[n][2] *= alpha[1]; o[n][3] *= alpha[1];
-  }
-  // O += P V: key step kk (keys 16kk..16kk+15), dim tiles n, n+1 per ldmatrix.x4.trans
+  // key step kk (keys 16kk..16kk+15), dim tiles n, n+1 per ldmatrix.x4.trans
 #pragma unroll
   for (int kk = 0; kk < 4; ++kk) {
 #pragma unroll
@@ -144,7 +98,9 @@ __device__ __forceinline__ void tile_step(const nq::uint32_t (&qa)[8][4], float 
                                           int kb, int lane, int r0, int r1, int qpos0, int qpos1, int T) {
   float s[8][4];
   tile_scores_mma(qa, ks, lane, s);
-  tile_softmax_pv(s, m, l, o, vs, kb, lane, r0, r1, qpos0, qpos1, T);
+  nq::uint32_t pa[4][4];
+  nq_pre_common::tile_softmax<true>(s, m, l, o, pa, kb, lane, r0, r1, qpos0, qpos1, T);
+  tile_pv_mma(pa, o, vs, lane);
 }
 
 // kStages = 1 ("mma"): load a tile (through registers), barrier, multiply, barrier: the plain loop.
@@ -170,18 +126,8 @@ __device__ __forceinline__ void attention_prefill_mma_body(NQ_ATTENTION_PREFILL_
   const uint16_t* ks = smem_pre;        // K tile [64 keys][136] (one buffer; the pipeline's are below)
   const uint16_t* vs = ks + kTileHalves;  // and V tile
 
-  // Q A fragments for the 8 dim steps: a0 (row g, dims 16ks+2t), a1 (row g+8), a2/a3 (dims +8)
   uint32_t qa[8][4];
-#pragma unroll
-  for (int kk = 0; kk < 8; ++kk) {
-    const int d0 = 16 * kk + 2 * t;
-    const nq::uint16_t* p0 = q + static_cast<size_t>(r0) * nq::kQDim + h * 128;
-    const nq::uint16_t* p1 = q + static_cast<size_t>(r1) * nq::kQDim + h * 128;
-    qa[kk][0] = r0 < T ? *reinterpret_cast<const uint32_t*>(p0 + d0) : 0u;
-    qa[kk][1] = r1 < T ? *reinterpret_cast<const uint32_t*>(p1 + d0) : 0u;
-    qa[kk][2] = r0 < T ? *reinterpret_cast<const uint32_t*>(p0 + d0 + 8) : 0u;
-    qa[kk][3] = r1 < T ? *reinterpret_cast<const uint32_t*>(p1 + d0 + 8) : 0u;
-  }
+  nq_pre_common::load_q_frags(q, h, r0, r1, T, t, qa);
 
   float m[2] = {neg_inf(), neg_inf()}, l[2] = {0.f, 0.f};  // rows r0, r1 (l: this lane's part)
   float o[16][4];  // [dim tile] C fragment: (row g, dims 8n+2t, +1), (row g+8, same dims)
@@ -250,23 +196,7 @@ __device__ __forceinline__ void attention_prefill_mma_body(NQ_ATTENTION_PREFILL_
     }
   }
 
-  // full row sums: the 4 lanes of a row each hold part of it
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
-    l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
-  }
-  const float inv0 = l[0] > 0.f ? 1.f / l[0] : 0.f, inv1 = l[1] > 0.f ? 1.f / l[1] : 0.f;
-#pragma unroll
-  for (int n = 0; n < 16; ++n) {
-    const int d = 8 * n + 2 * t;
-    if (r0 < T)
-      *reinterpret_cast<uint32_t*>(out + static_cast<size_t>(r0) * nq::kQDim + h * 128 + d) =
-          pack_h2(o[n][0] * inv0, o[n][1] * inv0);
-    if (r1 < T)
-      *reinterpret_cast<uint32_t*>(out + static_cast<size_t>(r1) * nq::kQDim + h * 128 + d) =
-          pack_h2(o[n][2] * inv1, o[n][3] * inv1);
-  }
+  nq_pre_common::write_rows(o, l, out, h, r0, r1, T, t);
 }
 
 // Launch: grid (ceil(T/64), NQ_NHEADS), 128 threads, nq_pre_mma::smem_bytes(kStages) dynamic smem.

@@ -34,6 +34,106 @@ __device__ __forceinline__ size_t kv_offset(const int* __restrict__ page_table, 
          (kp % nq::kPageTokens) * 128 + dd;
 }
 
+
+// ---- the tensor-core bodies' per-warp fragments (attention_prefill.cu, attention_prefill_wgmma.cu) -----
+// A warp owns 16 query rows; lane (g = lane / 4, t = lane % 4) holds rows r0 = g and r1 = g + 8 of them in
+// mma.sync m16n8k16's fragments (mma.cuh), which are also a warpgroup MMA's per-warp A and D fragments
+// (wgmma.cuh): so scores from either kind of MMA meet the same softmax, and P feeds either kind of P V.
+
+// Q A fragments for the 8 dim steps: a0 (row r0, dims 16kk+2t, +1), a1 (row r1), a2/a3 (dims +8); zeros
+// for rows past T.
+__device__ __forceinline__ void load_q_frags(const nq::uint16_t* __restrict__ q, int h, int r0, int r1, int T,
+                                             int t, nq::uint32_t (&qa)[8][4]) {
+#pragma unroll
+  for (int kk = 0; kk < 8; ++kk) {
+    const int d0 = 16 * kk + 2 * t;
+    const nq::uint16_t* p0 = q + static_cast<size_t>(r0) * nq::kQDim + h * 128;
+    const nq::uint16_t* p1 = q + static_cast<size_t>(r1) * nq::kQDim + h * 128;
+    qa[kk][0] = r0 < T ? *reinterpret_cast<const nq::uint32_t*>(p0 + d0) : 0u;
+    qa[kk][1] = r1 < T ? *reinterpret_cast<const nq::uint32_t*>(p1 + d0) : 0u;
+    qa[kk][2] = r0 < T ? *reinterpret_cast<const nq::uint32_t*>(p0 + d0 + 8) : 0u;
+    qa[kk][3] = r1 < T ? *reinterpret_cast<const nq::uint32_t*>(p1 + d0 + 8) : 0u;
+  }
+}
+
+// One key tile (keys kb .. kb+63) once its scores s are in registers (s[nt][0..1]: row r0, keys
+// kb + 8nt + 2t, +1; s[nt][2..3]: row r1): the causal mask (kMask; a tile every one of whose keys every
+// row of the block may see needs none), the online-softmax update of (m, l), O rescaled by exp(m_old -
+// m_new), and P as the A fragments of the 4 key steps of P V, rounded to fp16 (as FlashAttention does).
+template <bool kMask>
+__device__ __forceinline__ void tile_softmax(float (&s)[8][4], float (&m)[2], float (&l)[2], float (&o)[16][4],
+                                             nq::uint32_t (&pa)[4][4], int kb, int lane, int r0, int r1,
+                                             int qpos0, int qpos1, int T) {
+  using nq::neg_inf;
+  const int t = lane & 3;
+  // causal mask + online softmax, rows r0 (s[][0..1]) and r1 (s[][2..3])
+  float mx[2] = {neg_inf(), neg_inf()};
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      if constexpr (kMask) {
+        const int kp = kb + 8 * nt + 2 * t + (j & 1);
+        const bool ok = (j < 2) ? (r0 < T && kp <= qpos0) : (r1 < T && kp <= qpos1);
+        s[nt][j] = ok ? s[nt][j] * nq::kScaleLog2 : neg_inf();
+      } else {
+        s[nt][j] *= nq::kScaleLog2;
+      }
+      mx[j >> 1] = fmaxf(mx[j >> 1], s[nt][j]);
+    }
+  }
+  float alpha[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+    mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+    const float m_new = fmaxf(m[i], mx[i]);
+    // rows past T, or with nothing visible yet, keep m = -inf: no -inf - -inf
+    alpha[i] = m_new == neg_inf() ? 1.f : exp2f(m[i] - m_new);
+    m[i] = m_new;
+    l[i] *= alpha[i];
+  }
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt) {
+    float p[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      p[j] = s[nt][j] == neg_inf() ? 0.f : exp2f(s[nt][j] - m[j >> 1]);
+      l[j >> 1] += p[j];
+    }
+    // key step kk = nt/2: a0/a1 from the even key tile (keys 16kk+2t..), a2/a3 from the odd one
+    pa[nt >> 1][(nt & 1) * 2 + 0] = nq::pack_h2(p[0], p[1]);  // row g
+    pa[nt >> 1][(nt & 1) * 2 + 1] = nq::pack_h2(p[2], p[3]);  // row g+8
+  }
+#pragma unroll
+  for (int n = 0; n < 16; ++n) {
+    o[n][0] *= alpha[0]; o[n][1] *= alpha[0];
+    o[n][2] *= alpha[1]; o[n][3] *= alpha[1];
+  }
+}
+
+// The block's end: full row sums (the 4 lanes of a row each hold part of one), O / l written as fp16
+// (o[n]: dims 8n + 2t, +1 of rows r0 and r1; rows past T are not written).
+__device__ __forceinline__ void write_rows(const float (&o)[16][4], float (&l)[2], nq::uint16_t* __restrict__ out,
+                                           int h, int r0, int r1, int T, int t) {
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
+    l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
+  }
+  const float inv0 = l[0] > 0.f ? 1.f / l[0] : 0.f, inv1 = l[1] > 0.f ? 1.f / l[1] : 0.f;
+#pragma unroll
+  for (int n = 0; n < 16; ++n) {
+    const int d = 8 * n + 2 * t;
+    if (r0 < T)
+      *reinterpret_cast<nq::uint32_t*>(out + static_cast<size_t>(r0) * nq::kQDim + h * 128 + d) =
+          nq::pack_h2(o[n][0] * inv0, o[n][1] * inv0);
+    if (r1 < T)
+      *reinterpret_cast<nq::uint32_t*>(out + static_cast<size_t>(r1) * nq::kQDim + h * 128 + d) =
+          nq::pack_h2(o[n][2] * inv1, o[n][3] * inv1);
+  }
+}
+
 }  // namespace nq_pre_common
 
 // Chunk ch of the K/V tile that starts at key kb, in both bodies' tile loops: declares kk (the key in the
