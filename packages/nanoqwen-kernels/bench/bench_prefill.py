@@ -109,7 +109,8 @@ def main() -> int:
         t = time_calls(lambda: pk.rope_kv_prefill(qkv, 0, table, kc, vc, 0, q, bias=bias))
         g = time_graph(lambda i: pk.rope_kv_prefill(qkv, 0, table, kc, vc, 0, q, bias=bias), 20, launches=15)
         print(f"| rope_kv_prefill[{body}] T = {M} | {t * 1e6:.1f} | | graph: {g * 1e6:.1f} us | | |")
-    for variant in ATTENTION_VARIANTS:
+    wanted = sys.argv[sys.argv.index("--variants") + 1].split(",") if "--variants" in sys.argv else ATTENTION_VARIANTS
+    for variant in wanted:
         pa = PrefillKernels(D, load_module, variant)
         for T, n, b in ((512, 10, 7), (2048, 5, 5), (8192, 2, 3), (32768, 1, 1)):
             bench_attention(pa, kc, vc, table, T, n, b)

@@ -184,3 +184,67 @@ def test_preperm_x_lands_where_the_copies_expect_it(ncols):
             for (n, k), off in got.items():
                 if k // PAIR_K == pg:
                     assert (off - pg * n_build * 512) // 16 * 16 in copied, (n, k)
+
+
+# ---- attention_prefill_wgmma.cu: S = Q K^T and O += P V with K and V tiles in the same swizzled bytes ---------
+
+def attn_tile_offset(n: int, c: int) -> int:
+    """nq_pre_wg::tile_offset: the byte where key n's dims 8c .. 8c+7 land in a K or V tile (c = 0..15)."""
+    return 8192 * (c >> 3) + 1024 * (n >> 3) + 128 * (n & 7) + 16 * ((c & 7) ^ (n & 7))
+
+
+def attn_tile(x: np.ndarray) -> np.ndarray:
+    """A [64 keys, 128 dims] K or V tile as the kernel's cp.async copies lay it out (fp64 halves)."""
+    smem = np.full(16384 // 2, np.nan)
+    for n in range(64):
+        for c in range(16):
+            o = attn_tile_offset(n, c) // 2
+            smem[o:o + 8] = x[n, 8 * c:8 * c + 8]
+    return smem
+
+
+def read_b_mn(smem: np.ndarray, start: int, lbo: int) -> np.ndarray:
+    """B (16 k x 128 n) of an MN-major, 128-byte-swizzled descriptor (imm-trans-b): n 0..63 of k row r at
+    start + 1024 (r / 8) + 128 (r % 8) (SBO 1024 between 8-row groups), n 64..127 LBO bytes on; the
+    16-byte chunk index XORed with address bits 7-9, as for K-major."""
+    b = np.zeros((16, 128))
+    for k in range(16):
+        for n in range(128):
+            o = start + (n >> 6) * lbo + (k >> 3) * 1024 + (k & 7) * 128 + 2 * (n & 63)
+            o ^= ((o >> 7) & 7) << 4
+            b[k, n] = smem[o // 2]
+    return b
+
+
+def test_attention_tile_places_every_value_once_in_16_byte_pieces():
+    offs = {attn_tile_offset(n, c) for n in range(64) for c in range(16)}
+    assert len(offs) == 64 * 16 and all(o % 16 == 0 and 0 <= o < 16384 for o in offs)
+    # the 8 threads copying one key's chunks 0..7 (or 8..15) write 8 different 16-byte bank groups
+    for n in range(64):
+        for half in (0, 8):
+            assert len({(attn_tile_offset(n, c) >> 4) & 7 for c in range(half, half + 8)}) == 8
+
+
+def test_attention_scores_are_q_times_k():
+    """The 8 wgmma m64n64k16 per tile (A = each warp's Q fragments of dim step kk, B K-major from the K
+    tile at 8192 (kk / 4) + 32 (kk % 4) bytes) give S = Q K^T for all 64 query rows and 64 keys."""
+    rng = np.random.default_rng()
+    q, k = rng.standard_normal((64, 128)), rng.standard_normal((64, 128))
+    smem = attn_tile(k)
+    s = np.zeros((64, 64))
+    for kk in range(8):
+        b = read_b(smem, 8192 * (kk >> 2) + 32 * (kk & 3), 64)  # 16 dims x 64 keys
+        s += q[:, 16 * kk:16 * kk + 16] @ b
+    np.testing.assert_allclose(s, q @ k.T, rtol=1e-12, atol=1e-12)
+
+
+def test_attention_pv_is_p_times_v():
+    """The 4 wgmma m64n128k16 per tile (A = P's fragments of key step kk, B MN-major from the V tile at
+    2048 kk bytes, LBO 8192) give O = P V for all 64 rows and 128 dims."""
+    rng = np.random.default_rng()
+    p, v = rng.random((64, 64)), rng.standard_normal((64, 128))
+    smem = attn_tile(v)
+    o = np.zeros((64, 128))
+    for kk in range(4):
+        o += p[:, 16 * kk:16 * kk + 16] @ read_b_mn(smem, 2048 * kk, 8192)
+    np.testing.assert_allclose(o, p @ v, rtol=1e-12, atol=1e-12)

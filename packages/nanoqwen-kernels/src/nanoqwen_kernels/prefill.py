@@ -18,7 +18,7 @@ from .dims import GROUP, HEAD_DIM, PAGE_TOKENS, ModelDims
 from .errors import KernelError
 
 PREFILL_SOURCES = ["dequant_int4.cu", "prefill_rope_kv.cu", "attention_prefill_fma.cu", "attention_prefill.cu",
-                   "prefill_act.cu"]
+                   "attention_prefill_wgmma.cu", "prefill_act.cu"]
 SILU_THREADS = 256  # prefill_act.cu: 8 outputs per thread
 _DEQUANT_THREADS = 256
 _DEQUANT_BLOCKS_PER_SM = 16  # grid-stride beyond this many blocks per SM: enough to fill each many times
@@ -28,6 +28,8 @@ ATTENTION_VARIANTS = {
     "fma": ("nq_attention_prefill", 32, 256, 0),
     "mma": ("nq_attention_prefill_mma", 64, 128, 34816),
     "mma_db": ("nq_attention_prefill_mma_db", 64, 128, 2 * 34816),
+    # attention_prefill_wgmma.cu: 3 stages of K + V tiles (32 KB) + 1 KB to align them (nq_pre_wg::smem_bytes)
+    "wg": ("nq_attention_prefill_wg", 64, 128, 3 * 32768 + 1024),
 }
 # "mma_db" (tensor cores, the next K/V tile copied by cp.async while the current one is multiplied) is the
 # default: kernel time on the H200 (docs/PERF.md, eighth lease; CUDA graph), 7B at T = 512 / 2k / 8k / 32k
