@@ -19,7 +19,7 @@ gpu = pytest.mark.skipif(not OK, reason=REASON)
 DIMS = {"7b": QWEN25_7B, "tiny": TINY}
 
 
-VARIANTS = ["fma", "mma", "mma_db", "wg"]  # attention bodies (nanoqwen_kernels.prefill.ATTENTION_VARIANTS)
+VARIANTS = ["fma", "wg"]  # attention bodies (nanoqwen_kernels.prefill.ATTENTION_VARIANTS)
 
 
 @pytest.fixture(scope="module")

@@ -59,10 +59,10 @@ def test_decode_compiles_with_bulk_copy_and_mbarriers(dims, variant, tmp_path):
 @pytest.mark.parametrize("dims", DIMS)
 def test_prefill_sources_compile(dims, tmp_path):
     text = sass(loader.compile_cubin(PREFILL_SOURCES, dims.defines(), "sm_90a"), tmp_path)
-    kernels = ("nq_dequantize_int4", "nq_rope_kv_prefill", "nq_attention_prefill", "nq_attention_prefill_mma")
+    kernels = ("nq_dequantize_int4", "nq_rope_kv_prefill", "nq_attention_prefill", "nq_attention_prefill_wg")
     for kernel in kernels:
         assert f"Function : {kernel}" in text
-    assert "HMMA.16816.F32" in text and "LDSM.16.MT88.4" in text, "attention_prefill_mma off tensor cores"
+    assert "HGMMA.64x64x16.F32" in text and "tnspB" in text, "attention_prefill_wg off the warpgroup MMAs"
     # the dequantizer unpacks with byte permutes, as the ValueShuffle layout intends
     assert "PRMT" in text
 

@@ -217,20 +217,11 @@ def test_odd_group_count_build_releases_its_scale_stores():
         assert "ARRIVES.LDGSTSBAR" in funcs[name] and arrivals[0] > arrivals[1], (name, arrivals)
 
 
-def test_attention_prefill_sass():
-    """The copy-pipeline build copies K/V with LDGSTS (cp.async), not through registers, its scores are on
-    mma.sync (no HGMMA); nothing spills."""
-    funcs = _functions(_sass("attention_prefill.cu", QWEN25_7B))
-    body = funcs["nq_attention_prefill_mma_db"]
-    assert "LDGSTS" in body and "STL" not in body and "LDL" not in body
-    assert "HGMMA" not in body
-
-
 def test_attention_prefill_wg_sass():
     """The wgmma build: per key tile 8 HGMMA 64x64 for S (B = K, K-major) and 4 HGMMA 64x128 with the
     transposed B (V read MN-major) for P V, no mma.sync and no ldmatrix (K and V never pass through
     registers), K/V copied with LDGSTS, nothing spilled."""
-    funcs = _functions(_sass("attention_prefill_wgmma.cu", QWEN25_7B))
+    funcs = _functions(_sass("attention_prefill.cu", QWEN25_7B))
     body = funcs["nq_attention_prefill_wg"]
     assert len(re.findall(r"HGMMA\.64x64x16\.F32 ", body)) == 8
     assert len(re.findall(r"HGMMA\.64x128x16\.F32 .*tnspB", body)) == 4

@@ -186,7 +186,7 @@ def test_preperm_x_lands_where_the_copies_expect_it(ncols):
                     assert (off - pg * n_build * 512) // 16 * 16 in copied, (n, k)
 
 
-# ---- attention_prefill_wgmma.cu: S = Q K^T and O += P V with K and V tiles in the same swizzled bytes ---------
+# ---- attention_prefill.cu: S = Q K^T and O += P V with K and V tiles in the same swizzled bytes --------------
 
 def attn_tile_offset(n: int, c: int) -> int:
     """nq_pre_wg::tile_offset: the byte where key n's dims 8c .. 8c+7 land in a K or V tile (c = 0..15)."""

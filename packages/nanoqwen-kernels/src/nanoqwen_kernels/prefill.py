@@ -18,29 +18,26 @@ from .dims import GROUP, HEAD_DIM, PAGE_TOKENS, ModelDims
 from .errors import KernelError
 
 PREFILL_SOURCES = ["dequant_int4.cu", "prefill_rope_kv.cu", "attention_prefill_fma.cu", "attention_prefill.cu",
-                   "attention_prefill_wgmma.cu", "prefill_act.cu"]
+                   "prefill_act.cu"]
 SILU_THREADS = 256  # prefill_act.cu: 8 outputs per thread
 _DEQUANT_THREADS = 256
 _DEQUANT_BLOCKS_PER_SM = 16  # grid-stride beyond this many blocks per SM: enough to fill each many times
-# attention_prefill bodies: name -> (kernel, query rows per block (kBQ), threads, dynamic smem bytes) in
-# attention_prefill.cu (34,816 B per K+V tile buffer: nq_pre_mma::smem_bytes).
+# attention_prefill bodies: name -> (kernel, query rows per block, threads, dynamic smem bytes).
 ATTENTION_VARIANTS = {
     "fma": ("nq_attention_prefill", 32, 256, 0),
-    "mma": ("nq_attention_prefill_mma", 64, 128, 34816),
-    "mma_db": ("nq_attention_prefill_mma_db", 64, 128, 2 * 34816),
-    # attention_prefill_wgmma.cu: 3 stages of K + V tiles (32 KB) + 1 KB to align them (nq_pre_wg::smem_bytes)
+    # attention_prefill.cu: 3 stages of K + V tiles (32 KB) + 1 KB to align them (nq_pre_wg::smem_bytes)
     "wg": ("nq_attention_prefill_wg", 64, 128, 3 * 32768 + 1024),
 }
-# "mma_db" (tensor cores, the next K/V tile copied by cp.async while the current one is multiplied) is the
-# default: kernel time on the H200 (docs/PERF.md, eighth lease; CUDA graph), 7B at T = 512 / 2k / 8k / 32k
-# 29.7 us / 228 us / 2.76 ms / 41.3 ms against 36.7 / 321 / 4,039 / 57,303 for "mma" (one buffer), 1.5B
-# dims 21.4 us / 125 us / 1.29 ms / 17.7 ms against 32.0 / 176 / 1,945 / 25,450. A build splitting each
-# block's key tiles over two warp groups ("mma2", 23.3 us at 1.5B / 512) lost to mma_db everywhere and was
-# removed, as was one with S = Q K^T on wgmma (7B: 30.5 us / 242 us / 2.89 ms / 42.8 ms). The tensor-core
-# bodies round P to fp16 as FlashAttention does; their outputs differ from the fp32 reference by that
-# rounding (<= 2^-11 sum p|v|, tests/test_attention_prefill.py). "fma" keeps fp32 probabilities:
+# "wg" (both products on wgmma, K/V read by the tensor cores from shared memory, two one-warpgroup blocks per
+# SM) is the default: kernel time on the H200 (docs/PERF.md, "2026-12-01, tenth lease"; CUDA graph), 7B at
+# T = 512 / 2k / 8k / 32k 14.7 us / 102 us / 1.13 ms / 18.3 ms (420-447 TFLOP/s at 32k), 1.5B dims 11.1 us /
+# 55.7 us / 531 us / 6.89 ms (479 TFLOP/s). What it replaced, each measured slower at every length and
+# removed: the mma.sync bodies "mma" / "mma_db" (7B 29.7 us / 229 us / 2.77 ms / 41.1 ms at 187 TFLOP/s),
+# "mma2" and "wg_db" (S alone on wgmma), and "wg2" (one block of two warpgroups, 394 TFLOP/s at 32k). The
+# tensor-core body rounds P to fp16 as FlashAttention does; its outputs differ from the fp32 reference by
+# that rounding (<= 2^-11 sum p|v|, tests/test_attention_prefill.py). "fma" keeps fp32 probabilities:
 # PrefillKernels(dims, load, "fma").
-DEFAULT_ATTENTION_VARIANT = "mma_db"
+DEFAULT_ATTENTION_VARIANT = "wg"
 
 
 def _check_positions(page_table, start_pos, t: int) -> int:

@@ -1,121 +1,173 @@
-// attention_prefill.cu: causal attention of T new queries over the paged KV cache (flash-style).
+// attention_prefill.cu: causal attention of T new queries over the paged KV cache (flash-style), with both
+// of its matrix products on Hopper's warpgroup MMA (nq_attention_prefill_wg, prefill.py's "wg", the default).
 //
 // What: for query token i (position p = start_pos + i) and head h (KV head h / G):
 //   out[i, h] = softmax_{t <= p}(q[i, h] . K[t] / sqrt(128)) . V[t],   K/V read from the pages
 //   (positions < start_pos were cached earlier; start_pos .. start_pos+T-1 by nq_rope_kv_prefill).
 // Shapes: q, out fp16 [T, NQ_NHEADS*128] (q already roped), k/v_cache fp16 [L, n_pages, NQ_NKV, 16, 128],
-//   page_table int32 [max_pages].
-// Two bodies, the same contract (prefill.py ATTENTION_VARIANTS picks one):
-//   nq_attention_prefill_mma_db  tensor cores (mma.sync), FlashAttention-2 structure, P rounded to
-//                             fp16 before P.V (as FlashAttention does), the next K/V tile copied while
-//                             the current one is multiplied: the default. Its section below; _mma is
-//                             the same math with one buffer (load, barrier, multiply).
-//   nq_attention_prefill      fp32 throughout on CUDA cores (fp32 probabilities): the slower fallback,
-//                             kept as the numerically tighter body ("fma"): attention_prefill_fma.cu.
-// What the bodies share (blocks, the K/V read, the argument list): attention_prefill_common.cuh.
-// Memory is O(T) in both (no T x T score matrix): T = 32768 runs as ceil(T / rows) x heads blocks.
+//   page_table int32 [max_pages]. P is rounded to fp16 before P V, as FlashAttention does; the fp32
+//   CUDA-core body (attention_prefill_fma.cu, "fma") keeps fp32 probabilities and is the tighter oracle.
+// What the bodies share (blocks, the argument list, Q fragments, the tile softmax, the output rows):
+//   attention_prefill_common.cuh. Memory is O(T) (no T x T score matrix).
 // ctl (device int32 [2], or NULL): start_pos and T read on the device (a prefill captured in a CUDA graph
 //   for a bucket of rows; the grid covers the bucket, rows past T are neither read nor written).
 //
-// Tested: tests/test_attention_prefill.py (numpy float64 reference, T 1..513 and 32768, start_pos 0 and
-//   > 0, both bodies); measured: bench/bench_prefill.py.
-#include "attention_prefill_common.cuh"
-
-// ======================================================================================================
-// nq_attention_prefill_mma_db / _mma: the same computation on tensor cores (FlashAttention-2 structure).
+// Launch: grid (ceil(T/64), NQ_NHEADS), 128 threads = one warpgroup, smem_bytes() of dynamic shared
+//   memory (97 KB), two blocks per SM (__launch_bounds__(128, 2): up to 255 registers a thread).
+//   Block = 64 query rows of one head, warp w of the warpgroup rows 16w .. 16w+15 (wgmma's M = 64).
+//   Per key tile of 64 keys (4 pages):
+//     S = Q K^T    8 x wgmma m64n64k16: A = Q from registers (loaded once, the same fragments mma.sync
+//                  takes), B = the K tile read by the tensor cores from shared memory (K-major)
+//     softmax      on S's D fragments, which are mma.sync's C fragments per warp (attention_prefill_
+//                  common.cuh tile_softmax), giving P as A fragments in registers
+//     O += P V     4 x wgmma m64n128k16: A = P from registers, B = the V tile from shared memory read
+//                  MN-major (imm-trans-b: V is stored [key][dim], dims contiguous)
+//   so K and V never pass through registers (the mma.sync body this replaced read both with ldmatrix:
+//   32 KB of shared-memory traffic per tile and warp; it peaked near 190 TFLOP/s, this one at 420-480:
+//   docs/PERF.md), and one instruction does a warpgroup's 16 x 8 mma.sync worth of S or 4 warps x 32
+//   mma.sync of P V.
 //
-// Launch: grid (ceil(T/64), NQ_NHEADS), 128 threads (4 warps), 34 KB of dynamic smem per tile buffer
-//   (2 for _mma_db, 1 for _mma).
-//   Block = 64 query rows of one head; warp w owns rows 16w .. 16w+15 (the M of m16n8k16).
-//   Key tiles of 64 positions (4 pages) are copied into padded smem rows (136 halves = 272 B, so the
-//   8 row addresses of an ldmatrix land on 8 distinct 16-byte bank groups). Per tile and warp:
-//     S = Q [16 x 128] . K^T [128 x 64]: 8 key tiles x 8 dim steps = 64 mma (K via ldmatrix)
-//     O += P [16 x 64] . V [64 x 128]:   4 key steps x 16 dim tiles = 64 mma (V via ldmatrix.trans)
-//   S's C fragment is P's A fragment (rounded to fp16, as FlashAttention does); the softmax state is
-//   fp32, the row sum stays per lane until the end. Q fragments live in registers for the whole block.
-// ======================================================================================================
-namespace nq_pre_mma {
+// Why two one-warpgroup blocks per SM rather than one block of two warpgroups (FlashAttention-3's
+//   ping-pong): each block runs its own copy pipeline and barrier, so while one block's warps do their
+//   softmax (exp2, max, the O rescale: CUDA cores) the other block's wgmmas keep the tensor cores busy,
+//   with no named barriers to order them. The price is that the two blocks each stream their keys (L2
+//   traffic, not DRAM: a KV head's blocks run together). Measured against it (2026-12-01, removed): one
+//   block of two warpgroups sharing each K/V tile, each warpgroup issuing the next tile's S before this
+//   tile's softmax (FlashAttention-3's intra-warpgroup overlap): 394 against 420 TFLOP/s at 7B / 32k,
+//   slower at every length.
+//
+// Copy pipeline: 3 stages of [K tile | V tile], each tile 16 KB in wgmma's 128-byte-swizzled layout:
+//   byte (key n, dim k) = 8192 (k / 64) + 1024 (n / 8) + 128 (n % 8) + 16 (((k % 64) / 8) ^ (n % 8)) + 2 (k % 8)
+//   For K (B of S, N = keys, K = dims; K-major) dim step kk starts 8192 (kk / 4) + 32 (kk % 4) bytes in,
+//   the next 8 keys 1024 bytes on (SBO). For V (B of P V, K = keys, N = dims; MN-major) the same bytes
+//   are 8 key rows of 128 B per atom: key step kk (16 keys) starts 2048 kk bytes in, the next 8 keys
+//   1024 bytes on (SBO) and dims 64..127 8192 bytes on (LBO). tests/test_wgmma_tile_mapping.py emulates
+//   both reads in numpy.
+//   The 128 threads copy tile j + 2 with cp.async (16 bytes each, 16 per thread) while tile j is
+//   multiplied; one barrier per tile both publishes tile j (after each thread's cp.async.wait_group and
+//   a proxy fence: wgmma reads through the async proxy) and certifies that every warp has finished tile
+//   j - 1 (its wgmmas waited for), whose stage the next copy overwrites.
+#include "attention_prefill_common.cuh"
+#include "wgmma.cuh"
+
+namespace nq_pre_wg {
 using nq::uint16_t;
 using nq::uint32_t;
-constexpr int kBQ = 64;
-constexpr int kBK = 64;
-constexpr int kWarps = 4;  // the block's 4 warps own its 64 query rows, 16 each
-constexpr int kRowH = 136;  // padded smem row (halves) of the K/V tiles
-constexpr int kTileHalves = kBK * kRowH;  // one K (or V) tile
-// dynamic smem of a block with S tile buffers: S x (K tile + V tile) = S x 34,816 B
-__host__ __device__ constexpr int smem_bytes(int stages) { return stages * 2 * kTileHalves * 2; }
-using nq::ldmatrix_x4;
-using nq::ldmatrix_x4_trans;
-using nq::mma16816;
-using nq::neg_inf;
-using nq_pre_common::Block;
-using nq_pre_common::kv_offset;
-}  // namespace nq_pre_mma
+using nq::uint64_t;
+constexpr int kBQ = 64;                       // query rows of a block (one warpgroup)
+constexpr int kBK = 64;                       // keys per tile (4 pages)
+constexpr int kStages = 3;                    // tiles in flight: copy j + 2 while j is multiplied
+constexpr int kTileBytes = 2 * 8 * 1024;      // K or V tile: 2 dim halves x 8 atoms x 1024 B
+constexpr int kStageBytes = 2 * kTileBytes;   // [K tile | V tile]
+// dynamic shared memory: the stages and room to align them to 1024 bytes (the swizzle atoms)
+__host__ __device__ constexpr int smem_bytes() { return kStages * kStageBytes + 1024; }
+// byte of key n's dims 8c .. 8c+7 (c = 0..15) inside a tile
+__device__ __forceinline__ int tile_offset(int n, int c) {
+  return 8192 * (c >> 3) + 1024 * (n >> 3) + 128 * (n & 7) + 16 * ((c & 7) ^ (n & 7));
+}
+}  // namespace nq_pre_wg
 
-// S = Q K^T of one key tile of 64 keys (K rows in ks, padded) for this warp's 16 query rows, by mma.sync:
-// key tile nt (keys 8nt..8nt+7), C (row g / g+8, keys 8nt+2t, +1).
-__device__ __forceinline__ void tile_scores_mma(const nq::uint32_t (&qa)[8][4], const nq::uint16_t* ks, int lane,
-                                                float (&s)[8][4]) {
-  using namespace nq_pre_mma;
-#pragma unroll
-  for (int nt = 0; nt < 8; ++nt) {
-    s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < 8; kk += 2) {
-      // matrices: (keys 8nt.., dims 16kk..), (dims +8), (dims +16), (dims +24) -> b0,b1 of steps kk, kk+1
-      uint32_t b[4];
-      ldmatrix_x4(b, ks + (8 * nt + (lane & 7)) * kRowH + 16 * kk + 8 * (lane >> 3));
-      mma16816(s[nt], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], b[0], b[1]);
-      mma16816(s[nt], qa[kk + 1][0], qa[kk + 1][1], qa[kk + 1][2], qa[kk + 1][3], b[2], b[3]);
-    }
+// The K/V tile copies of a block of kThreads threads: thread tid copies 16-byte chunk c = tid % 16 (dims
+// 8c ..) of keys kk0 + kRows j (kk0 = tid / 16) of both K and V. Everything but the page bases is fixed
+// per thread (the tile offset of key kk0 + kRows j is tile_offset(kk0, c) + 1024 (kRows / 8) j; its place
+// in the page (kRows j) % 16 + kk0), so a copy is one add and one cp.async; the page ids are read one
+// tile ahead (read_pages), so no copy waits on a page-table load.
+template <int kThreads>
+struct KvCopier {
+  static constexpr int kRows = kThreads / 16;  // keys per pass of the block
+  static constexpr int kJ = nq_pre_wg::kBK / kRows;
+  static_assert(kRows % 8 == 0 && kRows <= 16, "a pass covers whole 8-key atoms within one page");
+  int kk0, dst0, src0;
+  __device__ __forceinline__ explicit KvCopier(int tid) {
+    kk0 = tid >> 4;
+    const int c = tid & 15;
+    dst0 = nq_pre_wg::tile_offset(kk0, c);
+    src0 = kk0 * 128 + 8 * c;
   }
+  // page ids of the tile at key kb (0 for pages past the sequence: never copied from)
+  __device__ __forceinline__ static void read_pages(const int* __restrict__ page_table, int kb, int kv_len,
+                                                    int (&pg)[4]) {
+#pragma unroll
+    for (int p = 0; p < 4; ++p) pg[p] = kb + 16 * p < kv_len ? page_table[kb / nq::kPageTokens + p] : 0;
+  }
+  // copy the tile at key kb (pages pg) into stage st; keys past kv_len become zeros (never a page's
+  // stale, maybe NaN, bytes: 0 x NaN is NaN in P V). head0 = layer * n_pages. Commits one group.
+  __device__ __forceinline__ void issue(const nq::uint16_t* __restrict__ k_cache,
+                                        const nq::uint16_t* __restrict__ v_cache, size_t head0, int kvh,
+                                        const int (&pg)[4], int kb, int kv_len, unsigned char* st) const {
+    const nq::uint16_t* ksrc[4];  // this thread's first chunk in each of the tile's 4 pages
+    const nq::uint16_t* vsrc[4];
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+      const size_t base = ((head0 + pg[p]) * nq::kKvHeads + kvh) * (nq::kPageTokens * 128) + src0;
+      ksrc[p] = k_cache + base;
+      vsrc[p] = v_cache + base;
+    }
+    unsigned char* dst = st + dst0;
+    if (kb + nq_pre_wg::kBK <= kv_len) {  // every tile but a sequence's last: no checks, and every
+#pragma unroll                             // offset below a constant (folded into the copy instruction)
+      for (int j = 0; j < kJ; ++j) {
+        const int p = (kRows * j) >> 4, in_page = ((kRows * j) & 15) * 128;
+        nq::cp_async16(dst + 1024 * (kRows / 8) * j, ksrc[p] + in_page);
+        nq::cp_async16(dst + 1024 * (kRows / 8) * j + nq_pre_wg::kTileBytes, vsrc[p] + in_page);
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < kJ; ++j) {
+        const int p = (kRows * j) >> 4, in_page = ((kRows * j) & 15) * 128;
+        unsigned char* dk = dst + 1024 * (kRows / 8) * j;
+        if (kb + kk0 + kRows * j < kv_len) {
+          nq::cp_async16(dk, ksrc[p] + in_page);
+          nq::cp_async16(dk + nq_pre_wg::kTileBytes, vsrc[p] + in_page);
+        } else {
+          *reinterpret_cast<uint4*>(dk) = make_uint4(0u, 0u, 0u, 0u);
+          *reinterpret_cast<uint4*>(dk + nq_pre_wg::kTileBytes) = make_uint4(0u, 0u, 0u, 0u);
+        }
+      }
+    }
+    nq::cp_async_commit();
+  }
+};
+
+// S = Q K^T of the tile in stage st for this warpgroup's 64 rows (issued and committed, not waited for)
+__device__ __forceinline__ void wg_scores_issue(const nq::uint32_t (&qa)[8][4], const unsigned char* st,
+                                                float (&s)[8][4]) {
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+  const nq::uint64_t desc_k = nq::wgmma_desc_sw128(nq::smem_u32(st));
+  nq::wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < 8; ++kk) {
+    nq::wgmma_rs<8>(s, qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3],
+                    desc_k + static_cast<nq::uint64_t>((8192 * (kk >> 2) + 32 * (kk & 3)) >> 4));
+  }
+  nq::wgmma_commit();
 }
 
-// O += P V for one key tile by mma.sync (V rows in vs, padded; ldmatrix.trans): the "mma" builds' P V.
-__device__ __forceinline__ void tile_pv_mma(const nq::uint32_t (&pa)[4][4], float (&o)[16][4], const nq::uint16_t* vs,
-                                            int lane) {
-  using namespace nq_pre_mma;
-  // key step kk (keys 16kk..16kk+15), dim tiles n, n+1 per ldmatrix.x4.trans
+// O += P V with the V tile of stage st (issued and committed, not waited for)
+__device__ __forceinline__ void wg_pv_issue(const nq::uint32_t (&pa)[4][4], const unsigned char* st,
+                                            float (&o)[16][4]) {
+  const nq::uint64_t desc_v = nq::wgmma_desc_sw128_mn(nq::smem_u32(st + nq_pre_wg::kTileBytes), 8192);
+  nq::wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < 4; ++kk) {
-#pragma unroll
-    for (int n = 0; n < 16; n += 2) {
-      // matrices: (keys 16kk.., dims 8n..), (keys 16kk+8.., dims 8n..), (keys 16kk.., dims 8n+8..),
-      // (keys 16kk+8.., dims 8n+8..) -> b0,b1 of dim tile n, then of n+1
-      uint32_t b[4];
-      const int key = 16 * kk + (lane & 7) + 8 * ((lane >> 3) & 1);
-      const int dim = 8 * n + 8 * (lane >> 4);
-      ldmatrix_x4_trans(b, vs + key * kRowH + dim);
-      mma16816(o[n], pa[kk][0], pa[kk][1], pa[kk][2], pa[kk][3], b[0], b[1]);
-      mma16816(o[n + 1], pa[kk][0], pa[kk][1], pa[kk][2], pa[kk][3], b[2], b[3]);
-    }
+    nq::wgmma_rs_n128_tb(o, pa[kk][0], pa[kk][1], pa[kk][2], pa[kk][3],
+                         desc_v + static_cast<nq::uint64_t>((2048 * kk) >> 4));
   }
+  nq::wgmma_commit();
 }
 
-// One key tile for this warp's 16 query rows, all on mma.sync (the "mma" and "mma_db" builds).
-__device__ __forceinline__ void tile_step(const nq::uint32_t (&qa)[8][4], float (&m)[2], float (&l)[2],
-                                          float (&o)[16][4], const nq::uint16_t* ks, const nq::uint16_t* vs,
-                                          int kb, int lane, int r0, int r1, int qpos0, int qpos1, int T) {
-  float s[8][4];
-  tile_scores_mma(qa, ks, lane, s);
-  nq::uint32_t pa[4][4];
-  nq_pre_common::tile_softmax<true>(s, m, l, o, pa, kb, lane, r0, r1, qpos0, qpos1, T);
-  tile_pv_mma(pa, o, vs, lane);
-}
-
-// kStages = 1 ("mma"): load a tile (through registers), barrier, multiply, barrier: the plain loop.
-template <int kStages>
-__device__ __forceinline__ void attention_prefill_mma_body(NQ_ATTENTION_PREFILL_ARGS) {
-  using namespace nq_pre_mma;
-  static_assert(kStages == 1 || kStages == 2, "one buffer or two");
-  constexpr int kThreads = 32 * kWarps;
-  extern __shared__ __align__(16) uint16_t smem_pre[];  // [kStages][K tile | V tile]
+extern "C" __global__ void __launch_bounds__(128, 2) nq_attention_prefill_wg(NQ_ATTENTION_PREFILL_ARGS) {
+  using namespace nq_pre_wg;
+  nq::pdl_wait();  // launch overlap (common.cuh): nothing read or written before it
+  extern __shared__ __align__(16) unsigned char smem_wg[];
+  unsigned char* stages = smem_wg + ((1024u - (nq::smem_u32(smem_wg) & 1023u)) & 1023u);
 
   if (ctl != nullptr) {  // a captured prefill graph (prefill_rope_kv.cu): the grid covers its bucket's rows
     start_pos = ctl[0];
     T = ctl[1];
   }
-  const Block blk(kBQ, start_pos, T, kStages == 2);
+  const nq_pre_common::Block blk(kBQ, start_pos, T, true);  // the blocks with the most keys first
   const int h = blk.h;
   const int tid = threadIdx.x;
   const int warp = tid >> 5, lane = tid & 31;
@@ -123,88 +175,56 @@ __device__ __forceinline__ void attention_prefill_mma_body(NQ_ATTENTION_PREFILL_
   const int r0 = blk.q0 + 16 * warp + g;  // this lane's rows r0 and r0 + 8 (query index)
   const int r1 = r0 + 8;
   const int qpos0 = start_pos + r0, qpos1 = start_pos + r1;
-  const uint16_t* ks = smem_pre;        // K tile [64 keys][136] (one buffer; the pipeline's are below)
-  const uint16_t* vs = ks + kTileHalves;  // and V tile
+  // keys below this all sit at or before the block's first row's position: those tiles need no mask
+  const int full_end = start_pos + blk.q0 + 1;
 
+  float s[8][4];
   uint32_t qa[8][4];
   nq_pre_common::load_q_frags(q, h, r0, r1, T, t, qa);
-
-  float m[2] = {neg_inf(), neg_inf()}, l[2] = {0.f, 0.f};  // rows r0, r1 (l: this lane's part)
-  float o[16][4];  // [dim tile] C fragment: (row g, dims 8n+2t, +1), (row g+8, same dims)
+  float m[2] = {nq::neg_inf(), nq::neg_inf()}, l[2] = {0.f, 0.f};  // rows r0, r1 (l: this lane's part)
+  float o[16][4];  // wgmma D / mma.sync C fragments: (row g, dims 8n+2t, +1), (row g+8, same dims)
 #pragma unroll
   for (int n = 0; n < 16; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
 
-  if constexpr (kStages == 2) {
-    // thread tid copies chunks ch = tid + 128 j (j = 0..7) of a tile: key kk = tid / 16 + 8 j (page j / 2
-    // of the tile's 4), dims dd = (tid % 16) * 8
-    const int kk0 = tid >> 4, dd = (tid & 15) * 8;
-    int pg[4];  // page ids of the tile to copy next (read a tile ahead of their use)
-    auto read_pages = [&](int kb) {
-#pragma unroll
-      for (int p = 0; p < 4; ++p) {
-        const int kp = kb + 16 * p;
-        pg[p] = kp < blk.kv_len ? page_table[kp / nq::kPageTokens] : 0;
-      }
-    };
-    // a stage: [K tile | V tile], padded rows ([64][136] halves each)
-    auto issue = [&](int kb, int stage) {
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const int kk = kk0 + 8 * j, kp = kb + kk;
-        uint16_t* dk = smem_pre + stage * 2 * kTileHalves + kk * kRowH + dd;
-        uint16_t* dv = dk + kTileHalves;
-        if (kp < blk.kv_len) {
-          const size_t off = ((static_cast<size_t>(layer) * n_pages + pg[j >> 1]) * nq::kKvHeads + blk.kvh) *
-                                 (nq::kPageTokens * 128) + (kp % nq::kPageTokens) * 128 + dd;
-          nq::cp_async16(dk, k_cache + off);
-          nq::cp_async16(dv, v_cache + off);
-        } else {  // past the sequence: zeros, never a page's stale (maybe NaN) bytes
-          *reinterpret_cast<uint4*>(dk) = make_uint4(0u, 0u, 0u, 0u);
-          *reinterpret_cast<uint4*>(dv) = make_uint4(0u, 0u, 0u, 0u);
-        }
-      }
+  const KvCopier<128> cp(tid);
+  const size_t head0 = static_cast<size_t>(layer) * n_pages;
+  int pg[4];  // page ids of the next tile to copy
+  // prologue: tiles 0 and 1 in flight (an empty group stands for a tile past the block's keys, so "all
+  // but the newest group" below always means the current tile)
+  cp.read_pages(page_table, 0, blk.kv_len, pg);
+  cp.issue(k_cache, v_cache, head0, blk.kvh, pg, 0, blk.kv_len, stages);
+  cp.read_pages(page_table, kBK, blk.kv_len, pg);
+  if (kBK < blk.kv_end) cp.issue(k_cache, v_cache, head0, blk.kvh, pg, kBK, blk.kv_len, stages + kStageBytes);
+  else nq::cp_async_commit();
+  cp.read_pages(page_table, 2 * kBK, blk.kv_len, pg);
+
+  int stage = 0;
+  for (int kb = 0; kb < blk.kv_end; kb += kBK) {
+    nq::cp_async_wait<1>();         // this thread's copies of tile kb have landed
+    nq::fence_proxy_async_smem();   // ... visible to the async proxy (the wgmmas)
+    __syncthreads();                // every thread's; and every warp is done with tile kb - 64's stage
+    const int next = kb + 2 * kBK;
+    if (next < blk.kv_end) {  // into the stage tile kb - 64 used
+      cp.issue(k_cache, v_cache, head0, blk.kvh, pg, next, blk.kv_len,
+               stages + (stage == 0 ? kStages - 1 : stage - 1) * kStageBytes);
+      cp.read_pages(page_table, next + kBK, blk.kv_len, pg);
+    } else {
       nq::cp_async_commit();
-    };
-    read_pages(0);
-    issue(0, 0);
-    read_pages(kBK);
-    int stage = 0;
-    for (int kb = 0; kb < blk.kv_end; kb += kBK) {
-      if (kb + kBK < blk.kv_end) {
-        issue(kb + kBK, stage ^ 1);  // the buffer the previous tile used: every warp left it (barrier below)
-        read_pages(kb + 2 * kBK);
-      } else {
-        nq::cp_async_commit();  // an empty group: "all but the newest" below still means this tile
-      }
-      nq::cp_async_wait<1>();  // this thread's copies of the current tile have landed
-      __syncthreads();         // ... and every thread's (and the zero stores)
-      const uint16_t* kst = smem_pre + stage * 2 * kTileHalves;
-      tile_step(qa, m, l, o, kst, kst + kTileHalves, kb, lane, r0, r1, qpos0, qpos1, T);
-      __syncthreads();  // every warp is done with this buffer before the next round copies into it
-      stage ^= 1;
     }
-  } else {
-    for (int kb = 0; kb < blk.kv_end; kb += kBK) {
-      __syncthreads();  // the previous tile's ldmatrix reads are done
-      for (int ch = tid; ch < kBK * 16; ch += kThreads) {
-        NQ_KV_CHUNK(ch, kb)
-        *reinterpret_cast<uint4*>(smem_pre + kk * kRowH + dd) = kr;
-        *reinterpret_cast<uint4*>(smem_pre + kTileHalves + kk * kRowH + dd) = vr;
-      }
-      __syncthreads();
-      tile_step(qa, m, l, o, ks, vs, kb, lane, r0, r1, qpos0, qpos1, T);
+    const unsigned char* st = stages + stage * kStageBytes;
+
+    wg_scores_issue(qa, st, s);  // S = Q K^T
+    nq::wgmma_wait<0>();
+    uint32_t pa[4][4];
+    if (kb + kBK <= full_end) {  // block-uniform
+      nq_pre_common::tile_softmax<false>(s, m, l, o, pa, kb, lane, r0, r1, qpos0, qpos1, T);
+    } else {
+      nq_pre_common::tile_softmax<true>(s, m, l, o, pa, kb, lane, r0, r1, qpos0, qpos1, T);
     }
+
+    wg_pv_issue(pa, st, o);  // O += P V
+    nq::wgmma_wait<0>();  // O readable; this stage no longer read (the barrier above publishes that)
+    stage = stage == kStages - 1 ? 0 : stage + 1;
   }
-
   nq_pre_common::write_rows(o, l, out, h, r0, r1, T, t);
-}
-
-// Launch: grid (ceil(T/64), NQ_NHEADS), 128 threads, nq_pre_mma::smem_bytes(kStages) dynamic smem.
-extern "C" __global__ void __launch_bounds__(128) nq_attention_prefill_mma(NQ_ATTENTION_PREFILL_ARGS) {
-  nq::pdl_wait();  // launch overlap (common.cuh): nothing read or written before it
-  attention_prefill_mma_body<1>(q, k_cache, v_cache, page_table, start_pos, T, ctl, layer, n_pages, out);
-}
-extern "C" __global__ void __launch_bounds__(128) nq_attention_prefill_mma_db(NQ_ATTENTION_PREFILL_ARGS) {
-  nq::pdl_wait();
-  attention_prefill_mma_body<2>(q, k_cache, v_cache, page_table, start_pos, T, ctl, layer, n_pages, out);
 }

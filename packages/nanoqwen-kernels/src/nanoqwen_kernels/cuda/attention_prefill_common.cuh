@@ -1,5 +1,5 @@
 // attention_prefill_common.cuh: what every causal prefill attention body shares (attention_prefill.cu's
-// tensor-core bodies, attention_prefill_fma.cu's fp32 one): which rows, head and keys a block works on,
+// wgmma body, attention_prefill_fma.cu's fp32 one): which rows, head and keys a block works on,
 // where a key's K/V sits in the pages, and the one argument list prefill.py launches every body with.
 #pragma once
 #include "mma.cuh"
@@ -35,10 +35,10 @@ __device__ __forceinline__ size_t kv_offset(const int* __restrict__ page_table, 
 }
 
 
-// ---- the tensor-core bodies' per-warp fragments (attention_prefill.cu, attention_prefill_wgmma.cu) -----
+// ---- the tensor-core body's per-warp fragments (attention_prefill.cu) -----------------------------------
 // A warp owns 16 query rows; lane (g = lane / 4, t = lane % 4) holds rows r0 = g and r1 = g + 8 of them in
 // mma.sync m16n8k16's fragments (mma.cuh), which are also a warpgroup MMA's per-warp A and D fragments
-// (wgmma.cuh): so scores from either kind of MMA meet the same softmax, and P feeds either kind of P V.
+// (wgmma.cuh): the scores' D fragments go straight into the softmax, and P comes out as wgmma A operands.
 
 // Q A fragments for the 8 dim steps: a0 (row r0, dims 16kk+2t, +1), a1 (row r1), a2/a3 (dims +8); zeros
 // for rows past T.
@@ -56,59 +56,104 @@ __device__ __forceinline__ void load_q_frags(const nq::uint16_t* __restrict__ q,
   }
 }
 
+// 2^x in one MUFU.EX2 (ex2.approx.ftz: ~2 ulp, subnormal results flushed to 0). exp2f without fast math
+// is 4-5 instructions (a range check and a rescale around the MUFU, for subnormal results) and was a
+// third of the wgmma body's softmax instructions; a probability below 2^-126 changes no fp16 output.
+__device__ __forceinline__ float ex2_fast(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // One key tile (keys kb .. kb+63) once its scores s are in registers (s[nt][0..1]: row r0, keys
-// kb + 8nt + 2t, +1; s[nt][2..3]: row r1): the causal mask (kMask; a tile every one of whose keys every
-// row of the block may see needs none), the online-softmax update of (m, l), O rescaled by exp(m_old -
-// m_new), and P as the A fragments of the 4 key steps of P V, rounded to fp16 (as FlashAttention does).
+// kb + 8nt + 2t, +1; s[nt][2..3]: row r1): the causal mask (kMask), the online-softmax update of (m, l),
+// O rescaled by exp(m_old - m_new), and P as the A fragments of the 4 key steps of P V, rounded to fp16
+// (as FlashAttention does). m is kept in the log2 domain (scores times kScaleLog2).
+// kMask = false is for a tile every one of whose keys every row of the block may see (all but the
+// diagonal tiles of a long prompt): no mask, no -inf cases (every score is finite), the scale folded
+// into each exponent's FFMA, MUFU.EX2 directly, and O's rescale skipped when no row of the warp got a
+// new maximum (alpha = 1 exactly; the common case once a row has seen a few tiles). ~5 instructions per
+// score instead of ~14.
 template <bool kMask>
 __device__ __forceinline__ void tile_softmax(float (&s)[8][4], float (&m)[2], float (&l)[2], float (&o)[16][4],
                                              nq::uint32_t (&pa)[4][4], int kb, int lane, int r0, int r1,
                                              int qpos0, int qpos1, int T) {
   using nq::neg_inf;
   const int t = lane & 3;
-  // causal mask + online softmax, rows r0 (s[][0..1]) and r1 (s[][2..3])
   float mx[2] = {neg_inf(), neg_inf()};
+  float alpha[2];
+  if constexpr (kMask) {
+    // causal mask + online softmax, rows r0 (s[][0..1]) and r1 (s[][2..3])
 #pragma unroll
-  for (int nt = 0; nt < 8; ++nt) {
+    for (int nt = 0; nt < 8; ++nt) {
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      if constexpr (kMask) {
+      for (int j = 0; j < 4; ++j) {
         const int kp = kb + 8 * nt + 2 * t + (j & 1);
         const bool ok = (j < 2) ? (r0 < T && kp <= qpos0) : (r1 < T && kp <= qpos1);
         s[nt][j] = ok ? s[nt][j] * nq::kScaleLog2 : neg_inf();
-      } else {
-        s[nt][j] *= nq::kScaleLog2;
+        mx[j >> 1] = fmaxf(mx[j >> 1], s[nt][j]);
       }
-      mx[j >> 1] = fmaxf(mx[j >> 1], s[nt][j]);
     }
-  }
-  float alpha[2];
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
-    mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
-    const float m_new = fmaxf(m[i], mx[i]);
-    // rows past T, or with nothing visible yet, keep m = -inf: no -inf - -inf
-    alpha[i] = m_new == neg_inf() ? 1.f : exp2f(m[i] - m_new);
-    m[i] = m_new;
-    l[i] *= alpha[i];
-  }
-#pragma unroll
-  for (int nt = 0; nt < 8; ++nt) {
-    float p[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      p[j] = s[nt][j] == neg_inf() ? 0.f : exp2f(s[nt][j] - m[j >> 1]);
-      l[j >> 1] += p[j];
+    for (int i = 0; i < 2; ++i) {
+      mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+      mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+      const float m_new = fmaxf(m[i], mx[i]);
+      // rows past T, or with nothing visible yet, keep m = -inf: no -inf - -inf
+      alpha[i] = m_new == neg_inf() ? 1.f : exp2f(m[i] - m_new);
+      m[i] = m_new;
+      l[i] *= alpha[i];
     }
-    // key step kk = nt/2: a0/a1 from the even key tile (keys 16kk+2t..), a2/a3 from the odd one
-    pa[nt >> 1][(nt & 1) * 2 + 0] = nq::pack_h2(p[0], p[1]);  // row g
-    pa[nt >> 1][(nt & 1) * 2 + 1] = nq::pack_h2(p[2], p[3]);  // row g+8
-  }
 #pragma unroll
-  for (int n = 0; n < 16; ++n) {
-    o[n][0] *= alpha[0]; o[n][1] *= alpha[0];
-    o[n][2] *= alpha[1]; o[n][3] *= alpha[1];
+    for (int nt = 0; nt < 8; ++nt) {
+      float p[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        p[j] = s[nt][j] == neg_inf() ? 0.f : exp2f(s[nt][j] - m[j >> 1]);
+        l[j >> 1] += p[j];
+      }
+      // key step kk = nt/2: a0/a1 from the even key tile (keys 16kk+2t..), a2/a3 from the odd one
+      pa[nt >> 1][(nt & 1) * 2 + 0] = nq::pack_h2(p[0], p[1]);  // row g
+      pa[nt >> 1][(nt & 1) * 2 + 1] = nq::pack_h2(p[2], p[3]);  // row g+8
+    }
+#pragma unroll
+    for (int n = 0; n < 16; ++n) {
+      o[n][0] *= alpha[0]; o[n][1] *= alpha[0];
+      o[n][2] *= alpha[1]; o[n][3] *= alpha[1];
+    }
+  } else {
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) mx[j >> 1] = fmaxf(mx[j >> 1], s[nt][j]);
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+      mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+      const float m_new = fmaxf(m[i], mx[i] * nq::kScaleLog2);  // finite: every score is
+      alpha[i] = ex2_fast(m[i] - m_new);                         // m = -inf before any tile: 0
+      m[i] = m_new;
+      l[i] *= alpha[i];
+    }
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      float p[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        p[j] = ex2_fast(fmaf(s[nt][j], nq::kScaleLog2, -m[j >> 1]));
+        l[j >> 1] += p[j];
+      }
+      pa[nt >> 1][(nt & 1) * 2 + 0] = nq::pack_h2(p[0], p[1]);
+      pa[nt >> 1][(nt & 1) * 2 + 1] = nq::pack_h2(p[2], p[3]);
+    }
+    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {  // warp-uniform
+#pragma unroll
+      for (int n = 0; n < 16; ++n) {
+        o[n][0] *= alpha[0]; o[n][1] *= alpha[0];
+        o[n][2] *= alpha[1]; o[n][3] *= alpha[1];
+      }
+    }
   }
 }
 

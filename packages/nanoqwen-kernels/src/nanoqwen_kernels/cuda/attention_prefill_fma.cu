@@ -1,5 +1,5 @@
 // attention_prefill_fma.cu: causal prefill attention in fp32 on CUDA cores ("fma", prefill.py): the
-// numerically tighter fallback beside attention_prefill.cu's tensor-core bodies (same contract: that
+// numerically tighter fallback beside attention_prefill.cu's tensor-core body (same contract: that
 // file's header).
 //
 // nq_attention_prefill: grid (ceil(T/32), NQ_NHEADS), 256 threads, 46.5 KB static smem.

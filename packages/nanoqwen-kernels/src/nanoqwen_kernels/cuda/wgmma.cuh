@@ -1,5 +1,5 @@
 // wgmma.cuh: Hopper's warpgroup tensor-core primitives (sm_90a; PTX, no CUDA headers under NVRTC), as the
-// tile GEMM uses them (gemm_tiles.cuh).
+// tile GEMM (gemm_tiles.cuh) and the prefill attention (attention_prefill.cu) use them.
 //
 // wgmma.mma_async m64nNk16, A from registers, B from shared memory through a descriptor, fp32 D. A
 // warpgroup is 4 consecutive warps (threads 128 i .. 128 i + 127); warp w % 4 of it holds rows
