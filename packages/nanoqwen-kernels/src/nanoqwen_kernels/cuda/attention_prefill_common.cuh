@@ -24,9 +24,10 @@ struct Block {
 };
 
 // Element offset of dims dd .. dd+7 of key position kp, KV head kvh of `layer`, in its page of the
-// K (or V) cache [L, n_pages, NQ_NKV, 16, 128]. The guard and the two loads stay in each body's tile
-// loop: with them inside a helper NVRTC 12.9 unrolls the tensor-core body's tile loop less (6 instead
-// of 14 16-byte global loads in its SASS), a different kernel from the one measured.
+// K (or V) cache [L, n_pages, NQ_NKV, 16, 128], for the fp32 body's tile loop (the wgmma body copies
+// through attention_prefill.cu's KvCopier). The guard and the two loads stay in the loop itself: with them
+// inside a helper NVRTC 12.9 unrolled an earlier mma.sync body's tile loop less (6 instead of 14 16-byte
+// global loads in its SASS).
 __device__ __forceinline__ size_t kv_offset(const int* __restrict__ page_table, int layer, int n_pages, int kvh,
                                             int kp, int dd) {
   return ((static_cast<size_t>(layer) * n_pages + page_table[kp / nq::kPageTokens]) * nq::kKvHeads + kvh) *
@@ -181,7 +182,7 @@ __device__ __forceinline__ void write_rows(const float (&o)[16][4], float (&l)[2
 
 }  // namespace nq_pre_common
 
-// Chunk ch of the K/V tile that starts at key kb, in both bodies' tile loops: declares kk (the key in the
+// Chunk ch of the K/V tile that starts at key kb, in the fp32 body's tile loop: declares kk (the key in the
 // tile), dd (its first dim), kp (its position) and kr, vr (16 bytes of K and of V; zeros beyond the
 // sequence, never a page's stale, maybe NaN, bytes). A macro rather than a function for the reason
 // kv_offset gives: the same source text, so the same SASS as measured.
