@@ -67,16 +67,12 @@ __device__ __forceinline__ int tile_offset(int n, int c) {
 }
 }  // namespace nq_pre_wg
 
-// The K/V tile copies of a block of kThreads threads: thread tid copies 16-byte chunk c = tid % 16 (dims
-// 8c ..) of keys kk0 + kRows j (kk0 = tid / 16) of both K and V. Everything but the page bases is fixed
-// per thread (the tile offset of key kk0 + kRows j is tile_offset(kk0, c) + 1024 (kRows / 8) j; its place
-// in the page (kRows j) % 16 + kk0), so a copy is one add and one cp.async; the page ids are read one
-// tile ahead (read_pages), so no copy waits on a page-table load.
-template <int kThreads>
+// The K/V tile copies of the block's 128 threads: thread tid copies 16-byte chunk c = tid % 16 (dims 8c ..)
+// of keys kk0 + 8 j (kk0 = tid / 16, j = 0..7) of both K and V. Everything but the page bases is fixed per
+// thread (key kk0 + 8 j sits at tile_offset(kk0, c) + 1024 j in the tile and at row kk0 + 8 (j % 2) of page
+// j / 2), so a copy is one add and one cp.async; the page ids are read one tile ahead (read_pages), so no
+// copy waits on a page-table load.
 struct KvCopier {
-  static constexpr int kRows = kThreads / 16;  // keys per pass of the block
-  static constexpr int kJ = nq_pre_wg::kBK / kRows;
-  static_assert(kRows % 8 == 0 && kRows <= 16, "a pass covers whole 8-key atoms within one page");
   int kk0, dst0, src0;
   __device__ __forceinline__ explicit KvCopier(int tid) {
     kk0 = tid >> 4;
@@ -106,17 +102,17 @@ struct KvCopier {
     unsigned char* dst = st + dst0;
     if (kb + nq_pre_wg::kBK <= kv_len) {  // every tile but a sequence's last: no checks, and every
 #pragma unroll                             // offset below a constant (folded into the copy instruction)
-      for (int j = 0; j < kJ; ++j) {
-        const int p = (kRows * j) >> 4, in_page = ((kRows * j) & 15) * 128;
-        nq::cp_async16(dst + 1024 * (kRows / 8) * j, ksrc[p] + in_page);
-        nq::cp_async16(dst + 1024 * (kRows / 8) * j + nq_pre_wg::kTileBytes, vsrc[p] + in_page);
+      for (int j = 0; j < 8; ++j) {
+        const int p = j >> 1, in_page = (j & 1) * 8 * 128;  // page j / 2, row kk0 + 8 (j % 2)
+        nq::cp_async16(dst + 1024 * j, ksrc[p] + in_page);
+        nq::cp_async16(dst + 1024 * j + nq_pre_wg::kTileBytes, vsrc[p] + in_page);
       }
     } else {
 #pragma unroll
-      for (int j = 0; j < kJ; ++j) {
-        const int p = (kRows * j) >> 4, in_page = ((kRows * j) & 15) * 128;
-        unsigned char* dk = dst + 1024 * (kRows / 8) * j;
-        if (kb + kk0 + kRows * j < kv_len) {
+      for (int j = 0; j < 8; ++j) {
+        const int p = j >> 1, in_page = (j & 1) * 8 * 128;
+        unsigned char* dk = dst + 1024 * j;
+        if (kb + kk0 + 8 * j < kv_len) {
           nq::cp_async16(dk, ksrc[p] + in_page);
           nq::cp_async16(dk + nq_pre_wg::kTileBytes, vsrc[p] + in_page);
         } else {
@@ -178,7 +174,6 @@ extern "C" __global__ void __launch_bounds__(128, 2) nq_attention_prefill_wg(NQ_
   // keys below this all sit at or before the block's first row's position: those tiles need no mask
   const int full_end = start_pos + blk.q0 + 1;
 
-  float s[8][4];
   uint32_t qa[8][4];
   nq_pre_common::load_q_frags(q, h, r0, r1, T, t, qa);
   float m[2] = {nq::neg_inf(), nq::neg_inf()}, l[2] = {0.f, 0.f};  // rows r0, r1 (l: this lane's part)
@@ -186,7 +181,7 @@ extern "C" __global__ void __launch_bounds__(128, 2) nq_attention_prefill_wg(NQ_
 #pragma unroll
   for (int n = 0; n < 16; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
 
-  const KvCopier<128> cp(tid);
+  const KvCopier cp(tid);
   const size_t head0 = static_cast<size_t>(layer) * n_pages;
   int pg[4];  // page ids of the next tile to copy
   // prologue: tiles 0 and 1 in flight (an empty group stands for a tile past the block's keys, so "all
@@ -213,6 +208,7 @@ extern "C" __global__ void __launch_bounds__(128, 2) nq_attention_prefill_wg(NQ_
     }
     const unsigned char* st = stages + stage * kStageBytes;
 
+    float s[8][4];
     wg_scores_issue(qa, st, s);  // S = Q K^T
     nq::wgmma_wait<0>();
     uint32_t pa[4][4];

@@ -81,79 +81,60 @@ __device__ __forceinline__ void tile_softmax(float (&s)[8][4], float (&m)[2], fl
                                              int qpos0, int qpos1, int T) {
   using nq::neg_inf;
   const int t = lane & 3;
+  // row maxima: rows r0 (s[][0..1]) and r1 (s[][2..3]); masked scores scaled here and set to -inf,
+  // unmasked ones left raw (the scale is positive: it moves into m_new and each exponent's FFMA)
   float mx[2] = {neg_inf(), neg_inf()};
-  float alpha[2];
-  if constexpr (kMask) {
-    // causal mask + online softmax, rows r0 (s[][0..1]) and r1 (s[][2..3])
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
+  for (int nt = 0; nt < 8; ++nt) {
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
+    for (int j = 0; j < 4; ++j) {
+      if constexpr (kMask) {
         const int kp = kb + 8 * nt + 2 * t + (j & 1);
         const bool ok = (j < 2) ? (r0 < T && kp <= qpos0) : (r1 < T && kp <= qpos1);
         s[nt][j] = ok ? s[nt][j] * nq::kScaleLog2 : neg_inf();
-        mx[j >> 1] = fmaxf(mx[j >> 1], s[nt][j]);
       }
+      mx[j >> 1] = fmaxf(mx[j >> 1], s[nt][j]);
     }
+  }
+  float alpha[2];
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
-      mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+  for (int i = 0; i < 2; ++i) {
+    mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+    mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+    if constexpr (kMask) {
       const float m_new = fmaxf(m[i], mx[i]);
       // rows past T, or with nothing visible yet, keep m = -inf: no -inf - -inf
       alpha[i] = m_new == neg_inf() ? 1.f : exp2f(m[i] - m_new);
       m[i] = m_new;
-      l[i] *= alpha[i];
+    } else {
+      const float m_new = fmaxf(m[i], mx[i] * nq::kScaleLog2);  // finite: every score is
+      alpha[i] = ex2_fast(m[i] - m_new);                         // m = -inf before any tile: 0
+      m[i] = m_new;
     }
+    l[i] *= alpha[i];
+  }
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-      float p[4];
+  for (int nt = 0; nt < 8; ++nt) {
+    float p[4];
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
+    for (int j = 0; j < 4; ++j) {
+      if constexpr (kMask) {
         p[j] = s[nt][j] == neg_inf() ? 0.f : exp2f(s[nt][j] - m[j >> 1]);
-        l[j >> 1] += p[j];
+      } else {
+        p[j] = ex2_fast(fmaf(s[nt][j], nq::kScaleLog2, -m[j >> 1]));
       }
-      // key step kk = nt/2: a0/a1 from the even key tile (keys 16kk+2t..), a2/a3 from the odd one
-      pa[nt >> 1][(nt & 1) * 2 + 0] = nq::pack_h2(p[0], p[1]);  // row g
-      pa[nt >> 1][(nt & 1) * 2 + 1] = nq::pack_h2(p[2], p[3]);  // row g+8
+      l[j >> 1] += p[j];
     }
+    // key step kk = nt/2: a0/a1 from the even key tile (keys 16kk+2t..), a2/a3 from the odd one
+    pa[nt >> 1][(nt & 1) * 2 + 0] = nq::pack_h2(p[0], p[1]);  // row g
+    pa[nt >> 1][(nt & 1) * 2 + 1] = nq::pack_h2(p[2], p[3]);  // row g+8
+  }
+  // O's rescale; an unmasked tile skips it when no row of the warp got a new maximum (warp-uniform)
+  if (kMask || __any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
     for (int n = 0; n < 16; ++n) {
       o[n][0] *= alpha[0]; o[n][1] *= alpha[0];
       o[n][2] *= alpha[1]; o[n][3] *= alpha[1];
-    }
-  } else {
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-#pragma unroll
-      for (int j = 0; j < 4; ++j) mx[j >> 1] = fmaxf(mx[j >> 1], s[nt][j]);
-    }
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
-      mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
-      const float m_new = fmaxf(m[i], mx[i] * nq::kScaleLog2);  // finite: every score is
-      alpha[i] = ex2_fast(m[i] - m_new);                         // m = -inf before any tile: 0
-      m[i] = m_new;
-      l[i] *= alpha[i];
-    }
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-      float p[4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        p[j] = ex2_fast(fmaf(s[nt][j], nq::kScaleLog2, -m[j >> 1]));
-        l[j >> 1] += p[j];
-      }
-      pa[nt >> 1][(nt & 1) * 2 + 0] = nq::pack_h2(p[0], p[1]);
-      pa[nt >> 1][(nt & 1) * 2 + 1] = nq::pack_h2(p[2], p[3]);
-    }
-    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {  // warp-uniform
-#pragma unroll
-      for (int n = 0; n < 16; ++n) {
-        o[n][0] *= alpha[0]; o[n][1] *= alpha[0];
-        o[n][2] *= alpha[1]; o[n][3] *= alpha[1];
-      }
     }
   }
 }
