@@ -141,3 +141,40 @@ class _Fn:
 
     def __call__(self, *args):
         return self.f(*args)
+
+
+def test_prefill_gemm_int4_wg_is_one_launch_of_the_chosen_width(launches):
+    """gemm_int4_wg: one launch, no cuBLAS and no workspace; the grid is (token tiles, 128-row tiles) of
+    the width choose_tile picks (or the one asked for), accumulate passed as an int; bad shapes, a
+    misaligned X and an unknown width refused by name before anything launches."""
+    from nanoqwen_kernels import prefill_gemm as pg
+
+    p = PrefillKernels(TINY, load)
+    qw, sc = dev((136, 256 // 8), np.uint32), dev((136, 2), np.float16)
+    X, out = dev((300, 256), np.float16), dev((300, 136), np.float16)
+    for acc in (False, True):
+        p.gemm_int4_wg(qw, sc, X, out, accumulate=acc)
+        fn, grid, args = launches[-1]
+        bn = pg.choose_tile(300, 136, 132)
+        assert fn == f"nq_gemm_int4_wg_n{bn}" and grid == (-(-300 // bn), 2, 1)
+        assert [int(a) for a in args[4:]] == [300, 136, 256, int(acc)]
+    p.gemm_int4_wg(qw, sc, X, out, tile=64)
+    assert launches[-1][0] == "nq_gemm_int4_wg_n64" and launches[-1][1] == (5, 2, 1)
+    good = dict(qweight=qw, scales=sc, X=X, out=out)
+    assert_each_refused(
+        lambda **kw: p.gemm_int4_wg(**kw),
+        good,
+        [
+            ({"X": dev((300, 128), np.float16)}, r"X must be fp16 \[T, 256\]"),
+            ({"out": dev((300, 128), np.float16)}, "out must have shape"),
+            ({"scales": dev((136, 3), np.float16)}, "scales must have shape"),
+            ({"qweight": dev((132, 32), np.uint32), "scales": dev((132, 2), np.float16),
+              "out": dev((300, 132), np.float16)}, "N % 8"),
+            ({"X": dev((300 * 256 + 1,), np.float16)[1:].reshape(300, 256)}, "X must be 16-byte aligned"),
+            ({"tile": 96}, "tile must be one of"),
+        ],
+    )
+    n = len(launches)
+    with pytest.raises(KernelError, match="X and out overlap"):
+        p.gemm_int4_wg(qw, sc, X, X.reshape(-1)[:300 * 136].reshape(300, 136))
+    assert len(launches) == n

@@ -1,4 +1,5 @@
-"""Prefill INT4 GEMM on the GPU: the dequantizer bit-exact, the GEMM against a float64 reference.
+"""Prefill INT4 GEMM on the GPU: the dequantizer bit-exact, the GEMMs (the fused wgmma one, gemm_int4_wg, and
+dequantize + cuBLAS, gemm_int4) against a float64 reference.
 
 The ValueShuffle-v1 packer (refs.py) is written from docs/INTERFACES.md section 2 (kernels never import
 format), so these tests also check that the kernel reads the contract, not a private convention.
@@ -129,3 +130,71 @@ def test_silu_mul(kernels, rng, name, T):
     got = cp.asnumpy(out).astype(np.float64)
     assert np.isfinite(got).all()
     assert (np.abs(got - ref) <= 1e-3 * np.abs(ref) + 1e-6).all()
+
+
+WG_SHAPES = [  # (dims, N, K): 7B q/k/v, a slice of gate|up's rows, down's K; the 1.5B's; tiny's (K = 256)
+    ("7b", 4608, 3584), ("7b", 1024, 3584), ("7b", 640, 18944), ("1.5b", 2048, 1536), ("1.5b", 512, 8960),
+    ("tiny", 1024, 256), ("tiny", 136, 384),
+]
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 17, 511, 513])
+@pytest.mark.parametrize("name,n,k", WG_SHAPES)
+def test_gemm_int4_wg_matches_reference(kernels, rng, T, name, n, k):
+    """The fused INT4 GEMM at awkward T (a partial token tile on each side of 512), rows not a multiple of
+    the 128-row tile (136), an odd group count (K = 384), every tile width: float64 within the tolerance,
+    every output written (NaN poison)."""
+    import cupy as cp
+
+    qw, sc, w = int4_weight(rng, n, k)
+    x = rng.standard_normal((T, k)).astype(np.float16)
+    ref = x.astype(np.float64) @ w.astype(np.float64).T
+    tol = 2e-3 * np.abs(ref) + 2e-3 * np.sqrt(np.mean(ref**2))
+    qd, sd, xd = cp.asarray(qw), cp.asarray(sc), cp.asarray(x)
+    for tile in (None, 256, 128, 64):
+        out = cp.full((T, n), np.nan, dtype=cp.float16)
+        kernels["7b"].gemm_int4_wg(qd, sd, xd, out, tile=tile)
+        got = cp.asnumpy(out).astype(np.float64)
+        assert np.isfinite(got).all(), f"tile {tile}: {np.count_nonzero(~np.isfinite(got))} outputs not written"
+        assert (np.abs(got - ref) <= tol).all(), f"tile {tile}: max err {np.abs(got - ref).max():.3g}"
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 17, 513])
+def test_gemm_int4_wg_accumulates_into_out(kernels, rng, T):
+    """accumulate=True: out = X W^T + out in fp32, one rounding (the residual add); the residual's rows and
+    columns stay paired (a transposed epilogue would mix them)."""
+    import cupy as cp
+
+    n, k = 3584, 3584
+    qw, sc, w = int4_weight(rng, n, k)
+    x = rng.standard_normal((T, k)).astype(np.float16)
+    res = (4 * rng.standard_normal((T, n))).astype(np.float16)
+    out = cp.asarray(res)
+    kernels["7b"].gemm_int4_wg(cp.asarray(qw), cp.asarray(sc), cp.asarray(x), out, accumulate=True)
+    ref = x.astype(np.float64) @ w.astype(np.float64).T + res.astype(np.float64)
+    got = cp.asnumpy(out).astype(np.float64)
+    tol = 2e-3 * np.abs(ref) + 2e-3 * np.sqrt(np.mean(ref**2))
+    assert (np.abs(got - ref) <= tol).all(), f"max err {np.abs(got - ref).max():.3g}"
+
+
+@gpu
+@pytest.mark.gpu
+def test_gemm_int4_wg_agrees_with_cublas_path(kernels, rng):
+    """Both prefill GEMMs on one weight: the same fp16 weight values, fp32 sums in a different order, so
+    they agree to fp16 rounding of the outputs (a few ulps), not bit for bit."""
+    import cupy as cp
+
+    n, k, T = 1024, 3584, 300
+    qw, sc, _ = int4_weight(rng, n, k)
+    x = cp.asarray(rng.standard_normal((T, k)).astype(np.float16))
+    a = cp.full((T, n), np.nan, dtype=cp.float16)
+    b = cp.full((T, n), np.nan, dtype=cp.float16)
+    kernels["7b"].gemm_int4_wg(cp.asarray(qw), cp.asarray(sc), x, a)
+    kernels["7b"].gemm_int4(cp.asarray(qw), cp.asarray(sc), x, b)
+    a64, b64 = cp.asnumpy(a).astype(np.float64), cp.asnumpy(b).astype(np.float64)
+    assert (np.abs(a64 - b64) <= 4e-3 * np.abs(b64) + 1e-3 * np.sqrt(np.mean(b64**2))).all()
+

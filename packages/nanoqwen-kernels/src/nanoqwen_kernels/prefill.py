@@ -1,7 +1,8 @@
-"""Prefill launchers: INT4 GEMM (dequantize + cuBLAS, blas.py), RoPE + KV page write, causal paged attention.
+"""Prefill launchers: INT4 GEMM (fused on wgmma: gemm_int4_wg; or dequantize + cuBLAS, blas.py), RoPE + KV
+page write, causal paged attention.
 
-`PrefillKernels(dims, load_module)` exposes `dequantize_int4`, `gemm_int4`, `rope_kv_prefill` and
-`attention_prefill` (docs/INTERFACES.md section 4). All launch on the current CuPy stream and never
+`PrefillKernels(dims, load_module)` exposes `gemm_int4_wg`, `dequantize_int4`, `gemm_int4`, `gemm_f16`,
+`rope_kv_prefill` and `attention_prefill` (docs/INTERFACES.md section 4). All launch on the current CuPy stream and never
 synchronise. T and start_pos are host ints: prefill runs eagerly, once per prompt, and its grid size
 depends on T anyway (decode, captured in a graph, reads its position from the device instead).
 """
@@ -13,11 +14,12 @@ import os
 import numpy as np
 
 from . import checks as ck
+from . import prefill_gemm as pg
 from .blas import Blas
 from .dims import GROUP, HEAD_DIM, PAGE_TOKENS, ModelDims
 from .errors import KernelError
 
-PREFILL_SOURCES = ["dequant_int4.cu", "prefill_rope_kv.cu", "attention_prefill_fma.cu", "attention_prefill.cu",
+PREFILL_SOURCES = ["gemm_int4_prefill.cu", "dequant_int4.cu", "prefill_rope_kv.cu", "attention_prefill_fma.cu", "attention_prefill.cu",
                    "prefill_act.cu"]
 SILU_THREADS = 256  # prefill_act.cu: 8 outputs per thread
 _DEQUANT_THREADS = 256
@@ -85,7 +87,9 @@ class PrefillKernels:
         self.dims = dims
         self.attention_variant = attention_variant
         self._blas = Blas()
-        mod = load_module(PREFILL_SOURCES, dims.defines())
+        mod = load_module(PREFILL_SOURCES, {**dims.defines(), "NQ_GW_STAGES": pg.GW_STAGES})
+        self._gw = {bn: mod.get_function(f"nq_gemm_int4_wg_n{bn}", max_dynamic_smem=pg.smem_bytes(bn))
+                    for bn in pg.GW_WIDTHS}
         kernel, rows, threads, smem = ATTENTION_VARIANTS[attention_variant]
         self._attn = (mod.get_function(kernel, max_dynamic_smem=smem), rows, threads, smem)
         self._dequant = mod.get_function("nq_dequantize_int4")
@@ -109,6 +113,26 @@ class PrefillKernels:
             raise KernelError(f"qweight K = {k} is not a multiple of the INT4 group {GROUP}")
         ck.check_array("scales", scales, np.float16, shape=(n, k // GROUP))
         return n, k
+
+    def gemm_int4_wg(self, qweight, scales, X, out, accumulate: bool = False, tile: int | None = None) -> None:
+        """out[T, N] fp16 = X[T, K] . W^T (+ out[T, N] when accumulate, in fp32 before the one rounding), W
+        the INT4 weight (qweight uint32 [N, K/8] ValueShuffle-v1, scales fp16 [N, K/128]) read as stored and
+        dequantized in registers into the tensor cores' operands (cuda/gemm_int4_prefill.cu): no fp16 copy
+        of W, one launch. tile: tokens per block (prefill_gemm.GW_WIDTHS; None: choose_tile by shape)."""
+        n, k = self._check_int4(qweight, scales)
+        _check_gemm_io(X, out, n, k)
+        if n % 8:
+            raise KernelError(f"gemm_int4_wg needs N % 8 == 0, got N = {n}")
+        for name, a in (("qweight", qweight), ("X", X), ("out", out)):
+            ck.check_array(name, a, a.dtype, align=16)
+        ck.check_array("scales", scales, np.float16, align=4)
+        t = int(X.shape[0])
+        bn = tile if tile is not None else pg.choose_tile(t, n, ck.sm_count())
+        if bn not in self._gw:
+            raise KernelError(f"tile must be one of {pg.GW_WIDTHS}, got {bn!r}")
+        ck.launch(self._gw[bn], pg.grid(t, n, bn), (pg.GW_THREADS, 1, 1),
+                  (qweight, scales, X, out, np.int32(t), np.int32(n), np.int32(k), np.int32(1 if accumulate else 0)),
+                  shared_mem=pg.smem_bytes(bn))
 
     def dequantize_int4(self, qweight, scales, out) -> None:
         """out[N, K] fp16 = scales[n, k/128] * (u - 8): qweight uint32 [N, K/8] (ValueShuffle-v1)."""

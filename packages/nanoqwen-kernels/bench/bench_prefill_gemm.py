@@ -1,0 +1,75 @@
+"""The prefill GEMMs per projection shape: the fused INT4 wgmma GEMM (gemm_int4_wg, each tile width and the
+one choose_tile picks) against cuBLAS fp16 on the same shape (the peer: the already dequantized weight,
+what the engine ran before) and dequantize + cuBLAS.
+
+    PYTHONPATH=packages/nanoqwen-kernels/src python packages/nanoqwen-kernels/bench/bench_prefill_gemm.py
+        [7b|1.5b ...] [--m 512,2048,4096] [--widths]
+
+Times: our kernel in a CUDA graph of n back-to-back launches (time_graph: the GPU's time, no Python);
+cuBLAS with CUDA events around n eager calls (CuPy refuses cuBLAS under capture; at these sizes the ~5 us
+of Python per call hides behind the GPU's queue). TFLOP/s = 2 M N K / time. A measurement, never an
+assertion. The last lines are a table: per shape, the fused GEMM's TFLOP/s against cuBLAS's.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import cupy as cp
+import numpy as np
+from bench_attention import time_graph
+from bench_prefill import time_calls
+from nanoqwen_kernels import prefill_gemm as pg
+from nanoqwen_kernels.dims import PRESETS
+from nanoqwen_kernels.loader import load_module
+from nanoqwen_kernels.prefill import PrefillKernels
+
+
+def shapes(d):
+    return [("qkv", d.qkv_rows, d.hidden), ("o", d.hidden, d.hidden), ("gate_up", 2 * d.intermediate, d.hidden),
+            ("down", d.hidden, d.intermediate)]
+
+
+def main() -> int:
+    presets = [a for a in sys.argv[1:] if a in PRESETS] or ["7b"]
+    ms = [int(v) for v in sys.argv[sys.argv.index("--m") + 1].split(",")] if "--m" in sys.argv else [512, 2048]
+    widths = "--widths" in sys.argv
+    rng = np.random.default_rng(0)
+    rows = []
+    for name in presets:
+        d = PRESETS[name]
+        pk = PrefillKernels(d, load_module)
+        for proj, n, k in shapes(d):
+            qw = cp.asarray(rng.integers(0, 2**32, size=(n, k // 8), dtype=np.uint32))
+            sc = cp.asarray(rng.uniform(1e-3, 5e-2, size=(n, k // 128)).astype(np.float16))
+            w = cp.empty((n, k), cp.float16)
+            pk.dequantize_int4(qw, sc, w)
+            for m in ms:
+                x = cp.random.standard_normal((m, k), dtype=cp.float32).astype(cp.float16)
+                out = cp.empty((m, n), cp.float16)
+                fl = 2.0 * m * n * k
+                reps = max(2, min(20, int(2e12 / fl)))
+                t_wg = time_graph(lambda i: pk.gemm_int4_wg(qw, sc, x, out), reps, launches=5)
+                per_w = {}
+                if widths:
+                    for bn in pg.GW_WIDTHS:
+                        per_w[bn] = time_graph(lambda i, bn=bn: pk.gemm_int4_wg(qw, sc, x, out, tile=bn), reps,
+                                               launches=5)
+                t_cb = time_calls(lambda: pk.gemm_f16(w, x, out), n=reps, batches=5)
+                t_dq = time_calls(lambda: pk.dequantize_int4(qw, sc, w), n=reps, batches=5)
+                bn = pg.choose_tile(m, n, 132)
+                extra = "; ".join(f"n{b}: {t * 1e6:.1f} us {fl / t / 1e12:.0f}" for b, t in per_w.items())
+                print(f"{name} {proj} {n}x{k} M={m}: wg[{bn}] {t_wg * 1e6:.1f} us {fl / t_wg / 1e12:.0f} TFLOP/s | "
+                      f"cuBLAS fp16 {t_cb * 1e6:.1f} us {fl / t_cb / 1e12:.0f} | dequant+cuBLAS "
+                      f"{(t_cb + t_dq) * 1e6:.1f} us {fl / (t_cb + t_dq) / 1e12:.0f} | {extra}", flush=True)
+                rows.append((name, proj, n, k, m, bn, t_wg, fl / t_wg / 1e12, t_cb, fl / t_cb / 1e12))
+    print("\n| model | GEMM | N x K | M | fused INT4 wg (us, TFLOP/s) | cuBLAS fp16 (us, TFLOP/s) | wg / cuBLAS |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for name, proj, n, k, m, bn, t_wg, f_wg, t_cb, f_cb in rows:
+        print(f"| {name} | {proj} | {n} x {k} | {m} | {t_wg * 1e6:.1f}, **{f_wg:.0f}** (n{bn}) | "
+              f"{t_cb * 1e6:.1f}, {f_cb:.0f} | {t_cb / t_wg:.2f}x |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,250 @@
+// gemm_int4_prefill.cu: the prefill GEMM on the INT4 weights: out[T, N] = X[T, K] . W^T (+ out), W read
+// as stored (ValueShuffle-v1 words + fp16 group scales), dequantized in registers straight into wgmma's A
+// fragments; no fp16 copy of W anywhere. fp32 sums, one fp16 rounding at the end (with the residual add
+// when accumulating, as cuBLAS's beta = 1 did).
+//
+// Why the weights are A (the M side) and the tokens B (the N side): wgmma takes A from registers, so the
+// INT4 -> fp16 conversion lands in the operand registers with no shared-memory round trip, and the tensor
+// cores read X (fp16, already in the layout they want) from shared memory. The accumulator tile is
+// [weight rows][tokens]; the epilogue transposes it through shared memory into out's [token][row] rows.
+//
+// Block: 288 threads = two consumer warpgroups (warps 0-7) + one producer warp (warp 8). Tile: 128 weight
+// rows (warpgroup i owns rows 64 i .. 64 i + 63, warp w % 4 of it rows 16 (w % 4) + {g, g + 8}, g = lane / 4)
+// x BN = 8 NT tokens (NT = 32 / 16 / 8: 256 / 128 / 64 tokens; the launcher picks by shape). One block per
+// SM (the ring takes ~185 KB), so the whole register file is the two warpgroups': the 128 fp32 accumulators
+// of m64n256 plus two A-fragment sets fit under the 224 registers that 288 threads leave.
+//
+// The ring (kStages stages, each one 64-k slice of the tile, handed over by mbarriers as in gemm_tiles.cuh):
+//     X [BN tokens][128 B]  the slice's 64 k of each token, wgmma's K-major B in the 128-byte swizzle
+//                           (wgmma.cuh): token n at 1024 (n / 8) + 128 (n % 8), 16-byte chunk j at j ^ (n % 8)
+//     W [128 rows][32 B]    the slice's 8 INT4 words of each row; chunk j (words 4j .. 4j+3) of row r at
+//                           16 (j ^ ((r / 4) & 1)): the 8 rows one load instruction reads (g = 0..7) then hit
+//                           8 different 16-byte bank groups
+//     S [128 rows] u32      the 4-byte-aligned pair of fp16 scales that holds the row's scale of this group
+//                           (cp.async moves 4 bytes at least; the consumer picks the half by parity)
+// The producer warp copies every stage with cp.async (X rows past T repeat row T - 1, W rows past N repeat
+// row N - 1: read, multiplied, never written) and arrives on full[s] when they land; each consumer warp
+// arrives on empty[s] once its wgmmas that read stage s have completed.
+//
+// A fragments from a natural-order X: a k16 step's lane (g, c) needs k = 2c, 2c+1, 2c+8, 2c+9 of the step,
+// i.e. value pair c (of 4) of word 2s and of word 2s + 1 (8 k per word). ValueShuffle-v1 keeps pair c in
+// bytes 2 (c & 1), 2 (c & 1) + 1, low nibbles for c < 2 and high ones for c >= 2, so the lane shifts the
+// word by 4 (c >> 1), masks, and builds the half2 {1024 + u, 1024 + u'} with one prmt (selector 0x4140 or
+// 0x4342), then q = that - 1032 (exact), times the group's scale (one rounding): 5 instructions a pair. The
+// 4 lanes of a quad read the same 16 bytes (a shared-memory broadcast). The alternative, lane c taking
+// words 4c .. 4c+3 whole as the GEMVs do, needs X permuted within each 128-k group (the tile GEMM's x
+// layout), i.e. every producer of X (RMSNorm, attention, SiLU) writing that order.
+//
+// Pipelining inside a consumer: stage i's 4 wgmmas are issued from fragment set i % 2, then the warp waits
+// until only they are pending (stage i - 1's done: its slot goes back to the producer), and dequantizes
+// stage i + 1 into the other set while the tensor cores run stage i; the two warpgroups interleave on the
+// tensor cores besides. The loop is unrolled by two so each set is a fixed group of registers.
+//
+// Tested: tests/test_prefill_gemm.py (against float64 at T = 1, 17, 511, 513, .., 7B / 1.5B / tiny shapes,
+// accumulate, every tile width), tests/test_gemm_int4_prefill_mapping.py (the fragment and X-layout maps in
+// numpy), tests/test_compile.py (SASS: HGMMA 64x256x16, no local memory).
+#include "wgmma.cuh"
+
+namespace nq {
+namespace gw {
+
+constexpr int kBM = 128;                 // weight rows per block
+constexpr int kBK = 64;                  // k per stage: half an INT4 group
+constexpr int kConsumerThreads = 256;    // warps 0-7: two warpgroups
+constexpr int kThreads = kConsumerThreads + 32;  // + the producer warp (gemm_int4.py GW_THREADS)
+#ifndef NQ_GW_STAGES
+#define NQ_GW_STAGES 5
+#endif
+constexpr int kStages = NQ_GW_STAGES;
+constexpr int kWBytes = kBM * 32;
+constexpr int kSBytes = kBM * 4;
+template <int NT>
+__host__ __device__ constexpr int x_bytes() { return NT * 8 * 128; }
+// a stage, rounded to 1024 bytes so every stage's X atoms stay 1024-aligned
+template <int NT>
+__host__ __device__ constexpr int stage_bytes() { return (x_bytes<NT>() + kWBytes + kSBytes + 1023) / 1024 * 1024; }
+constexpr int kEpiPitch = 132;  // floats per token of the epilogue's staging: 128 rows + 4 (bank spread)
+template <int NT>
+__host__ __device__ constexpr int epi_bytes() { return NT * 8 * kEpiPitch * 4; }
+// dynamic shared memory of the launch (gemm_int4.py gw_smem_bytes mirrors it): the ring (the epilogue's
+// staging reuses it) + 1024 to align it
+template <int NT>
+__host__ __device__ constexpr int smem_bytes() {
+  return (kStages * stage_bytes<NT>() > epi_bytes<NT>() ? kStages * stage_bytes<NT>() : epi_bytes<NT>()) + 1024;
+}
+static_assert(smem_bytes<32>() <= 227 * 1024, "the ring must fit the 227 KB of an H100/H200 block");
+
+__device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 1, %0;" ::"n"(kConsumerThreads) : "memory"); }
+
+// the half2 of pair c of word w (shift = 4 (c >> 1), sel = 0x4140 or 0x4342), times the scale pair s2
+__device__ __forceinline__ uint32_t dq_pair(uint32_t w, uint32_t shift, uint32_t sel, uint32_t s2) {
+  const uint32_t v = (w >> shift) & 0x0F0F0F0Fu;
+  return hmul2(hsub2(prmt(v, 0x64646464u, sel), 0x64086408u), s2);
+}
+
+// The A fragments of one stage (4 k16 steps) for fragment rows r0 (= g) and r1 (= g + 8) of this warp:
+// f[4 j + 0..3] = a0..a3 of step j.
+__device__ __forceinline__ void load_frags(const char* stage_w, const uint32_t* stage_s, int r0, int r1, uint32_t p0,
+                                           uint32_t p1, uint32_t shift, uint32_t sel, uint32_t (&f)[16]) {
+  const uint4 a0 = *reinterpret_cast<const uint4*>(stage_w + r0 * 32 + 16 * (0 ^ ((r0 >> 2) & 1)));
+  const uint4 a1 = *reinterpret_cast<const uint4*>(stage_w + r0 * 32 + 16 * (1 ^ ((r0 >> 2) & 1)));
+  const uint4 b0 = *reinterpret_cast<const uint4*>(stage_w + r1 * 32 + 16 * (0 ^ ((r1 >> 2) & 1)));
+  const uint4 b1 = *reinterpret_cast<const uint4*>(stage_w + r1 * 32 + 16 * (1 ^ ((r1 >> 2) & 1)));
+  const uint32_t sa = stage_s[r0] >> p0 & 0xffffu, sb = stage_s[r1] >> p1 & 0xffffu;
+  const uint32_t s2a = sa | (sa << 16), s2b = sb | (sb << 16);
+  const uint32_t wa[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+  const uint32_t wb[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    f[4 * j + 0] = dq_pair(wa[2 * j], shift, sel, s2a);
+    f[4 * j + 1] = dq_pair(wb[2 * j], shift, sel, s2b);
+    f[4 * j + 2] = dq_pair(wa[2 * j + 1], shift, sel, s2a);
+    f[4 * j + 3] = dq_pair(wb[2 * j + 1], shift, sel, s2b);
+  }
+}
+
+template <int NT>
+__device__ __forceinline__ void issue_stage(float (&acc)[NT][4], const uint32_t (&f)[16], uint32_t x_addr) {
+  const uint64_t desc0 = wgmma_desc_sw128(x_addr);
+  wgmma_fence();  // the fragments (and, at the first stage, the zeroed accumulators) before the wgmmas
+#pragma unroll
+  for (int j = 0; j < 4; ++j) wgmma_rs<NT>(acc, f[4 * j], f[4 * j + 1], f[4 * j + 2], f[4 * j + 3], desc0 + 2 * j);
+  wgmma_commit();
+}
+
+template <int NT>
+__device__ __forceinline__ void gemm_int4_wg(const uint32_t* __restrict__ qw, const uint16_t* __restrict__ sc,
+                                             const uint16_t* __restrict__ X, uint16_t* __restrict__ out, int T,
+                                             int N, int K, int accumulate) {
+  constexpr int kBN = 8 * NT;
+  constexpr int kStage = stage_bytes<NT>();
+  extern __shared__ uint4 smem_raw[];
+  char* const ring = reinterpret_cast<char*>(smem_raw) + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
+  __shared__ uint64_t full_bar[kStages], empty_bar[kStages];
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int t0 = blockIdx.x * kBN, row0 = blockIdx.y * kBM;
+  const int n_stages = K / kBK;
+  const int G = K / kGroup;
+  if (tid == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(&full_bar[s], 32);  // one cp.async arrival per producer lane
+      mbar_init(&empty_bar[s], 8);  // one arrival per consumer warp
+    }
+  }
+  __syncthreads();
+  pdl_wait();  // X (and out, when accumulating) are the previous kernels' outputs
+
+  if (warp == 8) {  // ---- the producer warp ----
+    // X: lane copies chunk ch = lane % 8 of tokens n = lane / 8 + 4 m (m = 0 .. BN / 4 - 1); token n's
+    // chunk lands at 1024 (n / 8) + 128 (n % 8) + 16 (ch ^ (n % 8)): for even m that is row n_l = lane / 8,
+    // for odd m row n_l + 4, both 512 m' bytes further per pair of m
+    const int ch = lane & 7, nl = lane >> 3;
+    const int xo_even = 128 * nl + 16 * (ch ^ nl), xo_odd = 128 * (nl + 4) + 16 * (ch ^ (nl + 4));
+    for (int i = 0; i < n_stages; ++i) {
+      const int s = i % kStages;
+      if (i >= kStages) mbar_wait(&empty_bar[s], ((i / kStages) + 1) & 1);
+      char* base = ring + s * kStage;
+      const int k0 = i * kBK;
+#pragma unroll 4
+      for (int m = 0; m < kBN / 4; m += 2) {
+        const int n = nl + 4 * m;
+        const int ta = min(t0 + n, T - 1), tb = min(t0 + n + 4, T - 1);
+        cp_async16(base + 512 * m + xo_even, X + static_cast<size_t>(ta) * K + k0 + 8 * ch);
+        cp_async16(base + 512 * m + xo_odd, X + static_cast<size_t>(tb) * K + k0 + 8 * ch);
+      }
+      char* wbase = base + x_bytes<NT>();
+#pragma unroll
+      for (int id = lane; id < kBM * 2; id += 32) {
+        const int r = id >> 1, j = id & 1;
+        const int row = min(row0 + r, N - 1);
+        cp_async16(wbase + r * 32 + 16 * (j ^ ((r >> 2) & 1)), qw + static_cast<size_t>(row) * (K / 8) + k0 / 8 + 4 * j);
+      }
+      char* sbase = wbase + kWBytes;
+#pragma unroll
+      for (int r = lane; r < kBM; r += 32) {
+        const size_t e = static_cast<size_t>(min(row0 + r, N - 1)) * G + (k0 / kGroup);
+        cp_async4(sbase + 4 * r, sc + (e & ~static_cast<size_t>(1)));
+      }
+      cp_async_mbar_arrive(&full_bar[s]);
+    }
+    cp_async_wait_all();  // nothing in flight when the warp exits
+    return;
+  }
+
+  // ---- the consumers ----
+  const int g = lane >> 2, c = lane & 3;
+  const int r0 = 64 * (warp >> 2) + 16 * (warp & 3) + g, r1 = r0 + 8;
+  const size_t e0 = static_cast<size_t>(min(row0 + r0, N - 1)) * G, e1 = static_cast<size_t>(min(row0 + r1, N - 1)) * G;
+  const uint32_t shift = 4u * (c >> 1), sel = (c & 1) ? 0x4342u : 0x4140u;
+  float acc[NT][4];
+#pragma unroll
+  for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+  uint32_t fa[16], fb[16];
+  // stage i's fragments into f (after waiting for its copies)
+  auto fetch = [&](int i, uint32_t(&f)[16]) {
+    const int s = i % kStages;
+    mbar_wait(&full_bar[s], (i / kStages) & 1);
+    fence_proxy_async_smem();  // the producer's cp.async writes (generic proxy) before the wgmmas read X
+    const char* base = ring + s * kStage;
+    const int gi = (i * kBK) / kGroup;
+    load_frags(base + x_bytes<NT>(), reinterpret_cast<const uint32_t*>(base + x_bytes<NT>() + kWBytes), r0, r1,
+               16u * static_cast<uint32_t>((e0 + gi) & 1), 16u * static_cast<uint32_t>((e1 + gi) & 1), shift, sel, f);
+  };
+  // stage i's wgmmas from f, then (with only they pending) stage i - 1's slot back to the producer and
+  // stage i + 1's fragments into the other set
+  auto step = [&](int i, const uint32_t(&f)[16], uint32_t(&f_next)[16]) {
+    issue_stage<NT>(acc, f, smem_u32(ring + (i % kStages) * kStage));
+    wgmma_wait<1>();
+    if (i > 0 && lane == 0) mbar_arrive(&empty_bar[(i - 1) % kStages]);
+    if (i + 1 < n_stages) fetch(i + 1, f_next);
+  };
+  fetch(0, fa);
+  for (int i = 0; i < n_stages; i += 2) {  // n_stages is even (K % 128 == 0)
+    step(i, fa, fb);
+    step(i + 1, fb, fa);
+  }
+  wgmma_wait<0>();
+
+  // ---- epilogue: [row][token] accumulators -> [token][row] fp16 rows of out ----
+  consumer_sync();  // every consumer's wgmmas done: the ring is free for the staging
+  float* ep = reinterpret_cast<float*>(ring);
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+    const int tl = 8 * j + 2 * c;
+    ep[tl * kEpiPitch + r0] = acc[j][0];
+    ep[(tl + 1) * kEpiPitch + r0] = acc[j][1];
+    ep[tl * kEpiPitch + r1] = acc[j][2];
+    ep[(tl + 1) * kEpiPitch + r1] = acc[j][3];
+  }
+  consumer_sync();
+  // warp w writes tokens w, w + 8, ..: lane q the 4 rows 4q .. 4q + 3 (8 bytes), a token's 256 bytes per warp
+  const int row = row0 + 4 * lane;
+  if (row < N) {
+    for (int tl = warp; tl < kBN; tl += 8) {
+      const int tok = t0 + tl;
+      if (tok >= T) break;
+      const float4 v = *reinterpret_cast<const float4*>(ep + tl * kEpiPitch + 4 * lane);
+      float r[4] = {v.x, v.y, v.z, v.w};
+      uint2* dst = reinterpret_cast<uint2*>(out + static_cast<size_t>(tok) * N + row);
+      if (accumulate) {
+        const uint2 old = *dst;
+        const float2 o0 = h22f2(old.x), o1 = h22f2(old.y);
+        r[0] += o0.x, r[1] += o0.y, r[2] += o1.x, r[3] += o1.y;
+      }
+      *dst = make_uint2(pack_h2(r[0], r[1]), pack_h2(r[2], r[3]));
+    }
+  }
+}
+
+}  // namespace gw
+}  // namespace nq
+
+#define NQ_GW_ENTRY(NT)                                                                                           \
+  extern "C" __global__ void __maxnreg__(224) nq_gemm_int4_wg_n##NT(       \
+      const nq::uint32_t* __restrict__ qw, const nq::uint16_t* __restrict__ sc, const nq::uint16_t* __restrict__ X, \
+      nq::uint16_t* __restrict__ out, int T, int N, int K, int accumulate) {                                       \
+    nq::gw::gemm_int4_wg<NT / 8>(qw, sc, X, out, T, N, K, accumulate);                                           \
+  }
+NQ_GW_ENTRY(256)
+NQ_GW_ENTRY(128)
+NQ_GW_ENTRY(64)
