@@ -15,7 +15,7 @@ BM, BK, GROUP = 128, 64, 128
 
 
 def producer_stage(X, qw, sc_flat, G, t0, row0, k0, bn, T, N, K):
-    """The stage as the producer warp's copies leave it: (stage bytes, times each byte was written)."""
+    """The stage as the producer warpgroup's copies leave it: (stage bytes, times each byte was written)."""
     xb = bn * 128
     size = pg.stage_bytes(bn)
     st = np.zeros(size, dtype=np.uint8)
@@ -28,22 +28,20 @@ def producer_stage(X, qw, sc_flat, G, t0, row0, k0, bn, T, N, K):
         st[off:off + len(src)] = src
         written[off:off + len(src)] += 1
 
-    for lane in range(32):
-        ch, nl = lane & 7, lane >> 3
-        xo_even, xo_odd = 128 * nl + 16 * (ch ^ nl), 128 * (nl + 4) + 16 * (ch ^ (nl + 4))
-        for m in range(0, bn // 4, 2):
-            n = nl + 4 * m
-            ta, tb = min(t0 + n, T - 1), min(t0 + n + 4, T - 1)
-            put(512 * m + xo_even, xbytes[ta, 2 * (k0 + 8 * ch):2 * (k0 + 8 * ch) + 16])
-            put(512 * m + xo_odd, xbytes[tb, 2 * (k0 + 8 * ch):2 * (k0 + 8 * ch) + 16])
-        for idx in range(lane, BM * 2, 32):
-            r, j = idx >> 1, idx & 1
+    for pt in range(128):  # the producer warpgroup's threads
+        ch, nl = pt & 7, pt >> 3
+        xo = 1024 * (nl >> 3) + 128 * (nl & 7) + 16 * (ch ^ (nl & 7))
+        for m in range(bn // 16):
+            tok = min(t0 + nl + 16 * m, T - 1)
+            put(xo + 2048 * m, xbytes[tok, 2 * (k0 + 8 * ch):2 * (k0 + 8 * ch) + 16])
+        j = pt & 1
+        wo0 = (pt >> 1) * 32 + 16 * (j ^ (((pt >> 1) >> 2) & 1))
+        w0 = k0 // 8 + 4 * j
+        for r, wo in ((pt >> 1, wo0), ((pt >> 1) + 64, wo0 + 64 * 32)):
             row = min(row0 + r, N - 1)
-            w0 = k0 // 8 + 4 * j
-            put(xb + r * 32 + 16 * (j ^ ((r >> 2) & 1)), qbytes[row, 4 * w0:4 * w0 + 16])
-        for r in range(lane, BM, 32):
-            e = min(row0 + r, N - 1) * G + k0 // GROUP
-            put(xb + BM * 32 + 4 * r, sbytes[2 * (e & ~1):2 * (e & ~1) + 4])
+            put(xb + wo, qbytes[row, 4 * w0:4 * w0 + 16])
+        e = min(row0 + pt, N - 1) * G + k0 // GROUP
+        put(xb + BM * 32 + 4 * pt, sbytes[2 * (e & ~1):2 * (e & ~1) + 4])
     return st, written
 
 

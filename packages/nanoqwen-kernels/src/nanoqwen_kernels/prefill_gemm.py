@@ -14,7 +14,7 @@ import os
 
 from .errors import KernelError
 
-GW_THREADS = 288  # two consumer warpgroups + one producer warp
+GW_THREADS = 384  # two consumer warpgroups + one producer warpgroup
 GW_ROWS = 128  # weight rows per block
 GW_STAGES = 5  # ring depth (the kernel's NQ_GW_STAGES, passed as a define)
 GW_WIDTHS = (256, 128, 64)  # tokens per block: the entries nq_gemm_int4_wg_n256 / _n128 / _n64

@@ -8,11 +8,10 @@
 // cores read X (fp16, already in the layout they want) from shared memory. The accumulator tile is
 // [weight rows][tokens]; the epilogue transposes it through shared memory into out's [token][row] rows.
 //
-// Block: 288 threads = two consumer warpgroups (warps 0-7) + one producer warp (warp 8). Tile: 128 weight
+// Block: 384 threads = two consumer warpgroups (warps 0-7) + one producer warpgroup (warps 8-11). Tile: 128 weight
 // rows (warpgroup i owns rows 64 i .. 64 i + 63, warp w % 4 of it rows 16 (w % 4) + {g, g + 8}, g = lane / 4)
 // x BN = 8 NT tokens (NT = 32 / 16 / 8: 256 / 128 / 64 tokens; the launcher picks by shape). One block per
-// SM (the ring takes ~185 KB), so the whole register file is the two warpgroups': the 128 fp32 accumulators
-// of m64n256 plus two A-fragment sets fit under the 224 registers that 288 threads leave.
+// SM (the ring takes ~185 KB), and the producers give their registers to the consumers (kConsumerRegs).
 //
 // The ring (kStages stages, each one 64-k slice of the tile, handed over by mbarriers as in gemm_tiles.cuh):
 //     X [BN tokens][128 B]  the slice's 64 k of each token, wgmma's K-major B in the 128-byte swizzle
@@ -22,8 +21,9 @@
 //                           8 different 16-byte bank groups
 //     S [128 rows] u32      the 4-byte-aligned pair of fp16 scales that holds the row's scale of this group
 //                           (cp.async moves 4 bytes at least; the consumer picks the half by parity)
-// The producer warp copies every stage with cp.async (X rows past T repeat row T - 1, W rows past N repeat
-// row N - 1: read, multiplied, never written) and arrives on full[s] when they land; each consumer warp
+// The producer warpgroup copies every stage with cp.async (X rows past T repeat row T - 1, W rows past N repeat
+// row N - 1: read, multiplied, never written), each thread arriving on full[s] when its copies land; each
+// consumer warp
 // arrives on empty[s] once its wgmmas that read stage s have completed.
 //
 // A fragments from a natural-order X: a k16 step's lane (g, c) needs k = 2c, 2c+1, 2c+8, 2c+9 of the step,
@@ -51,7 +51,13 @@ namespace gw {
 constexpr int kBM = 128;                 // weight rows per block
 constexpr int kBK = 64;                  // k per stage: half an INT4 group
 constexpr int kConsumerThreads = 256;    // warps 0-7: two warpgroups
-constexpr int kThreads = kConsumerThreads + 32;  // + the producer warp (gemm_int4.py GW_THREADS)
+constexpr int kThreads = kConsumerThreads + 128;  // + the producer warpgroup (prefill_gemm.py GW_THREADS)
+// Registers (setmaxnreg): a block's warps are allocated in whole warpgroups (ptxas gave a 288-thread build
+// 168 registers, 65536 / 384), so the producer warpgroup hands most of its share to the two consumer
+// warpgroups: 2 x 128 x 232 + 128 x 40 = 64,512 of the 65,536. The consumers hold the m64n256 accumulators
+// (128 registers) and two fragment sets (32).
+constexpr int kConsumerRegs = 232;
+constexpr int kProducerRegs = 40;
 #ifndef NQ_GW_STAGES
 #define NQ_GW_STAGES 5
 #endif
@@ -127,49 +133,48 @@ __device__ __forceinline__ void gemm_int4_wg(const uint32_t* __restrict__ qw, co
   const int G = K / kGroup;
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(&full_bar[s], 32);  // one cp.async arrival per producer lane
+      mbar_init(&full_bar[s], 128);  // one cp.async arrival per producer thread
       mbar_init(&empty_bar[s], 8);  // one arrival per consumer warp
     }
   }
   __syncthreads();
   pdl_wait();  // X (and out, when accumulating) are the previous kernels' outputs
 
-  if (warp == 8) {  // ---- the producer warp ----
-    // X: lane copies chunk ch = lane % 8 of tokens n = lane / 8 + 4 m (m = 0 .. BN / 4 - 1); token n's
-    // chunk lands at 1024 (n / 8) + 128 (n % 8) + 16 (ch ^ (n % 8)): for even m that is row n_l = lane / 8,
-    // for odd m row n_l + 4, both 512 m' bytes further per pair of m
-    const int ch = lane & 7, nl = lane >> 3;
-    const int xo_even = 128 * nl + 16 * (ch ^ nl), xo_odd = 128 * (nl + 4) + 16 * (ch ^ (nl + 4));
+  if (warp >= 8) {  // ---- the producer warpgroup ----
+    // its registers go to the consumers (setmaxnreg: the copies need few); pt = 0 .. 127
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegs));
+    const int pt = tid - kConsumerThreads;
+    // X: thread pt copies chunk ch = pt % 8 of tokens n = pt / 8 + 16 m (m = 0 .. BN / 16 - 1); token n's
+    // chunk lands at 1024 (n / 8) + 128 (n % 8) + 16 (ch ^ (n % 8)) = xo + 2048 m
+    const int ch = pt & 7, nl = pt >> 3;
+    const int xo = 1024 * (nl >> 3) + 128 * (nl & 7) + 16 * (ch ^ (nl & 7));
+    // W: chunk j = pt % 2 of rows r = pt / 2 and pt / 2 + 64; S: the scale pair of row pt
+    const int j = pt & 1;
+    const int wr0 = min(row0 + (pt >> 1), N - 1), wr1 = min(row0 + (pt >> 1) + 64, N - 1);
+    const int wo0 = (pt >> 1) * 32 + 16 * (j ^ (((pt >> 1) >> 2) & 1));
+    const int wo1 = wo0 + 64 * 32;  // row + 64: the same (r / 4) & 1
+    const size_t se = static_cast<size_t>(min(row0 + pt, N - 1)) * G;
     for (int i = 0; i < n_stages; ++i) {
       const int s = i % kStages;
       if (i >= kStages) mbar_wait(&empty_bar[s], ((i / kStages) + 1) & 1);
       char* base = ring + s * kStage;
       const int k0 = i * kBK;
 #pragma unroll 4
-      for (int m = 0; m < kBN / 4; m += 2) {
-        const int n = nl + 4 * m;
-        const int ta = min(t0 + n, T - 1), tb = min(t0 + n + 4, T - 1);
-        cp_async16(base + 512 * m + xo_even, X + static_cast<size_t>(ta) * K + k0 + 8 * ch);
-        cp_async16(base + 512 * m + xo_odd, X + static_cast<size_t>(tb) * K + k0 + 8 * ch);
+      for (int m = 0; m < kBN / 16; ++m) {
+        const int tok = min(t0 + nl + 16 * m, T - 1);
+        cp_async16(base + xo + 2048 * m, X + static_cast<size_t>(tok) * K + k0 + 8 * ch);
       }
       char* wbase = base + x_bytes<NT>();
-#pragma unroll
-      for (int id = lane; id < kBM * 2; id += 32) {
-        const int r = id >> 1, j = id & 1;
-        const int row = min(row0 + r, N - 1);
-        cp_async16(wbase + r * 32 + 16 * (j ^ ((r >> 2) & 1)), qw + static_cast<size_t>(row) * (K / 8) + k0 / 8 + 4 * j);
-      }
-      char* sbase = wbase + kWBytes;
-#pragma unroll
-      for (int r = lane; r < kBM; r += 32) {
-        const size_t e = static_cast<size_t>(min(row0 + r, N - 1)) * G + (k0 / kGroup);
-        cp_async4(sbase + 4 * r, sc + (e & ~static_cast<size_t>(1)));
-      }
+      cp_async16(wbase + wo0, qw + static_cast<size_t>(wr0) * (K / 8) + k0 / 8 + 4 * j);
+      cp_async16(wbase + wo1, qw + static_cast<size_t>(wr1) * (K / 8) + k0 / 8 + 4 * j);
+      const size_t e = se + k0 / kGroup;
+      cp_async4(wbase + kWBytes + 4 * pt, sc + (e & ~static_cast<size_t>(1)));
       cp_async_mbar_arrive(&full_bar[s]);
     }
-    cp_async_wait_all();  // nothing in flight when the warp exits
+    cp_async_wait_all();  // nothing in flight when the warps exit
     return;
   }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kConsumerRegs));
 
   // ---- the consumers ----
   const int g = lane >> 2, c = lane & 3;
@@ -240,7 +245,7 @@ __device__ __forceinline__ void gemm_int4_wg(const uint32_t* __restrict__ qw, co
 }  // namespace nq
 
 #define NQ_GW_ENTRY(NT)                                                                                           \
-  extern "C" __global__ void __maxnreg__(224) nq_gemm_int4_wg_n##NT(       \
+  extern "C" __global__ void __launch_bounds__(nq::gw::kThreads, 1) nq_gemm_int4_wg_n##NT(                         \
       const nq::uint32_t* __restrict__ qw, const nq::uint16_t* __restrict__ sc, const nq::uint16_t* __restrict__ X, \
       nq::uint16_t* __restrict__ out, int T, int N, int K, int accumulate) {                                       \
     nq::gw::gemm_int4_wg<NT / 8>(qw, sc, X, out, T, N, K, accumulate);                                           \
