@@ -3,7 +3,7 @@ one choose_tile picks) against cuBLAS fp16 on the same shape (the peer: the alre
 what the engine ran before) and dequantize + cuBLAS.
 
     PYTHONPATH=packages/nanoqwen-kernels/src python packages/nanoqwen-kernels/bench/bench_prefill_gemm.py
-        [7b|1.5b ...] [--m 512,2048,4096] [--widths]
+        [7b|1.5b ...] [--m 512,2048,4096] [--widths] [--only qkv,o,gate_up,down]
 
 Times: our kernel in a CUDA graph of n back-to-back launches (time_graph: the GPU's time, no Python);
 cuBLAS with CUDA events around n eager calls (CuPy refuses cuBLAS under capture; at these sizes the ~5 us
@@ -34,12 +34,15 @@ def main() -> int:
     presets = [a for a in sys.argv[1:] if a in PRESETS] or ["7b"]
     ms = [int(v) for v in sys.argv[sys.argv.index("--m") + 1].split(",")] if "--m" in sys.argv else [512, 2048]
     widths = "--widths" in sys.argv
+    only = sys.argv[sys.argv.index("--only") + 1].split(",") if "--only" in sys.argv else None
     rng = np.random.default_rng(0)
     rows = []
     for name in presets:
         d = PRESETS[name]
         pk = PrefillKernels(d, load_module)
         for proj, n, k in shapes(d):
+            if only and proj not in only:
+                continue
             qw = cp.asarray(rng.integers(0, 2**32, size=(n, k // 8), dtype=np.uint32))
             sc = cp.asarray(rng.uniform(1e-3, 5e-2, size=(n, k // 128)).astype(np.float16))
             w = cp.empty((n, k), cp.float16)

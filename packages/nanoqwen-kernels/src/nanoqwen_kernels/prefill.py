@@ -18,6 +18,7 @@ from . import prefill_gemm as pg
 from .blas import Blas
 from .dims import GROUP, HEAD_DIM, PAGE_TOKENS, ModelDims
 from .errors import KernelError
+from .loader import extra_defines
 
 PREFILL_SOURCES = ["gemm_int4_prefill.cu", "dequant_int4.cu", "prefill_rope_kv.cu", "attention_prefill_fma.cu", "attention_prefill.cu",
                    "prefill_act.cu"]
@@ -88,7 +89,10 @@ class PrefillKernels:
         self.attention_variant = attention_variant
         self._blas = Blas()
         mod = load_module(PREFILL_SOURCES, {**dims.defines(), "NQ_GW_STAGES": pg.GW_STAGES})
-        self._gw = {bn: mod.get_function(f"nq_gemm_int4_wg_n{bn}", max_dynamic_smem=pg.smem_bytes(bn))
+        # the ring's depth as built ($NANOQWEN_KERNEL_DEFINES may override it for an A/B run)
+        self._gw_stages = extra_defines().get("NQ_GW_STAGES", pg.GW_STAGES)
+        self._gw = {bn: mod.get_function(f"nq_gemm_int4_wg_n{bn}",
+                                         max_dynamic_smem=pg.smem_bytes(bn, self._gw_stages))
                     for bn in pg.GW_WIDTHS}
         kernel, rows, threads, smem = ATTENTION_VARIANTS[attention_variant]
         self._attn = (mod.get_function(kernel, max_dynamic_smem=smem), rows, threads, smem)
@@ -132,7 +136,7 @@ class PrefillKernels:
             raise KernelError(f"tile must be one of {pg.GW_WIDTHS}, got {bn!r}")
         ck.launch(self._gw[bn], pg.grid(t, n, bn), (pg.GW_THREADS, 1, 1),
                   (qweight, scales, X, out, np.int32(t), np.int32(n), np.int32(k), np.int32(1 if accumulate else 0)),
-                  shared_mem=pg.smem_bytes(bn))
+                  shared_mem=pg.smem_bytes(bn, self._gw_stages))
 
     def dequantize_int4(self, qweight, scales, out) -> None:
         """out[N, K] fp16 = scales[n, k/128] * (u - 8): qweight uint32 [N, K/8] (ValueShuffle-v1)."""

@@ -62,6 +62,14 @@ constexpr int kProducerRegs = 40;
 #define NQ_GW_STAGES 5
 #endif
 constexpr int kStages = NQ_GW_STAGES;
+// Stages of wgmmas a consumer leaves in flight while it dequantizes the next one: 1 (two fragment sets)
+// or 2 (three: the tensor cores keep a second stage queued per warpgroup)
+#ifndef NQ_GW_DEPTH
+#define NQ_GW_DEPTH 1
+#endif
+constexpr int kDepth = NQ_GW_DEPTH;
+static_assert(kDepth == 1 || kDepth == 2, "NQ_GW_DEPTH: 1 or 2");
+static_assert(kStages > kDepth + 1, "the ring needs a free stage beyond those the consumers hold");
 constexpr int kWBytes = kBM * 32;
 constexpr int kSBytes = kBM * 4;
 template <int NT>
@@ -195,19 +203,28 @@ __device__ __forceinline__ void gemm_int4_wg(const uint32_t* __restrict__ qw, co
     load_frags(base + x_bytes<NT>(), reinterpret_cast<const uint32_t*>(base + x_bytes<NT>() + kWBytes), r0, r1,
                16u * static_cast<uint32_t>((e0 + gi) & 1), 16u * static_cast<uint32_t>((e1 + gi) & 1), shift, sel, f);
   };
-  // stage i's wgmmas from f, then (with only they pending) stage i - 1's slot back to the producer and
-  // stage i + 1's fragments into the other set
+  // stage i's wgmmas from f, then (with at most kDepth stages pending: stage i - kDepth done) that stage's
+  // slot back to the producer and stage i + 1's fragments into the set stage i - kDepth used
   auto step = [&](int i, const uint32_t(&f)[16], uint32_t(&f_next)[16]) {
     issue_stage<NT>(acc, f, smem_u32(ring + (i % kStages) * kStage));
-    wgmma_wait<1>();
-    if (i > 0 && lane == 0) mbar_arrive(&empty_bar[(i - 1) % kStages]);
+    wgmma_wait<kDepth>();
+    if (i >= kDepth && lane == 0) mbar_arrive(&empty_bar[(i - kDepth) % kStages]);
     if (i + 1 < n_stages) fetch(i + 1, f_next);
   };
   fetch(0, fa);
+#if NQ_GW_DEPTH == 1
   for (int i = 0; i < n_stages; i += 2) {  // n_stages is even (K % 128 == 0)
     step(i, fa, fb);
     step(i + 1, fb, fa);
   }
+#else
+  uint32_t fc[16];
+  for (int i = 0; i < n_stages; i += 3) {  // three fragment sets in rotation (block-uniform guards)
+    step(i, fa, fb);
+    if (i + 1 < n_stages) step(i + 1, fb, fc);
+    if (i + 2 < n_stages) step(i + 2, fc, fa);
+  }
+#endif
   wgmma_wait<0>();
 
   // ---- epilogue: [row][token] accumulators -> [token][row] fp16 rows of out ----
