@@ -30,6 +30,29 @@ def shapes(d):
             ("down", d.hidden, d.intermediate)]
 
 
+def bench_shape(pk, name, proj, n, k, m, qw, sc, w, widths: bool) -> tuple:
+    """One (shape, M): prints the line, returns the table row."""
+    x = cp.random.standard_normal((m, k), dtype=cp.float32).astype(cp.float16)
+    out = cp.empty((m, n), cp.float16)
+    fl = 2.0 * m * n * k
+    reps = max(2, min(20, int(2e12 / fl)))
+    bn, sp = pg.choose_plan(m, n, k, 132)
+    ws = cp.empty(max(1, sp * m * n), cp.float32)  # allocated before the capture
+    t_wg = time_graph(lambda i: pk.gemm_int4_wg(qw, sc, x, out, workspace=ws), reps, launches=5)
+    per_w = {}
+    if widths:
+        for b in pg.GW_WIDTHS:
+            per_w[b] = time_graph(lambda i, b=b: pk.gemm_int4_wg(qw, sc, x, out, tile=b, splits=1), reps, launches=5)
+    t_cb = time_calls(lambda: pk.gemm_f16(w, x, out), n=reps, batches=5)
+    t_dq = time_calls(lambda: pk.dequantize_int4(qw, sc, w), n=reps, batches=5)
+    extra = "; ".join(f"n{b}: {t * 1e6:.1f} us {fl / t / 1e12:.0f}" for b, t in per_w.items())
+    print(f"{name} {proj} {n}x{k} M={m}: wg[{bn}x{sp}] {t_wg * 1e6:.1f} us {fl / t_wg / 1e12:.0f} TFLOP/s | "
+          f"cuBLAS fp16 {t_cb * 1e6:.1f} us {fl / t_cb / 1e12:.0f} | dequant+cuBLAS "
+          f"{(t_cb + t_dq) * 1e6:.1f} us {fl / (t_cb + t_dq) / 1e12:.0f} | {extra}", flush=True)
+    plan = f"n{bn}" + (f" / {sp} splits" if sp > 1 else "")
+    return (name, proj, n, k, m, plan, t_wg, fl / t_wg / 1e12, t_cb, fl / t_cb / 1e12)
+
+
 def main() -> int:
     presets = [a for a in sys.argv[1:] if a in PRESETS] or ["7b"]
     ms = [int(v) for v in sys.argv[sys.argv.index("--m") + 1].split(",")] if "--m" in sys.argv else [512, 2048]
@@ -48,28 +71,11 @@ def main() -> int:
             w = cp.empty((n, k), cp.float16)
             pk.dequantize_int4(qw, sc, w)
             for m in ms:
-                x = cp.random.standard_normal((m, k), dtype=cp.float32).astype(cp.float16)
-                out = cp.empty((m, n), cp.float16)
-                fl = 2.0 * m * n * k
-                reps = max(2, min(20, int(2e12 / fl)))
-                t_wg = time_graph(lambda i: pk.gemm_int4_wg(qw, sc, x, out), reps, launches=5)
-                per_w = {}
-                if widths:
-                    for bn in pg.GW_WIDTHS:
-                        per_w[bn] = time_graph(lambda i, bn=bn: pk.gemm_int4_wg(qw, sc, x, out, tile=bn), reps,
-                                               launches=5)
-                t_cb = time_calls(lambda: pk.gemm_f16(w, x, out), n=reps, batches=5)
-                t_dq = time_calls(lambda: pk.dequantize_int4(qw, sc, w), n=reps, batches=5)
-                bn = pg.choose_tile(m, n, 132)
-                extra = "; ".join(f"n{b}: {t * 1e6:.1f} us {fl / t / 1e12:.0f}" for b, t in per_w.items())
-                print(f"{name} {proj} {n}x{k} M={m}: wg[{bn}] {t_wg * 1e6:.1f} us {fl / t_wg / 1e12:.0f} TFLOP/s | "
-                      f"cuBLAS fp16 {t_cb * 1e6:.1f} us {fl / t_cb / 1e12:.0f} | dequant+cuBLAS "
-                      f"{(t_cb + t_dq) * 1e6:.1f} us {fl / (t_cb + t_dq) / 1e12:.0f} | {extra}", flush=True)
-                rows.append((name, proj, n, k, m, bn, t_wg, fl / t_wg / 1e12, t_cb, fl / t_cb / 1e12))
+                rows.append(bench_shape(pk, name, proj, n, k, m, qw, sc, w, widths))
     print("\n| model | GEMM | N x K | M | fused INT4 wg (us, TFLOP/s) | cuBLAS fp16 (us, TFLOP/s) | wg / cuBLAS |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for name, proj, n, k, m, bn, t_wg, f_wg, t_cb, f_cb in rows:
-        print(f"| {name} | {proj} | {n} x {k} | {m} | {t_wg * 1e6:.1f}, **{f_wg:.0f}** (n{bn}) | "
+        print(f"| {name} | {proj} | {n} x {k} | {m} | {t_wg * 1e6:.1f}, **{f_wg:.0f}** ({bn}) | "
               f"{t_cb * 1e6:.1f}, {f_cb:.0f} | {t_cb / t_wg:.2f}x |")
     return 0
 

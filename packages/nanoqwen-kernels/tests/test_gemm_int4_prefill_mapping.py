@@ -150,16 +150,28 @@ def test_w_loads_spread_over_the_banks():
                 assert len(groups) == 8
 
 
-def test_plan_fits_and_chooses_a_width():
+def test_plan_fits_and_chooses_a_width_and_splits():
     for bn in pg.GW_WIDTHS:
         assert pg.smem_bytes(bn) <= 227 * 1024
         assert pg.stage_bytes(bn) % 1024 == 0
-    # a short prompt on a narrow matrix: the narrowest tile fills more SMs
-    assert pg.choose_tile(17, 3584, 132) == 64
-    # a long prompt on the widest matrix: the widest tile
-    assert pg.choose_tile(4096, 37888, 132) == 256
+    # a short prompt on the widest matrix: enough tiles, no split; a long one: the widest tile
+    assert pg.choose_plan(4096, 37888, 3584, 132) == (256, 1)
+    # a short prompt on a narrow matrix with a long K (the 7B's down at T = 512: 56 tiles of n256): split
+    assert pg.choose_plan(512, 3584, 18944, 132)[1] > 1
     for t in (1, 17, 511, 513, 4096):
-        for n in (512, 3584, 4608, 37888):
-            bn = pg.choose_tile(t, n, 132)
-            gx, gy, _ = pg.grid(t, n, bn)
-            assert gx * bn >= t and gy * pg.GW_ROWS >= n
+        for n, k in ((512, 256), (3584, 3584), (4608, 3584), (37888, 3584), (3584, 18944), (136, 384)):
+            bn, s = pg.choose_plan(t, n, k, 132)
+            gx, gy, gz = pg.grid(t, n, bn, s)
+            assert gx * bn >= t and gy * pg.GW_ROWS >= n and gz == s
+            assert s == 1 or (k // 128 >= 2 * s and s * t * n * 4 <= pg.WORKSPACE_CAP)
+
+
+def test_split_k_ranges_cover_k_once_in_pairs_of_stages():
+    """The kernel's split z takes groups [z G / S, (z + 1) G / S): every group once, none empty."""
+    for g in (2, 3, 12, 28, 70, 148):
+        for s in pg.GW_SPLITS:
+            if s > 1 and g < 2 * s:
+                continue
+            ranges = [(z * g // s, (z + 1) * g // s) for z in range(s)]
+            assert [lo for lo, _ in ranges[1:]] == [hi for _, hi in ranges[:-1]]
+            assert ranges[0][0] == 0 and ranges[-1][1] == g and all(hi > lo for lo, hi in ranges)

@@ -143,23 +143,32 @@ class _Fn:
         return self.f(*args)
 
 
-def test_prefill_gemm_int4_wg_is_one_launch_of_the_chosen_width(launches):
-    """gemm_int4_wg: one launch, no cuBLAS and no workspace; the grid is (token tiles, 128-row tiles) of
-    the width choose_tile picks (or the one asked for), accumulate passed as an int; bad shapes, a
-    misaligned X and an unknown width refused by name before anything launches."""
+def test_prefill_gemm_int4_wg_launches_the_chosen_plan(launches):
+    """gemm_int4_wg: no cuBLAS, no fp16 weight; the grid is (token tiles, 128-row tiles, splits) of the plan
+    choose_plan picks (or the one asked for), accumulate passed as an int; split-K adds one reduction launch
+    over the workspace, which then carries accumulate instead. Bad shapes, a misaligned X, an unknown width,
+    a split count past K's groups and a short workspace are refused by name before anything launches."""
     from nanoqwen_kernels import prefill_gemm as pg
 
     p = PrefillKernels(TINY, load)
     qw, sc = dev((136, 256 // 8), np.uint32), dev((136, 2), np.float16)
     X, out = dev((300, 256), np.float16), dev((300, 136), np.float16)
     for acc in (False, True):
+        n0 = len(launches)
         p.gemm_int4_wg(qw, sc, X, out, accumulate=acc)
-        fn, grid, args = launches[-1]
-        bn = pg.choose_tile(300, 136, 132)
-        assert fn == f"nq_gemm_int4_wg_n{bn}" and grid == (-(-300 // bn), 2, 1)
-        assert [int(a) for a in args[4:]] == [300, 136, 256, int(acc)]
-    p.gemm_int4_wg(qw, sc, X, out, tile=64)
+        bn, s = pg.choose_plan(300, 136, 256, 132)
+        fn, grid, args = launches[n0]
+        assert fn == f"nq_gemm_int4_wg_n{bn}" and grid == (-(-300 // bn), 2, s)
+        assert [int(a) for a in args[4:8]] == [300, 136, 256, int(acc)] and int(args[9]) == s
+    p.gemm_int4_wg(qw, sc, X, out, tile=64, splits=1)
     assert launches[-1][0] == "nq_gemm_int4_wg_n64" and launches[-1][1] == (5, 2, 1)
+    ws = dev((2 * 300 * 136,), np.float32)
+    n0 = len(launches)
+    p.gemm_int4_wg(qw, sc, X, out, accumulate=True, tile=128, splits=2, workspace=ws)
+    (fn, grid, args), (fn2, _, args2) = launches[n0:]
+    assert fn == "nq_gemm_int4_wg_n128" and grid == (3, 2, 2) and args[8].data.ptr == ws.data.ptr
+    assert fn2 == "nq_gemm_splitk_reduce" and args2[0].data.ptr == ws.data.ptr and args2[1].data.ptr == out.data.ptr
+    assert [int(a) for a in args2[2:]] == [300, 136, 2, 1]
     good = dict(qweight=qw, scales=sc, X=X, out=out)
     assert_each_refused(
         lambda **kw: p.gemm_int4_wg(**kw),
@@ -172,6 +181,8 @@ def test_prefill_gemm_int4_wg_is_one_launch_of_the_chosen_width(launches):
               "out": dev((300, 132), np.float16)}, "N % 8"),
             ({"X": dev((300 * 256 + 1,), np.float16)[1:].reshape(300, 256)}, "X must be 16-byte aligned"),
             ({"tile": 96}, "tile must be one of"),
+            ({"splits": 3}, "splits must be an int in 1 .. K / 128 = 2"),
+            ({"splits": 2, "workspace": dev((300 * 136,), np.float32)}, "workspace needs at least"),
         ],
     )
     n = len(launches)

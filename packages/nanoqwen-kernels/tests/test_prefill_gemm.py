@@ -144,8 +144,9 @@ WG_SHAPES = [  # (dims, N, K): 7B q/k/v, a slice of gate|up's rows, down's K; th
 @pytest.mark.parametrize("name,n,k", WG_SHAPES)
 def test_gemm_int4_wg_matches_reference(kernels, rng, T, name, n, k):
     """The fused INT4 GEMM at awkward T (a partial token tile on each side of 512), rows not a multiple of
-    the 128-row tile (136), an odd group count (K = 384), every tile width: float64 within the tolerance,
-    every output written (NaN poison)."""
+    the 128-row tile (136), an odd group count (K = 384), every tile width, split-K (2 and K / 256 splits,
+    uneven group counts per split): float64 within the tolerance, every output written (NaN poison in out
+    and in the split-K workspace)."""
     import cupy as cp
 
     qw, sc, w = int4_weight(rng, n, k)
@@ -153,32 +154,38 @@ def test_gemm_int4_wg_matches_reference(kernels, rng, T, name, n, k):
     ref = x.astype(np.float64) @ w.astype(np.float64).T
     tol = 2e-3 * np.abs(ref) + 2e-3 * np.sqrt(np.mean(ref**2))
     qd, sd, xd = cp.asarray(qw), cp.asarray(sc), cp.asarray(x)
-    for tile in (None, 256, 128, 64):
+    plans = [(None, None), (256, 1), (128, 1), (64, 1), (64, 2), (256, k // 256)]
+    for tile, splits in plans:
         out = cp.full((T, n), np.nan, dtype=cp.float16)
-        kernels["7b"].gemm_int4_wg(qd, sd, xd, out, tile=tile)
+        ws = cp.full(max(1, (splits or 1) * T * n), np.nan, dtype=cp.float32)  # poisoned partial sums
+        kernels["7b"].gemm_int4_wg(qd, sd, xd, out, tile=tile, splits=splits, workspace=ws)
         got = cp.asnumpy(out).astype(np.float64)
-        assert np.isfinite(got).all(), f"tile {tile}: {np.count_nonzero(~np.isfinite(got))} outputs not written"
-        assert (np.abs(got - ref) <= tol).all(), f"tile {tile}: max err {np.abs(got - ref).max():.3g}"
+        plan = f"tile {tile} splits {splits}"
+        assert np.isfinite(got).all(), f"{plan}: {np.count_nonzero(~np.isfinite(got))} outputs not written"
+        assert (np.abs(got - ref) <= tol).all(), f"{plan}: max err {np.abs(got - ref).max():.3g}"
 
 
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 17, 513])
 def test_gemm_int4_wg_accumulates_into_out(kernels, rng, T):
-    """accumulate=True: out = X W^T + out in fp32, one rounding (the residual add); the residual's rows and
-    columns stay paired (a transposed epilogue would mix them)."""
+    """accumulate=True: out = X W^T + out in fp32, one rounding (the residual add), in one launch and with
+    split-K (the reduction adds it); the residual's rows and columns stay paired (a transposed epilogue
+    would mix them)."""
     import cupy as cp
 
     n, k = 3584, 3584
     qw, sc, w = int4_weight(rng, n, k)
     x = rng.standard_normal((T, k)).astype(np.float16)
     res = (4 * rng.standard_normal((T, n))).astype(np.float16)
-    out = cp.asarray(res)
-    kernels["7b"].gemm_int4_wg(cp.asarray(qw), cp.asarray(sc), cp.asarray(x), out, accumulate=True)
     ref = x.astype(np.float64) @ w.astype(np.float64).T + res.astype(np.float64)
-    got = cp.asnumpy(out).astype(np.float64)
     tol = 2e-3 * np.abs(ref) + 2e-3 * np.sqrt(np.mean(ref**2))
-    assert (np.abs(got - ref) <= tol).all(), f"max err {np.abs(got - ref).max():.3g}"
+    for splits in (1, 3):
+        out = cp.asarray(res)
+        kernels["7b"].gemm_int4_wg(cp.asarray(qw), cp.asarray(sc), cp.asarray(x), out, accumulate=True,
+                                   splits=splits)
+        got = cp.asnumpy(out).astype(np.float64)
+        assert (np.abs(got - ref) <= tol).all(), f"splits {splits}: max err {np.abs(got - ref).max():.3g}"
 
 
 @gpu

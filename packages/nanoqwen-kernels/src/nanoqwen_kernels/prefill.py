@@ -94,6 +94,7 @@ class PrefillKernels:
         self._gw = {bn: mod.get_function(f"nq_gemm_int4_wg_n{bn}",
                                          max_dynamic_smem=pg.smem_bytes(bn, self._gw_stages))
                     for bn in pg.GW_WIDTHS}
+        self._splitk_reduce = mod.get_function("nq_gemm_splitk_reduce")
         kernel, rows, threads, smem = ATTENTION_VARIANTS[attention_variant]
         self._attn = (mod.get_function(kernel, max_dynamic_smem=smem), rows, threads, smem)
         self._dequant = mod.get_function("nq_dequantize_int4")
@@ -118,11 +119,14 @@ class PrefillKernels:
         ck.check_array("scales", scales, np.float16, shape=(n, k // GROUP))
         return n, k
 
-    def gemm_int4_wg(self, qweight, scales, X, out, accumulate: bool = False, tile: int | None = None) -> None:
+    def gemm_int4_wg(self, qweight, scales, X, out, accumulate: bool = False, tile: int | None = None,
+                     splits: int | None = None, workspace=None) -> None:
         """out[T, N] fp16 = X[T, K] . W^T (+ out[T, N] when accumulate, in fp32 before the one rounding), W
         the INT4 weight (qweight uint32 [N, K/8] ValueShuffle-v1, scales fp16 [N, K/128]) read as stored and
         dequantized in registers into the tensor cores' operands (cuda/gemm_int4_prefill.cu): no fp16 copy
-        of W, one launch. tile: tokens per block (prefill_gemm.GW_WIDTHS; None: choose_tile by shape)."""
+        of W. tile (tokens per block, prefill_gemm.GW_WIDTHS) and splits (split-K factor) default to
+        prefill_gemm.choose_plan's for the shape. With splits > 1 the partial sums go to `workspace` (fp32,
+        >= splits * T * N; from CuPy's pool when None) and a second launch adds them."""
         n, k = self._check_int4(qweight, scales)
         _check_gemm_io(X, out, n, k)
         if n % 8:
@@ -131,12 +135,27 @@ class PrefillKernels:
             ck.check_array(name, a, a.dtype, align=16)
         ck.check_array("scales", scales, np.float16, align=4)
         t = int(X.shape[0])
-        bn = tile if tile is not None else pg.choose_tile(t, n, ck.sm_count())
+        bn, s = pg.choose_plan(t, n, k, ck.sm_count())
+        bn, s = tile if tile is not None else bn, splits if splits is not None else s
         if bn not in self._gw:
             raise KernelError(f"tile must be one of {pg.GW_WIDTHS}, got {bn!r}")
-        ck.launch(self._gw[bn], pg.grid(t, n, bn), (pg.GW_THREADS, 1, 1),
-                  (qweight, scales, X, out, np.int32(t), np.int32(n), np.int32(k), np.int32(1 if accumulate else 0)),
+        if not isinstance(s, int | np.integer) or not 1 <= s <= k // GROUP:
+            raise KernelError(f"splits must be an int in 1 .. K / {GROUP} = {k // GROUP}, got {s!r}")
+        s = int(s)
+        if s > 1:
+            if workspace is None:
+                workspace = ck.cupy_module().empty(s * t * n, dtype=np.float32)
+            ck.check_array("workspace", workspace, np.float32, min_size=s * t * n, align=16)
+        ws = workspace if s > 1 else ck.NULL
+        ck.launch(self._gw[bn], pg.grid(t, n, bn, s), (pg.GW_THREADS, 1, 1),
+                  (qweight, scales, X, out, np.int32(t), np.int32(n), np.int32(k), np.int32(1 if accumulate else 0),
+                   ws, np.int32(s)),
                   shared_mem=pg.smem_bytes(bn, self._gw_stages))
+        if s > 1:
+            quads = t * n // 4
+            blocks = max(1, min(-(-quads // 256), 8 * ck.sm_count()))
+            ck.launch(self._splitk_reduce, (blocks, 1, 1), (256, 1, 1),
+                      (workspace, out, np.int32(t), np.int32(n), np.int32(s), np.int32(1 if accumulate else 0)))
 
     def dequantize_int4(self, qweight, scales, out) -> None:
         """out[N, K] fp16 = scales[n, k/128] * (u - 8): qweight uint32 [N, K/8] (ValueShuffle-v1)."""

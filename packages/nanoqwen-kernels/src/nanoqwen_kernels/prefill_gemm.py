@@ -2,10 +2,12 @@
 
 Pure arithmetic, no GPU: the tests run it on the CPU, the launcher (prefill.py gemm_int4_wg) on every call.
 A block computes 128 weight rows x BN tokens (BN = 256, 128 or 64: the kernel's NT = BN / 8 build) with one
-block per SM, so the grid is ceil(T / BN) x ceil(N / 128) blocks in waves of `sms`. choose_tile picks the
-BN with the least estimated time: waves x BN / efficiency(BN), the efficiency being what a narrower tile
-loses (per k, each warpgroup's wgmma reads the X tile once for 64 rows: a narrower tile reads the same
-weights for fewer tokens, and pays the fragment dequantization and the per-stage overhead over less work).
+block per SM, so the grid is ceil(T / BN) x ceil(N / 128) x S blocks in waves of `sms`, S the split-K
+factor: with S > 1 split z takes K's groups [z G / S, (z + 1) G / S), writes fp32 partial sums into a
+workspace [S, T, N], and a second launch (nq_gemm_splitk_reduce) adds them in order. Why: a short prompt
+on a narrow matrix has few tiles (the 7B's q/k/v at T = 512: 36 x 2 = 72 blocks for 132 SMs), and split-K
+multiplies the blocks without narrowing the tile. choose_plan picks (BN, S) with the least estimated time:
+waves x (stages per block + a fixed cost) x the time of a stage at that width, plus the reduction's bytes.
 """
 
 from __future__ import annotations
@@ -18,9 +20,14 @@ GW_THREADS = 384  # two consumer warpgroups + one producer warpgroup
 GW_ROWS = 128  # weight rows per block
 GW_STAGES = 5  # ring depth (the kernel's NQ_GW_STAGES, passed as a define)
 GW_WIDTHS = (256, 128, 64)  # tokens per block: the entries nq_gemm_int4_wg_n256 / _n128 / _n64
-# Relative throughput of a full wave at each width (used only to rank the widths for a shape); a first
-# estimate, to be replaced by measured figures (docs/PERF.md)
-GW_EFFICIENCY = {256: 1.0, 128: 0.85, 64: 0.65}
+# Relative throughput of a full wave at each width, from the H200's per-width timings of the 7B and 1.5B
+# shapes (docs/PERF.md, "eleventh lease": n128 ~0.85 and n64 ~0.6 of n256 where all three fill the SMs)
+GW_EFFICIENCY = {256: 1.0, 128: 0.85, 64: 0.6}
+GW_SPLITS = (1, 2, 3, 4, 6, 8)
+GW_STAGE_OVERHEAD = 3  # a block's fixed cost (ring fill, epilogue), in stages of its width
+_MAC_RATE_SM = 2.2e12  # multiply-adds per second of one SM at n256 (~580 TFLOP/s over 132 SMs)
+_REDUCE_BYTES_RATE = 2.5e12  # the reduction's fp32 reads + fp16 writes, bytes per second (L2-resident mostly)
+WORKSPACE_CAP = 64 << 20  # bytes of fp32 partial sums a plan may ask for
 _EPI_PITCH = 132  # floats per token of the epilogue's staging
 
 
@@ -35,24 +42,39 @@ def smem_bytes(bn: int, stages: int = GW_STAGES) -> int:
     return max(stages * stage_bytes(bn), bn * _EPI_PITCH * 4) + 1024
 
 
-def grid(t: int, n: int, bn: int) -> tuple[int, int, int]:
+def grid(t: int, n: int, bn: int, splits: int = 1) -> tuple[int, int, int]:
     """Token tiles along x (adjacent blocks share a weight tile, so it comes from HBM about once), weight
-    row tiles along y."""
-    return (-(-t // bn), -(-n // GW_ROWS), 1)
+    row tiles along y, K splits along z."""
+    return (-(-t // bn), -(-n // GW_ROWS), splits)
 
 
-def choose_tile(t: int, n: int, sms: int) -> int:
-    """The tile width for T tokens and N weight rows on `sms` SMs ($NANOQWEN_GEMM_TILE forces one)."""
-    forced = os.environ.get("NANOQWEN_GEMM_TILE")
-    if forced:
-        if not forced.isdigit() or int(forced) not in GW_WIDTHS:
-            raise KernelError(f"NANOQWEN_GEMM_TILE must be one of {GW_WIDTHS}, got {forced!r}")
-        return int(forced)
-    best, best_cost = GW_WIDTHS[0], None
-    for bn in GW_WIDTHS:
-        gx, gy, _ = grid(t, n, bn)
-        waves = -(-(gx * gy) // sms)
-        cost = waves * bn / GW_EFFICIENCY[bn]  # a block computes all bn columns, padding or not
-        if best_cost is None or cost < best_cost:
-            best, best_cost = bn, cost
-    return best
+def plan_cost(t: int, n: int, k: int, bn: int, splits: int, sms: int) -> float:
+    """Estimated seconds of the GEMM (+ its reduction when split) for one (width, splits)."""
+    gx, gy, _ = grid(t, n, bn, splits)
+    waves = -(-(gx * gy * splits) // sms)
+    stages = 2 * -(-(k // 128) // splits)
+    t_stage = GW_ROWS * bn * 64 / (_MAC_RATE_SM * GW_EFFICIENCY[bn])
+    cost = waves * (stages + GW_STAGE_OVERHEAD) * t_stage
+    if splits > 1:
+        cost += (t * n * 4 * (splits + 1) + t * n * 2) / _REDUCE_BYTES_RATE + 2e-6
+    return cost
+
+
+def choose_plan(t: int, n: int, k: int, sms: int) -> tuple[int, int]:
+    """(tile width, K splits) for T tokens, N rows, K inputs on `sms` SMs: the least plan_cost among the
+    widths and the splits that leave each split >= 2 groups and fit WORKSPACE_CAP ($NANOQWEN_GEMM_TILE /
+    $NANOQWEN_GEMM_SPLITS force either)."""
+    widths = (_forced("NANOQWEN_GEMM_TILE", GW_WIDTHS),) if os.environ.get("NANOQWEN_GEMM_TILE") else GW_WIDTHS
+    if os.environ.get("NANOQWEN_GEMM_SPLITS"):
+        splits_all = (_forced("NANOQWEN_GEMM_SPLITS", GW_SPLITS),)
+    else:
+        splits_all = tuple(s for s in GW_SPLITS if s == 1 or (k // 128 >= 2 * s and s * t * n * 4 <= WORKSPACE_CAP))
+    best = min((plan_cost(t, n, k, bn, s, sms), bn, s) for bn in widths for s in splits_all)
+    return best[1], best[2]
+
+
+def _forced(var: str, allowed: tuple[int, ...]) -> int:
+    v = os.environ[var]
+    if not v.isdigit() or int(v) not in allowed:
+        raise KernelError(f"{var} must be one of {allowed}, got {v!r}")
+    return int(v)

@@ -129,7 +129,7 @@ __device__ __forceinline__ void issue_stage(float (&acc)[NT][4], const uint32_t 
 template <int NT>
 __device__ __forceinline__ void gemm_int4_wg(const uint32_t* __restrict__ qw, const uint16_t* __restrict__ sc,
                                              const uint16_t* __restrict__ X, uint16_t* __restrict__ out, int T,
-                                             int N, int K, int accumulate) {
+                                             int N, int K, int accumulate, float* __restrict__ ws, int splits) {
   constexpr int kBN = 8 * NT;
   constexpr int kStage = stage_bytes<NT>();
   extern __shared__ uint4 smem_raw[];
@@ -137,8 +137,12 @@ __device__ __forceinline__ void gemm_int4_wg(const uint32_t* __restrict__ qw, co
   __shared__ uint64_t full_bar[kStages], empty_bar[kStages];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int t0 = blockIdx.x * kBN, row0 = blockIdx.y * kBM;
-  const int n_stages = K / kBK;
+  // split-K: split z = blockIdx.z of `splits` takes groups [z G / splits, (z + 1) G / splits) of K (an even
+  // stage count: the loop below is unrolled by two)
   const int G = K / kGroup;
+  const int g_lo = static_cast<int>(blockIdx.z) * G / splits, g_hi = (static_cast<int>(blockIdx.z) + 1) * G / splits;
+  const int k_begin = g_lo * kGroup;
+  const int n_stages = (g_hi - g_lo) * (kGroup / kBK);
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {
       mbar_init(&full_bar[s], 128);  // one cp.async arrival per producer thread
@@ -166,7 +170,7 @@ __device__ __forceinline__ void gemm_int4_wg(const uint32_t* __restrict__ qw, co
       const int s = i % kStages;
       if (i >= kStages) mbar_wait(&empty_bar[s], ((i / kStages) + 1) & 1);
       char* base = ring + s * kStage;
-      const int k0 = i * kBK;
+      const int k0 = k_begin + i * kBK;
 #pragma unroll 4
       for (int m = 0; m < kBN / 16; ++m) {
         const int tok = min(t0 + nl + 16 * m, T - 1);
@@ -199,7 +203,7 @@ __device__ __forceinline__ void gemm_int4_wg(const uint32_t* __restrict__ qw, co
     mbar_wait(&full_bar[s], (i / kStages) & 1);
     fence_proxy_async_smem();  // the producer's cp.async writes (generic proxy) before the wgmmas read X
     const char* base = ring + s * kStage;
-    const int gi = (i * kBK) / kGroup;
+    const int gi = (k_begin + i * kBK) / kGroup;
     load_frags(base + x_bytes<NT>(), reinterpret_cast<const uint32_t*>(base + x_bytes<NT>() + kWBytes), r0, r1,
                16u * static_cast<uint32_t>((e0 + gi) & 1), 16u * static_cast<uint32_t>((e1 + gi) & 1), shift, sel, f);
   };
@@ -246,6 +250,10 @@ __device__ __forceinline__ void gemm_int4_wg(const uint32_t* __restrict__ qw, co
       const int tok = t0 + tl;
       if (tok >= T) break;
       const float4 v = *reinterpret_cast<const float4*>(ep + tl * kEpiPitch + 4 * lane);
+      if (splits > 1) {  // this split's fp32 partial sums; nq_gemm_splitk_reduce adds the splits
+        *reinterpret_cast<float4*>(ws + (static_cast<size_t>(blockIdx.z) * T + tok) * N + row) = v;
+        continue;
+      }
       float r[4] = {v.x, v.y, v.z, v.w};
       uint2* dst = reinterpret_cast<uint2*>(out + static_cast<size_t>(tok) * N + row);
       if (accumulate) {
@@ -264,9 +272,34 @@ __device__ __forceinline__ void gemm_int4_wg(const uint32_t* __restrict__ qw, co
 #define NQ_GW_ENTRY(NT)                                                                                           \
   extern "C" __global__ void __launch_bounds__(nq::gw::kThreads, 1) nq_gemm_int4_wg_n##NT(                         \
       const nq::uint32_t* __restrict__ qw, const nq::uint16_t* __restrict__ sc, const nq::uint16_t* __restrict__ X, \
-      nq::uint16_t* __restrict__ out, int T, int N, int K, int accumulate) {                                       \
-    nq::gw::gemm_int4_wg<NT / 8>(qw, sc, X, out, T, N, K, accumulate);                                           \
+      nq::uint16_t* __restrict__ out, int T, int N, int K, int accumulate, float* __restrict__ ws, int splits) {    \
+    nq::gw::gemm_int4_wg<NT / 8>(qw, sc, X, out, T, N, K, accumulate, ws, splits);                               \
   }
 NQ_GW_ENTRY(256)
 NQ_GW_ENTRY(128)
 NQ_GW_ENTRY(64)
+
+// out[t][n] = fp16(sum over the splits of ws[z][t][n] (+ out[t][n])): the split-K GEMM's second launch, the
+// splits added in order (the same sums on every run). 4 outputs a thread (N % 4 == 0), grid-stride.
+extern "C" __global__ void __launch_bounds__(256) nq_gemm_splitk_reduce(const float* __restrict__ ws,
+                                                                       nq::uint16_t* __restrict__ out, int T, int N,
+                                                                       int splits, int accumulate) {
+  using namespace nq;
+  pdl_wait();
+  const size_t quads = static_cast<size_t>(T) * N / 4, plane = static_cast<size_t>(T) * N;
+  for (size_t q = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; q < quads;
+       q += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    float4 a = reinterpret_cast<const float4*>(ws)[q];
+    for (int z = 1; z < splits; ++z) {
+      const float4 b = reinterpret_cast<const float4*>(ws + z * plane)[q];
+      a.x += b.x, a.y += b.y, a.z += b.z, a.w += b.w;
+    }
+    uint2* dst = reinterpret_cast<uint2*>(out) + q;
+    if (accumulate) {
+      const uint2 old = *dst;
+      const float2 o0 = h22f2(old.x), o1 = h22f2(old.y);
+      a.x += o0.x, a.y += o0.y, a.z += o1.x, a.w += o1.y;
+    }
+    *dst = make_uint2(pack_h2(a.x, a.y), pack_h2(a.z, a.w));
+  }
+}
