@@ -109,9 +109,12 @@ def test_prefill_many_is_all_or_nothing(tied_path, kind, rng):
 
 
 def test_resident_fp16_prefill_weights_give_the_int4_path_bits(tied_path, kind, rng, monkeypatch):
-    """prefill_weights "fp16" (each matrix dequantized once at load, kept resident) and "int4" (dequantized
-    before every GEMM, by the same kernel) give the same logits bit for bit, prompts of 1 and 37 tokens;
-    "auto" takes fp16 where it fits; $NANOQWEN_PREFILL_WEIGHTS is the default; a bad value is refused."""
+    """prefill_weights "fp16" (each matrix dequantized once at load, kept resident, cuBLAS) and "int4" (the
+    fused INT4 GEMM on the matrices as stored) multiply the same fp16 weight values: on the host stand-in
+    the logits agree bit for bit; on the GPU the two GEMMs add in different orders, so the logits agree to
+    fp16 rounding of the activations (and the greedy tokens with them, on this model), prompts of 1 and
+    37 tokens; "auto" takes fp16 where it fits; $NANOQWEN_PREFILL_WEIGHTS is the default; a bad value is
+    refused."""
     ids = rng.integers(0, 1000, size=37)
     logits, toks = {}, {}
     for mode in ("fp16", "int4"):
@@ -127,7 +130,10 @@ def test_resident_fp16_prefill_weights_give_the_int4_path_bits(tied_path, kind, 
         toks[mode], logits[mode] = out[0::2], out[1::2]
     assert toks["fp16"] == toks["int4"]
     for a, b in zip(logits["fp16"], logits["int4"], strict=True):
-        assert np.array_equal(a, b)
+        if kind == "host":
+            assert np.array_equal(a, b)
+        else:
+            assert np.abs(a - b).max() <= 2e-2 * max(1.0, np.abs(b).max())
     be = make_backend(tied_path, kind, max_context=128)  # auto: the tiny model's copy fits easily
     assert be.info["prefill_weights"] == "fp16" and be.info["prefill_dense_bytes"] > 0
     monkeypatch.setenv("NANOQWEN_PREFILL_WEIGHTS", "int4")

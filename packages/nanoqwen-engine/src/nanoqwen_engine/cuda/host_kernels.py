@@ -214,6 +214,11 @@ class HostKernels:
         self._gemm(X, self._w(qweight, scales).astype(np.float16), out, accumulate)
 
     @_launcher
+    def gemm_int4_wg(self, qweight, scales, X, out, accumulate=False, tile=None, splits=None, workspace=None):
+        # the fused kernel dequantizes each weight to fp16 (one rounding of s * q) in registers, fp32 sums
+        self._gemm(X, self._w(qweight, scales).astype(np.float16), out, accumulate)
+
+    @_launcher
     def gemm_f16(self, w, X, out, accumulate=False):
         self._gemm(X, w, out, accumulate)
 

@@ -14,9 +14,9 @@ The MLP activation is one kernel (silu_mul, fp32 inside). A pass whose pieces, e
 of rows (GRAPH_BUCKETS), fit GRAPH_MAX_ROWS replays a CUDA graph captured for that shape (the launches
 above, with the token ids and each piece's start position and real row count read from device memory),
 because a short pass is host-bound; longer passes run eagerly (GPU-bound by then).
-Each GEMM reads the layer's resident f16 copy of its matrix when the backend keeps one (gemm_f16;
-plan.choose_prefill_weights), else dequantizes the INT4 matrix into a scratch first (gemm_int4): the same
-f16 bits either way.
+Each GEMM reads the layer's resident f16 copy of its matrix when the backend keeps one (gemm_f16, cuBLAS;
+plan.choose_prefill_weights), else the INT4 matrix as stored (gemm_int4_wg: dequantized in registers into
+the tensor cores' operands, no fp16 copy anywhere): the same f16 weight values either way, fp32 sums.
 
 Several sequences' prompts (or chunks) can go through together (hidden_many): their rows are stacked and
 share the GEMMs, while RoPE + K/V write and attention run per sequence. Passes hold PREFILL_CHUNK rows
@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from nanoqwen_kernels.prefill_gemm import WORKSPACE_CAP
 
 from .weights import DenseLayer, GpuWeights
 
@@ -220,14 +221,12 @@ class PrefillPass:
         return {k: new(s, dtype=np.float16) for k, s in shapes.items()}
 
     def _gemm_workspace(self):
-        """fp16 scratch for gemm_int4's dequantized weight: the largest projection (gate|up, 2I x H;
-        7B: 271 MB), allocated once instead of once per GEMM."""
+        """fp32 scratch for the split-K partial sums of gemm_int4_wg (prefill_gemm.WORKSPACE_CAP, 64 MiB: a
+        plan never asks for more), allocated once: a captured graph must not allocate."""
         if self.dev.xp is np:
             return None
         if self._ws is None:
-            c = self.cfg
-            n = max(2 * c.intermediate * c.hidden, c.qkv_rows * c.hidden, c.hidden * c.q_dim)
-            self._ws = self.dev.xp.empty(n, dtype=np.float16)
+            self._ws = self.dev.xp.empty(WORKSPACE_CAP // 4, dtype=np.float32)
         return self._ws
 
     def layer(self, i: int, x, segs, b: dict, ctls=None) -> None:
@@ -241,9 +240,9 @@ class PrefillPass:
         def gemm(name: str, X, out, accumulate: bool = False) -> None:
             if dl is not None:  # the resident f16 copy
                 ks.gemm_f16(getattr(dl, name), X, out, accumulate=accumulate)
-            else:  # dequantize into ws, then the same GEMM
+            else:  # the INT4 matrix as stored (split-K partial sums, when the plan splits, into ws)
                 w = getattr(lw, name)
-                ks.gemm_int4(w.qweight, w.scales, X, out, ws, accumulate=accumulate)
+                ks.gemm_int4_wg(w.qweight, w.scales, X, out, accumulate=accumulate, workspace=ws)
 
         ks.rmsnorm_rows(x, lw.in_norm, b["h"], eps)
         gemm("qkv", b["h"], b["qkv"])
