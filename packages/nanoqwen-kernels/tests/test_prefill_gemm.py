@@ -157,7 +157,8 @@ def test_gemm_int4_wg_matches_reference(kernels, rng, T, name, n, k):
     plans = [(None, None), (256, 1), (128, 1), (64, 1), (64, 2), (256, k // 256)]
     for tile, splits in plans:
         out = cp.full((T, n), np.nan, dtype=cp.float16)
-        ws = cp.full(max(1, (splits or 1) * T * n), np.nan, dtype=cp.float32)  # poisoned partial sums
+        # poisoned partial sums (the chosen plan's workspace comes from the pool)
+        ws = cp.full(splits * T * n, np.nan, dtype=cp.float32) if splits else None
         kernels["7b"].gemm_int4_wg(qd, sd, xd, out, tile=tile, splits=splits, workspace=ws)
         got = cp.asnumpy(out).astype(np.float64)
         plan = f"tile {tile} splits {splits}"

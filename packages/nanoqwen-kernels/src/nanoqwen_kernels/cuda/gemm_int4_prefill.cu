@@ -70,6 +70,17 @@ constexpr int kStages = NQ_GW_STAGES;
 constexpr int kDepth = NQ_GW_DEPTH;
 static_assert(kDepth == 1 || kDepth == 2, "NQ_GW_DEPTH: 1 or 2");
 static_assert(kStages > kDepth + 1, "the ring needs a free stage beyond those the consumers hold");
+// Where the proxy fence between the producers' cp.async writes (generic proxy) and the wgmmas' reads of X
+// (async proxy) runs. 1: in the producer, once its copies of a stage have landed (cp.async.wait_group,
+// kLead stages behind the newest, checked before the producer waits for a free slot), then a plain
+// mbarrier arrival. 0: in each consumer after its wait on the
+// stage (cp.async.mbarrier.arrive needs no producer wait); it compiles to MEMBAR.ALL.CTA on the consumers'
+// path between two stages' wgmmas.
+#ifndef NQ_GW_PRODUCER_FENCE
+#define NQ_GW_PRODUCER_FENCE 1
+#endif
+constexpr int kLead = kStages - 2;  // stages of copies a producer thread keeps in flight
+static_assert(kLead >= 1, "NQ_GW_STAGES >= 3");
 constexpr int kWBytes = kBM * 32;
 constexpr int kSBytes = kBM * 4;
 template <int NT>
@@ -168,6 +179,15 @@ __device__ __forceinline__ void gemm_int4_wg(const uint32_t* __restrict__ qw, co
     const size_t se = static_cast<size_t>(min(row0 + pt, N - 1)) * G;
     for (int i = 0; i < n_stages; ++i) {
       const int s = i % kStages;
+#if NQ_GW_PRODUCER_FENCE
+      // stage i - kLead's copies (this thread's) have landed: proxy fence, release it to the consumers.
+      // Before the wait on stage i's slot: that wait depends on the consumers, who may need this stage.
+      if (i >= kLead) {
+        cp_async_wait<kLead - 1>();
+        fence_proxy_async_smem();
+        mbar_arrive(&full_bar[(i - kLead) % kStages]);
+      }
+#endif
       if (i >= kStages) mbar_wait(&empty_bar[s], ((i / kStages) + 1) & 1);
       char* base = ring + s * kStage;
       const int k0 = k_begin + i * kBK;
@@ -181,8 +201,17 @@ __device__ __forceinline__ void gemm_int4_wg(const uint32_t* __restrict__ qw, co
       cp_async16(wbase + wo1, qw + static_cast<size_t>(wr1) * (K / 8) + k0 / 8 + 4 * j);
       const size_t e = se + k0 / kGroup;
       cp_async4(wbase + kWBytes + 4 * pt, sc + (e & ~static_cast<size_t>(1)));
+#if NQ_GW_PRODUCER_FENCE
+      cp_async_commit();
+#else
       cp_async_mbar_arrive(&full_bar[s]);
+#endif
     }
+#if NQ_GW_PRODUCER_FENCE
+    cp_async_wait<0>();
+    fence_proxy_async_smem();
+    for (int i = n_stages > kLead ? n_stages - kLead : 0; i < n_stages; ++i) mbar_arrive(&full_bar[i % kStages]);
+#endif
     cp_async_wait_all();  // nothing in flight when the warps exit
     return;
   }
@@ -201,7 +230,9 @@ __device__ __forceinline__ void gemm_int4_wg(const uint32_t* __restrict__ qw, co
   auto fetch = [&](int i, uint32_t(&f)[16]) {
     const int s = i % kStages;
     mbar_wait(&full_bar[s], (i / kStages) & 1);
+#if !NQ_GW_PRODUCER_FENCE
     fence_proxy_async_smem();  // the producer's cp.async writes (generic proxy) before the wgmmas read X
+#endif
     const char* base = ring + s * kStage;
     const int gi = (k_begin + i * kBK) / kGroup;
     load_frags(base + x_bytes<NT>(), reinterpret_cast<const uint32_t*>(base + x_bytes<NT>() + kWBytes), r0, r1,
