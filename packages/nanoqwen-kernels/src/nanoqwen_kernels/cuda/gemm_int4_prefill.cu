@@ -11,7 +11,7 @@
 // Block: 384 threads = two consumer warpgroups (warps 0-7) + one producer warpgroup (warps 8-11). Tile: 128 weight
 // rows (warpgroup i owns rows 64 i .. 64 i + 63, warp w % 4 of it rows 16 (w % 4) + {g, g + 8}, g = lane / 4)
 // x BN = 8 NT tokens (NT = 32 / 16 / 8: 256 / 128 / 64 tokens; the launcher picks by shape). One block per
-// SM (the ring takes ~185 KB), and the producers give their registers to the consumers (kConsumerRegs).
+// SM (the n256 ring takes 222 KB), and the producers give their registers to the consumers (kConsumerRegs).
 //
 // The ring (kStages stages, each one 64-k slice of the tile, handed over by mbarriers as in gemm_tiles.cuh):
 //     X [BN tokens][128 B]  the slice's 64 k of each token, wgmma's K-major B in the 128-byte swizzle
@@ -59,7 +59,7 @@ constexpr int kThreads = kConsumerThreads + 128;  // + the producer warpgroup (p
 constexpr int kConsumerRegs = 232;
 constexpr int kProducerRegs = 40;
 #ifndef NQ_GW_STAGES
-#define NQ_GW_STAGES 5
+#define NQ_GW_STAGES 6
 #endif
 constexpr int kStages = NQ_GW_STAGES;
 // Stages of wgmmas a consumer leaves in flight while it dequantizes the next one: 1 (two fragment sets)
