@@ -7,6 +7,10 @@ greedy, eager PyTorch (no torch.compile), several timed runs after a warm-up, me
 one JSON record (and writes it to --out).
 
     python3 scripts/peer_transformers.py --out docs/perf/peer-transformers.json
+    python3 scripts/peer_transformers.py --prefill-lengths 512,2048,8192,32768   # prefill only (issue 16)
+
+--prefill-lengths: the prefill peer instead: one forward pass of a prompt of each length (logits of the last
+position only, as nanoqwen's prefill computes them), attention as transformers chooses it (sdpa), medians.
 
 Needs torch + transformers (on the GPU machine here; never a dependency of nanoqwen).
 """
@@ -31,6 +35,7 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--prefill-lengths", default=None, help="comma-separated prompt lengths: prefill only")
     args = ap.parse_args()
 
     import torch
@@ -50,6 +55,8 @@ def main() -> int:
     load_s = time.perf_counter() - t0
 
     gen = torch.Generator(device="cuda").manual_seed(1)
+    if args.prefill_lengths:
+        return prefill_only(model, args, [int(v) for v in args.prefill_lengths.split(",")], gen, load_s)
     ids = torch.randint(0, 150000, (1, args.prompt_tokens), device="cuda", generator=gen)
 
     def timed(fn):
@@ -95,6 +102,36 @@ def main() -> int:
         "peak_gpu_bytes": torch.cuda.max_memory_allocated(),
         "date": time.strftime("%Y-%m-%d"),
     }
+    text = json.dumps(rec, indent=2)
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+    return 0
+
+
+def prefill_only(model, args, lengths, gen, load_s) -> int:
+    """Median ms of one forward pass (a fresh KV cache each time) per prompt length."""
+    import torch
+
+    rec = {"engine": "transformers", "transformers_version": __import__("transformers").__version__,
+           "torch_version": torch.__version__, "gpu_name": torch.cuda.get_device_name(), "dtype": "bfloat16",
+           "attn_implementation": getattr(model.config, "_attn_implementation", None), "runs": args.runs,
+           "load_s": load_s, "prefill_ms": {}, "date": time.strftime("%Y-%m-%d")}
+    with torch.inference_mode():
+        for n in lengths:
+            ids = torch.randint(0, 150000, (1, n), device="cuda", generator=gen)
+            times = []
+            for run in range(args.runs + 1):  # run 0 is the warm-up
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                model(ids, use_cache=True, logits_to_keep=1)
+                torch.cuda.synchronize()
+                if run:
+                    times.append((time.perf_counter() - t) * 1e3)
+            rec["prefill_ms"][n] = statistics.median(times)
+            print(f"transformers prefill {n} tokens: {rec['prefill_ms'][n]:.1f} ms", flush=True)
+    rec["peak_gpu_bytes"] = torch.cuda.max_memory_allocated()
     text = json.dumps(rec, indent=2)
     print(text)
     if args.out:

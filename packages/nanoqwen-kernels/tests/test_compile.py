@@ -227,3 +227,18 @@ def test_attention_prefill_wg_sass():
     assert len(re.findall(r"HGMMA\.64x128x16\.F32 .*tnspB", body)) == 4
     assert "HMMA" not in body and "LDSM" not in body
     assert "LDGSTS" in body and "STL" not in body and "LDL" not in body
+
+
+@pytest.mark.parametrize("width", [256, 128, 64])
+def test_gemm_int4_prefill_sass(width):
+    """The fused INT4 GEMM's build per tile width: 8 HGMMA m64 x width x 16 (a stage's 4, in each of the two
+    fragment sets of the unrolled loop) of which only each stage's last one waits on the group's scoreboard
+    (ptxas did not serialize the wgmmas: a wgmma waited after each one would be 8 gsb0), the consumers'
+    wait leaving one stage in flight, setmaxnreg both ways, copies by LDGSTS, nothing spilled."""
+    body = _functions(_sass("gemm_int4_prefill.cu", QWEN25_7B))[f"nq_gemm_int4_wg_n{width}"]
+    hgmma = re.findall(rf"HGMMA\.64x{width}x16\.F32 [^;]*", body)
+    assert len(hgmma) == 8
+    assert sum("gsb0" in h for h in hgmma) == 2
+    assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in body
+    assert "USETMAXREG" in body or "SETMAXREG" in body
+    assert "LDGSTS" in body and "STL" not in body and "LDL" not in body
