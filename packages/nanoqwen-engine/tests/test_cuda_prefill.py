@@ -115,6 +115,7 @@ def test_resident_fp16_prefill_weights_give_the_int4_path_bits(tied_path, kind, 
     fp16 rounding of the activations (and the greedy tokens with them, on this model), prompts of 1 and
     37 tokens; "auto" takes fp16 where it fits; $NANOQWEN_PREFILL_WEIGHTS is the default; a bad value is
     refused."""
+    monkeypatch.delenv("NANOQWEN_PREFILL_WEIGHTS", raising=False)  # "auto" below must mean auto
     ids = rng.integers(0, 1000, size=37)
     logits, toks = {}, {}
     for mode in ("fp16", "int4"):
