@@ -79,6 +79,12 @@ static_assert(kStages > kDepth + 1, "the ring needs a free stage beyond those th
 #ifndef NQ_GW_PRODUCER_FENCE
 #define NQ_GW_PRODUCER_FENCE 1
 #endif
+// Timing experiments only (wrong results; never built by default): 1 = the producers skip X's copies
+// (the wgmmas read whatever the ring holds), 2 = the consumers skip the dequantization (constant fragments).
+// What each costs says whether the copies, the dequantization or neither bounds the kernel.
+#ifndef NQ_GW_EXPERIMENT
+#define NQ_GW_EXPERIMENT 0
+#endif
 constexpr int kLead = kStages - 2;  // stages of copies a producer thread keeps in flight
 static_assert(kLead >= 1, "NQ_GW_STAGES >= 3");
 constexpr int kWBytes = kBM * 32;
@@ -192,7 +198,7 @@ __device__ __forceinline__ void gemm_int4_wg(const uint32_t* __restrict__ qw, co
       char* base = ring + s * kStage;
       const int k0 = k_begin + i * kBK;
 #pragma unroll 4
-      for (int m = 0; m < kBN / 16; ++m) {
+      for (int m = 0; m < (NQ_GW_EXPERIMENT == 1 ? 0 : kBN / 16); ++m) {
         const int tok = min(t0 + nl + 16 * m, T - 1);
         cp_async16(base + xo + 2048 * m, X + static_cast<size_t>(tok) * K + k0 + 8 * ch);
       }
@@ -235,8 +241,12 @@ __device__ __forceinline__ void gemm_int4_wg(const uint32_t* __restrict__ qw, co
 #endif
     const char* base = ring + s * kStage;
     const int gi = (k_begin + i * kBK) / kGroup;
+#if NQ_GW_EXPERIMENT == 2
+    for (int q = 0; q < 16; ++q) f[q] = 0x3c003c00u ^ static_cast<uint32_t>(gi + q);
+#else
     load_frags(base + x_bytes<NT>(), reinterpret_cast<const uint32_t*>(base + x_bytes<NT>() + kWBytes), r0, r1,
                16u * static_cast<uint32_t>((e0 + gi) & 1), 16u * static_cast<uint32_t>((e1 + gi) & 1), shift, sel, f);
+#endif
   };
   // stage i's wgmmas from f, then (with at most kDepth stages pending: stage i - kDepth done) that stage's
   // slot back to the producer and stage i + 1's fragments into the set stage i - kDepth used
