@@ -1,6 +1,6 @@
 """CPU check of the fused INT4 prefill GEMM's data flow (cuda/gemm_int4_prefill.cu), emulated in numpy exactly
-as the kernel moves the bytes: the producer's copies of X, W and the scale pairs into a ring stage (their
-byte offsets, swizzles and clamps), each consumer lane's A fragments (dq_pair: shift, mask, prmt selector,
+as the kernel moves the bytes: the TMA box of X (the 128-byte swizzle, zeros past T) and the producers'
+copies of W and the scale pairs into a ring stage (their byte offsets, swizzles and clamps), each consumer lane's A fragments (dq_pair: shift, mask, prmt selector,
 1032 bias, scale from the pair's half picked by parity) and wgmma's reads of X through the stage's
 descriptor (128-byte swizzle, 32 bytes per k16 step). The emulated tile must equal X . W^T for every row
 and token; the copies must cover the stage once; a warp's W loads must hit 8 distinct 16-byte bank groups.
@@ -28,12 +28,13 @@ def producer_stage(X, qw, sc_flat, G, t0, row0, k0, bn, T, N, K):
         st[off:off + len(src)] = src
         written[off:off + len(src)] += 1
 
-    for pt in range(128):  # the producer warpgroup's threads
-        ch, nl = pt & 7, pt >> 3
-        xo = 1024 * (nl >> 3) + 128 * (nl & 7) + 16 * (ch ^ (nl & 7))
-        for m in range(bn // 16):
-            tok = min(t0 + nl + 16 * m, T - 1)
-            put(xo + 2048 * m, xbytes[tok, 2 * (k0 + 8 * ch):2 * (k0 + 8 * ch) + 16])
+    # X: the TMA box [bn tokens][64 k] in the 128-byte swizzle (rows past T: zeros)
+    for n in range(bn):
+        for ch in range(8):
+            tok = t0 + n
+            src = xbytes[tok, 2 * (k0 + 8 * ch):2 * (k0 + 8 * ch) + 16] if tok < T else np.zeros(16, np.uint8)
+            put(1024 * (n >> 3) + 128 * (n & 7) + 16 * (ch ^ (n & 7)), src)
+    for pt in range(128):  # the producer warpgroup's threads: W and S
         j = pt & 1
         wo0 = (pt >> 1) * 32 + 16 * (j ^ (((pt >> 1) >> 2) & 1))
         w0 = k0 // 8 + 4 * j
@@ -126,16 +127,18 @@ def emulate_tile(X, qw, sc, t0, row0, bn, K):
 @pytest.mark.parametrize("bn,T,N,K,t0,row0", [(64, 70, 136, 256, 64, 0), (64, 40, 136, 384, 0, 128),
                                                (128, 128, 128, 256, 0, 0)])
 def test_emulated_tile_is_x_times_w(rng, bn, T, N, K, t0, row0):
-    """Tiles with clamped tokens (past T) and rows (past N), an odd group count (K = 384: the scale pairs'
-    parity alternates along a row)."""
+    """Tiles with tokens past T (zeros) and rows past N (clamped), an odd group count (K = 384: the scale
+    pairs' parity alternates along a row)."""
     u, s = random_int4(rng, N, K, scale=0.1)
     qw = pack_valueshuffle(u)
     w = dequant(u, s).astype(np.float16).astype(np.float64)
     X = rng.standard_normal((T, K)).astype(np.float16)
     acc = emulate_tile(X, qw, s, t0, row0, bn, K)
     rows = np.minimum(np.arange(row0, row0 + BM), N - 1)
-    toks = np.minimum(np.arange(t0, t0 + bn), T - 1)
-    ref = w[rows] @ X.astype(np.float64)[toks].T
+    xt = np.zeros((bn, K))
+    live = min(bn, T - t0)
+    xt[:live] = X.astype(np.float64)[t0:t0 + live]
+    ref = w[rows] @ xt.T
     np.testing.assert_allclose(acc, ref, rtol=1e-9, atol=1e-9)
 
 

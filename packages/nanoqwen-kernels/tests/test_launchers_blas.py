@@ -143,13 +143,21 @@ class _Fn:
         return self.f(*args)
 
 
-def test_prefill_gemm_int4_wg_launches_the_chosen_plan(launches):
+def test_prefill_gemm_int4_wg_launches_the_chosen_plan(launches, monkeypatch):
     """gemm_int4_wg: no cuBLAS, no fp16 weight; the grid is (token tiles, 128-row tiles, splits) of the plan
     choose_plan picks (or the one asked for), accumulate passed as an int; split-K adds one reduction launch
     over the workspace, which then carries accumulate instead. Bad shapes, a misaligned X, an unknown width,
     a split count past K's groups and a short workspace are refused by name before anything launches."""
     from nanoqwen_kernels import prefill_gemm as pg
+    from nanoqwen_kernels import tma
 
+    maps = []
+
+    def fake_encode(ptr, rows, cols, box_rows, box_cols=64):
+        maps.append((ptr, rows, cols, box_rows))
+        return tma.TensorMap()
+
+    monkeypatch.setattr(tma, "encode_rows_f16", fake_encode)
     p = PrefillKernels(TINY, load)
     qw, sc = dev((136, 256 // 8), np.uint32), dev((136, 2), np.float16)
     X, out = dev((300, 256), np.float16), dev((300, 136), np.float16)
@@ -159,6 +167,9 @@ def test_prefill_gemm_int4_wg_launches_the_chosen_plan(launches):
         bn, s = pg.choose_plan(300, 136, 256, 132)
         fn, grid, args = launches[n0]
         assert fn == f"nq_gemm_int4_wg_n{bn}" and grid == (-(-300 // bn), 2, s)
+        # X by its TMA map (encoded once for the buffer, boxes of bn tokens), then W, scales, out
+        assert isinstance(args[0], tma.TensorMap) and maps == [(X.data.ptr, 300, 256, bn)]
+        assert [a.data.ptr for a in args[1:4]] == [qw.data.ptr, sc.data.ptr, out.data.ptr]
         assert [int(a) for a in args[4:8]] == [300, 136, 256, int(acc)] and int(args[9]) == s
     p.gemm_int4_wg(qw, sc, X, out, tile=64, splits=1)
     assert launches[-1][0] == "nq_gemm_int4_wg_n64" and launches[-1][1] == (5, 2, 1)
@@ -189,3 +200,32 @@ def test_prefill_gemm_int4_wg_launches_the_chosen_plan(launches):
     with pytest.raises(KernelError, match="X and out overlap"):
         p.gemm_int4_wg(qw, sc, X, X.reshape(-1)[:300 * 136].reshape(300, 136))
     assert len(launches) == n
+
+
+def test_tma_map_of_the_activations_is_encoded_as_the_kernel_reads_it(monkeypatch):
+    """tma.encode_rows_f16 asks the driver for a 2-D fp16 map, dims innermost first (K, T), the row pitch
+    in bytes, boxes of 64 k x bn tokens, the 128-byte swizzle and zero fill; a driver error or a misaligned
+    source is one KernelError."""
+    import ctypes
+
+    from nanoqwen_kernels import tma
+
+    seen = {}
+
+    def fake(tmap, dtype, rank, addr, dims, strides, box, elem, inter, swz, l2, oob):
+        seen.update(dtype=dtype, rank=rank, addr=addr.value, dims=list(dims[:2]), strides=list(strides[:1]),
+                    box=list(box[:2]), elem=list(elem[:2]), inter=inter, swz=swz, oob=oob)
+        ctypes.cast(tmap, ctypes.POINTER(tma.TensorMap)).contents.opaque[0] = 42
+        return seen.get("rc", 0)
+
+    monkeypatch.setattr(tma, "_encoder", lambda: fake)
+    m = tma.encode_rows_f16(0x10000, 513, 3584, 256)
+    assert m.opaque[0] == 42 and ctypes.sizeof(m) == 128
+    assert seen == dict(dtype=tma.CU_TENSOR_MAP_DATA_TYPE_FLOAT16, rank=2, addr=0x10000, dims=[3584, 513],
+                        strides=[3584 * 2], box=[64, 256], elem=[1, 1], inter=0, swz=tma.CU_TENSOR_MAP_SWIZZLE_128B,
+                        oob=tma.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+    with pytest.raises(KernelError, match="16-byte aligned"):
+        tma.encode_rows_f16(0x10008, 513, 3584, 256)
+    seen["rc"] = 1
+    with pytest.raises(KernelError, match="cuTensorMapEncodeTiled failed with CUresult 1"):
+        tma.encode_rows_f16(0x10000, 513, 3584, 256)

@@ -14,7 +14,7 @@ next kernel early (griddepcontrol.launch_dependents at entry) measured slower an
 CuPy's launch (`Function.__call__`) takes no launch attributes, so this module builds the driver's
 CUlaunchConfig itself and calls cuLaunchKernelEx from libcuda (already loaded by CuPy). Arguments are
 marshalled as CuPy would: a device array is its pointer, a numpy scalar its value in its C type (int32,
-float32, the uint64 null pointer).
+float32, the uint64 null pointer); a ctypes structure (tma.TensorMap) goes by value, as its bytes.
 
 Switch: $NANOQWEN_PDL = 0 launches every kernel plainly (through CuPy); default on, on compute capability
 >= 9.0 (the attribute needs Hopper; the kernels are built for sm_90a).
@@ -72,6 +72,9 @@ def pack_args(args: tuple) -> tuple[ctypes.Array, list]:
     """(void*[] kernelParams, the buffers it points into: keep them alive until the launch returns)."""
     bufs: list = []
     for i, a in enumerate(args):
+        if isinstance(a, ctypes.Structure):  # passed by value as its bytes (tma.TensorMap)
+            bufs.append(a)
+            continue
         ctype = _SCALARS.get(type(a))
         if ctype is not None:
             bufs.append(ctype(a.item()))

@@ -15,6 +15,7 @@ import numpy as np
 
 from . import checks as ck
 from . import prefill_gemm as pg
+from . import tma
 from .blas import Blas
 from .dims import GROUP, HEAD_DIM, PAGE_TOKENS, ModelDims
 from .errors import KernelError
@@ -95,6 +96,7 @@ class PrefillKernels:
                                          max_dynamic_smem=pg.smem_bytes(bn, self._gw_stages))
                     for bn in pg.GW_WIDTHS}
         self._splitk_reduce = mod.get_function("nq_gemm_splitk_reduce")
+        self._x_maps: dict = {}
         kernel, rows, threads, smem = ATTENTION_VARIANTS[attention_variant]
         self._attn = (mod.get_function(kernel, max_dynamic_smem=smem), rows, threads, smem)
         self._dequant = mod.get_function("nq_dequantize_int4")
@@ -148,14 +150,25 @@ class PrefillKernels:
             ck.check_array("workspace", workspace, np.float32, min_size=s * t * n, align=16)
         ws = workspace if s > 1 else ck.NULL
         ck.launch(self._gw[bn], pg.grid(t, n, bn, s), (pg.GW_THREADS, 1, 1),
-                  (qweight, scales, X, out, np.int32(t), np.int32(n), np.int32(k), np.int32(1 if accumulate else 0),
-                   ws, np.int32(s)),
+                  (self._x_map(X, t, k, bn), qweight, scales, out, np.int32(t), np.int32(n), np.int32(k),
+                   np.int32(1 if accumulate else 0), ws, np.int32(s)),
                   shared_mem=pg.smem_bytes(bn, self._gw_stages))
         if s > 1:
             quads = t * n // 4
             blocks = max(1, min(-(-quads // 256), 8 * ck.sm_count()))
             ck.launch(self._splitk_reduce, (blocks, 1, 1), (256, 1, 1),
                       (workspace, out, np.int32(t), np.int32(n), np.int32(s), np.int32(1 if accumulate else 0)))
+
+    def _x_map(self, X, t: int, k: int, bn: int):
+        """X's TMA map (boxes of bn tokens x 64 k), encoded once per (address, shape, width): a prefill pass
+        reuses the same activation buffers layer after layer."""
+        key = (int(X.data.ptr), t, k, bn)
+        m = self._x_maps.get(key)
+        if m is None:
+            if len(self._x_maps) >= 256:
+                self._x_maps.clear()
+            m = self._x_maps[key] = tma.encode_rows_f16(key[0], t, k, bn)
+        return m
 
     def dequantize_int4(self, qweight, scales, out) -> None:
         """out[N, K] fp16 = scales[n, k/128] * (u - 8): qweight uint32 [N, K/8] (ValueShuffle-v1)."""

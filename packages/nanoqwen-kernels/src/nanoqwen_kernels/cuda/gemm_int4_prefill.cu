@@ -21,10 +21,15 @@
 //                           8 different 16-byte bank groups
 //     S [128 rows] u32      the 4-byte-aligned pair of fp16 scales that holds the row's scale of this group
 //                           (cp.async moves 4 bytes at least; the consumer picks the half by parity)
-// The producer warpgroup copies every stage with cp.async (X rows past T repeat row T - 1, W rows past N repeat
-// row N - 1: read, multiplied, never written), each thread arriving on full[s] when its copies land; each
-// consumer warp
-// arrives on empty[s] once its wgmmas that read stage s have completed.
+// X comes by TMA: producer thread 0 issues one bulk tensor copy of the [BN][64] box per stage (tma.py's map
+// of X: the 128-byte swizzle above is the TMA's own; tokens past T read as zeros) on fullx[s]. Why: with
+// X copied by the 128 producer threads as 16-byte cp.async pieces the kernel ran at 566 TFLOP/s (7B gate/up,
+// T = 2048), at 811 with those copies skipped, at 578 with the dequantization skipped instead (H200,
+// docs/PERF.md "eleventh lease"): the copies' issue and address arithmetic were the bound. W and S (4.5 KB
+// a stage) stay cp.async from the 128 producer threads (rows past N repeat row N - 1: read, multiplied,
+// never written), each thread arriving on full[s] when its copies land; they are read by the consumers'
+// own loads (generic proxy), so no proxy fence. Each consumer warp arrives on empty[s] once its wgmmas that
+// read stage s have completed.
 //
 // A fragments from a natural-order X: a k16 step's lane (g, c) needs k = 2c, 2c+1, 2c+8, 2c+9 of the step,
 // i.e. value pair c (of 4) of word 2s and of word 2s + 1 (8 k per word). ValueShuffle-v1 keeps pair c in
@@ -70,23 +75,7 @@ constexpr int kStages = NQ_GW_STAGES;
 constexpr int kDepth = NQ_GW_DEPTH;
 static_assert(kDepth == 1 || kDepth == 2, "NQ_GW_DEPTH: 1 or 2");
 static_assert(kStages > kDepth + 1, "the ring needs a free stage beyond those the consumers hold");
-// Where the proxy fence between the producers' cp.async writes (generic proxy) and the wgmmas' reads of X
-// (async proxy) runs. 1: in the producer, once its copies of a stage have landed (cp.async.wait_group,
-// kLead stages behind the newest, checked before the producer waits for a free slot), then a plain
-// mbarrier arrival. 0: in each consumer after its wait on the
-// stage (cp.async.mbarrier.arrive needs no producer wait); it compiles to MEMBAR.ALL.CTA on the consumers'
-// path between two stages' wgmmas.
-#ifndef NQ_GW_PRODUCER_FENCE
-#define NQ_GW_PRODUCER_FENCE 1
-#endif
-// Timing experiments only (wrong results; never built by default): 1 = the producers skip X's copies
-// (the wgmmas read whatever the ring holds), 2 = the consumers skip the dequantization (constant fragments).
-// What each costs says whether the copies, the dequantization or neither bounds the kernel.
-#ifndef NQ_GW_EXPERIMENT
-#define NQ_GW_EXPERIMENT 0
-#endif
-constexpr int kLead = kStages - 2;  // stages of copies a producer thread keeps in flight
-static_assert(kLead >= 1, "NQ_GW_STAGES >= 3");
+
 constexpr int kWBytes = kBM * 32;
 constexpr int kSBytes = kBM * 4;
 template <int NT>
@@ -144,14 +133,14 @@ __device__ __forceinline__ void issue_stage(float (&acc)[NT][4], const uint32_t 
 }
 
 template <int NT>
-__device__ __forceinline__ void gemm_int4_wg(const uint32_t* __restrict__ qw, const uint16_t* __restrict__ sc,
-                                             const uint16_t* __restrict__ X, uint16_t* __restrict__ out, int T,
+__device__ __forceinline__ void gemm_int4_wg(const TmaMap& xmap, const uint32_t* __restrict__ qw,
+                                             const uint16_t* __restrict__ sc, uint16_t* __restrict__ out, int T,
                                              int N, int K, int accumulate, float* __restrict__ ws, int splits) {
   constexpr int kBN = 8 * NT;
   constexpr int kStage = stage_bytes<NT>();
   extern __shared__ uint4 smem_raw[];
   char* const ring = reinterpret_cast<char*>(smem_raw) + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
-  __shared__ uint64_t full_bar[kStages], empty_bar[kStages];
+  __shared__ uint64_t full_bar[kStages], fullx_bar[kStages], empty_bar[kStages];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int t0 = blockIdx.x * kBN, row0 = blockIdx.y * kBM;
   // split-K: split z = blockIdx.z of `splits` takes groups [z G / splits, (z + 1) G / splits) of K (an even
@@ -162,9 +151,11 @@ __device__ __forceinline__ void gemm_int4_wg(const uint32_t* __restrict__ qw, co
   const int n_stages = (g_hi - g_lo) * (kGroup / kBK);
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(&full_bar[s], 128);  // one cp.async arrival per producer thread
-      mbar_init(&empty_bar[s], 8);  // one arrival per consumer warp
+      mbar_init(&full_bar[s], 128);  // W, S: one cp.async arrival per producer thread
+      mbar_init(&fullx_bar[s], 1);   // X: the TMA thread's arrival + the copy's bytes
+      mbar_init(&empty_bar[s], 8);   // one arrival per consumer warp
     }
+    fence_mbarrier_init();  // the initialised barriers visible to the TMA unit (async proxy)
   }
   __syncthreads();
   pdl_wait();  // X (and out, when accumulating) are the previous kernels' outputs
@@ -173,10 +164,6 @@ __device__ __forceinline__ void gemm_int4_wg(const uint32_t* __restrict__ qw, co
     // its registers go to the consumers (setmaxnreg: the copies need few); pt = 0 .. 127
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegs));
     const int pt = tid - kConsumerThreads;
-    // X: thread pt copies chunk ch = pt % 8 of tokens n = pt / 8 + 16 m (m = 0 .. BN / 16 - 1); token n's
-    // chunk lands at 1024 (n / 8) + 128 (n % 8) + 16 (ch ^ (n % 8)) = xo + 2048 m
-    const int ch = pt & 7, nl = pt >> 3;
-    const int xo = 1024 * (nl >> 3) + 128 * (nl & 7) + 16 * (ch ^ (nl & 7));
     // W: chunk j = pt % 2 of rows r = pt / 2 and pt / 2 + 64; S: the scale pair of row pt
     const int j = pt & 1;
     const int wr0 = min(row0 + (pt >> 1), N - 1), wr1 = min(row0 + (pt >> 1) + 64, N - 1);
@@ -185,39 +172,20 @@ __device__ __forceinline__ void gemm_int4_wg(const uint32_t* __restrict__ qw, co
     const size_t se = static_cast<size_t>(min(row0 + pt, N - 1)) * G;
     for (int i = 0; i < n_stages; ++i) {
       const int s = i % kStages;
-#if NQ_GW_PRODUCER_FENCE
-      // stage i - kLead's copies (this thread's) have landed: proxy fence, release it to the consumers.
-      // Before the wait on stage i's slot: that wait depends on the consumers, who may need this stage.
-      if (i >= kLead) {
-        cp_async_wait<kLead - 1>();
-        fence_proxy_async_smem();
-        mbar_arrive(&full_bar[(i - kLead) % kStages]);
-      }
-#endif
       if (i >= kStages) mbar_wait(&empty_bar[s], ((i / kStages) + 1) & 1);
       char* base = ring + s * kStage;
       const int k0 = k_begin + i * kBK;
-#pragma unroll 4
-      for (int m = 0; m < (NQ_GW_EXPERIMENT == 1 ? 0 : kBN / 16); ++m) {
-        const int tok = min(t0 + nl + 16 * m, T - 1);
-        cp_async16(base + xo + 2048 * m, X + static_cast<size_t>(tok) * K + k0 + 8 * ch);
+      if (pt == 0) {  // X: one bulk tensor copy of the [BN tokens][64 k] box (tokens past T: zeros)
+        mbar_arrive_expect_tx(&fullx_bar[s], x_bytes<NT>());
+        tma_load_2d(base, &xmap, k0, t0, &fullx_bar[s]);
       }
       char* wbase = base + x_bytes<NT>();
       cp_async16(wbase + wo0, qw + static_cast<size_t>(wr0) * (K / 8) + k0 / 8 + 4 * j);
       cp_async16(wbase + wo1, qw + static_cast<size_t>(wr1) * (K / 8) + k0 / 8 + 4 * j);
       const size_t e = se + k0 / kGroup;
       cp_async4(wbase + kWBytes + 4 * pt, sc + (e & ~static_cast<size_t>(1)));
-#if NQ_GW_PRODUCER_FENCE
-      cp_async_commit();
-#else
-      cp_async_mbar_arrive(&full_bar[s]);
-#endif
+      cp_async_mbar_arrive(&full_bar[s]);  // W and S are read by the consumers' loads (generic proxy)
     }
-#if NQ_GW_PRODUCER_FENCE
-    cp_async_wait<0>();
-    fence_proxy_async_smem();
-    for (int i = n_stages > kLead ? n_stages - kLead : 0; i < n_stages; ++i) mbar_arrive(&full_bar[i % kStages]);
-#endif
     cp_async_wait_all();  // nothing in flight when the warps exit
     return;
   }
@@ -235,18 +203,12 @@ __device__ __forceinline__ void gemm_int4_wg(const uint32_t* __restrict__ qw, co
   // stage i's fragments into f (after waiting for its copies)
   auto fetch = [&](int i, uint32_t(&f)[16]) {
     const int s = i % kStages;
-    mbar_wait(&full_bar[s], (i / kStages) & 1);
-#if !NQ_GW_PRODUCER_FENCE
-    fence_proxy_async_smem();  // the producer's cp.async writes (generic proxy) before the wgmmas read X
-#endif
+    mbar_wait(&full_bar[s], (i / kStages) & 1);   // W, S landed
+    mbar_wait(&fullx_bar[s], (i / kStages) & 1);  // X landed (TMA: async proxy, what the wgmmas read)
     const char* base = ring + s * kStage;
     const int gi = (k_begin + i * kBK) / kGroup;
-#if NQ_GW_EXPERIMENT == 2
-    for (int q = 0; q < 16; ++q) f[q] = 0x3c003c00u ^ static_cast<uint32_t>(gi + q);
-#else
     load_frags(base + x_bytes<NT>(), reinterpret_cast<const uint32_t*>(base + x_bytes<NT>() + kWBytes), r0, r1,
                16u * static_cast<uint32_t>((e0 + gi) & 1), 16u * static_cast<uint32_t>((e1 + gi) & 1), shift, sel, f);
-#endif
   };
   // stage i's wgmmas from f, then (with at most kDepth stages pending: stage i - kDepth done) that stage's
   // slot back to the producer and stage i + 1's fragments into the set stage i - kDepth used
@@ -312,9 +274,10 @@ __device__ __forceinline__ void gemm_int4_wg(const uint32_t* __restrict__ qw, co
 
 #define NQ_GW_ENTRY(NT)                                                                                           \
   extern "C" __global__ void __launch_bounds__(nq::gw::kThreads, 1) nq_gemm_int4_wg_n##NT(                         \
-      const nq::uint32_t* __restrict__ qw, const nq::uint16_t* __restrict__ sc, const nq::uint16_t* __restrict__ X, \
-      nq::uint16_t* __restrict__ out, int T, int N, int K, int accumulate, float* __restrict__ ws, int splits) {    \
-    nq::gw::gemm_int4_wg<NT / 8>(qw, sc, X, out, T, N, K, accumulate, ws, splits);                               \
+      const __grid_constant__ nq::TmaMap xmap, const nq::uint32_t* __restrict__ qw,                                \
+      const nq::uint16_t* __restrict__ sc, nq::uint16_t* __restrict__ out, int T, int N, int K, int accumulate,   \
+      float* __restrict__ ws, int splits) {                                                                        \
+    nq::gw::gemm_int4_wg<NT / 8>(xmap, qw, sc, out, T, N, K, accumulate, ws, splits);                            \
   }
 NQ_GW_ENTRY(256)
 NQ_GW_ENTRY(128)

@@ -54,6 +54,28 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
       : "memory");
 }
 
+// ---- the tensor memory accelerator (TMA): bulk tensor copies described by a host-built CUtensorMap ------
+// (nanoqwen_kernels/tma.py encodes it; the kernel takes it by value as a __grid_constant__ parameter)
+struct alignas(64) TmaMap {
+  unsigned long long opaque[16];
+};
+// the initialised mbarriers visible to the async proxy (the TMA unit signals them) before any copy
+__device__ __forceinline__ void fence_mbarrier_init() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
+// this thread's arrival on bar, announcing `bytes` that copies will complete on it (transaction count)
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}" ::"r"(smem_u32(bar)),
+               "r"(bytes)
+               : "memory");
+}
+// one 2-D box of map (coordinates c0 innermost, c1) into shared memory at dst (1024-aligned for the 128-byte
+// swizzle), completing its bytes on bar
+__device__ __forceinline__ void tma_load_2d(void* dst, const TmaMap* map, int c0, int c1, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
+      ::"r"(smem_u32(dst)), "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(smem_u32(bar))
+      : "memory");
+}
+
 // descriptor of a K-major, 128-byte-swizzled B operand starting at shared address `addr` (16-aligned; the
 // atoms 1024-aligned): bits 0-13 addr >> 4, 16-29 LBO >> 4 (unused by this layout: 1), 32-45 SBO >> 4
 // (1024: the next 8 columns), 62-63 layout 1 = 128-byte swizzle
