@@ -14,7 +14,7 @@ from refs import dequant, pack_valueshuffle, random_int4
 BM, BK, GROUP = 128, 64, 128
 
 
-def producer_stage(X, qw, sc_flat, G, t0, row0, k0, bn, T, N, K):
+def producer_stage(X, qw, sc_flat, G, t0, row0, k0, bn, T, N, K, rowmap=None):
     """The stage as the producer warpgroup's copies leave it: (stage bytes, times each byte was written)."""
     xb = bn * 128
     size = pg.stage_bytes(bn)
@@ -34,14 +34,14 @@ def producer_stage(X, qw, sc_flat, G, t0, row0, k0, bn, T, N, K):
             tok = t0 + n
             src = xbytes[tok, 2 * (k0 + 8 * ch):2 * (k0 + 8 * ch) + 16] if tok < T else np.zeros(16, np.uint8)
             put(1024 * (n >> 3) + 128 * (n & 7) + 16 * (ch ^ (n & 7)), src)
+    rowmap = rowmap or (lambda r: min(row0 + r, N - 1))
     for pt in range(128):  # the producer warpgroup's threads: W and S
         j = pt & 1
         wo0 = (pt >> 1) * 32 + 16 * (j ^ (((pt >> 1) >> 2) & 1))
         w0 = k0 // 8 + 4 * j
         for r, wo in ((pt >> 1, wo0), ((pt >> 1) + 64, wo0 + 64 * 32)):
-            row = min(row0 + r, N - 1)
-            put(xb + wo, qbytes[row, 4 * w0:4 * w0 + 16])
-        e = min(row0 + pt, N - 1) * G + k0 // GROUP
+            put(xb + wo, qbytes[rowmap(r), 4 * w0:4 * w0 + 16])
+        e = rowmap(pt) * G + k0 // GROUP
         put(xb + BM * 32 + 4 * pt, sbytes[2 * (e & ~1):2 * (e & ~1) + 4])
     return st, written
 
@@ -91,13 +91,26 @@ def read_x(st, j, bn):
     return b
 
 
-def emulate_tile(X, qw, sc, t0, row0, bn, K):
+def silu_rowmap(y: int, n: int):
+    """The SiLU build's tile_row: tile y's row r -> gate row a or up row I + a, a = 64 y + 8 (r / 16) + r % 8."""
+    i_half = n // 2
+
+    def rowmap(r):
+        a = min(64 * y + 8 * (r >> 4) + (r & 7), i_half - 1)
+        return i_half + a if (r >> 3) & 1 else a
+
+    return rowmap
+
+
+def emulate_tile(X, qw, sc, t0, row0, bn, K, rowmap=None):
     T, N = X.shape[0], qw.shape[0]
     G = K // GROUP
+    rowmap = rowmap or (lambda r: min(row0 + r, N - 1))
     acc = np.zeros((BM, bn))
     for i in range(K // BK):
         k0 = i * BK
-        st, written = producer_stage(X, qw, np.ascontiguousarray(sc).reshape(-1), G, t0, row0, k0, bn, T, N, K)
+        st, written = producer_stage(X, qw, np.ascontiguousarray(sc).reshape(-1), G, t0, row0, k0, bn, T, N, K,
+                                     rowmap)
         used = bn * 128 + BM * 36
         assert written[:used].min() == 1 and written.max() == 1, "the copies must fill the stage once"
         B = [read_x(st, j, bn) for j in range(4)]
@@ -108,7 +121,7 @@ def emulate_tile(X, qw, sc, t0, row0, bn, K):
                     g, c = lane >> 2, lane & 3
                     r0 = 64 * wg + 16 * wq + g
                     r1 = r0 + 8
-                    e0, e1 = min(row0 + r0, N - 1) * G, min(row0 + r1, N - 1) * G
+                    e0, e1 = rowmap(r0) * G, rowmap(r1) * G
                     gi = k0 // GROUP
                     f = lane_frags(st, bn * 128, r0, r1, 16 * ((e0 + gi) & 1), 16 * ((e1 + gi) & 1), c)
                     for j in range(4):
@@ -140,6 +153,28 @@ def test_emulated_tile_is_x_times_w(rng, bn, T, N, K, t0, row0):
     xt[:live] = X.astype(np.float64)[t0:t0 + live]
     ref = w[rows] @ xt.T
     np.testing.assert_allclose(acc, ref, rtol=1e-9, atol=1e-9)
+
+
+def test_silu_rows_pair_each_gate_with_its_up_in_one_lane(rng):
+    """The SiLU build's row map: the emulated tile's fragment rows g / g + 8 of every lane hold output a's
+    gate and up sums (a = 64 y + 8 (r0 / 16) + g, the epilogue's index), so silu(gate) * up is the MLP's
+    activation; every output of the tile appears once."""
+    K, n_out, T, bn = 256, 192, 40, 64
+    u, s = random_int4(rng, 2 * n_out, K, scale=0.1)
+    qw = pack_valueshuffle(u)
+    w = dequant(u, s).astype(np.float16).astype(np.float64)
+    X = rng.standard_normal((T, K)).astype(np.float16)
+    xt = np.zeros((bn, K))
+    xt[:T] = X.astype(np.float64)
+    seen = []
+    for y in range(n_out // 64):
+        acc = emulate_tile(X, qw, s, 0, 0, bn, K, silu_rowmap(y, 2 * n_out))
+        for r0 in [64 * wg + 16 * wq + g for wg in range(2) for wq in range(4) for g in range(8)]:
+            a = 64 * y + 8 * (r0 >> 4) + (r0 & 7)
+            np.testing.assert_allclose(acc[r0], w[a] @ xt.T, rtol=1e-9, atol=1e-9)  # gate
+            np.testing.assert_allclose(acc[r0 + 8], w[n_out + a] @ xt.T, rtol=1e-9, atol=1e-9)  # up
+            seen.append(a)
+    assert sorted(seen) == list(range(n_out))
 
 
 def test_w_loads_spread_over_the_banks():

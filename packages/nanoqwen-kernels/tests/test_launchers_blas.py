@@ -229,3 +229,30 @@ def test_tma_map_of_the_activations_is_encoded_as_the_kernel_reads_it(monkeypatc
     seen["rc"] = 1
     with pytest.raises(KernelError, match="cuTensorMapEncodeTiled failed with CUresult 1"):
         tma.encode_rows_f16(0x10000, 513, 3584, 256)
+
+
+def test_prefill_gemm_int4_wg_silu_launch(launches, monkeypatch):
+    """gemm_int4_wg_silu: one launch of the SiLU build over (token tiles, 2I / 128 tiles), out [T, I], no
+    split; a wrong output shape or a row count off the 128-row tile refused before anything launches."""
+    from nanoqwen_kernels import tma
+
+    monkeypatch.setattr(tma, "encode_rows_f16", lambda *a, **k: tma.TensorMap())
+    p = PrefillKernels(TINY, load)
+    qw, sc = dev((1024, 256 // 8), np.uint32), dev((1024, 2), np.float16)
+    X, out = dev((300, 256), np.float16), dev((300, 512), np.float16)
+    p.gemm_int4_wg_silu(qw, sc, X, out, tile=128)
+    fn, grid, args = launches[-1]
+    assert fn == "nq_gemm_int4_wg_silu_n128" and grid == (3, 8, 1) and args[3].data.ptr == out.data.ptr
+    assert [int(a) for a in args[4:8]] == [300, 1024, 256, 0] and int(args[9]) == 1
+    n = len(launches)
+    assert_each_refused(
+        lambda **kw: p.gemm_int4_wg_silu(**kw),
+        dict(qweight=qw, scales=sc, X=X, out=out),
+        [
+            ({"out": dev((300, 1024), np.float16)}, "out must have shape"),
+            ({"qweight": dev((960, 32), np.uint32), "scales": dev((960, 2), np.float16),
+              "out": dev((300, 480), np.float16)}, "2I % 128"),
+            ({"X": dev((300, 128), np.float16)}, r"X must be fp16 \[T, 256\]"),
+        ],
+    )
+    assert len(launches) == n

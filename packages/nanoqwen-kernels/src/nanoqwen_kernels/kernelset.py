@@ -79,6 +79,7 @@ class KernelSet:
         self.dequantize_int4 = p.dequantize_int4
         self.gemm_int4 = p.gemm_int4
         self.gemm_int4_wg = p.gemm_int4_wg
+        self.gemm_int4_wg_silu = p.gemm_int4_wg_silu
         self.gemm_f16 = p.gemm_f16
         self.silu_mul = p.silu_mul
         self.rope_kv_prefill = p.rope_kv_prefill

@@ -95,6 +95,9 @@ class PrefillKernels:
         self._gw = {bn: mod.get_function(f"nq_gemm_int4_wg_n{bn}",
                                          max_dynamic_smem=pg.smem_bytes(bn, self._gw_stages))
                     for bn in pg.GW_WIDTHS}
+        self._gw_silu = {bn: mod.get_function(f"nq_gemm_int4_wg_silu_n{bn}",
+                                              max_dynamic_smem=pg.smem_bytes(bn, self._gw_stages))
+                         for bn in pg.GW_WIDTHS}
         self._splitk_reduce = mod.get_function("nq_gemm_splitk_reduce")
         self._x_maps: dict = {}
         kernel, rows, threads, smem = ATTENTION_VARIANTS[attention_variant]
@@ -158,6 +161,31 @@ class PrefillKernels:
             blocks = max(1, min(-(-quads // 256), 8 * ck.sm_count()))
             ck.launch(self._splitk_reduce, (blocks, 1, 1), (256, 1, 1),
                       (workspace, out, np.int32(t), np.int32(n), np.int32(s), np.int32(1 if accumulate else 0)))
+
+    def gemm_int4_wg_silu(self, qweight, scales, X, out, tile: int | None = None) -> None:
+        """out[T, I] fp16 = silu(X . Wg^T) * (X . Wu^T): the MLP's gate|up GEMM (qweight uint32 [2I, K/8], gate
+        rows then up rows, as gemm_int4_wg takes them) with SiLU(gate) * up in its epilogue, from the fp32
+        sums (one rounding; the unfused path rounds gate and up to fp16 first). Replaces gemm_int4_wg into a
+        [T, 2I] buffer + silu_mul: the 2I-wide output is never written. One split (the SiLU needs whole
+        sums); tile as gemm_int4_wg's."""
+        n, k = self._check_int4(qweight, scales)
+        if n % 128:
+            raise KernelError(f"gemm_int4_wg_silu needs 2I % 128 == 0, got {n} rows")
+        ck.check_array("X", X, np.float16, align=16)
+        if X.ndim != 2 or X.shape[1] != k or X.shape[0] < 1:
+            raise KernelError(f"X must be fp16 [T, {k}], got shape {tuple(X.shape)}")
+        t = int(X.shape[0])
+        ck.check_array("out", out, np.float16, shape=(t, n // 2), align=16)
+        ck.check_distinct(X=X, out=out)
+        ck.check_array("qweight", qweight, np.uint32, align=16)
+        ck.check_array("scales", scales, np.float16, align=4)
+        bn = tile if tile is not None else pg.choose_plan(t, n, k, ck.sm_count(), split_ok=False)[0]
+        if bn not in self._gw_silu:
+            raise KernelError(f"tile must be one of {pg.GW_WIDTHS}, got {bn!r}")
+        ck.launch(self._gw_silu[bn], pg.grid(t, n, bn), (pg.GW_THREADS, 1, 1),
+                  (self._x_map(X, t, k, bn), qweight, scales, out, np.int32(t), np.int32(n), np.int32(k), np.int32(0),
+                   ck.NULL, np.int32(1)),
+                  shared_mem=pg.smem_bytes(bn, self._gw_stages))
 
     def _x_map(self, X, t: int, k: int, bn: int):
         """X's TMA map (boxes of bn tokens x 64 k), encoded once per (address, shape, width): a prefill pass

@@ -60,12 +60,14 @@ def plan_cost(t: int, n: int, k: int, bn: int, splits: int, sms: int) -> float:
     return cost
 
 
-def choose_plan(t: int, n: int, k: int, sms: int) -> tuple[int, int]:
+def choose_plan(t: int, n: int, k: int, sms: int, split_ok: bool = True) -> tuple[int, int]:
     """(tile width, K splits) for T tokens, N rows, K inputs on `sms` SMs: the least plan_cost among the
     widths and the splits that leave each split >= 2 groups and fit WORKSPACE_CAP ($NANOQWEN_GEMM_TILE /
-    $NANOQWEN_GEMM_SPLITS force either)."""
+    $NANOQWEN_GEMM_SPLITS force either); split_ok False (the SiLU build): one split."""
     widths = (_forced("NANOQWEN_GEMM_TILE", GW_WIDTHS),) if os.environ.get("NANOQWEN_GEMM_TILE") else GW_WIDTHS
-    if os.environ.get("NANOQWEN_GEMM_SPLITS"):
+    if not split_ok:
+        splits_all: tuple[int, ...] = (1,)
+    elif os.environ.get("NANOQWEN_GEMM_SPLITS"):
         splits_all = (_forced("NANOQWEN_GEMM_SPLITS", GW_SPLITS),)
     else:
         splits_all = tuple(s for s in GW_SPLITS if s == 1 or (k // 128 >= 2 * s and s * t * n * 4 <= WORKSPACE_CAP))

@@ -219,6 +219,14 @@ class HostKernels:
         self._gemm(X, self._w(qweight, scales).astype(np.float16), out, accumulate)
 
     @_launcher
+    def gemm_int4_wg_silu(self, qweight, scales, X, out, tile=None):
+        # the gate|up sums in fp32, silu(gate) * up from them, one rounding (no fp16 gate/up in between)
+        gu = X.astype(np.float32) @ self._w(qweight, scales).astype(np.float16).astype(np.float32).T
+        i = gu.shape[1] // 2
+        g = gu[:, :i]
+        out[...] = (g / (1.0 + np.exp(-g)) * gu[:, i:]).astype(out.dtype)
+
+    @_launcher
     def gemm_f16(self, w, X, out, accumulate=False):
         self._gemm(X, w, out, accumulate)
 

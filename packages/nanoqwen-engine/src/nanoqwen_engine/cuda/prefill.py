@@ -8,6 +8,7 @@ Q = n_heads * 128, I intermediate; every activation f16, row-major):
         --attention_prefill (causal over [0, start+T))--> a [T,Q] --gemm_int4 o, accumulate--> x += o
     x --rmsnorm_rows--> h --gemm_int4 gate|up--> gu [T,2I] --silu(gate)*up--> act [T,I]
         --gemm_int4 down, accumulate--> x += d
+    (on the INT4 weights as stored, gate|up and silu are one kernel: gemm_int4_wg_silu -> act [T,I])
 
 (The residual adds are the GEMMs' beta = 1: cuBLAS adds x while it writes, in fp32, no extra kernel.)
 The MLP activation is one kernel (silu_mul, fp32 inside). A pass whose pieces, each padded to a bucket
@@ -255,8 +256,11 @@ class PrefillPass:
                                  b["a"][r0:r1], **kw)
         gemm("o", b["a"], x, accumulate=True)
         ks.rmsnorm_rows(x, lw.post_norm, b["h"], eps)
-        gemm("gate_up", b["h"], b["gu"])
-        ks.silu_mul(b["gu"], b["act"])
+        if dl is not None or (2 * self.cfg.intermediate) % 128:  # (the SiLU build tiles 64 outputs)
+            gemm("gate_up", b["h"], b["gu"])
+            ks.silu_mul(b["gu"], b["act"])
+        else:  # SiLU(gate) * up in the GEMM's epilogue: the [T, 2I] output is never written
+            ks.gemm_int4_wg_silu(lw.gate_up.qweight, lw.gate_up.scales, b["h"], b["act"])
         gemm("down", b["act"], x, accumulate=True)
 
     def all_logits(self, x):

@@ -67,13 +67,9 @@ constexpr int kProducerRegs = 40;
 #define NQ_GW_STAGES 6
 #endif
 constexpr int kStages = NQ_GW_STAGES;
-// Stages of wgmmas a consumer leaves in flight while it dequantizes the next one: 1 (two fragment sets)
-// or 2 (three: the tensor cores keep a second stage queued per warpgroup)
-#ifndef NQ_GW_DEPTH
-#define NQ_GW_DEPTH 1
-#endif
-constexpr int kDepth = NQ_GW_DEPTH;
-static_assert(kDepth == 1 || kDepth == 2, "NQ_GW_DEPTH: 1 or 2");
+// Stages of wgmmas a consumer leaves in flight while it dequantizes the next one. 2 (three fragment sets,
+// the loop unrolled by three with guards) made ptxas serialize every wgmma and measured 3% slower.
+constexpr int kDepth = 1;
 static_assert(kStages > kDepth + 1, "the ring needs a free stage beyond those the consumers hold");
 
 constexpr int kWBytes = kBM * 32;
@@ -132,7 +128,24 @@ __device__ __forceinline__ void issue_stage(float (&acc)[NT][4], const uint32_t 
   wgmma_commit();
 }
 
-template <int NT>
+// The weight row of tile row r (0 .. 127). Plain: row0 + r. kSilu (the gate|up matrix, gate rows 0 .. I - 1
+// then up rows I .. 2I - 1, N = 2I): a tile covers 64 outputs a = 64 y + 8 (r / 16) + r % 8, its row r the
+// gate row a when (r / 8) is even and the up row I + a when odd: fragment rows g and g + 8 of a lane (r and
+// r + 8) are then output a's gate and up, both in the lane's accumulators. Past the end: the last row.
+template <bool kSilu>
+__device__ __forceinline__ int tile_row(int r, int N) {
+  if constexpr (kSilu) {
+    const int I = N / 2;
+    const int a = min(64 * static_cast<int>(blockIdx.y) + 8 * (r >> 4) + (r & 7), I - 1);
+    return ((r >> 3) & 1) ? I + a : a;
+  } else {
+    return min(static_cast<int>(blockIdx.y) * kBM + r, N - 1);
+  }
+}
+
+__device__ __forceinline__ float silu(float x) { return x / (1.f + __expf(-x)); }
+
+template <int NT, bool kSilu>
 __device__ __forceinline__ void gemm_int4_wg(const TmaMap& xmap, const uint32_t* __restrict__ qw,
                                              const uint16_t* __restrict__ sc, uint16_t* __restrict__ out, int T,
                                              int N, int K, int accumulate, float* __restrict__ ws, int splits) {
@@ -142,7 +155,7 @@ __device__ __forceinline__ void gemm_int4_wg(const TmaMap& xmap, const uint32_t*
   char* const ring = reinterpret_cast<char*>(smem_raw) + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
   __shared__ uint64_t full_bar[kStages], fullx_bar[kStages], empty_bar[kStages];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int t0 = blockIdx.x * kBN, row0 = blockIdx.y * kBM;
+  const int t0 = blockIdx.x * kBN, row0 = blockIdx.y * kBM;  // row0: the plain build's first row
   // split-K: split z = blockIdx.z of `splits` takes groups [z G / splits, (z + 1) G / splits) of K (an even
   // stage count: the loop below is unrolled by two)
   const int G = K / kGroup;
@@ -166,10 +179,10 @@ __device__ __forceinline__ void gemm_int4_wg(const TmaMap& xmap, const uint32_t*
     const int pt = tid - kConsumerThreads;
     // W: chunk j = pt % 2 of rows r = pt / 2 and pt / 2 + 64; S: the scale pair of row pt
     const int j = pt & 1;
-    const int wr0 = min(row0 + (pt >> 1), N - 1), wr1 = min(row0 + (pt >> 1) + 64, N - 1);
+    const int wr0 = tile_row<kSilu>(pt >> 1, N), wr1 = tile_row<kSilu>((pt >> 1) + 64, N);
     const int wo0 = (pt >> 1) * 32 + 16 * (j ^ (((pt >> 1) >> 2) & 1));
     const int wo1 = wo0 + 64 * 32;  // row + 64: the same (r / 4) & 1
-    const size_t se = static_cast<size_t>(min(row0 + pt, N - 1)) * G;
+    const size_t se = static_cast<size_t>(tile_row<kSilu>(pt, N)) * G;
     for (int i = 0; i < n_stages; ++i) {
       const int s = i % kStages;
       if (i >= kStages) mbar_wait(&empty_bar[s], ((i / kStages) + 1) & 1);
@@ -194,7 +207,7 @@ __device__ __forceinline__ void gemm_int4_wg(const TmaMap& xmap, const uint32_t*
   // ---- the consumers ----
   const int g = lane >> 2, c = lane & 3;
   const int r0 = 64 * (warp >> 2) + 16 * (warp & 3) + g, r1 = r0 + 8;
-  const size_t e0 = static_cast<size_t>(min(row0 + r0, N - 1)) * G, e1 = static_cast<size_t>(min(row0 + r1, N - 1)) * G;
+  const size_t e0 = static_cast<size_t>(tile_row<kSilu>(r0, N)) * G, e1 = static_cast<size_t>(tile_row<kSilu>(r1, N)) * G;
   const uint32_t shift = 4u * (c >> 1), sel = (c & 1) ? 0x4342u : 0x4140u;
   float acc[NT][4];
 #pragma unroll
@@ -219,24 +232,36 @@ __device__ __forceinline__ void gemm_int4_wg(const TmaMap& xmap, const uint32_t*
     if (i + 1 < n_stages) fetch(i + 1, f_next);
   };
   fetch(0, fa);
-#if NQ_GW_DEPTH == 1
   for (int i = 0; i < n_stages; i += 2) {  // n_stages is even (K % 128 == 0)
     step(i, fa, fb);
     step(i + 1, fb, fa);
   }
-#else
-  uint32_t fc[16];
-  for (int i = 0; i < n_stages; i += 3) {  // three fragment sets in rotation (block-uniform guards)
-    step(i, fa, fb);
-    if (i + 1 < n_stages) step(i + 1, fb, fc);
-    if (i + 2 < n_stages) step(i + 2, fc, fa);
-  }
-#endif
   wgmma_wait<0>();
 
   // ---- epilogue: [row][token] accumulators -> [token][row] fp16 rows of out ----
   consumer_sync();  // every consumer's wgmmas done: the ring is free for the staging
   float* ep = reinterpret_cast<float*>(ring);
+  if constexpr (kSilu) {  // out[t][a] = silu(gate) * up, from the fp32 sums (one rounding), out [T][N / 2]
+    constexpr int kPitch = 68;  // 64 outputs + 4 (bank spread, 16-byte rows)
+    const int al = 8 * (r0 >> 4) + g;
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      const int tl = 8 * j + 2 * c;
+      ep[tl * kPitch + al] = silu(acc[j][0]) * acc[j][2];
+      ep[(tl + 1) * kPitch + al] = silu(acc[j][1]) * acc[j][3];
+    }
+    consumer_sync();
+    const int I = N / 2, a = 64 * static_cast<int>(blockIdx.y) + 4 * (lane & 15);
+    if (a < I) {  // half-warp h writes token tl = 2 (warp + 8 i) + h: 16 lanes x 8 bytes
+      for (int tl = 2 * warp + (lane >> 4); tl < kBN; tl += 16) {
+        const int tok = t0 + tl;
+        if (tok >= T) break;
+        const float4 v = *reinterpret_cast<const float4*>(ep + tl * kPitch + 4 * (lane & 15));
+        *reinterpret_cast<uint2*>(out + static_cast<size_t>(tok) * I + a) = make_uint2(pack_h2(v.x, v.y), pack_h2(v.z, v.w));
+      }
+    }
+    return;
+  }
 #pragma unroll
   for (int j = 0; j < NT; ++j) {
     const int tl = 8 * j + 2 * c;
@@ -272,16 +297,20 @@ __device__ __forceinline__ void gemm_int4_wg(const TmaMap& xmap, const uint32_t*
 }  // namespace gw
 }  // namespace nq
 
-#define NQ_GW_ENTRY(NT)                                                                                           \
-  extern "C" __global__ void __launch_bounds__(nq::gw::kThreads, 1) nq_gemm_int4_wg_n##NT(                         \
+#define NQ_GW_ENTRY(NAME, NT, SILU)                                                                               \
+  extern "C" __global__ void __launch_bounds__(nq::gw::kThreads, 1) NAME(                                          \
       const __grid_constant__ nq::TmaMap xmap, const nq::uint32_t* __restrict__ qw,                                \
       const nq::uint16_t* __restrict__ sc, nq::uint16_t* __restrict__ out, int T, int N, int K, int accumulate,   \
       float* __restrict__ ws, int splits) {                                                                        \
-    nq::gw::gemm_int4_wg<NT / 8>(xmap, qw, sc, out, T, N, K, accumulate, ws, splits);                            \
+    nq::gw::gemm_int4_wg<NT / 8, SILU>(xmap, qw, sc, out, T, N, K, accumulate, ws, splits);                      \
   }
-NQ_GW_ENTRY(256)
-NQ_GW_ENTRY(128)
-NQ_GW_ENTRY(64)
+NQ_GW_ENTRY(nq_gemm_int4_wg_n256, 256, false)
+NQ_GW_ENTRY(nq_gemm_int4_wg_n128, 128, false)
+NQ_GW_ENTRY(nq_gemm_int4_wg_n64, 64, false)
+// the gate|up GEMM with SiLU(gate) * up in its epilogue: out [T][I] (the MLP's activation), no split-K
+NQ_GW_ENTRY(nq_gemm_int4_wg_silu_n256, 256, true)
+NQ_GW_ENTRY(nq_gemm_int4_wg_silu_n128, 128, true)
+NQ_GW_ENTRY(nq_gemm_int4_wg_silu_n64, 64, true)
 
 // out[t][n] = fp16(sum over the splits of ws[z][t][n] (+ out[t][n])): the split-K GEMM's second launch, the
 // splits added in order (the same sums on every run). 4 outputs a thread (N % 4 == 0), grid-stride.
