@@ -3,7 +3,8 @@ one choose_tile picks) against cuBLAS fp16 on the same shape (the peer: the alre
 what the engine ran before) and dequantize + cuBLAS.
 
     PYTHONPATH=packages/nanoqwen-kernels/src python packages/nanoqwen-kernels/bench/bench_prefill_gemm.py
-        [7b|1.5b ...] [--m 512,2048,4096] [--widths] [--only qkv,o,gate_up,down]
+        [7b|1.5b ...] [--m 512,2048,4096] [--widths] [--only qkv,o,gate_up,down] [--sweep]
+    --sweep: every (width, splits) plan per shape instead (us), and which one choose_plan picks
 
 Times: our kernel in a CUDA graph of n back-to-back launches (time_graph: the GPU's time, no Python);
 cuBLAS with CUDA events around n eager calls (CuPy refuses cuBLAS under capture; at these sizes the ~5 us
@@ -53,6 +54,25 @@ def bench_shape(pk, name, proj, n, k, m, qw, sc, w, widths: bool) -> tuple:
     return (name, proj, n, k, m, plan, t_wg, fl / t_wg / 1e12, t_cb, fl / t_cb / 1e12)
 
 
+def sweep(pk, name, proj, n, k, m, qw, sc) -> None:
+    """Every (width, splits) plan of one shape, us each, the plan choose_plan picks marked."""
+    x = cp.random.standard_normal((m, k), dtype=cp.float32).astype(cp.float16)
+    out = cp.empty((m, n), cp.float16)
+    ws = cp.empty(max(pg.GW_SPLITS) * m * n, cp.float32)
+    fl = 2.0 * m * n * k
+    pick = pg.choose_plan(m, n, k, 132)
+    cells = []
+    for bn in pg.GW_WIDTHS:
+        for s in pg.GW_SPLITS:
+            if s > 1 and k // 128 < 2 * s:
+                continue
+            t = time_graph(lambda i, bn=bn, s=s: pk.gemm_int4_wg(qw, sc, x, out, tile=bn, splits=s, workspace=ws),
+                           10, launches=5)
+            mark = "*" if (bn, s) == pick else ""
+            cells.append(f"{mark}n{bn}x{s} {t * 1e6:.1f} ({fl / t / 1e12:.0f})")
+    print(f"sweep {name} {proj} M={m}: " + " | ".join(cells), flush=True)
+
+
 def main() -> int:
     presets = [a for a in sys.argv[1:] if a in PRESETS] or ["7b"]
     ms = [int(v) for v in sys.argv[sys.argv.index("--m") + 1].split(",")] if "--m" in sys.argv else [512, 2048]
@@ -71,6 +91,9 @@ def main() -> int:
             w = cp.empty((n, k), cp.float16)
             pk.dequantize_int4(qw, sc, w)
             for m in ms:
+                if "--sweep" in sys.argv:
+                    sweep(pk, name, proj, n, k, m, qw, sc)
+                    continue
                 rows.append(bench_shape(pk, name, proj, n, k, m, qw, sc, w, widths))
     print("\n| model | GEMM | N x K | M | fused INT4 wg (us, TFLOP/s) | cuBLAS fp16 (us, TFLOP/s) | wg / cuBLAS |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
