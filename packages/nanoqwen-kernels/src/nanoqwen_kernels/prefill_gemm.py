@@ -20,12 +20,13 @@ GW_THREADS = 384  # two consumer warpgroups + one producer warpgroup
 GW_ROWS = 128  # weight rows per block
 GW_STAGES = 6  # ring depth (the kernel's NQ_GW_STAGES, passed as a define; 4 / 5 / 6 measured equal within 2%)
 GW_WIDTHS = (256, 128, 64)  # tokens per block: the entries nq_gemm_int4_wg_n256 / _n128 / _n64
-# Relative throughput of a full wave at each width, from the H200's per-width timings of the 7B and 1.5B
-# shapes (docs/PERF.md, "eleventh lease": n128 ~0.85 and n64 ~0.6 of n256 where all three fill the SMs)
-GW_EFFICIENCY = {256: 1.0, 128: 0.85, 64: 0.6}
+# Relative throughput of a wave at each width, fitted to the H200 sweep of every (width, splits) plan on the
+# 7B and 1.5B shapes at T = 512 and 2048 (bench_prefill_gemm.py --sweep, docs/PERF.md "eleventh lease"):
+# with these, choose_plan picks the measured fastest plan (or one within 1%) for all 16 of them
+GW_EFFICIENCY = {256: 1.0, 128: 0.73, 64: 0.45}
 GW_SPLITS = (1, 2, 3, 4, 6, 8)
 GW_STAGE_OVERHEAD = 3  # a block's fixed cost (ring fill, epilogue), in stages of its width
-_MAC_RATE_SM = 2.2e12  # multiply-adds per second of one SM at n256 (~580 TFLOP/s over 132 SMs)
+_MAC_RATE_SM = 2.6e12  # multiply-adds per second of one SM at n256 (~690 TFLOP/s over 132 SMs, X by TMA)
 _REDUCE_BYTES_RATE = 2.5e12  # the reduction's fp32 reads + fp16 writes, bytes per second (L2-resident mostly)
 WORKSPACE_CAP = 64 << 20  # bytes of fp32 partial sums a plan may ask for
 _EPI_PITCH = 132  # floats per token of the epilogue's staging
