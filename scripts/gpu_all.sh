@@ -18,7 +18,7 @@
 # pdl (NANOQWEN_PDL=0/1 A/B), prefill (prefill graphs A/B, 7B and the 1.5B's dims),
 # (scripts/decode_breakdown.py: the decode step's time per kernel family vs its byte floor, batch 1 at
 # context 640, then batch 32 at context 384), peer (scripts/peer_transformers.py: HF transformers bf16
-# eager, same shape and protocol; needs torch), real (the real 1.5B: conversion, tier, bench), serve,
+# eager, same shape and protocol, then its prefill at 512 / 2k / 8k / 32k tokens; needs torch), real (the real 1.5B: conversion, tier, bench), serve,
 # llamacpp (llama.cpp on the real 1.5B only), and, not in the default set, peers (issue 18: nanoqwen beside
 # llama.cpp and transformers on the 7B-shaped model and the real 1.5B, the same shapes on both sides, and
 # scripts/peer_tables.py's markdown tables; after `peer_llamacpp.sh build` and `prep7b` earlier in the
@@ -193,6 +193,9 @@ Achieved Occupancy|Warp Cycles Per Issued|Registers Per|Grid Size|stalled|Theore
   done
 fi
 want peer && run peer 180 $PY scripts/peer_transformers.py --out "$OUT/peer_transformers.json"
+# the prefill peer (issue 16): one forward pass per prompt length, sdpa attention, bf16
+want peer && run peer_prefill 300 $PY scripts/peer_transformers.py --prefill-lengths 512,2048,8192,32768 \
+  --out "$WORK/logs/peer_transformers_prefill.json"
 
 # The real Qwen2.5-Coder-1.5B-Instruct (issue 12): $NQ_REAL_GGUF is the GGUF moved over in pieces (see
 # docs/VALIDATION.md); converted here once, then the real tier against transformers fp32, our bench and the
