@@ -102,11 +102,16 @@ def main() -> int:
         "peak_gpu_bytes": torch.cuda.max_memory_allocated(),
         "date": time.strftime("%Y-%m-%d"),
     }
+    return emit(rec, args.out)
+
+
+def emit(rec: dict, out: Path | None) -> int:
+    """Print the record as JSON and write it to `out` when given."""
     text = json.dumps(rec, indent=2)
     print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text + "\n")
     return 0
 
 
@@ -132,12 +137,7 @@ def prefill_only(model, args, lengths, gen, load_s) -> int:
             rec["prefill_ms"][n] = statistics.median(times)
             print(f"transformers prefill {n} tokens: {rec['prefill_ms'][n]:.1f} ms", flush=True)
     rec["peak_gpu_bytes"] = torch.cuda.max_memory_allocated()
-    text = json.dumps(rec, indent=2)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
-    return 0
+    return emit(rec, args.out)
 
 
 if __name__ == "__main__":
