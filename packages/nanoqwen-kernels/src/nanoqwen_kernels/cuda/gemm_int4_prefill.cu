@@ -297,20 +297,20 @@ __device__ __forceinline__ void gemm_int4_wg(const TmaMap& xmap, const uint32_t*
 }  // namespace gw
 }  // namespace nq
 
-#define NQ_GW_ENTRY(NAME, NT, SILU)                                                                               \
-  extern "C" __global__ void __launch_bounds__(nq::gw::kThreads, 1) NAME(                                          \
+#define NQ_GW_ENTRY(SUFFIX, NT, SILU)                                                                             \
+  extern "C" __global__ void __launch_bounds__(nq::gw::kThreads, 1) nq_gemm_int4_wg##SUFFIX(                       \
       const __grid_constant__ nq::TmaMap xmap, const nq::uint32_t* __restrict__ qw,                                \
       const nq::uint16_t* __restrict__ sc, nq::uint16_t* __restrict__ out, int T, int N, int K, int accumulate,   \
       float* __restrict__ ws, int splits) {                                                                        \
     nq::gw::gemm_int4_wg<NT / 8, SILU>(xmap, qw, sc, out, T, N, K, accumulate, ws, splits);                      \
   }
-NQ_GW_ENTRY(nq_gemm_int4_wg_n256, 256, false)
-NQ_GW_ENTRY(nq_gemm_int4_wg_n128, 128, false)
-NQ_GW_ENTRY(nq_gemm_int4_wg_n64, 64, false)
+NQ_GW_ENTRY(_n256, 256, false)
+NQ_GW_ENTRY(_n128, 128, false)
+NQ_GW_ENTRY(_n64, 64, false)
 // the gate|up GEMM with SiLU(gate) * up in its epilogue: out [T][I] (the MLP's activation), no split-K
-NQ_GW_ENTRY(nq_gemm_int4_wg_silu_n256, 256, true)
-NQ_GW_ENTRY(nq_gemm_int4_wg_silu_n128, 128, true)
-NQ_GW_ENTRY(nq_gemm_int4_wg_silu_n64, 64, true)
+NQ_GW_ENTRY(_silu_n256, 256, true)
+NQ_GW_ENTRY(_silu_n128, 128, true)
+NQ_GW_ENTRY(_silu_n64, 64, true)
 
 // out[t][n] = fp16(sum over the splits of ws[z][t][n] (+ out[t][n])): the split-K GEMM's second launch, the
 // splits added in order (the same sums on every run). 4 outputs a thread (N % 4 == 0), grid-stride.
