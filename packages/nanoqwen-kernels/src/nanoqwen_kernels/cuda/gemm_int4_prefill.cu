@@ -8,10 +8,13 @@
 // cores read X (fp16, already in the layout they want) from shared memory. The accumulator tile is
 // [weight rows][tokens]; the epilogue transposes it through shared memory into out's [token][row] rows.
 //
-// Block: 384 threads = two consumer warpgroups (warps 0-7) + one producer warpgroup (warps 8-11). Tile: 128 weight
-// rows (warpgroup i owns rows 64 i .. 64 i + 63, warp w % 4 of it rows 16 (w % 4) + {g, g + 8}, g = lane / 4)
-// x BN = 8 NT tokens (NT = 32 / 16 / 8: 256 / 128 / 64 tokens; the launcher picks by shape). One block per
-// SM (the n256 ring takes 222 KB), and the producers give their registers to the consumers (kConsumerRegs).
+// Block: 384 threads = two consumer warpgroups (warps 0-7) + one producer warpgroup (warps 8-11). Tile:
+// 128 weight rows (warpgroup i owns rows 64 i .. 64 i + 63, warp w % 4 of it rows 16 (w % 4) + {g, g + 8},
+// g = lane / 4) x BN = 8 NT tokens (NT = 32 / 16 / 8: 256 / 128 / 64 tokens; prefill_gemm.choose_plan picks
+// by shape). One block per SM (the n256 ring takes 222 KB), and the producers give their registers to the
+// consumers (kConsumerRegs). Split-K (grid.z, when a shape has too few tiles): each split writes its fp32
+// sums to a workspace and nq_gemm_splitk_reduce (below) adds them. The SiLU build (tile_row<true>) maps
+// its rows so a lane holds an output's gate and up sums and writes silu(gate) * up.
 //
 // The ring (kStages stages, each one 64-k slice of the tile, handed over by mbarriers as in gemm_tiles.cuh):
 //     X [BN tokens][128 B]  the slice's 64 k of each token, wgmma's K-major B in the 128-byte swizzle
@@ -45,9 +48,11 @@
 // stage i + 1 into the other set while the tensor cores run stage i; the two warpgroups interleave on the
 // tensor cores besides. The loop is unrolled by two so each set is a fixed group of registers.
 //
-// Tested: tests/test_prefill_gemm.py (against float64 at T = 1, 17, 511, 513, .., 7B / 1.5B / tiny shapes,
-// accumulate, every tile width), tests/test_gemm_int4_prefill_mapping.py (the fragment and X-layout maps in
-// numpy), tests/test_compile.py (SASS: HGMMA 64x256x16, no local memory).
+// Tested: tests/test_prefill_gemm.py (against float64 at T = 1, 17, 511, 513, 7B / 1.5B / tiny shapes,
+// every tile width, split-K, accumulate, the SiLU build), tests/test_gemm_int4_prefill_mapping.py (the
+// whole data flow emulated in numpy: the TMA box, the W / scale copies, each lane's fragments, wgmma's reads
+// of X, the SiLU row map), tests/test_compile.py (SASS per width: 8 HGMMA not serialized, setmaxnreg, no
+// local memory).
 #include "wgmma.cuh"
 
 namespace nq {
@@ -82,7 +87,7 @@ __host__ __device__ constexpr int stage_bytes() { return (x_bytes<NT>() + kWByte
 constexpr int kEpiPitch = 132;  // floats per token of the epilogue's staging: 128 rows + 4 (bank spread)
 template <int NT>
 __host__ __device__ constexpr int epi_bytes() { return NT * 8 * kEpiPitch * 4; }
-// dynamic shared memory of the launch (gemm_int4.py gw_smem_bytes mirrors it): the ring (the epilogue's
+// dynamic shared memory of the launch (prefill_gemm.py smem_bytes mirrors it): the ring (the epilogue's
 // staging reuses it) + 1024 to align it
 template <int NT>
 __host__ __device__ constexpr int smem_bytes() {
