@@ -132,30 +132,21 @@ class PrefillKernels:
         of W. tile (tokens per block, prefill_gemm.GW_WIDTHS) and splits (split-K factor) default to
         prefill_gemm.choose_plan's for the shape. With splits > 1 the partial sums go to `workspace` (fp32,
         >= splits * T * N; from CuPy's pool when None) and a second launch adds them."""
-        n, k = self._check_int4(qweight, scales)
-        _check_gemm_io(X, out, n, k)
+        n, k, t = self._check_wg(qweight, scales, X, out)
         if n % 8:
             raise KernelError(f"gemm_int4_wg needs N % 8 == 0, got N = {n}")
-        for name, a in (("qweight", qweight), ("X", X), ("out", out)):
-            ck.check_array(name, a, a.dtype, align=16)
-        ck.check_array("scales", scales, np.float16, align=4)
-        t = int(X.shape[0])
-        bn, s = pg.choose_plan(t, n, k, ck.sm_count())
-        bn, s = tile if tile is not None else bn, splits if splits is not None else s
-        if bn not in self._gw:
-            raise KernelError(f"tile must be one of {pg.GW_WIDTHS}, got {bn!r}")
-        if not isinstance(s, int | np.integer) or not 1 <= s <= k // GROUP:
-            raise KernelError(f"splits must be an int in 1 .. K / {GROUP} = {k // GROUP}, got {s!r}")
-        s = int(s)
+        if tile is None or splits is None:
+            bn, s = pg.choose_plan(t, n, k, ck.sm_count())
+            tile, splits = tile if tile is not None else bn, splits if splits is not None else s
+        if not isinstance(splits, int | np.integer) or not 1 <= splits <= k // GROUP:
+            raise KernelError(f"splits must be an int in 1 .. K / {GROUP} = {k // GROUP}, got {splits!r}")
+        s = int(splits)
         if s > 1:
             if workspace is None:
                 workspace = ck.cupy_module().empty(s * t * n, dtype=np.float32)
             ck.check_array("workspace", workspace, np.float32, min_size=s * t * n, align=16)
-        ws = workspace if s > 1 else ck.NULL
-        ck.launch(self._gw[bn], pg.grid(t, n, bn, s), (pg.GW_THREADS, 1, 1),
-                  (self._x_map(X, t, k, bn), qweight, scales, out, np.int32(t), np.int32(n), np.int32(k),
-                   np.int32(1 if accumulate else 0), ws, np.int32(s)),
-                  shared_mem=pg.smem_bytes(bn, self._gw_stages))
+        self._launch_gw(self._gw, tile, qweight, scales, X, out, t, n, k, accumulate,
+                        workspace if s > 1 else ck.NULL, s)
         if s > 1:
             quads = t * n // 4
             blocks = max(1, min(-(-quads // 256), 8 * ck.sm_count()))
@@ -168,24 +159,32 @@ class PrefillKernels:
         sums (one rounding; the unfused path rounds gate and up to fp16 first). Replaces gemm_int4_wg into a
         [T, 2I] buffer + silu_mul: the 2I-wide output is never written. One split (the SiLU needs whole
         sums); tile as gemm_int4_wg's."""
-        n, k = self._check_int4(qweight, scales)
+        n, k, t = self._check_wg(qweight, scales, X, out, out_div=2)
         if n % 128:
             raise KernelError(f"gemm_int4_wg_silu needs 2I % 128 == 0, got {n} rows")
-        ck.check_array("X", X, np.float16, align=16)
-        if X.ndim != 2 or X.shape[1] != k or X.shape[0] < 1:
-            raise KernelError(f"X must be fp16 [T, {k}], got shape {tuple(X.shape)}")
-        t = int(X.shape[0])
-        ck.check_array("out", out, np.float16, shape=(t, n // 2), align=16)
-        ck.check_distinct(X=X, out=out)
-        ck.check_array("qweight", qweight, np.uint32, align=16)
+        if tile is None:
+            tile = pg.choose_plan(t, n, k, ck.sm_count(), split_ok=False)[0]
+        self._launch_gw(self._gw_silu, tile, qweight, scales, X, out, t, n, k, False, ck.NULL, 1)
+
+    def _check_wg(self, qweight, scales, X, out, out_div: int = 1) -> tuple[int, int, int]:
+        """(N, K, T) of a fused GEMM's arguments: the INT4 weight, X fp16 [T, K], out fp16 [T, N / out_div], X
+        and out apart; the alignments its copies need (X, the words and out 16 bytes, the scale pairs 4)."""
+        n, k = self._check_int4(qweight, scales)
+        _check_gemm_io(X, out, n // out_div, k)
+        for name, a in (("qweight", qweight), ("X", X), ("out", out)):
+            ck.check_array(name, a, a.dtype, align=16)
         ck.check_array("scales", scales, np.float16, align=4)
-        bn = tile if tile is not None else pg.choose_plan(t, n, k, ck.sm_count(), split_ok=False)[0]
-        if bn not in self._gw_silu:
-            raise KernelError(f"tile must be one of {pg.GW_WIDTHS}, got {bn!r}")
-        ck.launch(self._gw_silu[bn], pg.grid(t, n, bn), (pg.GW_THREADS, 1, 1),
-                  (self._x_map(X, t, k, bn), qweight, scales, out, np.int32(t), np.int32(n), np.int32(k), np.int32(0),
-                   ck.NULL, np.int32(1)),
-                  shared_mem=pg.smem_bytes(bn, self._gw_stages))
+        return n, k, int(X.shape[0])
+
+    def _launch_gw(self, fns: dict, tile, qweight, scales, X, out, t: int, n: int, k: int, accumulate: bool, ws,
+                   splits: int) -> None:
+        """One launch of a fused-GEMM build (fns: its entry per tile width)."""
+        if tile not in fns:
+            raise KernelError(f"tile must be one of {pg.GW_WIDTHS}, got {tile!r}")
+        ck.launch(fns[tile], pg.grid(t, n, tile, splits), (pg.GW_THREADS, 1, 1),
+                  (self._x_map(X, t, k, tile), qweight, scales, out, np.int32(t), np.int32(n), np.int32(k),
+                   np.int32(1 if accumulate else 0), ws, np.int32(splits)),
+                  shared_mem=pg.smem_bytes(tile, self._gw_stages))
 
     def _x_map(self, X, t: int, k: int, bn: int):
         """X's TMA map (boxes of bn tokens x 64 k), encoded once per (address, shape, width): a prefill pass
