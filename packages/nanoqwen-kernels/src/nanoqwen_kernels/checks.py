@@ -168,8 +168,8 @@ def launch(fn, grid: int | tuple, block: int | tuple, args: tuple, shared_mem: i
     block = block if isinstance(block, tuple) else (block,)
     stream = cupy.cuda.get_current_stream()
     use_pdl = pdl.supported(cupy.cuda.Device().id)
-    by_value = any(isinstance(a, ctypes.Structure) for a in args)  # CuPy's launch cannot pass one
-    if use_pdl or by_value or (cluster is not None and cluster != (1, 1, 1)):
+    if (use_pdl or (cluster is not None and cluster != (1, 1, 1))
+            or any(isinstance(a, ctypes.Structure) for a in args)):  # CuPy's launch cannot pass one by value
         pdl.launch(fn, grid, block, args, shared_mem, stream.ptr, cluster=cluster, programmatic=use_pdl)
     else:
         fn(grid, block, args, shared_mem=shared_mem, stream=stream)

@@ -12,6 +12,7 @@ waves x (stages per block + a fixed cost) x the time of a stage at that width, p
 
 from __future__ import annotations
 
+import functools
 import os
 
 from .errors import KernelError
@@ -64,20 +65,26 @@ def plan_cost(t: int, n: int, k: int, bn: int, splits: int, sms: int) -> float:
 def choose_plan(t: int, n: int, k: int, sms: int, split_ok: bool = True) -> tuple[int, int]:
     """(tile width, K splits) for T tokens, N rows, K inputs on `sms` SMs: the least plan_cost among the
     widths and the splits that leave each split >= 2 groups and fit WORKSPACE_CAP ($NANOQWEN_GEMM_TILE /
-    $NANOQWEN_GEMM_SPLITS force either); split_ok False (the SiLU build): one split."""
-    widths = (_forced("NANOQWEN_GEMM_TILE", GW_WIDTHS),) if os.environ.get("NANOQWEN_GEMM_TILE") else GW_WIDTHS
+    $NANOQWEN_GEMM_SPLITS force either); split_ok False (the SiLU build): one split. Memoized: every
+    prefill launch asks (~14 us of Python a plan)."""
+    return _plan(t, n, k, sms, split_ok, os.environ.get("NANOQWEN_GEMM_TILE"), os.environ.get("NANOQWEN_GEMM_SPLITS"))
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan(t: int, n: int, k: int, sms: int, split_ok: bool, tile_env: str | None,
+          splits_env: str | None) -> tuple[int, int]:
+    widths = (_forced("NANOQWEN_GEMM_TILE", tile_env, GW_WIDTHS),) if tile_env else GW_WIDTHS
     if not split_ok:
         splits_all: tuple[int, ...] = (1,)
-    elif os.environ.get("NANOQWEN_GEMM_SPLITS"):
-        splits_all = (_forced("NANOQWEN_GEMM_SPLITS", GW_SPLITS),)
+    elif splits_env:
+        splits_all = (_forced("NANOQWEN_GEMM_SPLITS", splits_env, GW_SPLITS),)
     else:
         splits_all = tuple(s for s in GW_SPLITS if s == 1 or (k // 128 >= 2 * s and s * t * n * 4 <= WORKSPACE_CAP))
     best = min((plan_cost(t, n, k, bn, s, sms), bn, s) for bn in widths for s in splits_all)
     return best[1], best[2]
 
 
-def _forced(var: str, allowed: tuple[int, ...]) -> int:
-    v = os.environ[var]
+def _forced(var: str, v: str, allowed: tuple[int, ...]) -> int:
     if not v.isdigit() or int(v) not in allowed:
         raise KernelError(f"{var} must be one of {allowed}, got {v!r}")
     return int(v)
