@@ -210,16 +210,23 @@ class PrefillPass:
         return x, offsets
 
     def buffers(self, T: int, zeroed: bool = False) -> dict:
-        """The per-chunk temporaries (f16, row-major): h [T,H], qkv [T,R], q/a [T,Q], gu [T,2I], act [T,I].
+        """The per-chunk temporaries (f16, row-major): h [T,H], qkv [T,R], q/a [T,Q], act [T,I], and gu [T,2I]
+        unless the gate|up GEMM applies the SiLU itself.
         zeroed: a graph bucket's (its padding rows of `a`, never written by attention, stay 0, so every
         padding row stays finite)."""
         xp, c = self.dev.xp, self.cfg
         H, Q, Im = c.hidden, c.q_dim, c.intermediate
         R = c.qkv_rows
-        shapes = {"h": (T, H), "qkv": (T, R), "q": (T, Q), "a": (T, Q), "gu": (T, 2 * Im),
-                  "act": (T, Im)}
+        shapes = {"h": (T, H), "qkv": (T, R), "q": (T, Q), "a": (T, Q), "act": (T, Im)}
+        if not self._silu_fused():  # the gate|up output, for silu_mul (7B, 4096 rows: 310 MB)
+            shapes["gu"] = (T, 2 * Im)
         new = xp.zeros if zeroed else xp.empty
         return {k: new(s, dtype=np.float16) for k, s in shapes.items()}
+
+    def _silu_fused(self) -> bool:
+        """The gate|up GEMM applies SiLU(gate) * up itself (gemm_int4_wg_silu): on the INT4 weights, when
+        its 64-output tiles divide the intermediate size."""
+        return self.dense is None and (2 * self.cfg.intermediate) % 128 == 0
 
     def _gemm_workspace(self):
         """fp32 scratch for the split-K partial sums of gemm_int4_wg (prefill_gemm.WORKSPACE_CAP, 64 MiB: a
@@ -256,7 +263,7 @@ class PrefillPass:
                                  b["a"][r0:r1], **kw)
         gemm("o", b["a"], x, accumulate=True)
         ks.rmsnorm_rows(x, lw.post_norm, b["h"], eps)
-        if dl is not None or (2 * self.cfg.intermediate) % 128:  # (the SiLU build tiles 64 outputs)
+        if not self._silu_fused():
             gemm("gate_up", b["h"], b["gu"])
             ks.silu_mul(b["gu"], b["act"])
         else:  # SiLU(gate) * up in the GEMM's epilogue: the [T, 2I] output is never written
