@@ -48,6 +48,11 @@ def _rms(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.float32(eps)) * w.astype(np.float32)
 
 
+def _silu_mul(g: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """silu(g) * u in the inputs' float type (the MLP activation every kernel that computes it uses)."""
+    return g / (1.0 + np.exp(-g)) * u
+
+
 class HostKernels:
     def __init__(self, cfg, dev):
         self.cfg, self.dev = cfg, dev
@@ -144,8 +149,7 @@ class HostKernels:
         h = _rms(_rows(x), norm_w, eps).astype(np.float16).astype(np.float32)
         gu = _mm(h, self._w(qweight, scales))
         n = out.shape[-1]
-        g, u = gu[:, :n], gu[:, n:]
-        _rows(out)[...] = (g / (1.0 + np.exp(-g)) * u).astype(out.dtype)
+        _rows(out)[...] = _silu_mul(gu[:, :n], gu[:, n:]).astype(out.dtype)
 
     @_launcher
     def attention_decode(self, q, k_cache, v_cache, page_table, seq_len_dev, layer, out, workspace):
@@ -223,8 +227,7 @@ class HostKernels:
         # the gate|up sums in fp32, silu(gate) * up from them, one rounding (no fp16 gate/up in between)
         gu = X.astype(np.float32) @ self._w(qweight, scales).astype(np.float16).astype(np.float32).T
         i = gu.shape[1] // 2
-        g = gu[:, :i]
-        out[...] = (g / (1.0 + np.exp(-g)) * gu[:, i:]).astype(out.dtype)
+        out[...] = _silu_mul(gu[:, :i], gu[:, i:]).astype(out.dtype)
 
     @_launcher
     def gemm_f16(self, w, X, out, accumulate=False):
@@ -260,5 +263,4 @@ class HostKernels:
     @_launcher
     def silu_mul(self, gu, out):
         i = out.shape[1]
-        g = gu[:, :i].astype(np.float32)
-        out[...] = (g / (1.0 + np.exp(-g)) * gu[:, i:].astype(np.float32)).astype(out.dtype)
+        out[...] = _silu_mul(gu[:, :i].astype(np.float32), gu[:, i:].astype(np.float32)).astype(out.dtype)
