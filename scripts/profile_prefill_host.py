@@ -69,8 +69,9 @@ def main() -> int:
     calls = {
         "rmsnorm_rows": lambda: ks.rmsnorm_rows(x, lw.in_norm, h, c.rms_eps),
         "gemm_f16 qkv": (lambda: ks.gemm_f16(dense[0].qkv, h, out)) if dense else None,
-        "gemm_int4 qkv": lambda: ks.gemm_int4(lw.qkv.qweight, lw.qkv.scales, h, out,
-                                              be.prefill_pass._gemm_workspace()),
+        # the engine's INT4 path (the fused GEMM; the pass's split-K scratch as its workspace)
+        "gemm_int4_wg qkv": lambda: ks.gemm_int4_wg(lw.qkv.qweight, lw.qkv.scales, h, out,
+                                                    workspace=be.prefill_pass._gemm_workspace()),
     }
     for name, fn in calls.items():
         if fn is None:
