@@ -152,10 +152,6 @@ def _check_waits(funcs: dict[str, str]) -> None:
             # the wait (gemm_tiles.cuh): weights are never written during a step. Only those: no plain load,
             # store or atomic (x, the outputs, the tickets) before it
             early = [op for op in early if op != "LDGSTS"]
-        if name.endswith("_bulk"):
-            # the bulk GEMV's producer warp fills its ring with weights and scales before the wait
-            # (gemv_bulk.cuh): bulk copies and cp.async only (x, the outputs after the wait)
-            early = [op for op in early if op not in ("UBLKCP", "LDGSTS")]
         if name in _PRELOADING:
             # the half2 loop loads a warp's first chunk of weights and scales before the wait (gemv_int4.cu,
             # NQ_GEMV_PRELOAD): loads only (x is read after the wait: the wait's memory clobber keeps every
@@ -246,20 +242,3 @@ def test_gemm_int4_prefill_sass(width):
     assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in body
     assert "USETMAXREG" in body or "SETMAXREG" in body
     assert "LDGSTS" in body and "STL" not in body and "LDL" not in body
-
-
-@pytest.mark.parametrize("preset", ["7b", "1.5b"])
-def test_bulk_gemv_entries_stream_by_bulk_copies(preset):
-    """The bulk-copy GEMV (gemv_bulk.cuh): each entry issues its weights as bulk copies (UBLKCP) and its
-    scales as cp.async, multiplies on mma.sync (HMMA.16816.F32), waits before touching x, and keeps its
-    registers (no local memory but the q/k/v epilogue's precise sincosf)."""
-    funcs = _functions(_sass("gemv_int4.cu", PRESETS[preset]))
-    names = [f"{kind}_bulk" for kind in ("nq_gemv_int4_h", "nq_gemv_int4_i", "nq_qkv_rope_kv", "nq_gate_up_silu")]
-    _check_waits({n: funcs[n] for n in names})
-    for name in names:
-        body = funcs[name]
-        assert "UBLKCP" in body, f"{name}: no bulk copy"
-        assert "LDGSTS" in body, f"{name}: scales not by cp.async"
-        assert "HMMA.16816.F32" in body, f"{name}: no mma.sync"
-        if "qkv" not in name:
-            assert "STL" not in body and "LDL" not in body, f"{name}: local memory"

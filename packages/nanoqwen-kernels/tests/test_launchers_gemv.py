@@ -332,37 +332,3 @@ def test_small_batches_of_o_proj_run_on_the_core(launches, monkeypatch, env, b, 
     monkeypatch.setenv("NANOQWEN_TILE_CORE_KINDS", "h,lm_head")
     with pytest.raises(KernelError, match="NANOQWEN_TILE_CORE_KINDS"):
         GemvKernels(d, load)
-
-
-def test_bulk_variant_launches_the_bulk_gemv_at_b1_only(launches, monkeypatch):
-    """The "bulk" variant: B = 1 on the bulk-copy GEMV (one block per SM at most, the producer warp beside
-    8 consumer warps, x + the ring in dynamic shared memory, n_stages last), B > 1 on the tile GEMM; a
-    kind left out of $NANOQWEN_GEMV_BULK_KINDS stays on the half2 loop, and an unknown kind is refused."""
-    from nanoqwen_kernels.gemv import bulk_threads, plan_bulk
-
-    d = QWEN25_7B
-    got = []
-    monkeypatch.setattr(checks, "launch", lambda fn, grid, block, args, shared_mem=0: got.append(
-        (fn, grid, block, args, shared_mem)))
-    g = GemvKernels(d, load, "bulk")
-    qg, sg = dev((2 * d.intermediate, d.hidden // 8), np.uint32), dev((2 * d.intermediate, d.hidden // 128), np.float16)
-    g.gate_up_silu(qg, sg, dev((d.hidden,), np.float16), dev((d.hidden,), np.float16), 1e-6,
-                   dev((d.intermediate,), np.float16))
-    fn, grid, block, args, smem = got[-1]
-    plan = plan_bulk(d.hidden, d.intermediate, 132)
-    assert fn == "nq_gate_up_silu_bulk" and grid == plan.blocks == 132 and block == bulk_threads() == 288
-    assert int(args[-1]) == plan.stages and smem == plan.smem == 2 * d.hidden + plan.stages * 17920
-    qd, sd = dev((d.hidden, d.intermediate // 8), np.uint32), dev((d.hidden, d.intermediate // 128), np.float16)
-    out = dev((d.hidden,), np.float16)
-    g.gemv_int4(qd, sd, dev((d.intermediate,), np.float16), out, residual=out)
-    assert got[-1][0] == "nq_gemv_int4_i_bulk" and int(got[-1][3][-1]) == plan_bulk(d.intermediate, d.hidden // 2, 132).stages
-    res = dev((4, d.hidden), np.float16)
-    g.gemv_int4(qd, sd, dev((4, d.intermediate), np.float16), res, residual=res)
-    assert got[-1][0] == "nq_gemv_int4_i_tile8"
-    monkeypatch.setenv("NANOQWEN_GEMV_BULK_KINDS", "gu")
-    g = GemvKernels(d, load, "bulk")
-    g.gemv_int4(qd, sd, dev((d.intermediate,), np.float16), out, residual=out)
-    assert got[-1][0] == "nq_gemv_int4_i"
-    monkeypatch.setenv("NANOQWEN_GEMV_BULK_KINDS", "gu,lm")
-    with pytest.raises(KernelError, match="NANOQWEN_GEMV_BULK_KINDS"):
-        GemvKernels(d, load, "bulk")

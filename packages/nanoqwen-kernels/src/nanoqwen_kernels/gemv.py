@@ -5,8 +5,7 @@ is x.shape[0]; positions and page tables are read from device memory, so a captu
 size serves every step.
 
 Which body runs:
-  B = 1   the half2 loop, the tensor-core core or the bulk-copy GEMV, per matrix, as the GEMV variant
-          says (below);
+  B = 1   the half2 loop or the tensor-core core, per matrix, as the GEMV variant says (below);
   B > 1   the INT4 GEMVs on the tile GEMM (gemm_tiles.cuh, planned by `plan_tiles`) in the "tiles"
           variants, but o_proj at B <= 8 (TILE_CORE_KINDS); else on the tensor-core core: up to 32
           columns (sequences) per pass over the weights, planned by `plan_gemv` (passes, and the slices
@@ -28,7 +27,7 @@ from .dims import GROUP, ModelDims
 from .errors import KernelError
 from .loader import extra_defines
 
-INT4_SOURCES = ["gemv_int4.cu"]  # with gemv_mma.cuh, gemm_tiles.cuh and gemv_bulk.cuh
+INT4_SOURCES = ["gemv_int4.cu"]
 FP16_SOURCES = ["gemv_fp16.cu"]
 THREADS = 256
 WARPS = THREADS // 32
@@ -58,9 +57,6 @@ X_SMEM_FEW_TILES = 90 * 1024
 # layer of the four INT4 GEMVs, tiles / packed1: B = 8 96.3 / 93.3, B = 16 108.1 / 114.5, B = 32
 # 151.2 / 151.3 and B = 64 252.0 / 254.6 (the same row-by-row entries: noise); B = 1 195.7 (eager-timed:
 # the copy's first launch cannot be captured) vs tiles1 90.8 and the half2 loop 54.5.
-#   bulk    : B = 1 on the bulk-copy GEMV (gemv_bulk.cuh: the TMA streams the weights into a ring of
-#             shared-memory stages, the consumers multiply on mma.sync) for the kinds of bulk_kinds();
-#             B > 1 as "tiles".
 GEMV_KINDS = ("h", "i", "qkv", "gu")
 GEMV_VARIANTS: dict[str, frozenset[str]] = {
     "default": frozenset(),
@@ -68,10 +64,8 @@ GEMV_VARIANTS: dict[str, frozenset[str]] = {
     "mixed": frozenset({"i", "gu"}),
     "tiles": frozenset(),
     "tiles1": frozenset(GEMV_KINDS),
-    "bulk": frozenset(),
 }
-TILE_VARIANTS = frozenset({"tiles", "tiles1", "bulk"})  # B > 1 on the tile GEMM
-BULK_VARIANTS = frozenset({"bulk"})  # B = 1 on the bulk-copy GEMV (the kinds of bulk_kinds())
+TILE_VARIANTS = frozenset({"tiles", "tiles1"})  # B > 1 on the tile GEMM
 TILE_AT_B1 = frozenset({"tiles1"})  # ... and B = 1 too
 DEFAULT_GEMV_VARIANT = "tiles"  # B = 1 on the half2 loop, B > 1 on the tile GEMM (docs/PERF.md)
 
@@ -233,64 +227,6 @@ def _plan_tiles(k: int, units: int, sm_count: int, min_items: int) -> TilePlan:
     return TilePlan(tiles, pairs, max(1, min(sm_count, tiles * pairs // min_items)))
 
 
-# ---- the bulk-copy GEMV (gemv_bulk.cuh), B = 1 -------------------------------------------------------
-BULK_WARPS = 8  # gemv_bulk.cuh NQ_BULK_WARPS default: consumer warps per block
-BULK_GROUPS = 16  # gemv_bulk.cuh NQ_BULK_GROUPS default: 128-k groups per stage
-BULK_ROWS = 16  # row slots per stage (8 units)
-BULK_MAX_STAGES = 32  # gemv_bulk.cuh kBulkMaxStages
-# dynamic shared memory a block may take: the 227 KB opt-in limit less the static ~2.7 KB and a margin
-BULK_SMEM_CAP = 227 * 1024 - 4096
-
-
-def bulk_threads() -> int:
-    """Threads of a bulk GEMV block: NQ_BULK_WARPS consumer warps (a $NANOQWEN_KERNEL_DEFINES knob) and
-    the producer warp."""
-    return 32 * (extra_defines().get("NQ_BULK_WARPS", BULK_WARPS) + 1)
-
-
-def bulk_stage_bytes() -> int:
-    """Bytes of one ring stage (gemv_bulk.cuh kBulkStageBytes): 16 row slots of an odd multiple of 64
-    bytes (the bank layout) and their fp16 scales."""
-    groups = extra_defines().get("NQ_BULK_GROUPS", BULK_GROUPS)
-    return BULK_ROWS * 64 * (groups | 1) + BULK_ROWS * groups * 2
-
-
-@dataclass(frozen=True)
-class BulkPlan:
-    """How the bulk GEMV covers one matrix at B = 1."""
-
-    blocks: int  # grid.x: one block per SM at most (each takes a contiguous run of 16-row tiles)
-    stages: int  # ring depth (n_stages argument)
-    smem: int  # dynamic shared memory: x (K x 2 bytes) + the ring
-
-
-def plan_bulk(k: int, units: int, sm_count: int) -> BulkPlan:
-    """Blocks and ring depth of the bulk GEMV for a K-long matrix of `units` 2-row units: as many stages
-    as fit beside x in BULK_SMEM_CAP (at most BULK_MAX_STAGES), one block per SM."""
-    if k % GROUP or units < 1 or sm_count < 1:
-        raise KernelError(f"plan_bulk: bad shape K={k} units={units} SMs={sm_count}")
-    return _plan_bulk(k, units, sm_count, bulk_stage_bytes())
-
-
-@functools.cache
-def _plan_bulk(k: int, units: int, sm_count: int, stage: int) -> BulkPlan:
-    stages = min(BULK_MAX_STAGES, (BULK_SMEM_CAP - 2 * k) // stage)
-    if stages < 2:
-        raise KernelError(f"plan_bulk: K={k} leaves room for {stages} ring stage(s) of {stage} bytes")
-    tiles = -(-units // 8)
-    return BulkPlan(min(tiles, sm_count), stages, 2 * k + stages * stage)
-
-
-def bulk_kinds() -> frozenset[str]:
-    """Matrix kinds (GEMV_KINDS) the "bulk" variant runs on the bulk GEMV at B = 1: all, or
-    $NANOQWEN_GEMV_BULK_KINDS (comma-separated; the others stay on the half2 loop)."""
-    raw = os.environ.get("NANOQWEN_GEMV_BULK_KINDS", ",".join(GEMV_KINDS))
-    kinds = frozenset(k.strip() for k in raw.split(",") if k.strip())
-    if not kinds <= set(GEMV_KINDS):
-        raise KernelError(f"NANOQWEN_GEMV_BULK_KINDS={raw!r}: expected kinds among {', '.join(GEMV_KINDS)}")
-    return kinds
-
-
 class GemvKernels:
     def __init__(self, dims: ModelDims, load_module, variant: str = DEFAULT_GEMV_VARIANT,
                  lm_head: str = DEFAULT_LM_HEAD):
@@ -315,9 +251,6 @@ class GemvKernels:
             for kind, name in names.items()
             for c in MMA_BUILDS
         }
-        self._bulk_kinds = bulk_kinds() if variant in BULK_VARIANTS else frozenset()
-        self._bulk = {kind: m.get_function(f"{names[kind]}_bulk", max_dynamic_smem=BULK_SMEM_CAP)
-                      for kind in self._bulk_kinds}
         self._fp16 = f.get_function("nq_gemv_fp16")
         self._fp16_mma = {c: f.get_function(f"nq_gemv_fp16_mma{c}", max_dynamic_smem=smem) for c in MMA_BUILDS}
         self._tiles = variant in TILE_VARIANTS
@@ -416,13 +349,6 @@ class GemvKernels:
 
     # ---- launches -----------------------------------------------------------------------------------
 
-    def _launch_bulk(self, kind: str, n_units: int, k: int, scales, args: tuple) -> None:
-        """The bulk GEMV (B = 1): plan, then one launch; n_stages follows the half2 entry's arguments."""
-        ck.check_array("scales", scales, np.float16, align=4)  # 4-byte cp.async of scale pairs
-        plan = plan_bulk(k, n_units, ck.sm_count())
-        ck.launch(self._bulk[kind], plan.blocks, bulk_threads(), (*args, np.int32(plan.stages)),
-                  shared_mem=plan.smem)
-
     def _launch_mma(self, fn_of, n_units: int, k: int, b: int, args: tuple) -> None:
         """The tensor-core core over n_units units for B columns: plan, grid, launch."""
         tiles = -(-n_units // 8)
@@ -465,8 +391,6 @@ class GemvKernels:
         if self._on_tiles(kind, b):
             epi = (residual if residual is not None else ck.NULL, out, np.int32(n))
             self._launch_tiles(kind, units, k, b, (qweight, scales), x, norm_w, e, epi)
-        elif b == 1 and kind in self._bulk_kinds:
-            self._launch_bulk(kind, units, k, scales, args)
         elif b == 1 and kind not in self._mma_at_b1:
             fn = self._half2[kind]
             ck.launch(fn, ck.even_grid(fn, -(-units // WARPS), THREADS), THREADS, args)
@@ -515,8 +439,6 @@ class GemvKernels:
         if self._on_tiles("qkv", b):
             self._launch_tiles("qkv", rows // 2, d.hidden, b, (qweight, scales), x, norm_w, e,
                                (bias, *args[6:]))
-        elif b == 1 and "qkv" in self._bulk_kinds:
-            self._launch_bulk("qkv", rows // 2, d.hidden, scales, args)
         elif b == 1 and "qkv" not in self._mma_at_b1:
             fn = self._half2["qkv"]
             ck.launch(fn, ck.even_grid(fn, -(-(rows // 2) // WARPS), THREADS), THREADS, args)
@@ -538,8 +460,6 @@ class GemvKernels:
         args = (qweight, scales, x, norm_w if norm_w is not None else ck.NULL, e, out)
         if self._on_tiles("gu", b):
             self._launch_tiles("gu", d.intermediate, d.hidden, b, (qweight, scales), x, norm_w, e, (out,))
-        elif b == 1 and "gu" in self._bulk_kinds:
-            self._launch_bulk("gu", d.intermediate, d.hidden, scales, args)
         elif b == 1 and "gu" not in self._mma_at_b1:
             fn = self._half2["gu"]
             ck.launch(fn, ck.even_grid(fn, -(-d.intermediate // WARPS), THREADS), THREADS, args)

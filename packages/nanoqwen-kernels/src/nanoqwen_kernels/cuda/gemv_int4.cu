@@ -3,7 +3,6 @@
 //   the half2 loop (this file)      B = 1; products in half2 FMAs
 //   the tensor-core core            any B; gemv_mma.cuh (mma.sync, one column per sequence)
 //   the tile GEMM                   B <= 64; gemm_tiles.cuh (entries at the end of this file)
-//   the bulk-copy GEMV              B = 1; gemv_bulk.cuh (weights streamed into shared memory by the TMA)
 //
 // What: out[b][n] = sum_k W[n,k] * xin[b][k], W[n,k] = scale[n, k/128] * q[n,k] (q = u - 8, u in 0..15),
 //   xin[b] = x[b], or RMSNorm(x[b]) * norm_w when norm_w is given (HF Qwen2RMSNorm: fp32 mean of
@@ -63,7 +62,6 @@
 //   compiles it for the 7B, 1.5B and tiny dims and checks the SASS (PRMT, HMMA, no spills).
 #include "gemv_mma.cuh"
 #include "gemm_tiles.cuh"
-#include "gemv_bulk.cuh"
 
 namespace nq {
 
@@ -368,40 +366,6 @@ extern "C" __global__ void __launch_bounds__(kThreads) nq_gate_up_silu(
     float eps,
     uint16_t* __restrict__ out) {          // [I] fp16
   gemv_units<kHidden>(qweight, scales, x, norm_w, eps, kInter, GateUpRows{}, GateUpEpi{out});
-}
-
-// The bulk-copy GEMV, B = 1 (gemv_bulk.cuh): the half2 entries' arguments, then n_stages (the ring's depth);
-// block kBulkThreads, one per SM, dynamic shared memory K x 2 + n_stages x kBulkStageBytes (gemv.py plan_bulk).
-extern "C" __global__ void __launch_bounds__(kBulkThreads, 1) nq_gemv_int4_h_bulk(
-    const uint32_t* __restrict__ qweight, const uint16_t* __restrict__ scales, const uint16_t* __restrict__ x,
-    const uint16_t* __restrict__ norm_w, float eps, const uint16_t* residual, uint16_t* out, int n_rows,
-    int n_stages) {
-  gemv_bulk<kHidden>(qweight, scales, x, norm_w, eps, (n_rows + 1) / 2, n_stages, PlainRows{n_rows},
-                     PlainEpi{residual, out, n_rows});
-}
-
-extern "C" __global__ void __launch_bounds__(kBulkThreads, 1) nq_gemv_int4_i_bulk(
-    const uint32_t* __restrict__ qweight, const uint16_t* __restrict__ scales, const uint16_t* __restrict__ x,
-    const uint16_t* __restrict__ norm_w, float eps, const uint16_t* residual, uint16_t* out, int n_rows,
-    int n_stages) {
-  gemv_bulk<kInter>(qweight, scales, x, norm_w, eps, (n_rows + 1) / 2, n_stages, PlainRows{n_rows},
-                    PlainEpi{residual, out, n_rows});
-}
-
-extern "C" __global__ void __launch_bounds__(kBulkThreads, 1) nq_qkv_rope_kv_bulk(
-    const uint32_t* __restrict__ qweight, const uint16_t* __restrict__ scales, const uint16_t* __restrict__ bias,
-    const uint16_t* __restrict__ x, const uint16_t* __restrict__ norm_w, float eps,
-    const int32_t* __restrict__ pos, const int32_t* __restrict__ page_table, int max_pages,
-    uint16_t* __restrict__ k_cache, uint16_t* __restrict__ v_cache, int layer, int n_pages,
-    uint16_t* __restrict__ q_out, int n_stages) {
-  gemv_bulk<kHidden>(qweight, scales, x, norm_w, eps, kQkvRows / 2, n_stages, QkvRows{},
-                     QkvEpi{bias, pos, page_table, max_pages, k_cache, v_cache, layer, n_pages, q_out});
-}
-
-extern "C" __global__ void __launch_bounds__(kBulkThreads, 1) nq_gate_up_silu_bulk(
-    const uint32_t* __restrict__ qweight, const uint16_t* __restrict__ scales, const uint16_t* __restrict__ x,
-    const uint16_t* __restrict__ norm_w, float eps, uint16_t* __restrict__ out, int n_stages) {
-  gemv_bulk<kHidden>(qweight, scales, x, norm_w, eps, kInter, n_stages, GateUpRows{}, GateUpEpi{out});
 }
 
 // The tensor-core core, B columns (x [B, K], outputs [B, ...]; pos [B], page_table [B, max_pages]);
