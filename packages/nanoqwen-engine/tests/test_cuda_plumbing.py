@@ -423,3 +423,43 @@ def test_ctrl_is_copied_only_where_it_changed(tied_path, monkeypatch, rng):
             assert copies == [], f"step {step}: nothing changed, yet {copies} entries were copied"
     assert _spans(np.array([5, 3, 9, 100_000, 100_001])) == [(3, 10), (100_000, 100_002)]
     assert _spans(np.array([], dtype=np.int64)) == []
+
+
+def test_decode_prefetch_names_the_next_small_gemvs_weights(tied_path, kind, monkeypatch, rng):
+    """$NANOQWEN_DECODE_PREFETCH=1: layer i's q/k/v launch asks L2 for its o_proj's weights and scales, its
+    down_proj for layer i + 1's q/k/v (the last layer's for nothing); off, no launch carries any. A hint
+    only: the tokens are the same either way (on the GPU, the real kernels)."""
+    ids = rng.integers(0, 4096, size=12)
+    off = make_backend(tied_path, kind, max_context=64)
+    monkeypatch.setenv("NANOQWEN_DECODE_PREFETCH", "1")
+    on = make_backend(tied_path, kind, max_context=64)
+    assert on.step.prefetch and not off.step.prefetch
+
+    class Recorder:
+        def __init__(self):
+            self.seen = []
+
+        def __getattr__(self, name):
+            def record(*a, **k):
+                self.seen.append((name, k.get("prefetch")))
+            return record
+
+    for be, want_any in ((on, True), (off, False)):
+        rec = Recorder()
+        be.step.launch_body(rec, 1, "greedy")
+        qkv = [pf for name, pf in rec.seen if name == "qkv_rope_kv"]
+        gemv = [pf for name, pf in rec.seen if name == "gemv_int4"]
+        layers = be.w.layers
+        assert len(qkv) == len(layers) and len(gemv) == 2 * len(layers)
+        for i, lw in enumerate(layers):
+            o_pf, down_pf = gemv[2 * i], gemv[2 * i + 1]
+            assert o_pf is None
+            if not want_any:
+                assert qkv[i] is None and down_pf is None
+                continue
+            assert qkv[i][0] is lw.o.qweight and qkv[i][1] is lw.o.scales
+            if i + 1 < len(layers):
+                assert down_pf[0] is layers[i + 1].qkv.qweight and down_pf[1] is layers[i + 1].qkv.scales
+            else:
+                assert down_pf is None
+    assert generate(on, ids, 16)[0] == generate(off, ids, 16)[0]
