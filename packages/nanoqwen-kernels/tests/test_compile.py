@@ -242,16 +242,3 @@ def test_gemm_int4_prefill_sass(width):
     assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in body
     assert "USETMAXREG" in body or "SETMAXREG" in body
     assert "LDGSTS" in body and "STL" not in body and "LDL" not in body
-
-
-def test_down_and_qkv_half2_entries_prefetch_later_weights_before_the_wait():
-    """gemv_int4.cu "Weights of a later GEMV": the batch-1 half2 entries of down_proj (K = I) and q/k/v
-    each ask L2 for two regions (cp.async.bulk.prefetch.L2 = UBLKPF) before griddepcontrol.wait; o_proj's
-    entry and gate/up's have none."""
-    funcs = _functions(_sass("gemv_int4.cu", QWEN25_7B))
-    for name in ("nq_gemv_int4_i", "nq_qkv_rope_kv"):
-        body = funcs[name]
-        wait = body.find("ACQBULK")
-        assert body[:wait].count("UBLKPF.L2") == 2 and body.count("UBLKPF") == 2, name
-    for name in ("nq_gemv_int4_h", "nq_gate_up_silu"):
-        assert "UBLKPF" not in funcs[name], name

@@ -158,9 +158,7 @@ def test_qkv_rope_kv_checks(launches):
     good = _qkv_args(d, 1)
     g.qkv_rope_kv(**good)
     fn, grid, args = launches[-1]
-    # layer, n_pages, q_out, then two (pointer, bytes) prefetch regions (none here)
-    assert fn == "nq_qkv_rope_kv" and int(args[-7]) == 1 and int(args[-6]) == 4 and int(args[8]) == 64
-    assert [int(a) for a in args[-3::2]] == [0, 0]
+    assert fn == "nq_qkv_rope_kv" and int(args[-3]) == 1 and int(args[-2]) == 4 and int(args[8]) == 64
     bad = [
         (
             dict(qweight=dev((rows - 2, d.hidden // 8), np.uint32), scales=dev((rows - 2, 28), np.float16)),
@@ -334,38 +332,3 @@ def test_small_batches_of_o_proj_run_on_the_core(launches, monkeypatch, env, b, 
     monkeypatch.setenv("NANOQWEN_TILE_CORE_KINDS", "h,lm_head")
     with pytest.raises(KernelError, match="NANOQWEN_TILE_CORE_KINDS"):
         GemvKernels(d, load)
-
-
-def test_prefetch_regions_reach_the_batch1_half2_entries_only(launches):
-    """prefetch (gemv_int4.cu "Weights of a later GEMV"): down_proj's and q/k/v's batch-1 half2 entries get
-    up to two (pointer, bytes) regions, bytes rounded down to 16 and an unaligned array left out; o_proj's
-    entry and the batched bodies take none; more than two arrays, or a host array, is one KernelError."""
-    d = QWEN25_7B
-    g = GemvKernels(d, load)
-    qd, sd = dev((d.hidden, d.intermediate // 8), np.uint32), dev((d.hidden, d.intermediate // 128), np.float16)
-    nxt_w, nxt_s = dev((d.qkv_rows, d.hidden // 8), np.uint32), dev((1001,), np.float16)
-    out = dev((d.hidden,), np.float16)
-    g.gemv_int4(qd, sd, dev((d.intermediate,), np.float16), out, residual=out, prefetch=(nxt_w, nxt_s))
-    fn, _, args = launches[-1]
-    assert fn == "nq_gemv_int4_i"
-    assert args[-4] is nxt_w and int(args[-3]) == nxt_w.nbytes
-    assert args[-2] is nxt_s and int(args[-1]) == nxt_s.nbytes // 16 * 16 < nxt_s.nbytes
-    g.gemv_int4(qd, sd, dev((d.intermediate,), np.float16), out, residual=out)
-    assert [int(a) for a in launches[-1][2][-3::2]] == [0, 0]
-    odd = dev((408,), np.uint8)[8:]  # 8 bytes past a 256-byte boundary: left out
-    g.gemv_int4(qd, sd, dev((d.intermediate,), np.float16), out, residual=out, prefetch=(odd,))
-    assert [int(a) for a in launches[-1][2][-3::2]] == [0, 0]
-    qh, sh = dev((d.hidden, d.hidden // 8), np.uint32), dev((d.hidden, d.hidden // 128), np.float16)
-    g.gemv_int4(qh, sh, dev((d.hidden,), np.float16), out, residual=out, prefetch=(nxt_w,))
-    assert launches[-1][0] == "nq_gemv_int4_h" and int(launches[-1][2][-1]) == d.hidden
-    res = dev((4, d.hidden), np.float16)
-    g.gemv_int4(qd, sd, dev((4, d.intermediate), np.float16), res, residual=res, prefetch=(nxt_w,))
-    assert launches[-1][0] == "nq_gemv_int4_i_tile8"
-    good = _qkv_args(d, 1)
-    g.qkv_rope_kv(**good, prefetch=(qh, sh))
-    fn, _, args = launches[-1]
-    assert fn == "nq_qkv_rope_kv" and args[-4] is qh and int(args[-3]) == qh.nbytes and args[-2] is sh
-    with pytest.raises(KernelError, match="at most 2"):
-        g.gemv_int4(qd, sd, dev((d.intermediate,), np.float16), out, prefetch=(qh, sh, nxt_w))
-    with pytest.raises(KernelError, match="device arrays"):
-        g.gemv_int4(qd, sd, dev((d.intermediate,), np.float16), out, prefetch=(np.zeros(4),))

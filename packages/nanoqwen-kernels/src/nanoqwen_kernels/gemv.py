@@ -363,31 +363,8 @@ class GemvKernels:
             shared_mem=plan.smem,
         )
 
-    @staticmethod
-    def _prefetch_args(prefetch) -> tuple:
-        """The (pointer, bytes) pairs of up to two read-only device arrays for the half2 entries that ask L2
-        to prefetch them (gemv_int4.cu "Weights of a later GEMV"): bytes rounded down to 16, an array not
-        16-byte aligned left out (a prefetch is a hint: nothing depends on it)."""
-        regions = list(prefetch or ())
-        if len(regions) > 2:
-            raise KernelError(f"prefetch takes at most 2 arrays, got {len(regions)}")
-        args: list = []
-        for a in regions:
-            if not hasattr(getattr(a, "data", None), "ptr") or not hasattr(a, "nbytes"):
-                raise KernelError(f"prefetch: expected device arrays, got {type(a).__name__}")
-            n = int(a.nbytes) // 16 * 16
-            if a.data.ptr % 16 or n == 0:
-                args += [ck.NULL, np.uint64(0)]
-            else:
-                args += [a, np.uint64(n)]
-        while len(args) < 4:
-            args += [ck.NULL, np.uint64(0)]
-        return tuple(args)
-
-    def gemv_int4(self, qweight, scales, x, out, residual=None, norm_w=None, eps=1e-6, prefetch=None) -> None:
-        """out[B, N] = W . (norm(x[b]) if norm_w else x[b]) (+ residual[B, N]); residual may be out itself.
-        prefetch: up to two device arrays (the weights of a GEMV two launches later) whose bytes L2 is asked
-        to fetch meanwhile; honoured by the batch-1 half2 body of K = I (down_proj), ignored by the others."""
+    def gemv_int4(self, qweight, scales, x, out, residual=None, norm_w=None, eps=1e-6) -> None:
+        """out[B, N] = W . (norm(x[b]) if norm_w else x[b]) (+ residual[B, N]); residual may be out itself."""
         n, k = self._int4(qweight, scales)
         b, lead = self._x(x, k)
         ck.check_array("out", out, np.float16, (*lead, n))
@@ -416,19 +393,16 @@ class GemvKernels:
             self._launch_tiles(kind, units, k, b, (qweight, scales), x, norm_w, e, epi)
         elif b == 1 and kind not in self._mma_at_b1:
             fn = self._half2[kind]
-            pf = self._prefetch_args(prefetch) if kind == "i" else ()
-            ck.launch(fn, ck.even_grid(fn, -(-units // WARPS), THREADS), THREADS, args + pf)
+            ck.launch(fn, ck.even_grid(fn, -(-units // WARPS), THREADS), THREADS, args)
         else:
             self._launch_mma(lambda c: self._mma[(kind, c)], units, k, b, args)
 
     def qkv_rope_kv(
-        self, qweight, scales, bias, x, norm_w, eps, pos_dev, page_table, k_cache, v_cache, layer, q_out,
-        prefetch=None,
+        self, qweight, scales, bias, x, norm_w, eps, pos_dev, page_table, k_cache, v_cache, layer, q_out
     ) -> None:
         """Fused RMSNorm + q/k/v GEMV + bias + RoPE at pos_dev[b] + K/V into the page of pos_dev[b] in
         page_table row b; q of row b to q_out[b]. A row whose position has no page (page id < 0 or past
-        the pool, or pos_dev[b] outside the table) writes no K/V and gets NaN q (a padding row).
-        prefetch: as gemv_int4's (the layer's o_proj weights), honoured by the batch-1 half2 body."""
+        the pool, or pos_dev[b] outside the table) writes no K/V and gets NaN q (a padding row)."""
         d = self.dims
         rows = d.qkv_rows
         n, _ = self._int4(qweight, scales, d.hidden)
@@ -467,8 +441,7 @@ class GemvKernels:
                                (bias, *args[6:]))
         elif b == 1 and "qkv" not in self._mma_at_b1:
             fn = self._half2["qkv"]
-            ck.launch(fn, ck.even_grid(fn, -(-(rows // 2) // WARPS), THREADS), THREADS,
-                      args + self._prefetch_args(prefetch))
+            ck.launch(fn, ck.even_grid(fn, -(-(rows // 2) // WARPS), THREADS), THREADS, args)
         else:
             self._launch_mma(lambda c: self._mma[("qkv", c)], rows // 2, d.hidden, b, args)
 

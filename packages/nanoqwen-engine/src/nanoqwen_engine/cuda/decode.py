@@ -35,7 +35,6 @@ Buffers (per backend, [R, ...] allocated once at load; H hidden, I intermediate,
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -123,18 +122,12 @@ class BucketViews:
     logits: Any
 
 
-DEFAULT_PREFETCH = "0"  # $NANOQWEN_DECODE_PREFETCH's default (docs/PERF.md "twelfth lease")
-
-
 class DecodeStep:
     def __init__(self, dev, ks, weights: GpuWeights, cfg, k_cache, v_cache, max_pages: int, max_batch: int,
                  sampler: DeviceSampler, scratch_page: int):
         xp = dev.xp
         self.dev, self.ks, self.w, self.cfg = dev, ks, weights, cfg
         self.k_cache, self.v_cache = k_cache, v_cache
-        # L2 prefetch of the small GEMVs' weights (gemv_int4.cu "Weights of a later GEMV"): down_proj asks for
-        # the next layer's q/k/v, q/k/v for its layer's o_proj. $NANOQWEN_DECODE_PREFETCH=0 turns it off.
-        self.prefetch = os.environ.get("NANOQWEN_DECODE_PREFETCH", DEFAULT_PREFETCH) != "0"
         self.max_batch, self.scratch_page = max_batch, scratch_page
         R = max_batch
         self.layout = lay = CtrlLayout(R, max_pages)
@@ -181,18 +174,12 @@ class DecodeStep:
     def launch_layer(self, ks, i: int, v: BucketViews) -> None:
         """Decoder layer i on v.x (in place, through v.y) for each row's token at its POS."""
         lw, eps = self.w.layers[i], self.cfg.rms_eps
-        pf_o = pf_next = None
-        if self.prefetch:
-            pf_o = (lw.o.qweight, lw.o.scales)
-            if i + 1 < self.cfg.n_layers:
-                nxt = self.w.layers[i + 1].qkv
-                pf_next = (nxt.qweight, nxt.scales)
         ks.qkv_rope_kv(lw.qkv.qweight, lw.qkv.scales, lw.qkv_bias, v.x, lw.in_norm, eps, v.pos, v.table,
-                       self.k_cache, self.v_cache, i, v.q, prefetch=pf_o)
+                       self.k_cache, self.v_cache, i, v.q)
         ks.attention_decode(v.q, self.k_cache, self.v_cache, v.table, v.seq_len, i, v.attn, self.attn_ws)
         ks.gemv_int4(lw.o.qweight, lw.o.scales, v.attn, v.y, residual=v.x)
         ks.gate_up_silu(lw.gate_up.qweight, lw.gate_up.scales, v.y, lw.post_norm, eps, v.act)
-        ks.gemv_int4(lw.down.qweight, lw.down.scales, v.act, v.x, residual=v.y, prefetch=pf_next)
+        ks.gemv_int4(lw.down.qweight, lw.down.scales, v.act, v.x, residual=v.y)
 
     def launch_head(self, ks, x_rows, xn_rows, logits_rows) -> None:
         """Final RMSNorm + lm_head of hidden rows [B, H] into logits [B, V] (decode, and prefill's last row)."""

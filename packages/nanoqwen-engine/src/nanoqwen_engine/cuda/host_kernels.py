@@ -116,7 +116,7 @@ class HostKernels:
         out[...] = _rms(x, w, eps).astype(out.dtype)
 
     @_launcher
-    def gemv_int4(self, qweight, scales, x, out, residual=None, norm_w=None, eps=1e-6, prefetch=None):
+    def gemv_int4(self, qweight, scales, x, out, residual=None, norm_w=None, eps=1e-6):
         xr = _rows(x)
         xin = _rms(xr, norm_w, eps) if norm_w is not None else xr.astype(np.float32)
         xin = xin.astype(np.float16).astype(np.float32)
@@ -127,7 +127,7 @@ class HostKernels:
 
     @_launcher
     def qkv_rope_kv(self, qweight, scales, bias, x, norm_w, eps, pos_dev, page_table, k_cache, v_cache,
-                    layer, q_out, prefetch=None):  # prefetch: an L2 hint on the GPU, nothing here
+                    layer, q_out):
         c = self.cfg
         h = _rms(_rows(x), norm_w, eps).astype(np.float16).astype(np.float32)
         y = _mm(h, self._w(qweight, scales)) + bias.astype(np.float32)  # [B, R]

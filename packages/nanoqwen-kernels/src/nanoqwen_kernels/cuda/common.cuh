@@ -139,22 +139,6 @@ __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;"
 // kernels that still had blocks to place).
 __device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 
-// Ask L2 to fetch this block's share of a read-only region of `bytes` bytes (a multiple of 16, 16-byte
-// aligned: the launcher's job) with cp.async.bulk.prefetch.L2: no shared memory, nothing to wait for, one
-// instruction from thread 0 of each block. Used by the batch-1 GEMVs to pull the weights of the GEMV two
-// launches ahead into L2 while their own weights stream (gemv_int4.cu "Weights of a later GEMV").
-// Weights never change during a decode, so it may run before pdl_wait.
-__device__ __forceinline__ void l2_prefetch_share(const void* base, unsigned long long bytes) {
-  if (base == nullptr || bytes == 0 || threadIdx.x != 0) return;
-  const unsigned long long chunk = ((bytes + gridDim.x - 1) / gridDim.x + 15ull) & ~15ull;
-  const unsigned long long lo = blockIdx.x * chunk;
-  if (lo >= bytes) return;
-  const unsigned long long n = bytes - lo < chunk ? bytes - lo : chunk;
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(static_cast<const char*>(base) + lo),
-               "r"(static_cast<uint32_t>(n))
-               : "memory");
-}
-
 // 4 bytes global -> shared (cp.async.ca: .cg takes only 16-byte copies)
 __device__ __forceinline__ void cp_async4(void* smem_dst, const void* gmem_src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(smem_u32(smem_dst)), "l"(gmem_src) : "memory");

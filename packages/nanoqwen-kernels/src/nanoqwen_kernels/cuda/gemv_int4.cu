@@ -188,22 +188,12 @@ __device__ __forceinline__ void dot_rows2(const uint32_t* __restrict__ qw, const
 // producer of x) drains; the DRAM round trip then overlaps that kernel's tail and this one's x prologue
 // instead of following them. Only weight loads go before the wait; x is read after it (the one exception
 // to common.cuh's rule that nothing is read before the wait, checked in tests/test_compile.py).
-// Weights of a later GEMV (pf0 / pf1, the launcher's `prefetch`): each block first asks L2 for its share
-// of up to two read-only regions, the weights and scales of a small GEMV that runs two launches later
-// (down_proj prefetches the next layer's q/k/v, q/k/v its layer's o_proj). Those GEMVs are latency-bound
-// (7B: 7.6 and 5.0 us for 8.3 and 6.4 MB, ~30% of the copy rate), while down_proj streams at ~60%: their
-// bytes move into the bandwidth-bound kernel's spare DRAM time, and they then read L2. docs/PERF.md
-// "twelfth lease" has what it gave.
 template <int K, class Map, class Epi>
 __device__ __forceinline__ void gemv_units(const uint32_t* __restrict__ qw, const uint16_t* __restrict__ sc,
                                            const uint16_t* __restrict__ x, const uint16_t* __restrict__ norm_w,
-                                           float eps, int units, const Map& map, const Epi& epi,
-                                           const void* pf0 = nullptr, unsigned long long pf0_bytes = 0,
-                                           const void* pf1 = nullptr, unsigned long long pf1_bytes = 0) {
+                                           float eps, int units, const Map& map, const Epi& epi) {
   __shared__ uint4 xs[K / 8];  // [4][K/32] x 16 B: K * 2 bytes (37.9 KB at K = 18944)
   __shared__ float red[32];
-  l2_prefetch_share(pf0, pf0_bytes);  // constant weights: before the wait (common.cuh)
-  l2_prefetch_share(pf1, pf1_bytes);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int p_first = blockIdx.x * kWarps + warp;
 #if NQ_GEMV_PRELOAD
@@ -341,13 +331,11 @@ extern "C" __global__ void __launch_bounds__(kThreads) nq_gemv_int4_h(
                       PlainEpi{residual, out, n_rows});
 }
 
-// K = I (down_proj), with up to two regions for L2 to prefetch (null / 0: none; gemv_units)
 extern "C" __global__ void __launch_bounds__(kThreads) nq_gemv_int4_i(
     const uint32_t* __restrict__ qweight, const uint16_t* __restrict__ scales, const uint16_t* __restrict__ x,
-    const uint16_t* __restrict__ norm_w, float eps, const uint16_t* residual, uint16_t* out, int n_rows,
-    const void* pf0, unsigned long long pf0_bytes, const void* pf1, unsigned long long pf1_bytes) {
+    const uint16_t* __restrict__ norm_w, float eps, const uint16_t* residual, uint16_t* out, int n_rows) {
   gemv_units<kInter>(qweight, scales, x, norm_w, eps, (n_rows + 1) / 2, PlainRows{n_rows},
-                     PlainEpi{residual, out, n_rows}, pf0, pf0_bytes, pf1, pf1_bytes);
+                     PlainEpi{residual, out, n_rows});
 }
 
 // Fused input RMSNorm + q/k/v projection + bias + RoPE + KV page write. Units = kQkvRows / 2.
@@ -364,12 +352,9 @@ extern "C" __global__ void __launch_bounds__(kThreads) nq_qkv_rope_kv(
     uint16_t* __restrict__ k_cache,         // [L, n_pages, kKvHeads, 16, 128] fp16
     uint16_t* __restrict__ v_cache,         // same
     int layer, int n_pages,
-    uint16_t* __restrict__ q_out,           // [kQDim] fp16, roped
-    const void* pf0, unsigned long long pf0_bytes,  // up to two regions for L2 to prefetch (gemv_units)
-    const void* pf1, unsigned long long pf1_bytes) {
+    uint16_t* __restrict__ q_out) {         // [kQDim] fp16, roped
   gemv_units<kHidden>(qweight, scales, x, norm_w, eps, kQkvRows / 2, QkvRows{},
-                      QkvEpi{bias, pos, page_table, max_pages, k_cache, v_cache, layer, n_pages, q_out},
-                      pf0, pf0_bytes, pf1, pf1_bytes);
+                      QkvEpi{bias, pos, page_table, max_pages, k_cache, v_cache, layer, n_pages, q_out});
 }
 
 // Fused post-attention RMSNorm + gate/up projection + SiLU(gate) * up. Units = kInter.
