@@ -47,12 +47,17 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model")
     ap.add_argument("--tokens", default="512,8192,32768", help="comma-separated prompt lengths")
+    ap.add_argument("--chunks", default=None,
+                    help="comma-separated pass sizes to try (the backend's PREFILL_CHUNK, rows per pass)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     lengths = [int(t) for t in args.tokens.split(",")]
 
     import cupy as cp
     from nanoqwen_engine import Engine
+    from nanoqwen_engine.cuda import prefill as prefill_mod
+
+    chunks = [int(c) for c in args.chunks.split(",")] if args.chunks else [prefill_mod.PREFILL_CHUNK]
 
     eng = Engine.load(args.model, device="cuda", max_context=max(lengths) + 64, progress=False)
     be = eng.backend
@@ -71,7 +76,8 @@ def main() -> int:
 
     rng = np.random.default_rng(0)
     rows = []
-    for T in lengths:
+    for T, chunk in [(T, c) for T in lengths for c in chunks]:
+        prefill_mod.PREFILL_CHUNK = chunk
         ids = rng.integers(0, cfg.vocab, size=T).astype(np.int32)
         seq = be.pool.new_sequence()  # warm-up: every kernel loaded, the buffers of this length allocated
         be.prefill(seq, ids, None)
@@ -95,7 +101,7 @@ def main() -> int:
         attn_flops = 4.0 * 128 * cfg.n_heads * T * (T + 1) / 2  # causal pairs, one layer
         kern = sum(t for _, t in per.values())
         gpu = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
-        print(f"\nprefill {T} tokens, {gpu}: wall {wall * 1e3:.1f} ms, "
+        print(f"\nprefill {T} tokens in passes of <= {chunk} rows, {gpu}: wall {wall * 1e3:.1f} ms, "
               f"kernels {kern * 1e3:.1f} ms ({len(timed.records)} launches)")
         print(f"{'kernel':28s} {'calls':>6s} {'ms':>9s} {'share':>6s} {'TFLOP/s':>8s}")
         for name, (calls, t) in sorted(per.items(), key=lambda kv: -kv[1][1]):
@@ -108,7 +114,7 @@ def main() -> int:
             elif name == "attention_prefill":
                 tf = f"{attn_flops * cfg.n_layers / t / 1e12:8.0f}"
             print(f"{name:28s} {calls:6d} {t * 1e3:9.2f} {t / kern:6.1%} {tf:>8s}")
-            rows.append(dict(tokens=T, kernel=name, calls=calls, ms=t * 1e3, wall_ms=wall * 1e3))
+            rows.append(dict(tokens=T, chunk=chunk, kernel=name, calls=calls, ms=t * 1e3, wall_ms=wall * 1e3))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
