@@ -101,3 +101,11 @@ def test_bad_flag_values_are_usage_errors_before_any_load(invoke, monkeypatch, f
     assert last.startswith("error: Invalid value"), result.stderr
     for word in words:
         assert word in last, (word, last)
+
+
+@pytest.mark.parametrize("flag", ["--prefill-chunk", "--prefill-chunk-idle"])
+def test_serve_refuses_a_prefill_budget_below_one_before_loading(invoke, flag):
+    """serve's per-step prompt budgets (beside decoding rows, and with none decoding) are checked by the
+    option parser: a usage error naming the flag, no model touched, no port bound."""
+    result = invoke(["serve", "--model", "/nonexistent/model.nanoqwen", "--device", "cpu", flag, 0])
+    assert result.exit_code == 2 and flag in result.output

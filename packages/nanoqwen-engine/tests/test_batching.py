@@ -138,11 +138,12 @@ def test_small_prefill_chunks_give_the_same_tokens(engine_factory, rng):
     params = SamplingParams(temperature=0, max_tokens=12)
     whole = engine_factory(prefill_chunk=512)
     want = [h.result().token_ids for h in [whole.submit(p, params) for p in prompts]]
-    chunked = engine_factory(prefill_chunk=7)
+    chunked = engine_factory(prefill_chunk=7, prefill_chunk_idle=7)
     got = [h.result().token_ids for h in [chunked.submit(p, params) for p in prompts]]
     assert got == want
     s = chunked.stats()
     assert s["prefill_tokens"] == sum(len(p) for p in prompts) and s["steps"] >= 118 // 7
+    assert s["prefill_chunk"] == s["prefill_chunk_idle"] == 7
 
 
 def test_preempted_requests_recompute_and_give_their_solo_tokens(engine_factory, rng):

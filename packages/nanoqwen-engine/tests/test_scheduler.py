@@ -169,6 +169,30 @@ def test_long_prompt_is_chunked_while_others_decode(tokenizer, rng):
     assert long.handle.result().token_ids == solo(long.prompt, long.params, 512)
 
 
+def test_a_prompt_alone_takes_the_idle_budget_and_shrinks_to_the_chunk_beside_decoding(tokenizer, rng):
+    """prefill_chunk_idle: with no row decoding, a step prefills up to the idle budget (a lone long prompt
+    in few large passes); once a request decodes, the next prompt's chunks shrink to prefill_chunk. Tokens
+    as solo either way."""
+    be = PagedEcho(n_pages=60, max_context=512)
+    sched = Scheduler(be, max_batch=4, prefill_chunk=32, prefill_chunk_idle=128)
+    a = make_request(0, rng.integers(0, V, 300).tolist(), params_for(40, None), tokenizer, 512)
+    sched.waiting.append(a)
+    sizes = [n for _, n in sched.step().prefill]
+    assert sizes == [128] and not a.decoding
+    assert [n for _, n in sched.step().prefill] == [128]
+    plan = sched.step()  # the last 44 tokens, and a's first token comes out of them
+    assert [n for _, n in plan.prefill] == [44] and a.decoding
+    b = make_request(1, rng.integers(0, V, 100).tolist(), params_for(5, None), tokenizer, 512)
+    sched.waiting.append(b)
+    plan = sched.step()
+    assert plan.decode == [a] and [n for _, n in plan.prefill] == [32]
+    drain(sched)
+    for r in (a, b):
+        assert r.handle.result().token_ids == solo(r.prompt, r.params, 512)
+    assert Scheduler(be, max_batch=4, prefill_chunk=64, prefill_chunk_idle=16).prefill_chunk_idle == 64
+    assert Scheduler(be, max_batch=4, prefill_chunk=64).prefill_chunk_idle == 64
+
+
 def test_run_ahead_hint_only_when_the_next_step_is_foreseeably_the_same(tokenizer, rng):
     """Backend.decode's run_ahead: given while the same rows will decode next, withheld at a step that
     prefills (a completing prompt joins), while a waiting request could be admitted, and at a row's

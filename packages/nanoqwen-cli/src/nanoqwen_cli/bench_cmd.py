@@ -93,10 +93,17 @@ class IntList(click.ParamType):
     show_default=True,
     help="md: a markdown table; csv: one row per test (or level); json: one record (a list for a sweep).",
 )
+@click.option(
+    "--prefill-chunk-idle",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Prompt tokens prefilled per step while no request decodes (default: the engine's, 8192); 512 "
+    "times a prompt in the steps a busy server gives it.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Same as --format json.")
 @click.pass_context
 def bench(ctx, model, device, max_context, synthetic, prompt_tokens, gen_tokens, concurrency, runs,
-          warmup, eager, copy_bw, fmt, as_json):  # fmt: skip
+          warmup, eager, copy_bw, prefill_chunk_idle, fmt, as_json):  # fmt: skip
     """Measure prefill and decode speed, achieved GB/s and peak memory; or, with --concurrency, the
     throughput and latencies of many requests at once.
 
@@ -134,6 +141,8 @@ def bench(ctx, model, device, max_context, synthetic, prompt_tokens, gen_tokens,
             param_hint="'--max-context'",
         )
     engine_kwargs = {"decode_mode": "eager"} if eager else {}
+    if prefill_chunk_idle is not None:
+        engine_kwargs["prefill_chunk_idle"] = prefill_chunk_idle
     if concurrency:
         # Room for every request of the highest level at once, so that a level measures batching, not
         # queueing or preemption.

@@ -36,6 +36,11 @@ API_KEY_ENV = "NANOQWEN_API_KEY"
               help="Sequences decoded together in one step.")
 @click.option("--max-queue", type=click.IntRange(min=1), default=256, show_default=True,
               help="Requests that may wait for a batch slot; beyond it a request gets 429.")
+@click.option("--prefill-chunk", type=click.IntRange(min=1), default=512, show_default=True,
+              help="Prompt tokens prefilled per step while other requests decode (bounds their stall).")
+@click.option("--prefill-chunk-idle", type=click.IntRange(min=1), default=8192, show_default=True,
+              help="Prompt tokens prefilled per step while no request decodes (a lone prompt's time to "
+                   "first token).")
 @click.option("--kv-pages", type=click.IntRange(min=1), default=None,
               help="KV cache pages (16 tokens each) shared by all sequences. Default: the engine's choice.")
 @click.option("--max-body-bytes", type=click.IntRange(min=1024), default=8 * 2**20, show_default=True,
@@ -45,8 +50,8 @@ API_KEY_ENV = "NANOQWEN_API_KEY"
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]),
               default="info", show_default=True)
 @click.option("--access-log/--no-access-log", default=True, show_default=True, help="One line per request.")
-def serve(model, device, max_context, host, port, served_model_name, api_key, max_batch, max_queue, kv_pages,
-          max_body_bytes, drain_timeout, log_level, access_log):
+def serve(model, device, max_context, host, port, served_model_name, api_key, max_batch, max_queue,
+          prefill_chunk, prefill_chunk_idle, kv_pages, max_body_bytes, drain_timeout, log_level, access_log):
     """Serve MODEL with OpenAI's HTTP API: /v1/chat/completions, /v1/completions (`suffix` for
     fill-in-the-middle), /v1/models, /health, /metrics (docs/SERVER.md).
 
@@ -66,7 +71,8 @@ def serve(model, device, max_context, host, port, served_model_name, api_key, ma
 
     if api_key is not None and not api_key.strip():
         raise CliError(f"--api-key / {API_KEY_ENV} is empty")
-    engine_kwargs = {"max_batch": max_batch, "max_queue": max_queue}
+    engine_kwargs = {"max_batch": max_batch, "max_queue": max_queue, "prefill_chunk": prefill_chunk,
+                     "prefill_chunk_idle": prefill_chunk_idle}
     if kv_pages is not None:
         engine_kwargs["kv_pages"] = kv_pages
     if device == "cuda":

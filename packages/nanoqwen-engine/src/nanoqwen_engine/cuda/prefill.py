@@ -22,8 +22,8 @@ the tensor cores' operands, no fp16 copy anywhere): the same f16 weight values e
 Several sequences' prompts (or chunks) can go through together (hidden_many): their rows are stacked and
 share the GEMMs, while RoPE + K/V write and attention run per sequence. Passes hold PREFILL_CHUNK rows
 at most: a longer prompt goes in pieces, each a prefill at a later start position whose attention also
-reads the pages the earlier pieces wrote, so the temporaries stay bounded (7B, 4096 rows: gu is
-4096 x 37888 x 2 B = 310 MB) whatever the prompt length.
+reads the pages the earlier pieces wrote, so the temporaries stay bounded (7B, 8192 rows: gu is
+8192 x 37888 x 2 B = 621 MB) whatever the prompt length.
 """
 
 from __future__ import annotations
@@ -37,7 +37,9 @@ from nanoqwen_kernels.prefill_gemm import WORKSPACE_CAP
 
 from .weights import DenseLayer, GpuWeights
 
-PREFILL_CHUNK = 4096
+# Rows per pass at most. H200, 7B, 32,768 prompt tokens in passes of 4,096 / 8,192 / 16,384 / 32,768 rows:
+# 1,245 / 1,222 / 1,226 / 1,238 ms (scripts/prefill_breakdown.py, docs/PERF.md "twelfth lease")
+PREFILL_CHUNK = 8192
 # A pass of pieces of at most GRAPH_BUCKETS[-1] tokens each, GRAPH_MAX_ROWS rows in all once each piece is
 # padded to its bucket, replays a CUDA graph captured for that shape (a piece's padding rows: token 0, no
 # K/V written, attention neither reads nor writes them). Below ~512 rows a pass is host-bound: ~250 launcher
@@ -218,7 +220,7 @@ class PrefillPass:
         H, Q, Im = c.hidden, c.q_dim, c.intermediate
         R = c.qkv_rows
         shapes = {"h": (T, H), "qkv": (T, R), "q": (T, Q), "a": (T, Q), "act": (T, Im)}
-        if not self._silu_fused():  # the gate|up output, for silu_mul (7B, 4096 rows: 310 MB)
+        if not self._silu_fused():  # the gate|up output, for silu_mul (7B, 8192 rows: 621 MB)
             shapes["gu"] = (T, 2 * Im)
         new = xp.zeros if zeroed else xp.empty
         return {k: new(s, dtype=np.float16) for k, s in shapes.items()}
