@@ -152,11 +152,6 @@ def _check_waits(funcs: dict[str, str]) -> None:
             # the wait (gemm_tiles.cuh): weights are never written during a step. Only those: no plain load,
             # store or atomic (x, the outputs, the tickets) before it
             early = [op for op in early if op != "LDGSTS"]
-        if name == "nq_attention_decode":
-            # decode attention reads seq_len and the page ids and issues the bulk copies of the pages
-            # earlier steps wrote before the wait (attention_decode.cu "Pages before the wait"): loads and
-            # bulk copies only, no store, no atomic (the outputs, the workspace, the tickets after it)
-            early = [op for op in early if op not in ("LDG", "UBLKCP")]
         if name in _PRELOADING:
             # the half2 loop loads a warp's first chunk of weights and scales before the wait (gemv_int4.cu,
             # NQ_GEMV_PRELOAD): loads only (x is read after the wait: the wait's memory clobber keeps every
@@ -247,21 +242,3 @@ def test_gemm_int4_prefill_sass(width):
     assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in body
     assert "USETMAXREG" in body or "SETMAXREG" in body
     assert "LDGSTS" in body and "STL" not in body and "LDL" not in body
-
-
-def test_decode_attention_copies_settled_pages_before_the_wait():
-    """attention_decode.cu "Pages before the wait": with NQ_DECODE_EARLY_PAGES (default) the kernel waits
-    on each of its paths (idle rows, consumers, the producer inside its copy loop and after it: 4 waits in
-    the SASS, laid out branch by branch) and only loads precede the first in the text; with it off, the
-    single wait comes first and no memory access precedes it."""
-    early = _functions(_sass("attention_decode.cu", QWEN25_7B))["nq_attention_decode"]
-    assert early.count("ACQBULK") == 4 and "UBLKCP" in early
-    _check_waits({"nq_attention_decode": early})
-    import os
-
-    os.environ["NANOQWEN_KERNEL_DEFINES"] = "NQ_DECODE_EARLY_PAGES=0"
-    try:
-        late = _functions(_sass("attention_decode.cu", QWEN25_7B))["nq_attention_decode"]
-    finally:
-        del os.environ["NANOQWEN_KERNEL_DEFINES"]
-    assert not _GLOBAL_MEM.findall(late[: late.find("ACQBULK")]) and late.count("ACQBULK") == 1

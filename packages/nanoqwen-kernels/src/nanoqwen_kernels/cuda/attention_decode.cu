@@ -46,10 +46,6 @@
 // pages scattered, every unread slot NaN; SASS holds UBLKCP and SYNCS); measured: bench/bench_attention.py.
 #include "attention_decode_ring.cuh"
 
-#ifndef NQ_DECODE_EARLY_PAGES
-#define NQ_DECODE_EARLY_PAGES 1  // 1: the settled pages' copies issued before the launch-overlap wait (A/B knob)
-#endif
-
 namespace nq_dec {
 
 // The block's shared memory after the ring (attention.py's decode_smem_bytes mirrors kSmemBytes)
@@ -92,20 +88,10 @@ __device__ __forceinline__ Smem carve(unsigned char* smem) {
 
 // The whole block streams pages p0 .. p0+count-1 of sequence b's KV head kvh through the ring: one
 // producer warp, the consumer warps (their states left in merge_*). Called by every thread; ends with a
-// block barrier, and every thread has passed pdl_wait by then.
-// Pages before the wait (NQ_DECODE_EARLY_PAGES): the kernel is launched while the q/k/v kernel before it
-// drains, and only two things of this step come from that kernel: q, and the K/V of the new token, which
-// lands in the sequence's last page. Every earlier page was written by earlier steps (whose graphs
-// completed before this one began), as were seq_len and the page table (ctrl: the host's copy or the
-// previous step's advance kernel). So the producer reads the page ids and issues the copies of the pages
-// below `safe` (the block-relative index of the page holding position seq_len - 1) before
-// griddepcontrol.wait, and waits before that page; the consumers wait before reading q.
+// block barrier.
 __device__ __forceinline__ void stream_pages(const Smem& sm, const uint16_t* qb, const uint16_t* k_cache,
                                              const uint16_t* v_cache, const int* table, int layer, int n_pages,
                                              int kvh, int p0, int count, int seq_len) {
-#if NQ_DECODE_EARLY_PAGES
-  const int safe = (seq_len - 1) / nq::kPageTokens - p0;  // pages [0, safe) of the run are settled
-#endif
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
   if (threadIdx.x == 0) {
@@ -126,7 +112,6 @@ __device__ __forceinline__ void stream_pages(const Smem& sm, const uint16_t* qb,
   if (warp == 0) {
     // producer: the warp reads the run's page ids 32 at a time (one coalesced load; read one by one, each
     // copy waited on its own L2 round trip for its page id first), lane 0 issues every copy
-    [[maybe_unused]] bool waited = false;  // warp-uniform (NQ_DECODE_EARLY_PAGES)
     for (int base = 0; base < count; base += 32) {
       const int n = min(32, count - base);
       // a page id outside the cache (a corrupt table) reads page 0 rather than faulting: garbage out, no
@@ -134,12 +119,6 @@ __device__ __forceinline__ void stream_pages(const Smem& sm, const uint16_t* qb,
       const int raw_page = lane < n ? table[p0 + base + lane] : 0;
       const int my_page = static_cast<unsigned>(raw_page) < static_cast<unsigned>(n_pages) ? raw_page : 0;
       for (int j = 0; j < n; ++j) {
-#if NQ_DECODE_EARLY_PAGES
-        if (!waited && base + j >= safe) {  // the new token's page: written by the kernel before this one
-          nq::pdl_wait();
-          waited = true;
-        }
-#endif
         const int page = __shfl_sync(0xffffffffu, my_page, j);
         if (lane == 0) {
           const int i = base + j;
@@ -155,13 +134,7 @@ __device__ __forceinline__ void stream_pages(const Smem& sm, const uint16_t* qb,
         }
       }
     }
-#if NQ_DECODE_EARLY_PAGES
-    if (!waited) nq::pdl_wait();  // a run of settled pages only: the warp still waits before its stores
-#endif
   } else {
-#if NQ_DECODE_EARLY_PAGES
-    nq::pdl_wait();  // q is the previous kernel's output
-#endif
 #if NQ_DECODE_MMA
     consume_mma(warp - 1, lane, sm.ring, sm.full, sm.empty, qb, kvh, p0, count, seq_len, sm.merge_acc,
                 sm.merge_m, sm.merge_l);
@@ -238,11 +211,7 @@ extern "C" __global__ void __launch_bounds__(nq_dec::kThreads, 1)
                         int layer, int n_pages, int max_pages, int csize, int n_clusters,
                         float* __restrict__ workspace,               // tickets, ws_acc, ws_ml
                         nq::uint16_t* __restrict__ out) {            // [B, NQ_NHEADS*128]
-#if !NQ_DECODE_EARLY_PAGES
   nq::pdl_wait();  // launch overlap (common.cuh): nothing read or written before it
-#endif
-  // else: seq_len, the page ids and the settled pages are read before the wait (stream_pages), everything
-  // else after it
   using namespace nq_dec;
   extern __shared__ __align__(128) unsigned char smem[];
   const Smem sm = carve(smem);
@@ -262,9 +231,6 @@ extern "C" __global__ void __launch_bounds__(nq_dec::kThreads, 1)
   const int used = (n_seq_pages + per_cluster - 1) / per_cluster;  // clusters holding pages
   const int o_first = threadIdx.x + kThreads * rank, o_step = kThreads * csize;  // this block's outputs
   if (ci >= used) {  // uniform over the cluster: no cluster barrier is skipped by only some of its blocks
-#if NQ_DECODE_EARLY_PAGES
-    nq::pdl_wait();  // before the store below
-#endif
     if (ci == 0) {   // an idle row (seq_len 0): defined output 0
       for (int o = o_first; o < kG * 128; o += o_step) outb[o] = nq::f2h(0.f);
     }
