@@ -168,13 +168,14 @@ def test_decode_bytes_counts_the_tied_embedding_as_lm_head(tmp_path):
 
 def test_prefill_chunk_idle_reaches_the_engine(invoke):
     """--prefill-chunk-idle sets the engine's per-step prompt budget while nothing decodes (recorded in
-    engine_info beside prefill_chunk, and never below it); default 8192; below 1 is a usage error."""
+    engine_info beside prefill_chunk, and never below it); by default the backend's (the CPU reference:
+    prefill_chunk, 512); below 1 is a usage error."""
     got = json.loads(invoke(["bench", "--synthetic", "tiny", *SMALL, "--prefill-chunk-idle", 1024, "--json"]).stdout)
     assert got["engine_info"]["prefill_chunk_idle"] == 1024 and got["engine_info"]["prefill_chunk"] == 512
     assert all(run["prompt_tokens"] == 20 for run in got["runs"])
     low = json.loads(invoke(["bench", "--synthetic", "tiny", *SMALL, "--prefill-chunk-idle", 8, "--json"]).stdout)
     assert low["engine_info"]["prefill_chunk_idle"] == 512
     default = json.loads(invoke(["bench", "--synthetic", "tiny", *SMALL, "--json"]).stdout)
-    assert default["engine_info"]["prefill_chunk_idle"] == 8192
+    assert default["engine_info"]["prefill_chunk_idle"] == 512
     bad = invoke(["bench", "--synthetic", "tiny", *SMALL, "--prefill-chunk-idle", 0])
     assert bad.exit_code == 2 and "prefill-chunk-idle" in bad.output

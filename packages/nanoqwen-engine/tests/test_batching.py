@@ -169,3 +169,15 @@ def test_seeded_sampling_in_a_batch_equals_alone(engine_factory, rng):
     solo = [engine.complete(p, q).token_ids for p, q in zip(prompts, params, strict=True)]
     handles = [engine.submit(p, q) for p, q in zip(prompts, params, strict=True)]
     assert [h.result().token_ids for h in handles] == solo
+
+
+def test_idle_prefill_budget_defaults_to_the_backends(engine_factory):
+    """prefill_chunk_idle=None takes the backend's (the CPU reference has none: prefill_chunk; the GPU
+    backend's is CudaBackend.PREFILL_CHUNK_IDLE); a value below prefill_chunk is raised to it."""
+    from nanoqwen_engine.cuda.backend import CudaBackend
+
+    assert CudaBackend.PREFILL_CHUNK_IDLE >= 512
+    assert engine_factory().stats()["prefill_chunk_idle"] == 512
+    assert engine_factory(prefill_chunk=32).stats()["prefill_chunk_idle"] == 32
+    assert engine_factory(prefill_chunk=32, prefill_chunk_idle=96).stats()["prefill_chunk_idle"] == 96
+    assert engine_factory(prefill_chunk=32, prefill_chunk_idle=8).stats()["prefill_chunk_idle"] == 32

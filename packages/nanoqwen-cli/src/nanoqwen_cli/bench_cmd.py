@@ -97,8 +97,8 @@ class IntList(click.ParamType):
     "--prefill-chunk-idle",
     type=click.IntRange(min=1),
     default=None,
-    help="Prompt tokens prefilled per step while no request decodes (default: the engine's, 8192); 512 "
-    "times a prompt in the steps a busy server gives it.",
+    help="Prompt tokens prefilled per step while no request decodes (default: the engine's, 8192 on the "
+    "GPU); 512 times a prompt in the steps a busy server gives it.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Same as --format json.")
 @click.pass_context

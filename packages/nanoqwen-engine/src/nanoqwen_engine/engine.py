@@ -50,19 +50,13 @@ T = TypeVar("T")
 
 DEFAULT_MAX_BATCH = 64
 DEFAULT_PREFILL_CHUNK = 512
-# Prompt tokens per step when no request is decoding (scheduler.py): a lone long prompt goes in passes of
-# this many rows instead of 512. H200, 7B, prompt processing of 32,768 tokens in passes of 512 / 2,048 /
-# 4,096 / 8,192 / 16,384 rows: 1,442 / 1,283 / 1,245 / 1,222 / 1,226 ms; 8,192 tokens: 325 / 211 / 218 /
-# 207 / 207 ms (scripts/prefill_breakdown.py, docs/PERF.md "twelfth lease"): attention over a 512-row pass
-# fills 224 blocks, under one wave of the GPU's 264 slots.
-DEFAULT_PREFILL_CHUNK_IDLE = 8192
 DEFAULT_MAX_QUEUE = 256
 
 
 class Engine:
     def __init__(self, backend: Backend, tokenizer: Tokenizer, nqfile, path, load_s: float,
                  max_batch: int = DEFAULT_MAX_BATCH, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-                 max_queue: int = DEFAULT_MAX_QUEUE, prefill_chunk_idle: int = DEFAULT_PREFILL_CHUNK_IDLE):
+                 max_queue: int = DEFAULT_MAX_QUEUE, prefill_chunk_idle: int | None = None):
         _check_serving_args(max_batch, prefill_chunk, max_queue, prefill_chunk_idle)
         self.backend = backend
         self.tokenizer = tokenizer
@@ -72,6 +66,8 @@ class Engine:
         self._file = nqfile  # keeps the mmap alive while backends hold views of it
         self.max_context = min(int(backend.max_context), backend.pool.max_tokens_per_seq)
         self.max_batch, self.prefill_chunk, self.max_queue = max_batch, prefill_chunk, max_queue
+        if prefill_chunk_idle is None:  # the backend's choice (CudaBackend.PREFILL_CHUNK_IDLE), else no larger
+            prefill_chunk_idle = getattr(backend, "PREFILL_CHUNK_IDLE", prefill_chunk)
         self.prefill_chunk_idle = max(prefill_chunk, prefill_chunk_idle)
         self._info = {"model": str(path), "load_s": load_s, "max_context": self.max_context,
                       "max_batch": max_batch, "prefill_chunk": prefill_chunk,
@@ -94,7 +90,7 @@ class Engine:
     def load(cls, path_or_hf_id, device: str = "cuda", max_context: int | None = None, progress: bool = True,
              kv_pages: int | None = None, decode_mode: str = "graph", max_batch: int = DEFAULT_MAX_BATCH,
              prefill_chunk: int = DEFAULT_PREFILL_CHUNK, max_queue: int = DEFAULT_MAX_QUEUE,
-             prefill_chunk_idle: int = DEFAULT_PREFILL_CHUNK_IDLE) -> Engine:
+             prefill_chunk_idle: int | None = None) -> Engine:
         """Open a .nanoqwen file (an HF folder or hub id is converted into the cache first).
 
         device: "cuda" (nanoqwen_engine.cuda.CudaBackend) or "cpu" (the numpy reference backend).
@@ -103,7 +99,8 @@ class Engine:
         debugging); the CPU backend has only one mode. max_batch: running sequences at most;
         prefill_chunk: prompt tokens prefilled per step at most while other requests decode (it bounds
         their stall); prefill_chunk_idle: per step when none decodes (a lone prompt's time to first
-        token; at least prefill_chunk); max_queue: waiting requests at most.
+        token; at least prefill_chunk; None: the backend's, 8192 on the GPU, prefill_chunk on the CPU);
+        max_queue: waiting requests at most.
         Every argument is checked before the model is touched (InvalidRequestError). Format errors from
         nanoqwen_format are wrapped in ModelFormatError (original as __cause__); a config or
         generation_config value of the wrong type or range is a ConfigError (a ModelFormatError).
@@ -345,10 +342,11 @@ class Engine:
         self.close()
 
 
-def _check_serving_args(max_batch, prefill_chunk, max_queue, prefill_chunk_idle=DEFAULT_PREFILL_CHUNK_IDLE) -> None:
+def _check_serving_args(max_batch, prefill_chunk, max_queue, prefill_chunk_idle=None) -> None:
     check_int("max_batch", max_batch, InvalidRequestError, lo=1)
     check_int("prefill_chunk", prefill_chunk, InvalidRequestError, lo=1)
-    check_int("prefill_chunk_idle", prefill_chunk_idle, InvalidRequestError, lo=1)
+    if prefill_chunk_idle is not None:
+        check_int("prefill_chunk_idle", prefill_chunk_idle, InvalidRequestError, lo=1)
     check_int("max_queue", max_queue, InvalidRequestError, lo=1)
 
 

@@ -38,9 +38,9 @@ API_KEY_ENV = "NANOQWEN_API_KEY"
               help="Requests that may wait for a batch slot; beyond it a request gets 429.")
 @click.option("--prefill-chunk", type=click.IntRange(min=1), default=512, show_default=True,
               help="Prompt tokens prefilled per step while other requests decode (bounds their stall).")
-@click.option("--prefill-chunk-idle", type=click.IntRange(min=1), default=8192, show_default=True,
+@click.option("--prefill-chunk-idle", type=click.IntRange(min=1), default=None,
               help="Prompt tokens prefilled per step while no request decodes (a lone prompt's time to "
-                   "first token).")
+                   "first token). Default: 8192 on the GPU, --prefill-chunk on the CPU.")
 @click.option("--kv-pages", type=click.IntRange(min=1), default=None,
               help="KV cache pages (16 tokens each) shared by all sequences. Default: the engine's choice.")
 @click.option("--max-body-bytes", type=click.IntRange(min=1024), default=8 * 2**20, show_default=True,
@@ -71,8 +71,9 @@ def serve(model, device, max_context, host, port, served_model_name, api_key, ma
 
     if api_key is not None and not api_key.strip():
         raise CliError(f"--api-key / {API_KEY_ENV} is empty")
-    engine_kwargs = {"max_batch": max_batch, "max_queue": max_queue, "prefill_chunk": prefill_chunk,
-                     "prefill_chunk_idle": prefill_chunk_idle}
+    engine_kwargs = {"max_batch": max_batch, "max_queue": max_queue, "prefill_chunk": prefill_chunk}
+    if prefill_chunk_idle is not None:
+        engine_kwargs["prefill_chunk_idle"] = prefill_chunk_idle
     if kv_pages is not None:
         engine_kwargs["kv_pages"] = kv_pages
     if device == "cuda":

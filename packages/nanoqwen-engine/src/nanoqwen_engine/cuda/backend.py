@@ -69,6 +69,14 @@ def _check_gpu() -> None:
 
 
 class CudaBackend:
+    # Prompt tokens per scheduler step when no request is decoding (Engine's prefill_chunk_idle default): a
+    # lone long prompt goes in passes of this many rows instead of prefill_chunk's 512. H200, 7B, 32,768
+    # prompt tokens in passes of 512 / 2,048 / 4,096 / 8,192 / 16,384 rows: 1,442 / 1,283 / 1,245 / 1,222 /
+    # 1,226 ms; 8,192 tokens: 325 / 211 / 218 / 207 / 207 ms (scripts/prefill_breakdown.py, docs/PERF.md
+    # "twelfth lease"): attention over a 512-row pass fills 224 blocks, under one wave of the 264 slots.
+    # The CPU reference backend has none (its steps stay at prefill_chunk: no speed to gain, memory to lose).
+    PREFILL_CHUNK_IDLE = 8192
+
     def __init__(self, dev, ks, weights: GpuWeights, config: ModelConfig, pool: PagePool, k_cache, v_cache,
                  decode_mode: str, max_batch: int, info: dict, dense: list[DenseLayer] | None = None):
         self.dev, self.ks, self.w, self.config, self.pool = dev, ks, weights, config, pool
