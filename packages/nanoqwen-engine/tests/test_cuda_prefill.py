@@ -208,3 +208,42 @@ def test_prefill_many_graphs_replay_the_eager_pass(tied_path, kind, rng):
     shapes = {k[0] for k, g in graph.prefill_pass._graphs.items() if g.graph is not None}
     assert shapes == {(16, 32, 32), (16, 64)} | (shapes & {(16,), (32,)})  # + the lead prompts' shapes
     assert all(g.uses == 3 for k, g in graph.prefill_pass._graphs.items() if len(k[0]) > 1)
+
+
+def test_a_short_call_goes_in_graph_sized_passes(tied_path, kind, rng, monkeypatch):
+    """prefill.GRAPH_SPLIT_MAX_ROWS: with graphs on, a call of at most that many rows in all is cut into
+    passes of GRAPH_MAX_ROWS (each replayable), a longer one into passes of PREFILL_CHUNK; graphs off,
+    PREFILL_CHUNK always. (Scaled down: 16-row graphs, calls of <= 32 rows split.) The first tokens and
+    the continuations are the eager backend's."""
+    from nanoqwen_engine.cuda import prefill as prefill_mod
+
+    monkeypatch.setattr(prefill_mod, "GRAPH_BUCKETS", (16,))
+    monkeypatch.setattr(prefill_mod, "GRAPH_MAX_ROWS", 16)
+    monkeypatch.setattr(prefill_mod, "GRAPH_SPLIT_MAX_ROWS", 32)
+    graph = make_backend(tied_path, kind, max_context=128)
+    eager = make_backend(tied_path, kind, max_context=128, decode_mode="eager")
+    V = graph.config.vocab
+    for n, want in ((30, [16, 14]), (40, [40])):
+        ids = rng.integers(0, V, size=n)
+        got = []
+        for be in (graph, eager):
+            sizes = []
+            orig = be.prefill_pass._pass
+
+            def spy(pieces, orig=orig, sizes=sizes):
+                sizes.append(sum(int(p[0].shape[0]) for p in pieces))
+                return orig(pieces)
+
+            monkeypatch.setattr(be.prefill_pass, "_pass", spy)
+            seq = be.pool.new_sequence()
+            st = SamplerState(GREEDY, V)
+            toks = [be.prefill(seq, ids, st)]
+            logits = [be.last_logits()[0].copy()]
+            for _ in range(3):
+                toks.append(be.decode([seq], [toks[-1]], [st])[0])
+                logits.append(be.last_logits()[0].copy())
+            be.pool.free(seq)
+            got.append((toks, logits, sizes))
+        (gt, _, gsizes), (et, el, esizes) = got
+        assert gsizes == want and esizes == [n], (n, gsizes, esizes)
+        same_or_near_tie(gt, et, el, f"prompt of {n}")

@@ -48,6 +48,11 @@ PREFILL_CHUNK = 8192
 # shapes keep their graphs.
 GRAPH_BUCKETS = (16, 32, 64, 128, 192, 256, 384, 512)
 GRAPH_MAX_ROWS = 512
+# A call of at most this many rows in all is cut into passes of GRAPH_MAX_ROWS (each a graph replay) rather
+# than run as one eager pass: the scheduler's steps beside decoding rows are 512 tokens, but a lone prompt's
+# step may be 8,192 (CudaBackend.PREFILL_CHUNK_IDLE), and a prompt of 513 .. 1,024 tokens then keeps the
+# two graph passes it had in 512-token steps (an eager pass of a small model's ~1k rows is host-bound).
+GRAPH_SPLIT_MAX_ROWS = 2 * GRAPH_MAX_ROWS
 GRAPH_CACHE = 32
 VOCAB_CHUNK = 16384  # score(): lm_head rows per fp32 matmul (7B: 16384 x 3584 x 4 B = 235 MB temporary)
 
@@ -98,22 +103,25 @@ class PrefillPass:
         Rows of all segments share every GEMM (and the dequantization of each weight before it, the
         larger part of a short prompt's time: the 7B's 4.5 GB of INT4 become 18 GB of fp16 writes and
         reads per pass); RoPE + K/V write and causal attention run per segment, each over its own
-        positions and pages. Passes hold at most PREFILL_CHUNK rows; a longer segment is split into
-        pieces that run in order (a piece's attention reads the pages its predecessors wrote)."""
+        positions and pages. Passes hold at most PREFILL_CHUNK rows (GRAPH_MAX_ROWS when the call has at
+        most GRAPH_SPLIT_MAX_ROWS rows and graphs are on); a longer segment is split into pieces that run
+        in order (a piece's attention reads the pages its predecessors wrote)."""
         xp = self.dev.xp
+        total = sum(int(ids.shape[0]) for ids, _, _ in segments)
+        limit = min(PREFILL_CHUNK, GRAPH_MAX_ROWS) if self.graphs and total <= GRAPH_SPLIT_MAX_ROWS else PREFILL_CHUNK
         pieces = []  # (ids, start, page_table, row offset in the output)
         row = 0
         for ids, start, table in segments:
             T = int(ids.shape[0])
-            for c0 in range(0, T, PREFILL_CHUNK):
-                c1 = min(T, c0 + PREFILL_CHUNK)
+            for c0 in range(0, T, limit):
+                c1 = min(T, c0 + limit)
                 pieces.append((ids[c0:c1], start + c0, table, row + c0))
             row += T
-        passes: list[list] = [[]]  # the pieces in order, at most PREFILL_CHUNK rows a pass
+        passes: list[list] = [[]]  # the pieces in order, at most `limit` rows a pass
         rows = 0
         for piece in pieces:
             n = int(piece[0].shape[0])
-            if passes[-1] and rows + n > PREFILL_CHUNK:
+            if passes[-1] and rows + n > limit:
                 passes.append([])
                 rows = 0
             passes[-1].append(piece)
