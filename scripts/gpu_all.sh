@@ -151,8 +151,8 @@ if want pdl; then
 fi
 # Prefill graphs A/B (issue 16): nanoqwen-cli bench with a 512- and a 1-token prompt, NANOQWEN_PREFILL_GRAPHS=1
 # (the default) and =0, on the 7B and on a synthetic model of the real 1.5B's dims (written once), and
-# bench_batch on the 1.5B dims both ways (TTFT with several prompts per prefill pass). Records in
-# $WORK/logs/prefill-*.json.
+# bench_batch on the 1.5B dims both ways (TTFT with several prompts per prefill pass); then the long
+# prompts' breakdown and time to first token. Records in $WORK/logs/prefill-*.json.
 if want prefill; then
   S15=$NANOQWEN_CACHE/synthetic-1.5b-dims-seed0.nanoqwen
   [ -f "$S15" ] || run prefill_s15 90 $PY scripts/write_synthetic_1p5b.py "$S15"
@@ -166,6 +166,15 @@ if want prefill; then
     done
     run "prefill_g${g}_batch_1.5b" 150 env NANOQWEN_PREFILL_GRAPHS=$g $PY scripts/bench_batch.py "$S15" \
       --json "$WORK/logs/prefill-g$g-batch-1.5b.json"
+  done
+  # where a long prompt's time goes (scripts/prefill_breakdown.py: every launch timed, per kernel and
+  # matrix), and the time to first token at 8k / 32k through the scheduler (its idle budget, then 512-token
+  # steps as a busy server gives them)
+  run prefill_breakdown_7b 240 $PY scripts/prefill_breakdown.py "$NANOQWEN_LADDER_7B" --tokens 512,8192,32768 \
+    --json "$WORK/logs/prefill-breakdown-7b.json"
+  for idle in 8192 512; do
+    run "prefill_long_idle$idle" 240 $PY -m nanoqwen_cli bench --model "$NANOQWEN_LADDER_7B" \
+      --prompt-tokens 8192,32000 --gen-tokens 4 --runs 3 --prefill-chunk-idle $idle --format csv
   done
 fi
 # The tile GEMM's prepared knobs (docs/PERF.md "Prepared for the next lease"; default off): the tile-GEMM GPU
