@@ -68,12 +68,12 @@ class Engine:
         self.max_batch, self.prefill_chunk, self.max_queue = max_batch, prefill_chunk, max_queue
         if prefill_chunk_idle is None:  # the backend's choice (CudaBackend.PREFILL_CHUNK_IDLE), else no larger
             prefill_chunk_idle = getattr(backend, "PREFILL_CHUNK_IDLE", prefill_chunk)
-        self.prefill_chunk_idle = max(prefill_chunk, prefill_chunk_idle)
+        self._scheduler = Scheduler(backend, max_batch, prefill_chunk, prefill_chunk_idle)
+        self.prefill_chunk_idle = self._scheduler.prefill_chunk_idle  # never below prefill_chunk
         self._info = {"model": str(path), "load_s": load_s, "max_context": self.max_context,
                       "max_batch": max_batch, "prefill_chunk": prefill_chunk,
                       "prefill_chunk_idle": self.prefill_chunk_idle, "max_queue": max_queue}
         self._cv = threading.Condition()  # guards the waiting queue, cancellations, calls, closing
-        self._scheduler = Scheduler(backend, max_batch, prefill_chunk, self.prefill_chunk_idle)
         self._calls: list[tuple[Callable[[], Any], Future]] = []
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
