@@ -215,3 +215,58 @@ def test_load_generator_script(server):
         assert lv["mean_completion_tokens"] == 3
         assert lv["output_tok_per_s"] > 0 and lv["ttft_ms_p50"] > 0 and lv["itl_ms_p99"] >= lv["itl_ms_p50"]
     assert record["args"]["model"] == "tiny"
+
+
+def test_prefill_budgets_shape_the_served_steps(tiny_model, tmp_path, tiny_engine, rng):
+    """`serve --prefill-chunk 8 --prefill-chunk-idle 32`, a real process, the openai client: a lone prompt
+    of 33..64 tokens is prefilled in 2 engine steps of <= 32 (the idle budget; 5+ in steps of 8), its
+    greedy text the engine's; then, with a request decoding beside them, 8 concurrent streams of ~40-token
+    prompts (chunks of 8 beside the decoding row) each complete with its exact token count, a client that
+    leaves mid-stream is cancelled, and every page ends free."""
+    from server_process import ServeProcess
+
+    proc = ServeProcess(tiny_model, tmp_path, "--served-model-name", "tiny", "--prefill-chunk", "8",
+                        "--prefill-chunk-idle", "32")
+    try:
+        proc.health_statuses()
+        words = ["def", "return", "x", "for", "in", "range", "if", "else", "(", ")", ":", "+", "1"]
+        text = " ".join(rng.choice(words, size=40))
+        n = len(tiny_engine.encode_prompt(text))
+        assert 33 <= n <= 64, n
+        before = proc.wait_idle()
+        got = proc.client(timeout=300).completions.create(model="tiny", prompt=text, max_tokens=3,
+                                                          temperature=0, extra_body={"ignore_eos": True})
+        after = proc.wait_idle()
+        steps = after["nanoqwen_engine_steps_total"] - before["nanoqwen_engine_steps_total"]
+        assert steps == 2 + (3 - 1), steps  # 2 prefill steps (32 + the rest), then 2 decode steps
+        want = tiny_engine.complete(text, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+        assert got.choices[0].text == want.text
+
+        leaver = proc.client(timeout=300).completions.create(
+            model="tiny", prompt="x", max_tokens=3000, stream=True, extra_body={"ignore_eos": True})
+        chunks = iter(leaver)
+        next(chunks)  # decoding now: the prompts below get chunks of 8 beside it
+        prompts = [" ".join(rng.choice(words, size=int(rng.integers(30, 50)))) for _ in range(8)]
+
+        async def one(client, p):
+            stream = await client.completions.create(
+                model="tiny", prompt=p, max_tokens=4, temperature=0, stream=True,
+                stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+            out = [c async for c in stream]
+            return out[-1].usage
+
+        async def go():
+            async with proc.async_client(timeout=600) as client:
+                return await asyncio.wait_for(asyncio.gather(*(one(client, p) for p in prompts)), timeout=600)
+
+        usages = asyncio.run(go())
+        for p, use in zip(prompts, usages, strict=True):
+            assert use.completion_tokens == 4 and use.prompt_tokens == len(tiny_engine.encode_prompt(p))
+        cancelled = _cancelled(proc.metrics())
+        leaver.close()  # the client goes away mid-stream
+        _wait_for(lambda: _cancelled(proc.metrics()) == cancelled + 1)
+        m = proc.wait_idle()
+        assert m["nanoqwen_kv_pages_used"] == 0 and m["nanoqwen_kv_pages_free"] == m["nanoqwen_kv_pages_total"]
+    finally:
+        rc = proc.stop()
+    assert rc == 0, proc.output()
