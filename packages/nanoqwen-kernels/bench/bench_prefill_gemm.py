@@ -5,6 +5,8 @@ what the engine ran before) and dequantize + cuBLAS.
     PYTHONPATH=packages/nanoqwen-kernels/src python packages/nanoqwen-kernels/bench/bench_prefill_gemm.py
         [7b|1.5b ...] [--m 512,2048,4096] [--widths] [--only qkv,o,gate_up,down] [--sweep]
     --sweep: every (width, splits) plan per shape instead (us), and which one choose_plan picks
+    --fp8: the FP8 GEMM (gemm_fp8 on the e4m3 copy of the weight, X quantized by quantize_e4m3, timed apart)
+        in place of the fused INT4 one, against the same cuBLAS fp16 peer; with --sweep, its plans
 
 Times: our kernel in a CUDA graph of n back-to-back launches (time_graph: the GPU's time, no Python);
 cuBLAS with CUDA events around n eager calls (CuPy refuses cuBLAS under capture; at these sizes the ~5 us
@@ -20,6 +22,7 @@ import cupy as cp
 import numpy as np
 from bench_attention import time_graph
 from bench_prefill import time_calls
+from nanoqwen_kernels import prefill_fp8 as fp8
 from nanoqwen_kernels import prefill_gemm as pg
 from nanoqwen_kernels.dims import PRESETS
 from nanoqwen_kernels.loader import load_module
@@ -54,6 +57,51 @@ def bench_shape(pk, name, proj, n, k, m, qw, sc, w, widths: bool) -> tuple:
     return (name, proj, n, k, m, plan, t_wg, fl / t_wg / 1e12, t_cb, fl / t_cb / 1e12)
 
 
+def bench_fp8_shape(pk, name, proj, n, k, m, qw, sc, w) -> tuple:
+    """One (shape, M) of the FP8 GEMM: prints the line, returns the table row (as bench_shape's)."""
+    f8 = pk.fp8
+    x = cp.random.standard_normal((m, k), dtype=cp.float32).astype(cp.float16)
+    out = cp.empty((m, n), cp.float16)
+    w8, sw = f8.int4_to_e4m3(qw, sc)
+    xq = cp.empty((m, k), cp.uint8)
+    sx = cp.empty((k // 128, fp8.t_pad(m)), cp.float32)
+    f8.quantize_e4m3(x, xq, sx)
+    fl = 2.0 * m * n * k
+    reps = max(2, min(40, int(4e12 / fl)))
+    bn, sp = pg.choose_plan_fp8(m, n, k, 132)
+    ws = cp.empty(max(1, sp * m * n), cp.float32)
+    t_f8 = time_graph(lambda i: f8.gemm_fp8(w8, sw, xq, sx, out, workspace=ws), reps, launches=5)
+    t_q = time_graph(lambda i: f8.quantize_e4m3(x, xq, sx), reps, launches=5)
+    t_cb = time_calls(lambda: pk.gemm_f16(w, x, out), n=reps, batches=5)
+    print(f"{name} {proj} {n}x{k} M={m}: fp8[{bn}x{sp}] {t_f8 * 1e6:.1f} us {fl / t_f8 / 1e12:.0f} TFLOP/s "
+          f"(+ quantize X {t_q * 1e6:.1f} us) | cuBLAS fp16 {t_cb * 1e6:.1f} us {fl / t_cb / 1e12:.0f}", flush=True)
+    plan = f"n{bn}" + (f" / {sp} splits" if sp > 1 else "")
+    return (name, proj, n, k, m, plan, t_f8, fl / t_f8 / 1e12, t_cb, fl / t_cb / 1e12)
+
+
+def sweep_fp8(pk, name, proj, n, k, m, qw, sc) -> None:
+    f8 = pk.fp8
+    x = cp.random.standard_normal((m, k), dtype=cp.float32).astype(cp.float16)
+    out = cp.empty((m, n), cp.float16)
+    w8, sw = f8.int4_to_e4m3(qw, sc)
+    xq = cp.empty((m, k), cp.uint8)
+    sx = cp.empty((k // 128, fp8.t_pad(m)), cp.float32)
+    f8.quantize_e4m3(x, xq, sx)
+    ws = cp.empty(max(pg.GW_SPLITS) * m * n, cp.float32)
+    fl = 2.0 * m * n * k
+    pick = pg.choose_plan_fp8(m, n, k, 132)
+    cells = []
+    for bn in pg.GF8_WIDTHS:
+        for s in pg.GW_SPLITS:
+            if s > 1 and k // 128 < 2 * s:
+                continue
+            t = time_graph(lambda i, bn=bn, s=s: f8.gemm_fp8(w8, sw, xq, sx, out, tile=bn, splits=s, workspace=ws),
+                           10, launches=5)
+            mark = "*" if (bn, s) == pick else ""
+            cells.append(f"{mark}n{bn}x{s} {t * 1e6:.1f} ({fl / t / 1e12:.0f})")
+    print(f"sweep-fp8 {name} {proj} M={m}: " + " | ".join(cells), flush=True)
+
+
 def sweep(pk, name, proj, n, k, m, qw, sc) -> None:
     """Every (width, splits) plan of one shape, us each, the plan choose_plan picks marked."""
     x = cp.random.standard_normal((m, k), dtype=cp.float32).astype(cp.float16)
@@ -77,6 +125,7 @@ def main() -> int:
     presets = [a for a in sys.argv[1:] if a in PRESETS] or ["7b"]
     ms = [int(v) for v in sys.argv[sys.argv.index("--m") + 1].split(",")] if "--m" in sys.argv else [512, 2048]
     widths = "--widths" in sys.argv
+    use_fp8 = "--fp8" in sys.argv
     only = sys.argv[sys.argv.index("--only") + 1].split(",") if "--only" in sys.argv else None
     rng = np.random.default_rng(0)
     rows = []
@@ -92,10 +141,12 @@ def main() -> int:
             pk.dequantize_int4(qw, sc, w)
             for m in ms:
                 if "--sweep" in sys.argv:
-                    sweep(pk, name, proj, n, k, m, qw, sc)
+                    (sweep_fp8 if use_fp8 else sweep)(pk, name, proj, n, k, m, qw, sc)
                     continue
-                rows.append(bench_shape(pk, name, proj, n, k, m, qw, sc, w, widths))
-    print("\n| model | GEMM | N x K | M | fused INT4 wg (us, TFLOP/s) | cuBLAS fp16 (us, TFLOP/s) | wg / cuBLAS |")
+                rows.append((bench_fp8_shape if use_fp8 else bench_shape)(pk, name, proj, n, k, m, qw, sc, w,
+                                                                         *(() if use_fp8 else (widths,))))
+    label = "FP8 (us, TFLOP/s)" if use_fp8 else "fused INT4 wg (us, TFLOP/s)"
+    print(f"\n| model | GEMM | N x K | M | {label} | cuBLAS fp16 (us, TFLOP/s) | ours / cuBLAS |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for name, proj, n, k, m, bn, t_wg, f_wg, t_cb, f_cb in rows:
         print(f"| {name} | {proj} | {n} x {k} | {m} | {t_wg * 1e6:.1f}, **{f_wg:.0f}** ({bn}) | "

@@ -81,6 +81,10 @@ class KernelSet:
         self.gemm_int4_wg = p.gemm_int4_wg
         self.gemm_int4_wg_silu = p.gemm_int4_wg_silu
         self.gemm_f16 = p.gemm_f16
+        self.int4_to_e4m3 = p.int4_to_e4m3
+        self.quantize_e4m3 = p.quantize_e4m3
+        self.gemm_fp8 = p.gemm_fp8
+        self.gemm_fp8_silu = p.gemm_fp8_silu
         self.silu_mul = p.silu_mul
         self.rope_kv_prefill = p.rope_kv_prefill
         self.attention_prefill = p.attention_prefill

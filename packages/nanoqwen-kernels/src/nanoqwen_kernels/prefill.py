@@ -20,6 +20,7 @@ from .blas import Blas
 from .dims import GROUP, HEAD_DIM, PAGE_TOKENS, ModelDims
 from .errors import KernelError
 from .loader import extra_defines
+from .prefill_fp8 import Fp8Kernels
 
 PREFILL_SOURCES = ["gemm_int4_prefill.cu", "dequant_int4.cu", "prefill_rope_kv.cu", "attention_prefill_fma.cu", "attention_prefill.cu",
                    "prefill_act.cu"]
@@ -99,6 +100,10 @@ class PrefillKernels:
                                               max_dynamic_smem=pg.smem_bytes(bn, self._gw_stages))
                          for bn in pg.GW_WIDTHS}
         self._splitk_reduce = mod.get_function("nq_gemm_splitk_reduce")
+        # the FP8 GEMM (opt-in prefill_weights="fp8"; its own module: prefill_fp8.py)
+        self.fp8 = Fp8Kernels(dims, load_module, self._splitk)
+        self.int4_to_e4m3, self.quantize_e4m3 = self.fp8.int4_to_e4m3, self.fp8.quantize_e4m3
+        self.gemm_fp8, self.gemm_fp8_silu = self.fp8.gemm_fp8, self.fp8.gemm_fp8_silu
         self._x_maps: dict = {}
         kernel, rows, threads, smem = ATTENTION_VARIANTS[attention_variant]
         self._attn = (mod.get_function(kernel, max_dynamic_smem=smem), rows, threads, smem)
@@ -148,10 +153,15 @@ class PrefillKernels:
         self._launch_gw(self._gw, tile, qweight, scales, X, out, t, n, k, accumulate,
                         workspace if s > 1 else ck.NULL, s)
         if s > 1:
-            quads = t * n // 4
-            blocks = max(1, min(-(-quads // 256), 8 * ck.sm_count()))
-            ck.launch(self._splitk_reduce, (blocks, 1, 1), (256, 1, 1),
-                      (workspace, out, np.int32(t), np.int32(n), np.int32(s), np.int32(1 if accumulate else 0)))
+            self._splitk(workspace, out, t, n, s, accumulate)
+
+    def _splitk(self, workspace, out, t: int, n: int, splits: int, accumulate: bool) -> None:
+        """out[T, N] fp16 = the sum of the `splits` fp32 partial sums in workspace (+ out): split-K's second
+        launch, for the INT4 and the FP8 GEMMs alike."""
+        quads = t * n // 4
+        blocks = max(1, min(-(-quads // 256), 8 * ck.sm_count()))
+        ck.launch(self._splitk_reduce, (blocks, 1, 1), (256, 1, 1),
+                  (workspace, out, np.int32(t), np.int32(n), np.int32(splits), np.int32(1 if accumulate else 0)))
 
     def gemm_int4_wg_silu(self, qweight, scales, X, out, tile: int | None = None) -> None:
         """out[T, I] fp16 = silu(X . Wg^T) * (X . Wu^T): the MLP's gate|up GEMM (qweight uint32 [2I, K/8], gate

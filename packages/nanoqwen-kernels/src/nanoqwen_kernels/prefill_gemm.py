@@ -8,6 +8,9 @@ workspace [S, T, N], and a second launch (nq_gemm_splitk_reduce) adds them in or
 on a narrow matrix has few tiles (the 7B's q/k/v at T = 512: 36 x 2 = 72 blocks for 132 SMs), and split-K
 multiplies the blocks without narrowing the tile. choose_plan picks (BN, S) with the least estimated time:
 waves x (stages per block + a fixed cost) x the time of a stage at that width, plus the reduction's bytes.
+
+The FP8 GEMM (cuda/gemm_fp8_prefill.cu, opt-in) has the same grid and split-K; its stage is a whole group of
+128 k, its widths 128 and 64 tokens (GF8_*), and choose_plan_fp8 picks with its own rates.
 """
 
 from __future__ import annotations
@@ -33,6 +36,13 @@ WORKSPACE_CAP = 64 << 20  # bytes of fp32 partial sums a plan may ask for
 _EPI_PITCH = 132  # floats per token of the epilogue's staging
 
 
+GF8_THREADS = 384  # the FP8 GEMM: two consumer warpgroups + one producer warpgroup
+GF8_STAGES = 6
+GF8_WIDTHS = (128, 64)  # nq_gemm_fp8_wg_n128 / _n64 (256 would need 256 accumulator registers: see the kernel)
+GF8_EFFICIENCY = {128: 1.0, 64: 0.6}
+_FP8_MAC_RATE_SM = 5.2e12  # ~1,370 TFLOP/s over 132 SMs at n128: a first estimate, 2x the fp16 rate
+
+
 def stage_bytes(bn: int) -> int:
     """One ring stage: X (bn tokens x 128 B), W (128 rows x 32 B), scales (128 x 4 B), rounded to 1 KB."""
     raw = bn * 128 + GW_ROWS * 32 + GW_ROWS * 4
@@ -44,18 +54,34 @@ def smem_bytes(bn: int, stages: int = GW_STAGES) -> int:
     return max(stages * stage_bytes(bn), bn * _EPI_PITCH * 4) + 1024
 
 
+def fp8_stage_bytes(bn: int) -> int:
+    """One FP8 ring stage: X (bn x 128 B), W (128 x 128 B), the rows' and tokens' scales (f32), to 1 KB."""
+    raw = bn * 128 + GW_ROWS * 128 + GW_ROWS * 4 + bn * 4
+    return (raw + 1023) // 1024 * 1024
+
+
+def fp8_smem_bytes(bn: int, stages: int = GF8_STAGES) -> int:
+    """Dynamic shared memory of an FP8 launch of width bn (the kernel's gf8::smem_bytes)."""
+    return max(stages * fp8_stage_bytes(bn), bn * _EPI_PITCH * 4) + 1024
+
+
 def grid(t: int, n: int, bn: int, splits: int = 1) -> tuple[int, int, int]:
     """Token tiles along x (adjacent blocks share a weight tile, so it comes from HBM about once), weight
     row tiles along y, K splits along z."""
     return (-(-t // bn), -(-n // GW_ROWS), splits)
 
 
-def plan_cost(t: int, n: int, k: int, bn: int, splits: int, sms: int) -> float:
-    """Estimated seconds of the GEMM (+ its reduction when split) for one (width, splits)."""
+def plan_cost(t: int, n: int, k: int, bn: int, splits: int, sms: int, fp8: bool = False) -> float:
+    """Estimated seconds of the GEMM (+ its reduction when split) for one (width, splits); fp8: the FP8
+    GEMM's (a stage is a whole group)."""
     gx, gy, _ = grid(t, n, bn, splits)
     waves = -(-(gx * gy * splits) // sms)
-    stages = 2 * -(-(k // 128) // splits)
-    t_stage = GW_ROWS * bn * 64 / (_MAC_RATE_SM * GW_EFFICIENCY[bn])
+    if fp8:
+        stages = -(-(k // 128) // splits)
+        t_stage = GW_ROWS * bn * 128 / (_FP8_MAC_RATE_SM * GF8_EFFICIENCY[bn])
+    else:
+        stages = 2 * -(-(k // 128) // splits)
+        t_stage = GW_ROWS * bn * 64 / (_MAC_RATE_SM * GW_EFFICIENCY[bn])
     cost = waves * (stages + GW_STAGE_OVERHEAD) * t_stage
     if splits > 1:
         cost += (t * n * 4 * (splits + 1) + t * n * 2) / _REDUCE_BYTES_RATE + 2e-6
@@ -70,17 +96,24 @@ def choose_plan(t: int, n: int, k: int, sms: int, split_ok: bool = True) -> tupl
     return _plan(t, n, k, sms, split_ok, os.environ.get("NANOQWEN_GEMM_TILE"), os.environ.get("NANOQWEN_GEMM_SPLITS"))
 
 
+def choose_plan_fp8(t: int, n: int, k: int, sms: int, split_ok: bool = True) -> tuple[int, int]:
+    """choose_plan for the FP8 GEMM (widths GF8_WIDTHS; $NANOQWEN_GEMM_TILE / _SPLITS force them too)."""
+    return _plan(t, n, k, sms, split_ok, os.environ.get("NANOQWEN_GEMM_TILE"), os.environ.get("NANOQWEN_GEMM_SPLITS"),
+                 fp8=True)
+
+
 @functools.lru_cache(maxsize=1024)
 def _plan(t: int, n: int, k: int, sms: int, split_ok: bool, tile_env: str | None,
-          splits_env: str | None) -> tuple[int, int]:
-    widths = (_forced("NANOQWEN_GEMM_TILE", tile_env, GW_WIDTHS),) if tile_env else GW_WIDTHS
+          splits_env: str | None, fp8: bool = False) -> tuple[int, int]:
+    all_widths = GF8_WIDTHS if fp8 else GW_WIDTHS
+    widths = (_forced("NANOQWEN_GEMM_TILE", tile_env, all_widths),) if tile_env else all_widths
     if not split_ok:
         splits_all: tuple[int, ...] = (1,)
     elif splits_env:
         splits_all = (_forced("NANOQWEN_GEMM_SPLITS", splits_env, GW_SPLITS),)
     else:
         splits_all = tuple(s for s in GW_SPLITS if s == 1 or (k // 128 >= 2 * s and s * t * n * 4 <= WORKSPACE_CAP))
-    best = min((plan_cost(t, n, k, bn, s, sms), bn, s) for bn in widths for s in splits_all)
+    best = min((plan_cost(t, n, k, bn, s, sms, fp8), bn, s) for bn in widths for s in splits_all)
     return best[1], best[2]
 
 

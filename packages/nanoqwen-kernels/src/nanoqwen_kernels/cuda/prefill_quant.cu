@@ -1,0 +1,66 @@
+// prefill_quant.cu: the operands of the FP8 prefill GEMM (gemm_fp8_prefill.cu).
+//
+// nq_quantize_e4m3_rows: an activation X fp16 [T, K] -> xq e4m3 [T, K] and sx f32 [K / 128][t_pad]: each
+//   128 k of a token row (one INT4 group) gets its own scale s = amax / 448 (1 where the block is all zero)
+//   and xq = e4m3(x / s), round to nearest even, saturating (|x / s| <= 448 but for the division's rounding).
+//   One warp per (token, group): 4 values a lane, the amax through the warp's shuffles. sx is stored by
+//   group so the GEMM's stage copies a tile's token scales in one piece; t_pad (>= T, a multiple of the
+//   GEMM's widest tile) leaves room for a whole tile past the last token.
+// nq_int4_to_e4m3: the resident FP8 copy of an INT4 matrix (made once at load): w8[r][k] = e4m3(u - 8) for
+//   the nibble u of row rowmap[r], k in natural order (ValueShuffle-v1 keeps k 0..3 of a word in the low
+//   nibbles of bytes 0..3 and k 4..7 in the high ones). The integers -8..7 are exact in e4m3. rowmap lets
+//   the gate|up copy interleave its rows as the SiLU build's tiles want them (prefill_gemm.fp8_silu_rowmap).
+//   One thread per 32-bit word, 8 bytes out.
+// Tested: tests/test_prefill_gemm_fp8.py (both against numpy's e4m3 rounding, bit for bit).
+#include "common.cuh"
+
+namespace nq {
+// {e4m3(lo), e4m3(hi)} as 2 bytes (lo in the low byte): PTX cvt with .satfinite (saturates to +-448, NaN
+// stays NaN)
+__device__ __forceinline__ uint32_t e4m3x2(float lo, float hi) {
+  uint16_t r;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+}  // namespace nq
+
+extern "C" __global__ void __launch_bounds__(256)
+    nq_quantize_e4m3_rows(const nq::uint16_t* __restrict__ x, nq::uint8_t* __restrict__ xq, float* __restrict__ sx,
+                          int T, int K, int t_pad) {
+  using namespace nq;
+  pdl_wait();
+  const int G = K / 128, lane = threadIdx.x & 31;
+  const long long item = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  if (item >= static_cast<long long>(T) * G) return;
+  const int t = static_cast<int>(item / G), g = static_cast<int>(item % G);
+  const size_t at = static_cast<size_t>(t) * K + g * 128 + 4 * lane;
+  const uint2 v = *reinterpret_cast<const uint2*>(x + at);
+  const float2 a = h22f2(v.x), b = h22f2(v.y);
+  const float m = warp_max(fmaxf(fmaxf(fabsf(a.x), fabsf(a.y)), fmaxf(fabsf(b.x), fabsf(b.y))));
+  const float s = m > 0.f ? m / 448.f : 1.f;
+  const uint32_t q = e4m3x2(a.x / s, a.y / s) | (e4m3x2(b.x / s, b.y / s) << 16);
+  *reinterpret_cast<uint32_t*>(xq + at) = q;
+  if (lane == 0) sx[static_cast<size_t>(g) * t_pad + t] = s;
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+    nq_int4_to_e4m3(const nq::uint32_t* __restrict__ qw, const int* __restrict__ rowmap, nq::uint8_t* __restrict__ w8,
+                    int n_out, int K) {
+  using namespace nq;
+  // e4m3 of q = u - 8, u = 0 .. 15: sign bit 7, biased exponent bits 6-3, mantissa 2-0
+  constexpr uint8_t kLut[16] = {0xD0, 0xCE, 0xCC, 0xCA, 0xC8, 0xC4, 0xC0, 0xB8,
+                                0x00, 0x38, 0x40, 0x44, 0x48, 0x4A, 0x4C, 0x4E};
+  pdl_wait();  // launch overlap (common.cuh): nothing read or written before it
+  const int kw = K / 8;
+  const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= static_cast<long long>(n_out) * kw) return;
+  const int r = static_cast<int>(i / kw), w = static_cast<int>(i % kw);
+  const uint32_t word = qw[static_cast<size_t>(rowmap[r]) * kw + w];
+  uint32_t lo = 0, hi = 0;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    lo |= static_cast<uint32_t>(kLut[(word >> (8 * j)) & 15u]) << (8 * j);
+    hi |= static_cast<uint32_t>(kLut[(word >> (8 * j + 4)) & 15u]) << (8 * j);
+  }
+  reinterpret_cast<uint2*>(w8)[i] = make_uint2(lo, hi);
+}

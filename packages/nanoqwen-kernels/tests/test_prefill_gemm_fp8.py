@@ -1,0 +1,231 @@
+"""The FP8 prefill GEMM (prefill_fp8.py, cuda/gemm_fp8_prefill.cu, cuda/prefill_quant.cu).
+
+CPU: the numpy e4m3 twins (every byte value round-trips; rounding ties to even and saturates), the kernel's
+nibble table read out of its source, the SiLU row map, the plan. GPU: the quantizer and the weight
+conversion bit for bit against the twins, the GEMM against float64 sums of the same e4m3 operands (so the
+only difference is fp32 accumulation order and the one fp16 rounding of the output) at awkward T, every tile
+width, split-K, accumulate and the SiLU build, and the whole path's error against the unrounded fp16 GEMM.
+"""
+
+import re
+
+import numpy as np
+import pytest
+from nanoqwen_kernels import gpu_status
+from nanoqwen_kernels import prefill_fp8 as f8
+from nanoqwen_kernels import prefill_gemm as pg
+from nanoqwen_kernels.dims import QWEN25_7B, TINY
+from nanoqwen_kernels.loader import CUDA_DIR
+from refs import dequant, pack_valueshuffle, random_int4
+
+OK, REASON = gpu_status()
+gpu = pytest.mark.skipif(not OK, reason=REASON)
+
+ALL_BYTES = np.array([b for b in range(256) if b & 0x7F != 0x7F], dtype=np.uint8)  # 0x7F / 0xFF are NaN
+
+
+def test_every_e4m3_byte_round_trips():
+    v = f8.e4m3_to_f32(ALL_BYTES)
+    assert np.array_equal(f8.round_e4m3(v), v)
+    back = f8.e4m3_bytes(v)
+    same = back == ALL_BYTES
+    # +0 and -0 are the only two bytes of one value; the sign survives
+    assert same.all(), ALL_BYTES[~same]
+    assert v.max() == 448 and v.min() == -448 and np.sort(np.abs(v))[2] == 2.0**-9
+
+
+def test_round_e4m3_ties_to_even_and_saturates(rng):
+    v = np.sort(np.unique(f8.e4m3_to_f32(ALL_BYTES[ALL_BYTES < 0x80])))  # 0 .. 448
+    mid = (v[:-1] + v[1:]) / 2
+    r = f8.round_e4m3(mid)
+    even = np.where((f8.e4m3_bytes(v[:-1]) & 1) == 0, v[:-1], v[1:])
+    assert np.array_equal(r, even)
+    assert np.array_equal(f8.round_e4m3(np.array([500.0, -1e6, 449.0], np.float32)), [448, -448, 448])
+    x = rng.standard_normal(10000).astype(np.float32) * 50
+    r = f8.round_e4m3(x)
+    # nearest: no representable value is closer
+    idx = np.searchsorted(v, np.abs(x).clip(0, 448))
+    lo, hi = v[np.clip(idx - 1, 0, len(v) - 1)], v[np.clip(idx, 0, len(v) - 1)]
+    best = np.minimum(np.abs(np.abs(x).clip(0, 448) - lo), np.abs(np.abs(x).clip(0, 448) - hi))
+    assert np.allclose(np.abs(np.abs(r) - np.abs(x).clip(0, 448)), best)
+
+
+def test_kernel_nibble_table_is_e4m3_of_u_minus_8():
+    src = (CUDA_DIR / "prefill_quant.cu").read_text()
+    table = re.search(r"kLut\[16\] = \{([^}]*)\}", src).group(1)
+    lut = np.array([int(t, 16) for t in table.replace("\n", " ").split(",")], dtype=np.uint8)
+    assert np.array_equal(lut, f8.E4M3_OF_U)
+    assert np.array_equal(f8.e4m3_to_f32(lut), np.arange(16) - 8)
+
+
+def test_silu_rowmap_pairs_gate_and_up_rows():
+    i = 192
+    m = f8.silu_rowmap(2 * i)
+    assert np.array_equal(np.sort(m), np.arange(2 * i))
+    for y in range(2 * i // 128):
+        tile = m[128 * y : 128 * y + 128]
+        for r in range(0, 128, 16):  # fragment rows g and g + 8 of a lane: gate and up of one output
+            assert np.array_equal(tile[r + 8 : r + 16], tile[r : r + 8] + i)
+            assert (tile[r : r + 8] < i).all()
+        assert np.array_equal(np.sort(tile[tile < i]), 64 * y + np.arange(64))
+    with pytest.raises(Exception, match="2I % 128"):
+        f8.silu_rowmap(200)
+
+
+def test_quantize_rows_np_bounds_the_rounding(rng):
+    x = (rng.standard_normal((5, 384)) * np.exp(rng.uniform(-4, 4, (5, 384)))).astype(np.float16)
+    x[2, 128:256] = 0
+    xq, sx = f8.quantize_rows_np(x)
+    assert sx.shape == (3, 5) and sx[1, 2] == 1.0
+    back = f8.e4m3_to_f32(xq).reshape(5, 3, 128) * sx.T[:, :, None]
+    xf = x.astype(np.float32).reshape(5, 3, 128)
+    amax = np.abs(xf).max(axis=2, keepdims=True)
+    err = np.abs(back - xf)
+    # relative 2^-4 in the normal range, absolute half a subnormal step below it
+    assert (err <= np.maximum(np.abs(xf) / 16, amax / 448 * 2.0**-10) * 1.0001).all()
+    # the block's amax maps to 448 (back to amax but for the float32 rounding of amax / 448 and of 448 s)
+    assert np.allclose(np.abs(back).max(axis=2), amax[:, :, 0], rtol=1e-6, atol=0)
+
+
+def test_fp8_plan_and_smem():
+    for t, n, k in [(1, 4608, 3584), (512, 37888, 3584), (512, 3584, 18944), (8192, 3584, 3584), (17, 256, 256)]:
+        bn, s = pg.choose_plan_fp8(t, n, k, 132)
+        assert bn in pg.GF8_WIDTHS and 1 <= s <= k // 128
+        assert pg.choose_plan_fp8(t, n, k, 132, split_ok=False)[1] == 1
+    src = (CUDA_DIR / "gemm_fp8_prefill.cu").read_text()
+    assert "#define NQ_GF8_STAGES 6" in src and pg.GF8_STAGES == 6
+    assert pg.fp8_smem_bytes(128) <= 227 * 1024
+    assert pg.fp8_stage_bytes(128) == 33 * 1024 and pg.fp8_stage_bytes(64) == 25 * 1024
+
+
+# ---- GPU ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    from nanoqwen_kernels.loader import load_module
+    from nanoqwen_kernels.prefill import PrefillKernels
+
+    return {"7b": PrefillKernels(QWEN25_7B, load_module).fp8, "tiny": PrefillKernels(TINY, load_module).fp8}
+
+
+def activations(rng, t, k):
+    """fp16 rows with a spread of magnitudes and an outlier channel (as real activations have)."""
+    x = rng.standard_normal((t, k)) * np.exp(rng.uniform(-2, 2, (1, k)))
+    x[:, rng.integers(k)] *= 40
+    return x.astype(np.float16)
+
+
+def quantized(kern, x):
+    import cupy as cp
+
+    t, k = x.shape
+    xq = cp.full((t, k), 0x7F, dtype=cp.uint8)  # NaN bytes: any byte left unwritten shows
+    sx = cp.full((k // 128, f8.t_pad(t)), np.nan, dtype=cp.float32)
+    kern.quantize_e4m3(cp.asarray(x), xq, sx)
+    return xq, sx
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,k", [(1, 3584), (17, 256), (513, 3584), (40, 18944)])
+def test_quantize_matches_numpy_bit_for_bit(kernels, rng, t, k):
+    import cupy as cp
+
+    x = activations(rng, t, k)
+    x[min(3, t - 1), :128] = 0  # an all-zero block: scale 1, bytes 0
+    xq, sx = quantized(kernels["7b"], x)
+    ref_q, ref_s = f8.quantize_rows_np(x)
+    got_s = cp.asnumpy(sx)[:, :t]
+    assert np.array_equal(got_s.view(np.uint32), ref_s.view(np.uint32))
+    got_q = cp.asnumpy(xq)
+    assert np.array_equal(got_q, ref_q), f"{np.count_nonzero(got_q != ref_q)} of {got_q.size} bytes differ"
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("silu", [False, True])
+def test_int4_to_e4m3_matches_numpy(kernels, rng, silu):
+    import cupy as cp
+
+    n, k = 384, 512
+    u, s = random_int4(rng, n, k, scale=0.1)
+    rowmap = f8.silu_rowmap(n) if silu else None
+    w8, sw = kernels["7b"].int4_to_e4m3(cp.asarray(pack_valueshuffle(u)), cp.asarray(s), rowmap)
+    rows = np.arange(n) if rowmap is None else rowmap
+    assert np.array_equal(cp.asnumpy(w8), f8.E4M3_OF_U[u[rows]])
+    assert np.array_equal(cp.asnumpy(sw)[:, :n], s[rows].astype(np.float32).T)
+    assert sw.shape == (k // 128, f8.n_pad(n))
+
+
+def _gemm_case(kern, rng, t, n, k, tile=None, splits=None, accumulate=False):
+    import cupy as cp
+
+    u, s = random_int4(rng, n, k, scale=0.1)
+    w8, sw = kern.int4_to_e4m3(cp.asarray(pack_valueshuffle(u)), cp.asarray(s))
+    x = activations(rng, t, k)
+    xq, sx = quantized(kern, x)
+    res = (4 * rng.standard_normal((t, n))).astype(np.float16)
+    out = cp.asarray(res) if accumulate else cp.full((t, n), np.nan, dtype=cp.float16)
+    ws = cp.full((splits or 1) * t * n, np.nan, dtype=cp.float32) if splits and splits > 1 else None
+    kern.gemm_fp8(w8, sw, xq, sx, out, accumulate=accumulate, tile=tile, splits=splits, workspace=ws)
+    ref = f8.gemm_fp8_np(cp.asnumpy(w8), cp.asnumpy(sw), cp.asnumpy(xq), cp.asnumpy(sx))
+    if accumulate:
+        ref = ref + res.astype(np.float64)
+    return cp.asnumpy(out).astype(np.float64), ref, (x, u, s)
+
+
+def _close(got, ref):
+    tol = 2e-3 * np.abs(ref) + 1e-3 * np.sqrt(np.mean(ref**2))
+    assert np.isfinite(got).all()
+    assert (np.abs(got - ref) <= tol).all(), f"max err {np.abs(got - ref).max():.3g} (rms ref {np.sqrt(np.mean(ref**2)):.3g})"
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 17, 511, 513])
+@pytest.mark.parametrize("name,n,k", [("7b", 4608, 3584), ("7b", 3584, 18944), ("tiny", 1024, 256), ("tiny", 200, 384)])
+def test_gemm_fp8_matches_float64(kernels, rng, t, name, n, k):
+    got, ref, _ = _gemm_case(kernels[name], rng, t, n, k)
+    _close(got, ref)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", pg.GF8_WIDTHS)
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_gemm_fp8_tiles_splits_accumulate(kernels, rng, tile, splits, accumulate):
+    got, ref, _ = _gemm_case(kernels["7b"], rng, 300, 512, 1152, tile=tile, splits=splits, accumulate=accumulate)
+    _close(got, ref)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 130])
+@pytest.mark.parametrize("tile", pg.GF8_WIDTHS)
+def test_gemm_fp8_silu(kernels, rng, t, tile):
+    import cupy as cp
+
+    kern, i, k = kernels["7b"], 320, 512
+    u, s = random_int4(rng, 2 * i, k, scale=0.1)
+    w8, sw = kern.int4_to_e4m3(cp.asarray(pack_valueshuffle(u)), cp.asarray(s), f8.silu_rowmap(2 * i))
+    xq, sx = quantized(kern, activations(rng, t, k))
+    out = cp.full((t, i), np.nan, dtype=cp.float16)
+    kern.gemm_fp8_silu(w8, sw, xq, sx, out, tile=tile)
+    # the reference from the unpermuted copy: gate rows 0 .. I - 1, up rows I .. 2I - 1
+    w8p, swp = kern.int4_to_e4m3(cp.asarray(pack_valueshuffle(u)), cp.asarray(s))
+    gu = f8.gemm_fp8_np(cp.asnumpy(w8p), cp.asnumpy(swp), cp.asnumpy(xq), cp.asnumpy(sx))
+    g, up = gu[:, :i], gu[:, i:]
+    _close(cp.asnumpy(out).astype(np.float64), g / (1 + np.exp(-g)) * up)
+
+
+@gpu
+@pytest.mark.gpu
+def test_fp8_path_error_against_the_fp16_gemm(kernels, rng):
+    """The whole path (quantize X, FP8 GEMM) against float64 sums of the unrounded fp16 X and the same INT4
+    weights: the e4m3 rounding of X is the only new error, ~2-3% of the output's rms at most."""
+    got, _, (x, u, s) = _gemm_case(kernels["7b"], rng, 257, 3584, 3584)
+    exact = x.astype(np.float64) @ dequant(u, s).astype(np.float64).T
+    rel = np.sqrt(np.mean((got - exact) ** 2) / np.mean(exact**2))
+    assert 1e-3 < rel < 3e-2, rel
