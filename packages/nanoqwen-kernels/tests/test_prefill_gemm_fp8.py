@@ -176,9 +176,16 @@ def _gemm_case(kern, rng, t, n, k, tile=None, splits=None, accumulate=False):
 
 
 def _close(got, ref):
-    tol = 2e-3 * np.abs(ref) + 1e-3 * np.sqrt(np.mean(ref**2))
+    """Hopper's FP8 tensor cores keep fewer bits than fp32 while they sum inside one wgmma chain (the reason
+    the kernel promotes every 128 k; DeepSeek-V3's report measures the same), so the bound is looser than
+    the fp16 GEMMs': max error <= 2e-3 |ref| + 1e-2 rms(ref), rms error <= 2e-3 rms(ref). A wrong layout,
+    scale or tile gives errors of the order of rms(ref) itself."""
+    rms = np.sqrt(np.mean(ref**2))
+    err = np.abs(got - ref)
     assert np.isfinite(got).all()
-    assert (np.abs(got - ref) <= tol).all(), f"max err {np.abs(got - ref).max():.3g} (rms ref {np.sqrt(np.mean(ref**2)):.3g})"
+    assert np.sqrt(np.mean(err**2)) <= 2e-3 * rms, f"rms err {np.sqrt(np.mean(err**2)) / rms:.3g} of rms(ref)"
+    assert (err <= 2e-3 * np.abs(ref) + 1e-2 * rms).all(), f"max err {err.max() / rms:.3g} of rms(ref)"
+    print(f"err max {err.max() / rms:.2e} rms {np.sqrt(np.mean(err**2)) / rms:.2e} of rms(ref)")
 
 
 @gpu

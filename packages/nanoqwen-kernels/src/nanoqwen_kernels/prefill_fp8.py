@@ -24,10 +24,12 @@ from . import prefill_gemm as pg
 from . import tma
 from .dims import GROUP
 from .errors import KernelError
+from .loader import extra_defines
 
 FP8_SOURCES = ["gemm_fp8_prefill.cu", "prefill_quant.cu"]
 E4M3_MAX = 448.0
-T_ALIGN = 128  # sx holds a multiple of the widest tile's tokens per group (a tile copies its scales whole)
+T_ALIGN = 256  # sx's columns: whole clusters of the widest tile (a tile copies its scales whole)
+N_ALIGN = 256  # sw's columns: whole clusters of 128-row tiles
 QUANT_THREADS = 256
 CONVERT_THREADS = 256
 
@@ -38,8 +40,8 @@ def t_pad(t: int) -> int:
 
 
 def n_pad(n: int) -> int:
-    """Columns of sw for N weight rows: N rounded up to a tile's 128 rows."""
-    return -(-n // pg.GW_ROWS) * pg.GW_ROWS
+    """Columns of sw for N weight rows: N rounded up to N_ALIGN."""
+    return -(-n // N_ALIGN) * N_ALIGN
 
 
 # ---- numpy: e4m3 ---------------------------------------------------------------------------------------
@@ -130,7 +132,12 @@ class Fp8Kernels:
     partial sums for both GEMMs."""
 
     def __init__(self, dims, load_module, splitk_reduce):
-        mod = load_module(FP8_SOURCES, {**dims.defines(), "NQ_GF8_STAGES": pg.GF8_STAGES})
+        cx, cy = pg.GF8_CLUSTER
+        mod = load_module(FP8_SOURCES, {**dims.defines(), "NQ_GF8_STAGES": pg.GF8_STAGES, "NQ_GF8_CX": cx,
+                                        "NQ_GF8_CY": cy})
+        # the cluster as built ($NANOQWEN_KERNEL_DEFINES may override it for an A/B run)
+        extra = extra_defines()
+        self.cluster = (int(extra.get("NQ_GF8_CX", cx)), int(extra.get("NQ_GF8_CY", cy)))
         smem = {bn: pg.fp8_smem_bytes(bn) for bn in pg.GF8_WIDTHS}
         self._gf = {bn: mod.get_function(f"nq_gemm_fp8_wg_n{bn}", max_dynamic_smem=smem[bn]) for bn in pg.GF8_WIDTHS}
         self._gf_silu = {bn: mod.get_function(f"nq_gemm_fp8_wg_silu_n{bn}", max_dynamic_smem=smem[bn])
@@ -236,12 +243,13 @@ class Fp8Kernels:
                 splits: int) -> None:
         if tile not in fns:
             raise KernelError(f"tile must be one of {pg.GF8_WIDTHS}, got {tile!r}")
-        xmap = self._map(xq, t, k, tile)
-        wmap = self._map(w8, n, k, pg.GW_ROWS)
-        ck.launch(fns[tile], pg.grid(t, n, tile, splits), (pg.GF8_THREADS, 1, 1),
+        cx, cy = self.cluster
+        xmap = self._map(xq, t, k, tile // cy)  # a block copies 1 / cy of its X tile, 1 / cx of its W tile
+        wmap = self._map(w8, n, k, pg.GW_ROWS // cx)
+        ck.launch(fns[tile], pg.fp8_grid(t, n, tile, splits, self.cluster), (pg.GF8_THREADS, 1, 1),
                   (xmap, wmap, sw, sx, out, np.int32(t), np.int32(n), np.int32(k), np.int32(sw.shape[1]),
                    np.int32(sx.shape[1]), np.int32(1 if accumulate else 0), ws, np.int32(splits)),
-                  shared_mem=pg.fp8_smem_bytes(tile))
+                  shared_mem=pg.fp8_smem_bytes(tile), cluster=(cx, cy, 1) if cx * cy > 1 else None)
 
     def _map(self, a, rows: int, cols: int, box_rows: int):
         """A byte matrix's TMA map (boxes of box_rows x 128), once per (address, shape, box)."""

@@ -46,6 +46,20 @@ constexpr int kProducerRegs = 40;
 #define NQ_GF8_STAGES 6
 #endif
 constexpr int kStages = NQ_GF8_STAGES;
+// The cluster: kCX blocks along the tokens x kCY along the weight rows (prefill_gemm.GF8_CLUSTER). The kCX
+// blocks of one row tile each copy 1 / kCX of the W tile and multicast it to all of them; the kCY blocks of
+// one token tile share the X tile the same way. Why: a 128 x 128 tile at 128 k a stage is 128 FLOP per byte
+// copied, and without sharing the kernel ran at ~6 TB/s of L2-to-SM traffic (7B gate/up at T = 512:
+// 776 TFLOP/s, the same traffic as the fp16 INT4 GEMM's, docs/PERF.md): the L2's limit, not the tensor
+// cores'. 2 x 2 quarters the copies per block.
+#ifndef NQ_GF8_CX
+#define NQ_GF8_CX 2
+#endif
+#ifndef NQ_GF8_CY
+#define NQ_GF8_CY 2
+#endif
+constexpr int kCX = NQ_GF8_CX, kCY = NQ_GF8_CY, kCluster = kCX * kCY;
+static_assert((kCX == 1 || kCX == 2) && (kCY == 1 || kCY == 2), "clusters of 1 or 2 along each side");
 
 
 constexpr int kWBytes = kBM * kBK;
@@ -98,27 +112,51 @@ __device__ __forceinline__ void gemm_fp8_wg(const TmaMap& xmap, const TmaMap& wm
   const int G = K / kBK;
   const int g_lo = static_cast<int>(blockIdx.z) * G / splits, g_hi = (static_cast<int>(blockIdx.z) + 1) * G / splits;
   const int n_stages = g_hi - g_lo;
+  // cluster position: cx along the tokens (the blocks sharing a W tile), cy along the rows (sharing an X tile)
+  const int crank = kCluster > 1 ? static_cast<int>(cluster_ctarank()) : 0;
+  const int cx = crank % kCX, cy = crank / kCX;
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(&full_bar[s], 1);   // the producer's arrival + the four copies' bytes
-      mbar_init(&empty_bar[s], 8);  // one arrival per consumer warp
+      mbar_init(&full_bar[s], 1);                // the producer's arrival + the copies' bytes (its own and its peers')
+      mbar_init(&empty_bar[s], 8 * kCluster);    // every consumer warp of the cluster (a slot is written by peers too)
     }
-    fence_mbarrier_init();  // visible to the TMA unit (async proxy)
+    fence_mbarrier_init();  // visible to the TMA unit (async proxy) and to the cluster
   }
-  __syncthreads();
+  if constexpr (kCluster > 1) {
+    cluster_barrier();  // no peer copies into this block or arrives on its barriers before they exist
+  } else {
+    __syncthreads();
+  }
   pdl_wait();  // X, sx (and out, when accumulating) are the previous kernels' outputs
 
   if (warp >= 8) {  // ---- the producer: one thread issues every copy ----
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegs));
     if (tid != kConsumerThreads) return;
+    // this block's share: X tokens [t0 + cy BN / kCY, + BN / kCY) to the blocks of its token tile (same cx),
+    // W rows [row0 + cx 128 / kCX, + 128 / kCX) to the blocks of its row tile (same cy)
+    uint16_t xmask = 0, wmask = 0;
+    for (int j = 0; j < kCY; ++j) xmask |= static_cast<uint16_t>(1u << (cx + kCX * j));
+    for (int j = 0; j < kCX; ++j) wmask |= static_cast<uint16_t>(1u << (j + kCX * cy));
+    constexpr int kXPart = kBN / kCY, kWPart = kBM / kCX;
     for (int i = 0; i < n_stages; ++i) {
       const int s = i % kStages;
       if (i >= kStages) mbar_wait(&empty_bar[s], ((i / kStages) + 1) & 1);
       char* base = ring + s * kStage;
       const int g = g_lo + i;
+      // the whole stage's bytes land on this block's barrier: its own copies' and its peers' multicasts
       mbar_arrive_expect_tx(&full_bar[s], x_bytes<NT>() + kWBytes + kSwBytes + sx_bytes<NT>());
-      tma_load_2d(base, &xmap, g * kBK, t0, &full_bar[s]);
-      tma_load_2d(base + x_bytes<NT>(), &wmap, g * kBK, row0, &full_bar[s]);
+      char* xdst = base + cy * kXPart * kBK;
+      char* wdst = base + x_bytes<NT>() + cx * kWPart * kBK;
+      if constexpr (kCY > 1) {
+        tma_load_2d_multicast(xdst, &xmap, g * kBK, t0 + cy * kXPart, &full_bar[s], xmask);
+      } else {
+        tma_load_2d(xdst, &xmap, g * kBK, t0, &full_bar[s]);
+      }
+      if constexpr (kCX > 1) {
+        tma_load_2d_multicast(wdst, &wmap, g * kBK, row0 + cx * kWPart, &full_bar[s], wmask);
+      } else {
+        tma_load_2d(wdst, &wmap, g * kBK, row0, &full_bar[s]);
+      }
       bulk_load(base + x_bytes<NT>() + kWBytes, sw + static_cast<size_t>(g) * n_pad + row0, kSwBytes, &full_bar[s]);
       bulk_load(base + x_bytes<NT>() + kWBytes + kSwBytes, sx + static_cast<size_t>(g) * t_pad + t0, sx_bytes<NT>(),
                 &full_bar[s]);
@@ -164,7 +202,13 @@ __device__ __forceinline__ void gemm_fp8_wg(const TmaMap& xmap, const TmaMap& wm
       acc[j][3] = fmaf(p[j][3], w1 * x.y, acc[j][3]);
     }
     __syncwarp();  // every lane's scale loads done (and the wgmmas that read the slot: waited) before the release
-    if (lane == 0) mbar_arrive(&empty_bar[s]);
+    if (lane == 0) {
+      if constexpr (kCluster > 1) {
+        for (int r = 0; r < kCluster; ++r) mbar_arrive_cluster(&empty_bar[s], r);  // peers write this slot too
+      } else {
+        mbar_arrive(&empty_bar[s]);
+      }
+    }
   };
   // Each set is complete whenever the loop passes its back edge (wait<0> before it): a wgmma in flight across
   // the back edge would have its accumulators copied there (loop-carried registers), and ptxas then
@@ -184,6 +228,11 @@ __device__ __forceinline__ void gemm_fp8_wg(const TmaMap& xmap, const TmaMap& wm
   }
 
   // ---- epilogue: [row][token] sums -> [token][row] fp16 rows of out (as gemm_int4_prefill.cu's) ----
+  if constexpr (kCluster > 1) {
+    // every block of the cluster is past its last stage: no copy or arrival comes here any more, so the
+    // ring can be reused and the block may exit (the producers have exited: the barrier counts the rest)
+    cluster_barrier();
+  }
   consumer_sync();  // every consumer's wgmmas done: the ring is free for the staging
   float* ep = reinterpret_cast<float*>(ring);
   if constexpr (kSilu) {  // rows arrive permuted (fp8 copy of gate|up): r0 the gate, r1 = r0 + 8 the up of output a
