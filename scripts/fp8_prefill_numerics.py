@@ -80,6 +80,10 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", default="fp16,fp8-token,fp8-g128")
     ap.add_argument("--families", default="all",
                     help="which GEMMs round X: all, or a comma list of qkv, o, gate_up, down (the rest stay float32)")
+    ap.add_argument("--continuation", type=int, default=0,
+                    help="also: prefill each window's first (window - N) tokens with rounded X, then score its last "
+                         "N tokens with float32 GEMMs (teacher-forced, as decode would see them): what a user "
+                         "of FP8 prefill gets, the prompt's K/V and first token rounded, the rest not")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
 
@@ -111,17 +115,49 @@ def main(argv=None) -> int:
         finally:
             ref.linear = exact_linear
 
+    def continued(mode: str | None, n: int) -> list[np.ndarray]:
+        """log-softmax rows of each window's last n positions after a rounded prefill of the rest."""
+        calls = [0]
+
+        def linear(x, w):
+            fam = order[calls[0] % len(order)]
+            calls[0] += 1
+            return exact_linear(quantize_rows(x, mode) if fam in families else x, w)
+
+        be = engine.backend
+        out = []
+        for w in windows:
+            seq = be.pool.new_sequence()
+            try:
+                ref.linear = exact_linear if mode is None else linear
+                be.forward([(seq, w[:-n])], all_logits=False)
+                ref.linear = exact_linear
+                out.append(log_softmax(be.forward([(seq, w[-n:])], all_logits=True)))
+            finally:
+                ref.linear = exact_linear
+                be.pool.free(seq)
+        return out
+
     t0 = time.perf_counter()
+    if args.continuation:
+        n = args.continuation
+        base_c = continued(None, n)
+        for mode in args.variants.split(","):
+            got = continued(mode, n)
+            top1 = np.mean(np.concatenate([b.argmax(-1) == g.argmax(-1) for b, g in zip(base_c, got, strict=True)]))
+            kl = np.concatenate([(np.exp(b) * (b - g)).sum(-1) for b, g in zip(base_c, got, strict=True)])
+            print(f"continuation ({n} tokens after a rounded prefill) {mode}: top-1 agree {top1:.4f}, "
+                  f"KL mean {kl.mean():.2e} max {kl.max():.2e}", flush=True)
     base = scored(None)
     results = {}
     for mode in args.variants.split(","):
         got = scored(mode)
-        top1 = np.mean(np.concatenate([b.argmax(-1) == g.argmax(-1) for b, g in zip(base, got)]))
-        kl = np.concatenate([(np.exp(b) * (b - g)).sum(-1) for b, g in zip(base, got)])
-        nll = np.concatenate([-g[np.arange(len(w) - 1), w[1:]] for g, w in zip(got, windows)])
+        top1 = np.mean(np.concatenate([b.argmax(-1) == g.argmax(-1) for b, g in zip(base, got, strict=True)]))
+        kl = np.concatenate([(np.exp(b) * (b - g)).sum(-1) for b, g in zip(base, got, strict=True)])
+        nll = np.concatenate([-g[np.arange(len(w) - 1), w[1:]] for g, w in zip(got, windows, strict=True)])
         results[mode] = {"top1_agree": float(top1), "kl_mean": float(kl.mean()), "kl_max": float(kl.max()),
                          "ppl": float(np.exp(nll.mean()))}
-    nll0 = np.concatenate([-b[np.arange(len(w) - 1), w[1:]] for b, w in zip(base, windows)])
+    nll0 = np.concatenate([-b[np.arange(len(w) - 1), w[1:]] for b, w in zip(base, windows, strict=True)])
     results["fp32"] = {"ppl": float(np.exp(nll0.mean())), "positions": int(sum(len(w) for w in windows))}
     results["seconds"] = time.perf_counter() - t0
     engine.close()

@@ -110,5 +110,8 @@ def test_prefill_weights_choice():
     assert choose_prefill_weights("fp16", seven, seven + HEADROOM_MIN) == "fp16"
     with pytest.raises(ValueError, match="resident fp16 prefill weights need"):
         choose_prefill_weights("fp16", seven, seven + HEADROOM_MIN - 1)
+    assert choose_prefill_weights("fp8", seven, seven // 2 + HEADROOM_MIN) == "fp8"  # half the fp16 copy
+    with pytest.raises(ValueError, match="fp8"):
+        choose_prefill_weights("fp8", seven, seven // 2 + HEADROOM_MIN - 1)
     with pytest.raises(ValueError, match="must be one of"):
         choose_prefill_weights("bf16", seven, 130 * gib)

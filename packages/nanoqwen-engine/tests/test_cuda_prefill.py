@@ -138,7 +138,41 @@ def test_resident_fp16_prefill_weights_give_the_int4_path_bits(tied_path, kind, 
     monkeypatch.setenv("NANOQWEN_PREFILL_WEIGHTS", "int4")
     assert make_backend(tied_path, kind, max_context=128).info["prefill_weights"] == "int4"
     with pytest.raises(InvalidRequestError, match="prefill_weights"):
-        make_backend(tied_path, kind, max_context=128, prefill_weights="fp8")
+        make_backend(tied_path, kind, max_context=128, prefill_weights="bf16")
+
+
+def test_fp8_prefill_rounds_only_the_activations(tied_path, kind, rng):
+    """prefill_weights "fp8" (opt-in): each GEMM's X rounded to e4m3 with a scale per token, the weights'
+    e4m3 copy exact. Its logits stay near the fp16 path's (the rounding is ~2^-4 relative per activation), a
+    chunked fp8 prefill gives the whole one's (the rounding is per token row, so the chunks do not change
+    it), and decoding continues from its K/V. "auto" never picks it."""
+    ids = rng.integers(0, 1000, size=37)
+    ref = make_backend(tied_path, kind, max_context=128, prefill_weights="int4")
+    be = make_backend(tied_path, kind, max_context=128, prefill_weights="fp8")
+    assert be.info["prefill_weights"] == "fp8" and be.info["prefill_fp8_bytes"] > 0
+    assert be.prefill_pass.fp8 is not None and be.prefill_pass.dense is None
+    for n in (1, 37):
+        got = []
+        for b in (ref, be):
+            seq = b.pool.new_sequence()
+            b.prefill(seq, ids[:n], SamplerState(GREEDY, b.config.vocab))
+            got.append(b.last_logits()[0].copy())
+            b.pool.free(seq)
+        a, f = got
+        assert not np.array_equal(a, f)  # the activations were rounded
+        assert np.abs(a - f).max() <= 0.15 * np.abs(a).max()
+        assert np.corrcoef(a, f)[0, 1] > 0.99
+    whole, s = generate(be, ids, 4)
+    whole_logits = be.last_logits()
+    be.pool.free(s)
+    seq = be.pool.new_sequence()
+    st = SamplerState(GREEDY, be.config.vocab)
+    be.prefill(seq, ids[:20], None)
+    toks = [be.prefill(seq, ids[20:], st)]
+    for _ in range(3):
+        toks.append(be.decode([seq], [toks[-1]], [st])[0])
+    assert toks == whole
+    np.testing.assert_allclose(be.last_logits(), whole_logits, rtol=0, atol=2e-2 * np.abs(whole_logits).max())
 
 
 def test_prefill_graphs_replay_the_eager_pass(tied_path, kind, rng):

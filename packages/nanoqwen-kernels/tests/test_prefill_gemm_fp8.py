@@ -51,9 +51,10 @@ def test_round_e4m3_ties_to_even_and_saturates(rng):
 
 
 def test_kernel_nibble_table_is_e4m3_of_u_minus_8():
+    """The conversion kernel's two 64-bit constants hold byte u of e4m3(u - 8) (u < 8 in kLo, the rest kHi)."""
     src = (CUDA_DIR / "prefill_quant.cu").read_text()
-    table = re.search(r"kLut\[16\] = \{([^}]*)\}", src).group(1)
-    lut = np.array([int(t, 16) for t in table.replace("\n", " ").split(",")], dtype=np.uint8)
+    lo, hi = (int(v, 16) for v in re.search(r"kLo = 0x([0-9A-Fa-f]+)ull, kHi = 0x([0-9A-Fa-f]+)ull", src).groups())
+    lut = np.array([(lo >> 8 * u) & 0xFF for u in range(8)] + [(hi >> 8 * u) & 0xFF for u in range(8)], np.uint8)
     assert np.array_equal(lut, f8.E4M3_OF_U)
     assert np.array_equal(f8.e4m3_to_f32(lut), np.arange(16) - 8)
 
@@ -74,17 +75,17 @@ def test_silu_rowmap_pairs_gate_and_up_rows():
 
 def test_quantize_rows_np_bounds_the_rounding(rng):
     x = (rng.standard_normal((5, 384)) * np.exp(rng.uniform(-4, 4, (5, 384)))).astype(np.float16)
-    x[2, 128:256] = 0
+    x[2] = 0
     xq, sx = f8.quantize_rows_np(x)
-    assert sx.shape == (3, 5) and sx[1, 2] == 1.0
-    back = f8.e4m3_to_f32(xq).reshape(5, 3, 128) * sx.T[:, :, None]
-    xf = x.astype(np.float32).reshape(5, 3, 128)
-    amax = np.abs(xf).max(axis=2, keepdims=True)
+    assert sx.shape == (5,) and sx[2] == 1.0 and not xq[2].any()
+    back = f8.e4m3_to_f32(xq) * sx[:, None]
+    xf = x.astype(np.float32)
+    amax = np.abs(xf).max(axis=1, keepdims=True)
     err = np.abs(back - xf)
     # relative 2^-4 in the normal range, absolute half a subnormal step below it
     assert (err <= np.maximum(np.abs(xf) / 16, amax / 448 * 2.0**-10) * 1.0001).all()
-    # the block's amax maps to 448 (back to amax but for the float32 rounding of amax / 448 and of 448 s)
-    assert np.allclose(np.abs(back).max(axis=2), amax[:, :, 0], rtol=1e-6, atol=0)
+    # the row's amax maps to 448 (back to amax but for the float32 rounding of amax / 448 and of 448 s)
+    assert np.allclose(np.abs(back).max(axis=1), amax[:, 0], rtol=1e-6, atol=0)
 
 
 def test_fp8_plan_and_smem():
@@ -95,7 +96,7 @@ def test_fp8_plan_and_smem():
     src = (CUDA_DIR / "gemm_fp8_prefill.cu").read_text()
     assert "#define NQ_GF8_STAGES 6" in src and pg.GF8_STAGES == 6
     assert pg.fp8_smem_bytes(128) <= 227 * 1024
-    assert pg.fp8_stage_bytes(128) == 33 * 1024 and pg.fp8_stage_bytes(64) == 25 * 1024
+    assert pg.fp8_stage_bytes(128) == 33 * 1024 and pg.fp8_stage_bytes(64) == 25 * 1024  # 32.5 / 24.5 KB, rounded up
 
 
 # ---- GPU ------------------------------------------------------------------------------------------------
@@ -121,7 +122,7 @@ def quantized(kern, x):
 
     t, k = x.shape
     xq = cp.full((t, k), 0x7F, dtype=cp.uint8)  # NaN bytes: any byte left unwritten shows
-    sx = cp.full((k // 128, f8.t_pad(t)), np.nan, dtype=cp.float32)
+    sx = cp.full(t, np.nan, dtype=cp.float32)
     kern.quantize_e4m3(cp.asarray(x), xq, sx)
     return xq, sx
 
@@ -133,10 +134,11 @@ def test_quantize_matches_numpy_bit_for_bit(kernels, rng, t, k):
     import cupy as cp
 
     x = activations(rng, t, k)
-    x[min(3, t - 1), :128] = 0  # an all-zero block: scale 1, bytes 0
+    if t > 3:
+        x[3] = 0  # an all-zero row: scale 1, bytes 0
     xq, sx = quantized(kernels["7b"], x)
     ref_q, ref_s = f8.quantize_rows_np(x)
-    got_s = cp.asnumpy(sx)[:, :t]
+    got_s = cp.asnumpy(sx)
     assert np.array_equal(got_s.view(np.uint32), ref_s.view(np.uint32))
     got_q = cp.asnumpy(xq)
     assert np.array_equal(got_q, ref_q), f"{np.count_nonzero(got_q != ref_q)} of {got_q.size} bytes differ"
@@ -231,8 +233,8 @@ def test_gemm_fp8_silu(kernels, rng, t, tile):
 @pytest.mark.gpu
 def test_fp8_path_error_against_the_fp16_gemm(kernels, rng):
     """The whole path (quantize X, FP8 GEMM) against float64 sums of the unrounded fp16 X and the same INT4
-    weights: the e4m3 rounding of X is the only new error, ~2-3% of the output's rms at most."""
+    weights: the e4m3 rounding of X is the only new error, a few % of the output's rms at most."""
     got, _, (x, u, s) = _gemm_case(kernels["7b"], rng, 257, 3584, 3584)
     exact = x.astype(np.float64) @ dequant(u, s).astype(np.float64).T
     rel = np.sqrt(np.mean((got - exact) ** 2) / np.mean(exact**2))
-    assert 1e-3 < rel < 3e-2, rel
+    assert 1e-3 < rel < 4e-2, rel

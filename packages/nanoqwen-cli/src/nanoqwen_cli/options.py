@@ -179,3 +179,15 @@ def sampling_overrides(kwargs: dict) -> dict:
     if stop:
         given["stop"] = list(stop)
     return given
+
+
+def prefill_weights_option(func):
+    """--prefill-weights: what the GPU's prefill GEMMs multiply (Engine.load's prefill_weights)."""
+    return click.option(
+        "--prefill-weights",
+        type=click.Choice(["auto", "fp16", "int4", "fp8"]),
+        default=None,
+        help="GPU prefill GEMMs: auto (default: $NANOQWEN_PREFILL_WEIGHTS, else a resident fp16 copy where it "
+        "fits, else INT4 as stored), fp16, int4, or fp8 (opt-in: activations rounded to e4m3 on the FP8 "
+        "tensor cores; faster prompts, slightly different numbers).",
+    )(func)

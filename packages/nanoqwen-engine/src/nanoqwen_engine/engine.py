@@ -53,6 +53,9 @@ DEFAULT_PREFILL_CHUNK = 512
 DEFAULT_MAX_QUEUE = 256
 
 
+PREFILL_WEIGHTS = ("auto", "fp16", "int4", "fp8")  # cuda/plan.py's (kept here: the engine imports no CuPy)
+
+
 class Engine:
     def __init__(self, backend: Backend, tokenizer: Tokenizer, nqfile, path, load_s: float,
                  max_batch: int = DEFAULT_MAX_BATCH, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
@@ -90,7 +93,7 @@ class Engine:
     def load(cls, path_or_hf_id, device: str = "cuda", max_context: int | None = None, progress: bool = True,
              kv_pages: int | None = None, decode_mode: str = "graph", max_batch: int = DEFAULT_MAX_BATCH,
              prefill_chunk: int = DEFAULT_PREFILL_CHUNK, max_queue: int = DEFAULT_MAX_QUEUE,
-             prefill_chunk_idle: int | None = None) -> Engine:
+             prefill_chunk_idle: int | None = None, prefill_weights: str | None = None) -> Engine:
         """Open a .nanoqwen file (an HF folder or hub id is converted into the cache first).
 
         device: "cuda" (nanoqwen_engine.cuda.CudaBackend) or "cpu" (the numpy reference backend).
@@ -100,7 +103,10 @@ class Engine:
         prefill_chunk: prompt tokens prefilled per step at most while other requests decode (it bounds
         their stall); prefill_chunk_idle: per step when none decodes (a lone prompt's time to first
         token; at least prefill_chunk; None: the backend's, 8192 on the GPU, prefill_chunk on the CPU);
-        max_queue: waiting requests at most.
+        max_queue: waiting requests at most. prefill_weights (GPU only): what prefill's GEMMs multiply,
+        "auto" (default: $NANOQWEN_PREFILL_WEIGHTS, else a resident fp16 copy where it fits, else the INT4
+        matrices as stored), "fp16", "int4", or "fp8" (opt-in: e4m3 activations on the FP8 tensor cores, a
+        numerics change; docs/PERF.md).
         Every argument is checked before the model is touched (InvalidRequestError). Format errors from
         nanoqwen_format are wrapped in ModelFormatError (original as __cause__); a config or
         generation_config value of the wrong type or range is a ConfigError (a ModelFormatError).
@@ -113,6 +119,11 @@ class Engine:
         if device == "cpu" and decode_mode != "graph":
             raise InvalidRequestError("decode_mode='eager' applies to device='cuda' only (the CPU reference "
                                       "backend has no graphs)")
+        if prefill_weights is not None and prefill_weights not in PREFILL_WEIGHTS:
+            raise InvalidRequestError(f"prefill_weights must be one of {PREFILL_WEIGHTS}, got {prefill_weights!r}")
+        if device == "cpu" and prefill_weights not in (None, "auto"):
+            raise InvalidRequestError("prefill_weights applies to device='cuda' only (the CPU reference computes in "
+                                      "float32)")
         if max_context is not None:
             check_int("max_context", max_context, InvalidRequestError, lo=1)
         if kv_pages is not None:
@@ -139,6 +150,8 @@ class Engine:
                 backend = ReferenceBackend.create(nq, config, max_context=max_context, n_pages=kv_pages)
             else:
                 extra = {"n_pages": kv_pages} if kv_pages is not None else {}
+                if prefill_weights is not None:
+                    extra["prefill_weights"] = prefill_weights
                 backend = cls._cuda_backend(nq, config, max_context, progress, {**extra, "decode_mode": decode_mode, "max_batch": max_batch})
         except NanoqwenFormatError as e:
             raise ModelFormatError(f"{path}: {e}") from e

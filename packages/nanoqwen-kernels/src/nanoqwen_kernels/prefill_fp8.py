@@ -1,14 +1,14 @@
 """The FP8 prefill GEMM's launchers and its numpy twins (opt-in: the engine's prefill_weights="fp8").
 
     int4_to_e4m3(qweight, scales, rowmap)  -> (w8 uint8 [N, K] e4m3 of q = u - 8, sw float32 [G, n_pad])
-    quantize_e4m3(X, xq, sx)               X fp16 [T, K] -> xq uint8 [T, K], sx float32 [G, >= t_pad(T)]
-    gemm_fp8(w8, sw, xq, sx, out, ...)     out[T, N] fp16 = sum over groups of (xq . w8^T) sx sw (+ out)
+    quantize_e4m3(X, xq, sx)               X fp16 [T, K] -> xq uint8 [T, K], sx float32 [>= T] (a scale per token)
+    gemm_fp8(w8, sw, xq, sx, out, ...)     out[T, N] fp16 = sx[t] sum over groups of (xq . w8^T) sw (+ out)
     gemm_fp8_silu(...)                     the gate|up GEMM with silu(gate) * up in its epilogue
 
 What is rounded and why (cuda/gemm_fp8_prefill.cu has the whole story): the INT4 integers are exact in
 e4m3, the group scales stay fp32 and multiply each group's partial sum, so the weights are the same numbers
-as on every other path; the activations are rounded to e4m3 in blocks of 128 k with a scale per block. That
-rounding is a numerics change (scripts/fp8_prefill_numerics.py measures it on a real model), which is why
+as on every other path; the activations are rounded to e4m3 with a scale per token row. That rounding is a
+numerics change (scripts/fp8_prefill_numerics.py measures it on a real model), which is why
 this path is opt-in.
 
 The numpy twins (round_e4m3, e4m3_to_f32, quantize_rows_np, gemm_fp8_np) are the tests' references and the
@@ -24,19 +24,12 @@ from . import prefill_gemm as pg
 from . import tma
 from .dims import GROUP
 from .errors import KernelError
-from .loader import extra_defines
 
 FP8_SOURCES = ["gemm_fp8_prefill.cu", "prefill_quant.cu"]
 E4M3_MAX = 448.0
-T_ALIGN = 256  # sx's columns: whole clusters of the widest tile (a tile copies its scales whole)
-N_ALIGN = 256  # sw's columns: whole clusters of 128-row tiles
+N_ALIGN = 128  # sw's columns: whole 128-row tiles (a tile copies its rows' scales whole)
 QUANT_THREADS = 256
 CONVERT_THREADS = 256
-
-
-def t_pad(t: int) -> int:
-    """Columns of sx for T tokens: T rounded up to T_ALIGN."""
-    return -(-t // T_ALIGN) * T_ALIGN
 
 
 def n_pad(n: int) -> int:
@@ -99,19 +92,16 @@ def silu_rowmap(n: int) -> np.ndarray:
 
 
 def quantize_rows_np(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """What nq_quantize_e4m3_rows computes: x fp16 [T, K] -> (xq uint8 [T, K], sx float32 [G, T])."""
+    """What nq_quantize_e4m3_rows computes: x fp16 [T, K] -> (xq uint8 [T, K], sx float32 [T])."""
     xf = np.asarray(x, dtype=np.float32)
-    t, k = xf.shape
-    g = xf.reshape(t, k // GROUP, GROUP)
-    m = np.abs(g).max(axis=2, keepdims=True)
+    m = np.abs(xf).max(axis=1, keepdims=True)
     s = np.where(m > 0, m / np.float32(E4M3_MAX), np.float32(1.0)).astype(np.float32)
-    xq = e4m3_bytes(round_e4m3(g / s)).reshape(t, k)
-    return xq, np.ascontiguousarray(s[:, :, 0].T)
+    return e4m3_bytes(round_e4m3(xf / s)), s[:, 0].copy()
 
 
 def gemm_fp8_np(w8: np.ndarray, sw: np.ndarray, xq: np.ndarray, sx: np.ndarray) -> np.ndarray:
-    """The FP8 GEMM's sums in float64: out[t, n] = sum_g (sum_k xq[t, k] w8[n, k]) sx[g, t] sw[g, n]
-    (w8 [N, K], sw [G, >= N], xq [T, K], sx [G, >= T]; bytes decoded as e4m3)."""
+    """The FP8 GEMM's sums in float64: out[t, n] = sx[t] sum_g (sum_k xq[t, k] w8[n, k]) sw[g, n]
+    (w8 [N, K], sw [G, >= N], xq [T, K], sx [>= T]; bytes decoded as e4m3)."""
     w = e4m3_to_f32(w8).astype(np.float64)
     x = e4m3_to_f32(xq).astype(np.float64)
     n, k = w.shape
@@ -119,8 +109,8 @@ def gemm_fp8_np(w8: np.ndarray, sw: np.ndarray, xq: np.ndarray, sx: np.ndarray) 
     out = np.zeros((t, n))
     for g in range(k // GROUP):
         sl = slice(g * GROUP, (g + 1) * GROUP)
-        out += (x[:, sl] @ w[:, sl].T) * sx[g, :t, None].astype(np.float64) * sw[g, None, :n].astype(np.float64)
-    return out
+        out += (x[:, sl] @ w[:, sl].T) * sw[g, None, :n].astype(np.float64)
+    return out * sx[:t, None].astype(np.float64)
 
 
 # ---- the launchers --------------------------------------------------------------------------------------
@@ -132,12 +122,7 @@ class Fp8Kernels:
     partial sums for both GEMMs."""
 
     def __init__(self, dims, load_module, splitk_reduce):
-        cx, cy = pg.GF8_CLUSTER
-        mod = load_module(FP8_SOURCES, {**dims.defines(), "NQ_GF8_STAGES": pg.GF8_STAGES, "NQ_GF8_CX": cx,
-                                        "NQ_GF8_CY": cy})
-        # the cluster as built ($NANOQWEN_KERNEL_DEFINES may override it for an A/B run)
-        extra = extra_defines()
-        self.cluster = (int(extra.get("NQ_GF8_CX", cx)), int(extra.get("NQ_GF8_CY", cy)))
+        mod = load_module(FP8_SOURCES, {**dims.defines(), "NQ_GF8_STAGES": pg.GF8_STAGES})
         smem = {bn: pg.fp8_smem_bytes(bn) for bn in pg.GF8_WIDTHS}
         self._gf = {bn: mod.get_function(f"nq_gemm_fp8_wg_n{bn}", max_dynamic_smem=smem[bn]) for bn in pg.GF8_WIDTHS}
         self._gf_silu = {bn: mod.get_function(f"nq_gemm_fp8_wg_silu_n{bn}", max_dynamic_smem=smem[bn])
@@ -172,17 +157,18 @@ class Fp8Kernels:
         return w8, sw
 
     def quantize_e4m3(self, X, xq, sx) -> None:
-        """X fp16 [T, K] -> xq uint8 [T, K] (e4m3 of X / its block's scale) and sx float32 [G, >= t_pad(T)]
-        (a scale per token and 128 k: amax / 448, 1 for an all-zero block)."""
+        """X fp16 [T, K] -> xq uint8 [T, K] (e4m3 of X / its row's scale) and sx float32 [>= T] (a scale per
+        token row: amax / 448, 1 for an all-zero row)."""
         ck.check_array("X", X, np.float16, align=8)
         if X.ndim != 2 or X.shape[0] < 1 or X.shape[1] % GROUP:
             raise KernelError(f"X must be fp16 [T, K] with K % {GROUP} == 0, got shape {tuple(X.shape)}")
         t, k = int(X.shape[0]), int(X.shape[1])
+        if t > 2**31 - 1:
+            raise KernelError(f"X has {t} rows; a launch takes at most 2^31 - 1")
         ck.check_array("xq", xq, np.uint8, shape=(t, k), align=16)
-        tp = self._check_sx(sx, t, k)
-        items = t * (k // GROUP)  # a warp each
-        ck.launch(self._quant, (-(-items * 32 // QUANT_THREADS), 1, 1), (QUANT_THREADS, 1, 1),
-                  (X, xq, sx, np.int32(t), np.int32(k), np.int32(tp)))
+        self._check_sx(sx, t)
+        ck.check_distinct(X=X, xq=xq, sx=sx)
+        ck.launch(self._quant, (t, 1, 1), (QUANT_THREADS, 1, 1), (X, xq, sx, np.int32(k)))
 
     def gemm_fp8(self, w8, sw, xq, sx, out, accumulate: bool = False, tile: int | None = None,
                  splits: int | None = None, workspace=None) -> None:
@@ -217,12 +203,11 @@ class Fp8Kernels:
             tile = pg.choose_plan_fp8(t, n, k, ck.sm_count(), split_ok=False)[0]
         self._launch(self._gf_silu, tile, w8, sw, xq, sx, out, t, n, k, False, ck.NULL, 1)
 
-    def _check_sx(self, sx, t: int, k: int) -> int:
-        ck.check_array("sx", sx, np.float32, align=16)
-        if sx.ndim != 2 or sx.shape[0] != k // GROUP or sx.shape[1] < t_pad(t) or sx.shape[1] % 4:
-            raise KernelError(f"sx must be float32 [{k // GROUP}, >= {t_pad(t)}] (a multiple of 4 columns), got "
-                              f"shape {tuple(sx.shape)}")
-        return int(sx.shape[1])
+    @staticmethod
+    def _check_sx(sx, t: int) -> None:
+        ck.check_array("sx", sx, np.float32)
+        if sx.ndim != 1 or sx.shape[0] < t:
+            raise KernelError(f"sx must be float32 [>= {t}] (a scale per token), got shape {tuple(sx.shape)}")
 
     def _check(self, w8, sw, xq, sx, out, out_div: int) -> tuple[int, int, int]:
         ck.check_array("w8", w8, np.uint8, align=16)
@@ -234,7 +219,7 @@ class Fp8Kernels:
         if xq.ndim != 2 or xq.shape[1] != k or xq.shape[0] < 1:
             raise KernelError(f"xq must be uint8 [T, {k}], got shape {tuple(xq.shape)}")
         t = int(xq.shape[0])
-        self._check_sx(sx, t, k)
+        self._check_sx(sx, t)
         ck.check_array("out", out, np.float16, shape=(t, n // out_div), align=16)
         ck.check_distinct(xq=xq, out=out)
         return n, k, t
@@ -243,13 +228,12 @@ class Fp8Kernels:
                 splits: int) -> None:
         if tile not in fns:
             raise KernelError(f"tile must be one of {pg.GF8_WIDTHS}, got {tile!r}")
-        cx, cy = self.cluster
-        xmap = self._map(xq, t, k, tile // cy)  # a block copies 1 / cy of its X tile, 1 / cx of its W tile
-        wmap = self._map(w8, n, k, pg.GW_ROWS // cx)
-        ck.launch(fns[tile], pg.fp8_grid(t, n, tile, splits, self.cluster), (pg.GF8_THREADS, 1, 1),
+        xmap = self._map(xq, t, k, tile)
+        wmap = self._map(w8, n, k, pg.GW_ROWS)
+        ck.launch(fns[tile], pg.grid(t, n, tile, splits), (pg.GF8_THREADS, 1, 1),
                   (xmap, wmap, sw, sx, out, np.int32(t), np.int32(n), np.int32(k), np.int32(sw.shape[1]),
-                   np.int32(sx.shape[1]), np.int32(1 if accumulate else 0), ws, np.int32(splits)),
-                  shared_mem=pg.fp8_smem_bytes(tile), cluster=(cx, cy, 1) if cx * cy > 1 else None)
+                   np.int32(1 if accumulate else 0), ws, np.int32(splits)),
+                  shared_mem=pg.fp8_smem_bytes(tile))
 
     def _map(self, a, rows: int, cols: int, box_rows: int):
         """A byte matrix's TMA map (boxes of box_rows x 128), once per (address, shape, box)."""

@@ -40,8 +40,7 @@ GF8_THREADS = 384  # the FP8 GEMM: two consumer warpgroups + one producer warpgr
 GF8_STAGES = 6
 GF8_WIDTHS = (128, 64)  # nq_gemm_fp8_wg_n128 / _n64 (256 would need 256 accumulator registers: see the kernel)
 GF8_EFFICIENCY = {128: 1.0, 64: 0.6}
-GF8_CLUSTER = (2, 2)  # blocks along the tokens x along the rows sharing their tiles by multicast (NQ_GF8_CX / _CY)
-_FP8_MAC_RATE_SM = 5.2e12  # ~1,370 TFLOP/s over 132 SMs at n128: a first estimate, 2x the fp16 rate
+_FP8_MAC_RATE_SM = 4.2e12  # ~1,100 TFLOP/s over 132 SMs at n128 (7B gate/up and down at T = 512, H200)
 
 
 def stage_bytes(bn: int) -> int:
@@ -56,8 +55,8 @@ def smem_bytes(bn: int, stages: int = GW_STAGES) -> int:
 
 
 def fp8_stage_bytes(bn: int) -> int:
-    """One FP8 ring stage: X (bn x 128 B), W (128 x 128 B), the rows' and tokens' scales (f32), to 1 KB."""
-    raw = bn * 128 + GW_ROWS * 128 + GW_ROWS * 4 + bn * 4
+    """One FP8 ring stage: X (bn x 128 B), W (128 x 128 B), the rows' group scales (f32), to 1 KB."""
+    raw = bn * 128 + GW_ROWS * 128 + GW_ROWS * 4
     return (raw + 1023) // 1024 * 1024
 
 
@@ -72,16 +71,10 @@ def grid(t: int, n: int, bn: int, splits: int = 1) -> tuple[int, int, int]:
     return (-(-t // bn), -(-n // GW_ROWS), splits)
 
 
-def fp8_grid(t: int, n: int, bn: int, splits: int = 1, cluster: tuple[int, int] = GF8_CLUSTER) -> tuple[int, int, int]:
-    """grid() rounded up to whole clusters (the extra blocks compute zeros and write nothing)."""
-    gx, gy, gz = grid(t, n, bn, splits)
-    return (-(-gx // cluster[0]) * cluster[0], -(-gy // cluster[1]) * cluster[1], gz)
-
-
 def plan_cost(t: int, n: int, k: int, bn: int, splits: int, sms: int, fp8: bool = False) -> float:
     """Estimated seconds of the GEMM (+ its reduction when split) for one (width, splits); fp8: the FP8
     GEMM's (a stage is a whole group)."""
-    gx, gy, _ = fp8_grid(t, n, bn, splits) if fp8 else grid(t, n, bn, splits)
+    gx, gy, _ = grid(t, n, bn, splits)
     waves = -(-(gx * gy * splits) // sms)
     if fp8:
         stages = -(-(k // 128) // splits)

@@ -17,7 +17,7 @@ import click
 
 from nanoqwen_cli import session
 from nanoqwen_cli.errors import CliError
-from nanoqwen_cli.options import model_options
+from nanoqwen_cli.options import model_options, prefill_weights_option
 
 API_KEY_ENV = "NANOQWEN_API_KEY"
 
@@ -43,6 +43,7 @@ API_KEY_ENV = "NANOQWEN_API_KEY"
                    "first token). Default: 8192 on the GPU, --prefill-chunk on the CPU.")
 @click.option("--kv-pages", type=click.IntRange(min=1), default=None,
               help="KV cache pages (16 tokens each) shared by all sequences. Default: the engine's choice.")
+@prefill_weights_option
 @click.option("--max-body-bytes", type=click.IntRange(min=1024), default=8 * 2**20, show_default=True,
               help="Largest request body accepted (413 beyond).")
 @click.option("--drain-timeout", type=click.FloatRange(min=0), default=30.0, show_default=True,
@@ -51,7 +52,8 @@ API_KEY_ENV = "NANOQWEN_API_KEY"
               default="info", show_default=True)
 @click.option("--access-log/--no-access-log", default=True, show_default=True, help="One line per request.")
 def serve(model, device, max_context, host, port, served_model_name, api_key, max_batch, max_queue,
-          prefill_chunk, prefill_chunk_idle, kv_pages, max_body_bytes, drain_timeout, log_level, access_log):
+          prefill_chunk, prefill_chunk_idle, kv_pages, prefill_weights, max_body_bytes, drain_timeout, log_level,
+          access_log):
     """Serve MODEL with OpenAI's HTTP API: /v1/chat/completions, /v1/completions (`suffix` for
     fill-in-the-middle), /v1/models, /health, /metrics (docs/SERVER.md).
 
@@ -76,6 +78,8 @@ def serve(model, device, max_context, host, port, served_model_name, api_key, ma
         engine_kwargs["prefill_chunk_idle"] = prefill_chunk_idle
     if kv_pages is not None:
         engine_kwargs["kv_pages"] = kv_pages
+    if prefill_weights is not None:
+        engine_kwargs["prefill_weights"] = prefill_weights
     if device == "cuda":
         session.require_gpu()
 

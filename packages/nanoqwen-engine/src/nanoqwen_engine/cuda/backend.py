@@ -41,7 +41,16 @@ from .plan import PREFILL_WEIGHTS, build_upload_plan, choose_prefill_weights, si
 from .prefill import PrefillPass
 from .rows import RowAssignment
 from .sampling import GREEDY, DeviceSampler, batch_mode, mode_of
-from .weights import DenseLayer, GpuWeights, dense_bytes, dense_layers, gpu_weights
+from .weights import (
+    DenseLayer,
+    Fp8Layer,
+    GpuWeights,
+    dense_bytes,
+    dense_layers,
+    fp8_bytes,
+    fp8_layers,
+    gpu_weights,
+)
 
 DECODE_MODES = ("graph", "eager")
 MAX_BATCH = 64  # decode rows the buffers are sized for unless create() is given max_batch
@@ -78,7 +87,8 @@ class CudaBackend:
     PREFILL_CHUNK_IDLE = 8192
 
     def __init__(self, dev, ks, weights: GpuWeights, config: ModelConfig, pool: PagePool, k_cache, v_cache,
-                 decode_mode: str, max_batch: int, info: dict, dense: list[DenseLayer] | None = None):
+                 decode_mode: str, max_batch: int, info: dict, dense: list[DenseLayer] | None = None,
+                 fp8: list[Fp8Layer] | None = None):
         self.dev, self.ks, self.w, self.config, self.pool = dev, ks, weights, config, pool
         self.k_cache, self.v_cache = k_cache, v_cache  # f16 [L, n_pages + 1, n_kv, 16, 128] each
         self.decode_mode = decode_mode
@@ -93,7 +103,7 @@ class CudaBackend:
         # prefill graphs per bucket only in graph mode ("eager" is the debugging mode: every launch from
         # Python); $NANOQWEN_PREFILL_GRAPHS=0 turns them off alone (A/B runs)
         graphs = decode_mode == "graph" and os.environ.get("NANOQWEN_PREFILL_GRAPHS", "1") != "0"
-        self.prefill_pass = PrefillPass(dev, ks, weights, config, k_cache, v_cache, dense, graphs=graphs)
+        self.prefill_pass = PrefillPass(dev, ks, weights, config, k_cache, v_cache, dense, graphs=graphs, fp8=fp8)
         # prefill's own page tables and head buffers (a row per sequence of a prefill_many), so a prefill
         # leaves the decode rows' state alone
         self.pf_tables = xp.full((max_batch, P), -1, dtype=np.int32)  # int32 [max_batch, P]
@@ -116,7 +126,8 @@ class CudaBackend:
 
         kwargs: decode_mode "graph" (default) or "eager"; n_pages (pool size, overriding the sizing from
         max_context / free memory); max_batch (decode rows, default 64); prefill_weights "auto" (default:
-        $NANOQWEN_PREFILL_WEIGHTS, else auto), "fp16" or "int4" (plan.choose_prefill_weights). Test hooks: `device` (a
+        $NANOQWEN_PREFILL_WEIGHTS, else auto), "fp16", "int4" or "fp8" (opt-in: e4m3 activations;
+        plan.choose_prefill_weights). Test hooks: `device` (a
         HostDevice) and `kernels` (a KernelSet stand-in) replace the GPU and the compiled kernels.
         """
         decode_mode = kwargs.pop("decode_mode", None) or "graph"
@@ -165,12 +176,18 @@ class CudaBackend:
                 pw = choose_prefill_weights(prefill_weights, nbytes, free)
             except ValueError as e:
                 raise GPUOutOfMemoryError(str(e)) from None
-            dense = None
+            dense = fp8 = None
             if pw == "fp16":
                 with Timer() as td, dev.use():
                     dense = dense_layers(dev.xp, ks, weights)
                     dev.synchronize()
                 info.update(prefill_dense_bytes=nbytes, prefill_dense_s=td.s)
+                free, total = dev.mem_info()
+            elif pw == "fp8":
+                with Timer() as td, dev.use():
+                    fp8 = fp8_layers(ks, weights)
+                    dev.synchronize()
+                info.update(prefill_fp8_bytes=fp8_bytes(weights), prefill_fp8_s=td.s)
                 free, total = dev.mem_info()
             info["prefill_weights"] = pw
             try:
@@ -202,7 +219,7 @@ class CudaBackend:
         )
         pool = PagePool(ps.n_pages, ps.max_pages_per_seq)
         with dev.use():  # buffers zeroed on the backend's stream, ordered before its first launch
-            be = cls(dev, ks, weights, config, pool, k_cache, v_cache, decode_mode, max_batch, info, dense)
+            be = cls(dev, ks, weights, config, pool, k_cache, v_cache, decode_mode, max_batch, info, dense, fp8)
         dev.synchronize()
         info["load_s"] = time.perf_counter() - t_all
         return be

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 
 import numpy as np
+from nanoqwen_kernels import prefill_fp8 as f8
 
 from ..kv_pages import PAGE_TOKENS
 
@@ -227,6 +228,39 @@ class HostKernels:
         # the gate|up sums in fp32, silu(gate) * up from them, one rounding (no fp16 gate/up in between)
         gu = X.astype(np.float32) @ self._w(qweight, scales).astype(np.float16).astype(np.float32).T
         i = gu.shape[1] // 2
+        out[...] = _silu_mul(gu[:, :i], gu[:, i:]).astype(out.dtype)
+
+    # ---- the opt-in FP8 prefill (kernels' prefill_fp8.py: these are its numpy twins) ----
+    def int4_to_e4m3(self, qweight, scales, rowmap=None):
+        from nanoqwen_format import unpack_valueshuffle
+
+        n, k = qweight.shape[0], qweight.shape[1] * 8
+        rows = np.arange(n) if rowmap is None else np.asarray(rowmap)
+        w8 = f8.E4M3_OF_U[unpack_valueshuffle(qweight)[rows]]
+        sw = np.zeros((k // 128, f8.n_pad(n)), dtype=np.float32)
+        sw[:, :n] = scales[rows].astype(np.float32).T
+        return w8, sw
+
+    @_launcher
+    def quantize_e4m3(self, X, xq, sx):
+        q, s = f8.quantize_rows_np(X)
+        xq[...] = q
+        sx[: s.shape[0]] = s
+
+    @_launcher
+    def gemm_fp8(self, w8, sw, xq, sx, out, accumulate=False, tile=None, splits=None, workspace=None):
+        acc = f8.gemm_fp8_np(w8, sw, xq, sx)
+        if accumulate:
+            acc += out.astype(np.float64)
+        out[...] = acc.astype(out.dtype)
+
+    @_launcher
+    def gemm_fp8_silu(self, w8, sw, xq, sx, out, tile=None):
+        # the copy's rows are interleaved (prefill_fp8.silu_rowmap): put gate | up back in order first
+        n = w8.shape[0]
+        inv = np.argsort(f8.silu_rowmap(n))
+        gu = f8.gemm_fp8_np(w8[inv], sw[:, inv], xq, sx)
+        i = n // 2
         out[...] = _silu_mul(gu[:, :i], gu[:, i:]).astype(out.dtype)
 
     @_launcher

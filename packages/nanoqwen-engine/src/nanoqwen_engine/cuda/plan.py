@@ -189,18 +189,25 @@ def size_pool(*, n_layers: int, n_kv_heads: int, head_dim: int, max_position: in
 # length); "fp16" keeps a dequantized copy of every matrix resident (4x the INT4 bytes: 13 GB for the 7B,
 # 2.8 GB for the 1.5B) and prefill multiplies it directly. "auto" takes fp16 when the copy needs at most
 # PREFILL_DENSE_FRACTION of the memory free after the upload (an H200 or an 80 GB H100 with the 7B), so
-# the KV pool keeps the rest.
-PREFILL_WEIGHTS = ("auto", "fp16", "int4")
+# the KV pool keeps the rest. "fp8" (opt-in, never chosen by auto: it rounds the activations, a numerics
+# change) keeps an e4m3 copy (2x the INT4 bytes: 6.5 GB for the 7B) for the FP8 GEMMs (prefill_fp8.py).
+PREFILL_WEIGHTS = ("auto", "fp16", "int4", "fp8")
 PREFILL_DENSE_FRACTION = 0.25
 
 
 def choose_prefill_weights(mode: str, dense_bytes: int, free_bytes: int) -> str:
-    """"fp16" or "int4" for the requested mode (one of PREFILL_WEIGHTS); ValueError when "fp16" is asked
-    for and the copy would leave less than HEADROOM_MIN free."""
+    """"fp16", "int4" or "fp8" for the requested mode (one of PREFILL_WEIGHTS); ValueError when "fp16" or
+    "fp8" is asked for and its copy would leave less than HEADROOM_MIN free (the e4m3 copy is half the fp16
+    one: dense_bytes / 2)."""
     if mode not in PREFILL_WEIGHTS:
         raise ValueError(f"prefill weights must be one of {PREFILL_WEIGHTS}, got {mode!r}")
     if mode == "int4":
         return "int4"
+    if mode == "fp8":
+        if dense_bytes // 2 > free_bytes - HEADROOM_MIN:
+            raise ValueError(f"the resident fp8 prefill weights need {dense_bytes / 2**31:.2f} GiB, "
+                             f"{free_bytes / 2**30:.2f} GiB free (less {HEADROOM_MIN / 2**30:.0f} GiB headroom)")
+        return "fp8"
     if mode == "fp16":
         if dense_bytes > free_bytes - HEADROOM_MIN:
             raise ValueError(f"the resident fp16 prefill weights need {dense_bytes / 2**30:.2f} GiB, "

@@ -18,6 +18,9 @@ because a short pass is host-bound; longer passes run eagerly (GPU-bound by then
 Each GEMM reads the layer's resident f16 copy of its matrix when the backend keeps one (gemm_f16, cuBLAS;
 plan.choose_prefill_weights), else the INT4 matrix as stored (gemm_int4_wg: dequantized in registers into
 the tensor cores' operands, no fp16 copy anywhere): the same f16 weight values either way, fp32 sums.
+Opt-in ("fp8"): each GEMM's X is first rounded to e4m3 with a scale per token (quantize_e4m3 into xq / sx),
+then multiplied on the FP8 tensor cores with the layer's resident e4m3 copy of the weights (gemm_fp8;
+gate|up + SiLU as gemm_fp8_silu): the same weights, the activations rounded (kernels' prefill_fp8.py).
 
 Several sequences' prompts (or chunks) can go through together (hidden_many): their rows are stacked and
 share the GEMMs, while RoPE + K/V write and attention run per sequence. Passes hold PREFILL_CHUNK rows
@@ -35,7 +38,7 @@ from typing import Any
 import numpy as np
 from nanoqwen_kernels.prefill_gemm import WORKSPACE_CAP
 
-from .weights import DenseLayer, GpuWeights
+from .weights import DenseLayer, Fp8Layer, GpuWeights
 
 # Rows per pass at most. H200, 7B, 32,768 prompt tokens in passes of 4,096 / 8,192 / 16,384 / 32,768 rows:
 # 1,245 / 1,222 / 1,226 / 1,238 ms (scripts/prefill_breakdown.py, docs/PERF.md "twelfth lease")
@@ -75,7 +78,7 @@ def _addr(a) -> int:
 
 class PrefillPass:
     def __init__(self, dev, ks, weights: GpuWeights, cfg, k_cache, v_cache, dense: list[DenseLayer] | None = None,
-                 graphs: bool = False):
+                 graphs: bool = False, fp8: list[Fp8Layer] | None = None):
         """dense: every layer's matrices resident in f16 (weights.dense_layers): the GEMMs read them
         instead of dequantizing each INT4 matrix first (plan.choose_prefill_weights). graphs: replay a
         captured pass per shape of pieces (GRAPH_BUCKETS; a shape runs eagerly on its first use and is
@@ -84,11 +87,15 @@ class PrefillPass:
         self.dev, self.ks, self.w, self.cfg = dev, ks, weights, cfg
         self.k_cache, self.v_cache = k_cache, v_cache
         self.dense = dense
+        self.fp8 = fp8  # every layer's e4m3 copy (opt-in FP8 prefill), or None
+        if dense is not None and fp8 is not None:
+            raise ValueError("PrefillPass takes the fp16 copy or the fp8 one, not both")
         self.graphs = graphs
         self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()  # least recently used first
         self._gbuf: tuple | None = None  # (ids [R], x [R, H], buffers(R)) for R = GRAPH_MAX_ROWS
         self._warm = False  # an eager pass has run (cuBLAS handles, modules, workspaces exist)
         self._ws = None
+        self._fp8_bufs = None
 
     def hidden(self, token_ids: np.ndarray, start: int, page_table):
         """Final-layer hidden rows (before the final norm) of token_ids at positions start.., f16 [T,H];
@@ -233,6 +240,16 @@ class PrefillPass:
         new = xp.zeros if zeroed else xp.empty
         return {k: new(s, dtype=np.float16) for k, s in shapes.items()}
 
+    def _fp8_scratch(self):
+        """(xq, sx): a GEMM's X in e4m3 and its token scales (opt-in FP8), flat, sized once for a pass of
+        PREFILL_CHUNK rows at the widest K (7B: 8192 x 18944 B = 155 MB): a captured graph must not allocate."""
+        if self._fp8_bufs is None:
+            c = self.cfg
+            kmax, rows = max(c.hidden, c.q_dim, c.intermediate), max(PREFILL_CHUNK, GRAPH_MAX_ROWS)
+            self._fp8_bufs = (self.dev.xp.empty(rows * kmax, dtype=np.uint8),
+                              self.dev.xp.empty(rows, dtype=np.float32))
+        return self._fp8_bufs
+
     def _silu_fused(self) -> bool:
         """The gate|up GEMM applies SiLU(gate) * up itself (gemm_int4_wg_silu): on the INT4 weights, when
         its 64-output tiles divide the intermediate size."""
@@ -253,11 +270,23 @@ class PrefillPass:
         graph's): per segment a device int32 [2] = (start, real rows), the segments' starts then None."""
         ks, lw, eps = self.ks, self.w.layers[i], self.cfg.rms_eps
         dl = self.dense[i] if self.dense is not None else None
+        fl = self.fp8[i] if self.fp8 is not None else None
         ws = self._gemm_workspace() if dl is None else None
+
+        def quantized(X):
+            """X's e4m3 copy and token scales, in the FP8 scratch (views sized to X)."""
+            t, k = (int(v) for v in X.shape)
+            xq_all, sx_all = self._fp8_scratch()
+            xq, sx = xq_all[: t * k].reshape(t, k), sx_all[:t]
+            ks.quantize_e4m3(X, xq, sx)
+            return xq, sx
 
         def gemm(name: str, X, out, accumulate: bool = False) -> None:
             if dl is not None:  # the resident f16 copy
                 ks.gemm_f16(getattr(dl, name), X, out, accumulate=accumulate)
+            elif fl is not None:  # opt-in FP8: X rounded to e4m3, the resident e4m3 copy
+                w = getattr(fl, name)
+                ks.gemm_fp8(w.w8, w.sw, *quantized(X), out, accumulate=accumulate, workspace=ws)
             else:  # the INT4 matrix as stored (split-K partial sums, when the plan splits, into ws)
                 w = getattr(lw, name)
                 ks.gemm_int4_wg(w.qweight, w.scales, X, out, accumulate=accumulate, workspace=ws)
@@ -276,6 +305,8 @@ class PrefillPass:
         if not self._silu_fused():
             gemm("gate_up", b["h"], b["gu"])
             ks.silu_mul(b["gu"], b["act"])
+        elif fl is not None:  # the same on the FP8 GEMM (its gate|up copy's rows interleaved for it)
+            ks.gemm_fp8_silu(fl.gate_up.w8, fl.gate_up.sw, *quantized(b["h"]), b["act"])
         else:  # SiLU(gate) * up in the GEMM's epilogue: the [T, 2I] output is never written
             ks.gemm_int4_wg_silu(lw.gate_up.qweight, lw.gate_up.scales, b["h"], b["act"])
         gemm("down", b["act"], x, accumulate=True)

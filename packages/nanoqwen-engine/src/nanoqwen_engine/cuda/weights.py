@@ -10,6 +10,9 @@ matrices are the reference's projections stacked by rows (plan.py): `qkv` = q|k|
     Int4Weight: qweight uint32 [N, K/8] (ValueShuffle words), scales f16 [N, K/128]
     DenseLayer: the same layer's four matrices dequantized to f16 [N, K] (prefill's resident copy,
                 plan.choose_prefill_weights), built on the device by dense_layers
+    Fp8Layer:   the same four as Fp8Weight (w8 uint8 [N, K]: the INT4 integers in e4m3, exact; sw f32
+                [G, n_pad]: their group scales), the opt-in FP8 prefill's resident copy (fp8_layers); gate_up's
+                rows interleaved for the SiLU build (prefill_fp8.silu_rowmap)
 """
 
 from __future__ import annotations
@@ -87,4 +90,36 @@ def dense_layers(xp, ks, weights: GpuWeights) -> list[DenseLayer]:
         return out
 
     return [DenseLayer(qkv=dense(lw.qkv), o=dense(lw.o), gate_up=dense(lw.gate_up), down=dense(lw.down))
+            for lw in weights.layers]
+
+
+@dataclass(frozen=True)
+class Fp8Weight:
+    w8: Any  # uint8 [N, K] e4m3
+    sw: Any  # f32 [K/128, n_pad(N)]
+
+
+@dataclass(frozen=True)
+class Fp8Layer:
+    qkv: Fp8Weight
+    o: Fp8Weight
+    gate_up: Fp8Weight  # rows in the SiLU build's order (prefill_fp8.silu_rowmap), for gemm_fp8_silu
+    down: Fp8Weight
+
+
+def fp8_bytes(weights: GpuWeights) -> int:
+    """Bytes of every layer's four matrices as e4m3 (2x their INT4 words; the scales are ~1.6% more)."""
+    return sum(2 * int(w.qweight.nbytes) + 2 * int(w.scales.nbytes)
+               for lw in weights.layers for w in (lw.qkv, lw.o, lw.gate_up, lw.down))
+
+
+def fp8_layers(ks, weights: GpuWeights) -> list[Fp8Layer]:
+    """Each layer's matrices converted once into resident e4m3 copies (ks.int4_to_e4m3)."""
+    from nanoqwen_kernels.prefill_fp8 import silu_rowmap
+
+    def fp8(w: Int4Weight, rowmap=None) -> Fp8Weight:
+        return Fp8Weight(*ks.int4_to_e4m3(w.qweight, w.scales, rowmap))
+
+    return [Fp8Layer(qkv=fp8(lw.qkv), o=fp8(lw.o), gate_up=fp8(lw.gate_up, silu_rowmap(int(lw.gate_up.qweight.shape[0]))),
+                     down=fp8(lw.down))
             for lw in weights.layers]

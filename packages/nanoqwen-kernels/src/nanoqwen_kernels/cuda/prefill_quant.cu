@@ -1,11 +1,10 @@
 // prefill_quant.cu: the operands of the FP8 prefill GEMM (gemm_fp8_prefill.cu).
 //
-// nq_quantize_e4m3_rows: an activation X fp16 [T, K] -> xq e4m3 [T, K] and sx f32 [K / 128][t_pad]: each
-//   128 k of a token row (one INT4 group) gets its own scale s = amax / 448 (1 where the block is all zero)
-//   and xq = e4m3(x / s), round to nearest even, saturating (|x / s| <= 448 but for the division's rounding).
-//   One warp per (token, group): 4 values a lane, the amax through the warp's shuffles. sx is stored by
-//   group so the GEMM's stage copies a tile's token scales in one piece; t_pad (>= T, a multiple of the
-//   GEMM's widest tile) leaves room for a whole tile past the last token.
+// nq_quantize_e4m3_rows: an activation X fp16 [T, K] -> xq e4m3 [T, K] and sx f32 [T]: each token row gets
+//   the scale s = amax / 448 (1 for an all-zero row) and xq = e4m3(x / s), round to nearest even, saturating
+//   (|x / s| <= 448 but for the division's rounding). One block of 256 threads per row: the amax in a first
+//   pass (4 values a thread per step, a block reduction), the conversion in a second (the row is in L1 / L2
+//   by then).
 // nq_int4_to_e4m3: the resident FP8 copy of an INT4 matrix (made once at load): w8[r][k] = e4m3(u - 8) for
 //   the nibble u of row rowmap[r], k in natural order (ValueShuffle-v1 keeps k 0..3 of a word in the low
 //   nibbles of bytes 0..3 and k 4..7 in the high ones). The integers -8..7 are exact in e4m3. rowmap lets
@@ -26,30 +25,41 @@ __device__ __forceinline__ uint32_t e4m3x2(float lo, float hi) {
 
 extern "C" __global__ void __launch_bounds__(256)
     nq_quantize_e4m3_rows(const nq::uint16_t* __restrict__ x, nq::uint8_t* __restrict__ xq, float* __restrict__ sx,
-                          int T, int K, int t_pad) {
+                          int K) {
   using namespace nq;
+  __shared__ float red[32];
   pdl_wait();
-  const int G = K / 128, lane = threadIdx.x & 31;
-  const long long item = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
-  if (item >= static_cast<long long>(T) * G) return;
-  const int t = static_cast<int>(item / G), g = static_cast<int>(item % G);
-  const size_t at = static_cast<size_t>(t) * K + g * 128 + 4 * lane;
-  const uint2 v = *reinterpret_cast<const uint2*>(x + at);
-  const float2 a = h22f2(v.x), b = h22f2(v.y);
-  const float m = warp_max(fmaxf(fmaxf(fabsf(a.x), fabsf(a.y)), fmaxf(fabsf(b.x), fabsf(b.y))));
+  const size_t row = static_cast<size_t>(blockIdx.x) * K;
+  const uint2* src = reinterpret_cast<const uint2*>(x + row);  // 4 halves a piece (K % 128 == 0)
+  float m = 0.f;
+  for (int i = threadIdx.x; i < K / 4; i += 256) {
+    const uint2 v = src[i];
+    const float2 a = h22f2(v.x), b = h22f2(v.y);
+    m = fmaxf(m, fmaxf(fmaxf(fabsf(a.x), fabsf(a.y)), fmaxf(fabsf(b.x), fabsf(b.y))));
+  }
+  m = warp_max(m);
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = m;
+  __syncthreads();
+  m = (threadIdx.x & 31) < 8 ? red[threadIdx.x & 31] : 0.f;
+  m = warp_max(m);  // every warp folds the 8 partial maxima itself: no second barrier
   const float s = m > 0.f ? m / 448.f : 1.f;
-  const uint32_t q = e4m3x2(a.x / s, a.y / s) | (e4m3x2(b.x / s, b.y / s) << 16);
-  *reinterpret_cast<uint32_t*>(xq + at) = q;
-  if (lane == 0) sx[static_cast<size_t>(g) * t_pad + t] = s;
+  uint32_t* dst = reinterpret_cast<uint32_t*>(xq + row);
+  for (int i = threadIdx.x; i < K / 4; i += 256) {
+    const uint2 v = src[i];
+    const float2 a = h22f2(v.x), b = h22f2(v.y);
+    dst[i] = e4m3x2(a.x / s, a.y / s) | (e4m3x2(b.x / s, b.y / s) << 16);
+  }
+  if (threadIdx.x == 0) sx[blockIdx.x] = s;
 }
 
 extern "C" __global__ void __launch_bounds__(256)
     nq_int4_to_e4m3(const nq::uint32_t* __restrict__ qw, const int* __restrict__ rowmap, nq::uint8_t* __restrict__ w8,
                     int n_out, int K) {
   using namespace nq;
-  // e4m3 of q = u - 8, u = 0 .. 15: sign bit 7, biased exponent bits 6-3, mantissa 2-0
-  constexpr uint8_t kLut[16] = {0xD0, 0xCE, 0xCC, 0xCA, 0xC8, 0xC4, 0xC0, 0xB8,
-                                0x00, 0x38, 0x40, 0x44, 0x48, 0x4A, 0x4C, 0x4E};
+  // e4m3 of q = u - 8, u = 0 .. 15 (sign bit 7, biased exponent bits 6-3, mantissa 2-0), 8 bytes each
+  // packed in two 64-bit constants (no table in memory): byte u & 7 of kLo (u < 8) or kHi
+  // kLut[16] = {0xD0, 0xCE, 0xCC, 0xCA, 0xC8, 0xC4, 0xC0, 0xB8, 0x00, 0x38, 0x40, 0x44, 0x48, 0x4A, 0x4C, 0x4E}
+  constexpr unsigned long long kLo = 0xB8C0C4C8CACCCED0ull, kHi = 0x4E4C4A4844403800ull;
   pdl_wait();  // launch overlap (common.cuh): nothing read or written before it
   const int kw = K / 8;
   const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -59,8 +69,9 @@ extern "C" __global__ void __launch_bounds__(256)
   uint32_t lo = 0, hi = 0;
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
-    lo |= static_cast<uint32_t>(kLut[(word >> (8 * j)) & 15u]) << (8 * j);
-    hi |= static_cast<uint32_t>(kLut[(word >> (8 * j + 4)) & 15u]) << (8 * j);
+    const uint32_t ul = (word >> (8 * j)) & 15u, uh = (word >> (8 * j + 4)) & 15u;
+    lo |= static_cast<uint32_t>(((ul < 8 ? kLo : kHi) >> (8 * (ul & 7))) & 0xFFu) << (8 * j);
+    hi |= static_cast<uint32_t>(((uh < 8 ? kLo : kHi) >> (8 * (uh & 7))) & 0xFFu) << (8 * j);
   }
   reinterpret_cast<uint2*>(w8)[i] = make_uint2(lo, hi);
 }

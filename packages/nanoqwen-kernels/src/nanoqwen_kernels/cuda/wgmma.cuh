@@ -201,34 +201,4 @@ __device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t b
                : "memory");
 }
 
-// ---- thread-block clusters (the FP8 GEMM shares its operand tiles across a cluster: TMA multicast) -------
-// this block's rank in its cluster (x fastest: rank = x + nx (y + ny z))
-__device__ __forceinline__ uint32_t cluster_ctarank() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-  return r;
-}
-// every non-exited thread of every block of the cluster (release / acquire at cluster scope)
-__device__ __forceinline__ void cluster_barrier() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-// one arrival on the mbarrier at `bar`'s offset in block `rank` of the cluster (this block included)
-__device__ __forceinline__ void mbar_arrive_cluster(uint64_t* bar, uint32_t rank) {
-  asm volatile(
-      "{\n.reg .b32 ra;\nmapa.shared::cluster.u32 ra, %0, %1;\n"
-      "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [ra];\n}" ::"r"(smem_u32(bar)),
-      "r"(rank)
-      : "memory");
-}
-// tma_load_2d into the same shared-memory offset of every block in `mask` (bit r: cluster rank r), each
-// block's copy completing its bytes on its own mbarrier at bar's offset: one L2 read, several SMs fed
-__device__ __forceinline__ void tma_load_2d_multicast(void* dst, const TmaMap* map, int c0, int c1, uint64_t* bar,
-                                                      uint16_t mask) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
-      " [%0], [%1, {%2, %3}], [%4], %5;" ::"r"(smem_u32(dst)),
-      "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(smem_u32(bar)), "h"(mask)
-      : "memory");
-}
-
 }  // namespace nq
