@@ -49,6 +49,8 @@ def main() -> int:
     ap.add_argument("--tokens", default="512,8192,32768", help="comma-separated prompt lengths")
     ap.add_argument("--chunks", default=None,
                     help="comma-separated pass sizes to try (the backend's PREFILL_CHUNK, rows per pass)")
+    ap.add_argument("--prefill-weights", default=None, choices=["auto", "fp16", "int4", "fp8"],
+                    help="the engine's prefill_weights (default: $NANOQWEN_PREFILL_WEIGHTS, else auto)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     lengths = [int(t) for t in args.tokens.split(",")]
@@ -59,7 +61,8 @@ def main() -> int:
 
     chunks = [int(c) for c in args.chunks.split(",")] if args.chunks else [prefill_mod.PREFILL_CHUNK]
 
-    eng = Engine.load(args.model, device="cuda", max_context=max(lengths) + 64, progress=False)
+    eng = Engine.load(args.model, device="cuda", max_context=max(lengths) + 64, progress=False,
+                      prefill_weights=args.prefill_weights)
     be = eng.backend
     cfg, pp = be.config, be.prefill_pass
     pp.graphs = False
@@ -67,9 +70,9 @@ def main() -> int:
     by_n = {R: "qkv", H: None, 2 * inter: "gate_up"}
 
     def names_of(attr: str, a: tuple) -> str:
-        if attr in ("gemm_f16", "gemm_int4_wg"):
+        if attr in ("gemm_f16", "gemm_int4_wg", "gemm_fp8"):
             w = a[0]
-            n, k = int(w.shape[0]), int(w.shape[1]) * (1 if attr == "gemm_f16" else 8)
+            n, k = int(w.shape[0]), int(w.shape[1]) * (8 if attr == "gemm_int4_wg" else 1)
             name = by_n.get(n) or ("o" if k == H else "down")
             return f"{attr} {name}"
         return attr
@@ -109,7 +112,7 @@ def main() -> int:
             mat = name.split(" ")[-1]
             if name.startswith("gemm") and mat in flops:
                 tf = f"{flops[mat] * cfg.n_layers / t / 1e12:8.0f}"
-            elif name == "gemm_int4_wg_silu":
+            elif name in ("gemm_int4_wg_silu", "gemm_fp8_silu"):
                 tf = f"{flops['gate_up'] * cfg.n_layers / t / 1e12:8.0f}"
             elif name == "attention_prefill":
                 tf = f"{attn_flops * cfg.n_layers / t / 1e12:8.0f}"
