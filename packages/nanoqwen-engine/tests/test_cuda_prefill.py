@@ -175,13 +175,14 @@ def test_fp8_prefill_rounds_only_the_activations(tied_path, kind, rng):
     np.testing.assert_allclose(be.last_logits(), whole_logits, rtol=0, atol=2e-2 * np.abs(whole_logits).max())
 
 
-def test_prefill_graphs_replay_the_eager_pass(tied_path, kind, rng):
+@pytest.mark.parametrize("weights", ["auto", "fp8"])
+def test_prefill_graphs_replay_the_eager_pass(tied_path, kind, rng, weights):
     """One sequence's prefill of <= 512 tokens replays the captured pass of its bucket (after the first
     pass, eager): the same next token and logits as the eager pass (graphs off), for prompts of several
     lengths within a bucket and across buckets, from position 0 and mid-sequence (a second chunk), and
-    the K/V it leaves decodes the same tokens."""
-    graph = make_backend(tied_path, kind, max_context=128)
-    eager = make_backend(tied_path, kind, max_context=128, decode_mode="eager")
+    the K/V it leaves decodes the same tokens; with the default prefill weights and the FP8 path."""
+    graph = make_backend(tied_path, kind, max_context=128, prefill_weights=weights)
+    eager = make_backend(tied_path, kind, max_context=128, decode_mode="eager", prefill_weights=weights)
     assert graph.prefill_pass.graphs and not eager.prefill_pass.graphs
     V = graph.config.vocab
     for n in (5, 9, 16, 3, 40, 17, 33, 12):

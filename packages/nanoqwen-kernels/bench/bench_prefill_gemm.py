@@ -22,7 +22,6 @@ import cupy as cp
 import numpy as np
 from bench_attention import time_graph
 from bench_prefill import time_calls
-from nanoqwen_kernels import prefill_fp8 as fp8
 from nanoqwen_kernels import prefill_gemm as pg
 from nanoqwen_kernels.dims import PRESETS
 from nanoqwen_kernels.loader import load_module

@@ -146,6 +146,28 @@ def test_quantize_matches_numpy_bit_for_bit(kernels, rng, t, k):
 
 @gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 17, 300])
+def test_rmsnorm_e4m3_is_rmsnorm_then_quantize(kernels, rng, t):
+    """The fused norm + quantizer gives the bits of rmsnorm_rows (the norm kernel) then quantize_e4m3."""
+    import cupy as cp
+    from nanoqwen_kernels.loader import load_module
+    from nanoqwen_kernels.norm import NormKernels
+
+    h = QWEN25_7B.hidden
+    x = cp.asarray(activations(rng, t, h))
+    w = cp.asarray((1 + 0.3 * rng.standard_normal(h)).astype(np.float16))
+    normed = cp.full((t, h), np.nan, dtype=cp.float16)
+    NormKernels(QWEN25_7B, load_module).rmsnorm_rows(x, w, normed, 1e-6)
+    want_q, want_s = quantized(kernels["7b"], cp.asnumpy(normed))
+    xq = cp.full((t, h), 0x7F, dtype=cp.uint8)
+    sx = cp.full(t, np.nan, dtype=cp.float32)
+    kernels["7b"].rmsnorm_e4m3(x, w, xq, sx, 1e-6)
+    assert np.array_equal(cp.asnumpy(sx).view(np.uint32), cp.asnumpy(want_s).view(np.uint32))
+    assert np.array_equal(cp.asnumpy(xq), cp.asnumpy(want_q))
+
+
+@gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("silu", [False, True])
 def test_int4_to_e4m3_matches_numpy(kernels, rng, silu):
     import cupy as cp

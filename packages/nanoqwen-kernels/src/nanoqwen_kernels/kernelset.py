@@ -83,6 +83,7 @@ class KernelSet:
         self.gemm_f16 = p.gemm_f16
         self.int4_to_e4m3 = p.int4_to_e4m3
         self.quantize_e4m3 = p.quantize_e4m3
+        self.rmsnorm_e4m3 = p.rmsnorm_e4m3
         self.gemm_fp8 = p.gemm_fp8
         self.gemm_fp8_silu = p.gemm_fp8_silu
         self.silu_mul = p.silu_mul

@@ -103,6 +103,7 @@ class PrefillKernels:
         # the FP8 GEMM (opt-in prefill_weights="fp8"; its own module: prefill_fp8.py)
         self.fp8 = Fp8Kernels(dims, load_module, self._splitk)
         self.int4_to_e4m3, self.quantize_e4m3 = self.fp8.int4_to_e4m3, self.fp8.quantize_e4m3
+        self.rmsnorm_e4m3 = self.fp8.rmsnorm_e4m3
         self.gemm_fp8, self.gemm_fp8_silu = self.fp8.gemm_fp8, self.fp8.gemm_fp8_silu
         self._x_maps: dict = {}
         kernel, rows, threads, smem = ATTENTION_VARIANTS[attention_variant]

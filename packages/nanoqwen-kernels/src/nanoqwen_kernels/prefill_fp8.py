@@ -2,6 +2,7 @@
 
     int4_to_e4m3(qweight, scales, rowmap)  -> (w8 uint8 [N, K] e4m3 of q = u - 8, sw float32 [G, n_pad])
     quantize_e4m3(X, xq, sx)               X fp16 [T, K] -> xq uint8 [T, K], sx float32 [>= T] (a scale per token)
+    rmsnorm_e4m3(x, w, xq, sx, eps)        rmsnorm_rows(x, w) then quantize_e4m3, in one pass (same bits)
     gemm_fp8(w8, sw, xq, sx, out, ...)     out[T, N] fp16 = sx[t] sum over groups of (xq . w8^T) sw (+ out)
     gemm_fp8_silu(...)                     the gate|up GEMM with silu(gate) * up in its epilogue
 
@@ -127,8 +128,12 @@ class Fp8Kernels:
         self._gf = {bn: mod.get_function(f"nq_gemm_fp8_wg_n{bn}", max_dynamic_smem=smem[bn]) for bn in pg.GF8_WIDTHS}
         self._gf_silu = {bn: mod.get_function(f"nq_gemm_fp8_wg_silu_n{bn}", max_dynamic_smem=smem[bn])
                          for bn in pg.GF8_WIDTHS}
-        self._quant = mod.get_function("nq_quantize_e4m3_rows")
+        # the row in dynamic shared memory: K x 2 bytes (above 48 KB needs the opt-in, up to 227 KB: K <= 116k)
+        self._quant = mod.get_function("nq_quantize_e4m3_rows",
+                                       max_dynamic_smem=2 * max(dims.hidden, dims.q_dim, dims.intermediate))
         self._convert = mod.get_function("nq_int4_to_e4m3")
+        self._norm = mod.get_function("nq_rmsnorm_e4m3_rows")
+        self.dims = dims
         self._splitk_reduce = splitk_reduce
         self._maps: dict = {}
 
@@ -163,12 +168,25 @@ class Fp8Kernels:
         if X.ndim != 2 or X.shape[0] < 1 or X.shape[1] % GROUP:
             raise KernelError(f"X must be fp16 [T, K] with K % {GROUP} == 0, got shape {tuple(X.shape)}")
         t, k = int(X.shape[0]), int(X.shape[1])
-        if t > 2**31 - 1:
-            raise KernelError(f"X has {t} rows; a launch takes at most 2^31 - 1")
+        if t > 2**31 - 1 or 2 * k > 227 * 1024:
+            raise KernelError(f"X [{t}, {k}]: at most 2^31 - 1 rows of at most {227 * 512} values")
         ck.check_array("xq", xq, np.uint8, shape=(t, k), align=16)
         self._check_sx(sx, t)
         ck.check_distinct(X=X, xq=xq, sx=sx)
-        ck.launch(self._quant, (t, 1, 1), (QUANT_THREADS, 1, 1), (X, xq, sx, np.int32(k)))
+        ck.launch(self._quant, (t, 1, 1), (QUANT_THREADS, 1, 1), (X, xq, sx, np.int32(k)), shared_mem=2 * k)
+
+    def rmsnorm_e4m3(self, x, w, xq, sx, eps) -> None:
+        """quantize_e4m3 of rmsnorm_rows(x, w, eps) without the fp16 rows in between: x fp16 [T, H], w fp16
+        [H], xq uint8 [T, H], sx float32 [>= T]; the same bits as the two launches."""
+        h = self.dims.hidden
+        ck.check_array("x", x, np.float16, align=16)
+        if x.ndim != 2 or x.shape[1] != h or x.shape[0] < 1:
+            raise KernelError(f"x must be fp16 [T, {h}], got shape {tuple(x.shape)}")
+        t = int(x.shape[0])
+        ck.check_array("w", w, np.float16, shape=(h,), align=16)
+        ck.check_array("xq", xq, np.uint8, shape=(t, h), align=16)
+        self._check_sx(sx, t)
+        ck.launch(self._norm, (t, 1, 1), (QUANT_THREADS, 1, 1), (x, w, xq, sx, np.float32(eps)))
 
     def gemm_fp8(self, w8, sw, xq, sx, out, accumulate: bool = False, tile: int | None = None,
                  splits: int | None = None, workspace=None) -> None:

@@ -248,6 +248,12 @@ class HostKernels:
         sx[: s.shape[0]] = s
 
     @_launcher
+    def rmsnorm_e4m3(self, x, w, xq, sx, eps):
+        q, s = f8.quantize_rows_np(_rms(x, w, eps).astype(np.float16))
+        xq[...] = q
+        sx[: s.shape[0]] = s
+
+    @_launcher
     def gemm_fp8(self, w8, sw, xq, sx, out, accumulate=False, tile=None, splits=None, workspace=None):
         acc = f8.gemm_fp8_np(w8, sw, xq, sx)
         if accumulate:

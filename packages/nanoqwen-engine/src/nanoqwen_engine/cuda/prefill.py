@@ -268,31 +268,62 @@ class PrefillPass:
         """Decoder layer i over the rows of x [T,H] (updated in place); segs lists (r0, r1, start,
         page_table): rows r0..r1-1 are one sequence's tokens at positions start..start+r1-r0-1. ctls (a
         graph's): per segment a device int32 [2] = (start, real rows), the segments' starts then None."""
+        if self.fp8 is not None:
+            self._layer_fp8(i, x, segs, b, ctls)
+            return
         ks, lw, eps = self.ks, self.w.layers[i], self.cfg.rms_eps
         dl = self.dense[i] if self.dense is not None else None
-        fl = self.fp8[i] if self.fp8 is not None else None
         ws = self._gemm_workspace() if dl is None else None
-
-        def quantized(X):
-            """X's e4m3 copy and token scales, in the FP8 scratch (views sized to X)."""
-            t, k = (int(v) for v in X.shape)
-            xq_all, sx_all = self._fp8_scratch()
-            xq, sx = xq_all[: t * k].reshape(t, k), sx_all[:t]
-            ks.quantize_e4m3(X, xq, sx)
-            return xq, sx
 
         def gemm(name: str, X, out, accumulate: bool = False) -> None:
             if dl is not None:  # the resident f16 copy
                 ks.gemm_f16(getattr(dl, name), X, out, accumulate=accumulate)
-            elif fl is not None:  # opt-in FP8: X rounded to e4m3, the resident e4m3 copy
-                w = getattr(fl, name)
-                ks.gemm_fp8(w.w8, w.sw, *quantized(X), out, accumulate=accumulate, workspace=ws)
             else:  # the INT4 matrix as stored (split-K partial sums, when the plan splits, into ws)
                 w = getattr(lw, name)
                 ks.gemm_int4_wg(w.qweight, w.scales, X, out, accumulate=accumulate, workspace=ws)
 
         ks.rmsnorm_rows(x, lw.in_norm, b["h"], eps)
         gemm("qkv", b["h"], b["qkv"])
+        self._attention(i, segs, b, ctls)
+        gemm("o", b["a"], x, accumulate=True)
+        ks.rmsnorm_rows(x, lw.post_norm, b["h"], eps)
+        if not self._silu_fused():
+            gemm("gate_up", b["h"], b["gu"])
+            ks.silu_mul(b["gu"], b["act"])
+        else:  # SiLU(gate) * up in the GEMM's epilogue: the [T, 2I] output is never written
+            ks.gemm_int4_wg_silu(lw.gate_up.qweight, lw.gate_up.scales, b["h"], b["act"])
+        gemm("down", b["act"], x, accumulate=True)
+
+    def _layer_fp8(self, i: int, x, segs, b: dict, ctls) -> None:
+        """layer() on the FP8 GEMMs (opt-in): every GEMM's X in e4m3 with a scale per token, in the FP8
+        scratch (the norms write it directly: rmsnorm_e4m3; o_proj's and down's inputs go through
+        quantize_e4m3), times the layer's resident e4m3 copy; gate|up with SiLU(gate) * up in its epilogue."""
+        ks, fl, lw, eps = self.ks, self.fp8[i], self.w.layers[i], self.cfg.rms_eps
+        ws = self._gemm_workspace()
+        xq_all, sx_all = self._fp8_scratch()
+
+        def scratch(t: int, k: int):
+            return xq_all[: t * k].reshape(t, k), sx_all[:t]
+
+        T, H = (int(v) for v in x.shape)
+        xq, sx = scratch(T, H)
+        ks.rmsnorm_e4m3(x, lw.in_norm, xq, sx, eps)
+        ks.gemm_fp8(fl.qkv.w8, fl.qkv.sw, xq, sx, b["qkv"], workspace=ws)
+        self._attention(i, segs, b, ctls)
+        xq, sx = scratch(*(int(v) for v in b["a"].shape))
+        ks.quantize_e4m3(b["a"], xq, sx)
+        ks.gemm_fp8(fl.o.w8, fl.o.sw, xq, sx, x, accumulate=True, workspace=ws)
+        xq, sx = scratch(T, H)
+        ks.rmsnorm_e4m3(x, lw.post_norm, xq, sx, eps)
+        ks.gemm_fp8_silu(fl.gate_up.w8, fl.gate_up.sw, xq, sx, b["act"])
+        xq, sx = scratch(*(int(v) for v in b["act"].shape))
+        ks.quantize_e4m3(b["act"], xq, sx)
+        ks.gemm_fp8(fl.down.w8, fl.down.sw, xq, sx, x, accumulate=True, workspace=ws)
+
+    def _attention(self, i: int, segs, b: dict, ctls) -> None:
+        """RoPE + K/V page write of each segment's q/k/v rows, then causal attention over its pages: b["qkv"]
+        -> b["q"] -> b["a"]."""
+        ks, lw = self.ks, self.w.layers[i]
         dctl = [{} if ctls is None else {"ctl": ctls[k]} for k in range(len(segs))]
         for (r0, r1, start, table), kw in zip(segs, dctl, strict=True):
             ks.rope_kv_prefill(b["qkv"][r0:r1], start, table, self.k_cache, self.v_cache, i, b["q"][r0:r1],
@@ -300,16 +331,6 @@ class PrefillPass:
         for (r0, r1, start, table), kw in zip(segs, dctl, strict=True):  # after every segment's K/V is written
             ks.attention_prefill(b["q"][r0:r1], self.k_cache, self.v_cache, table, start, r1 - r0, i,
                                  b["a"][r0:r1], **kw)
-        gemm("o", b["a"], x, accumulate=True)
-        ks.rmsnorm_rows(x, lw.post_norm, b["h"], eps)
-        if not self._silu_fused():
-            gemm("gate_up", b["h"], b["gu"])
-            ks.silu_mul(b["gu"], b["act"])
-        elif fl is not None:  # the same on the FP8 GEMM (its gate|up copy's rows interleaved for it)
-            ks.gemm_fp8_silu(fl.gate_up.w8, fl.gate_up.sw, *quantized(b["h"]), b["act"])
-        else:  # SiLU(gate) * up in the GEMM's epilogue: the [T, 2I] output is never written
-            ks.gemm_int4_wg_silu(lw.gate_up.qweight, lw.gate_up.scales, b["h"], b["act"])
-        gemm("down", b["act"], x, accumulate=True)
 
     def all_logits(self, x):
         """f32 [T,V] logits of every row of x (final norm + lm_head in fp32), on the host."""
