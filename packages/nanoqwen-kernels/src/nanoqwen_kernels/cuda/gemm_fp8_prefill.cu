@@ -113,25 +113,14 @@ __device__ __forceinline__ void gemm_fp8_wg(const TmaMap& xmap, const TmaMap& wm
   if (warp >= 8) {  // ---- the producer: one thread issues every copy ----
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegs));
     if (tid != kConsumerThreads) return;
-#ifndef NQ_GF8_L2_HINTS
-#define NQ_GF8_L2_HINTS 1
-#endif
-    // L2: X's tiles are read again by every row tile (adjacent blocks take the same W tile and the next
-    // token tiles), W's once per ~wave; W streamed evict_first keeps X resident against it
-    const uint64_t pol_x = createpolicy_evict_last(), pol_w = createpolicy_evict_first();
     for (int i = 0; i < n_stages; ++i) {
       const int s = i % kStages;
       if (i >= kStages) mbar_wait(&empty_bar[s], ((i / kStages) + 1) & 1);
       char* base = ring + s * kStage;
       const int g = g_lo + i;
       mbar_arrive_expect_tx(&full_bar[s], x_bytes<NT>() + kWBytes + kSwBytes);
-#if NQ_GF8_L2_HINTS
-      tma_load_2d_hint(base, &xmap, g * kBK, t0, &full_bar[s], pol_x);
-      tma_load_2d_hint(base + x_bytes<NT>(), &wmap, g * kBK, row0, &full_bar[s], pol_w);
-#else
       tma_load_2d(base, &xmap, g * kBK, t0, &full_bar[s]);
       tma_load_2d(base + x_bytes<NT>(), &wmap, g * kBK, row0, &full_bar[s]);
-#endif
       bulk_load(base + x_bytes<NT>() + kWBytes, sw + static_cast<size_t>(g) * n_pad + row0, kSwBytes, &full_bar[s]);
     }
     return;

@@ -76,27 +76,6 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const TmaMap* map, int c0
       : "memory");
 }
 
-// tma_load_2d with an L2 cache policy (createpolicy_*): which lines the L2 should keep, which let go first
-__device__ __forceinline__ void tma_load_2d_hint(void* dst, const TmaMap* map, int c0, int c1, uint64_t* bar,
-                                                 uint64_t policy) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint"
-      " [%0], [%1, {%2, %3}], [%4], %5;" ::"r"(smem_u32(dst)),
-      "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(smem_u32(bar)), "l"(policy)
-      : "memory");
-}
-// L2 policies for every line an access touches: evict_first (streamed once), evict_last (read again soon)
-__device__ __forceinline__ uint64_t createpolicy_evict_first() {
-  uint64_t p;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
-  return p;
-}
-__device__ __forceinline__ uint64_t createpolicy_evict_last() {
-  uint64_t p;
-  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(p));
-  return p;
-}
-
 // descriptor of a K-major, 128-byte-swizzled B operand starting at shared address `addr` (16-aligned; the
 // atoms 1024-aligned): bits 0-13 addr >> 4, 16-29 LBO >> 4 (unused by this layout: 1), 32-45 SBO >> 4
 // (1024: the next 8 columns), 62-63 layout 1 = 128-byte swizzle
