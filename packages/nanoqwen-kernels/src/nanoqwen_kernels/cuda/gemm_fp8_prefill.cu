@@ -72,7 +72,10 @@ __host__ __device__ constexpr int smem_bytes() {
 static_assert(smem_bytes<16>() <= 227 * 1024, "the ring must fit the 227 KB of an H100/H200 block");
 
 __device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 1, %0;" ::"n"(kConsumerThreads) : "memory"); }
-__device__ __forceinline__ float silu(float x) { return x / (1.f + __expf(-x)); }
+// silu with the fast reciprocal division (2 instructions; IEEE division is a ~20-instruction subroutine, and
+// the SiLU build's epilogue does 32 a thread per tile): error ~2 ulp of fp32, far below the fp16 output's.
+// For x very negative, __expf(-x) is inf and __fdividef gives -0, silu's limit.
+__device__ __forceinline__ float silu(float x) { return __fdividef(x, 1.f + __expf(-x)); }
 // Pin the partial sums in place (CUTLASS's warpgroup_fence_operand): the compiler may otherwise move the
 // promotion's register reads above the wgmma_wait that completes them (the wait is an asm with a memory
 // clobber, which orders memory, not registers), and ptxas, seeing a wgmma's accumulators read while it
@@ -200,25 +203,35 @@ __device__ __forceinline__ void gemm_fp8_wg(const TmaMap& xmap, const TmaMap& wm
     ep[(tl + 1) * kEpiPitch + r1] = acc[j][3];
   }
   consumer_sync();
+  // warp w writes tokens w, w + 8, ..: lane q the 4 rows 4q .. 4q + 3 (8 bytes), a token's 256 bytes per warp.
+  // The residual's old values (accumulate) are all loaded before any is used: one load after another, each
+  // waited for, made o_proj's epilogue (K = 3584: ~14 us of multiplies a tile) take about as long again.
   const int row = row0 + 4 * lane;
-  if (row < N) {
-    for (int tl = warp; tl < kBN; tl += 8) {
-      const int tok = t0 + tl;
-      if (tok >= T) break;
-      const float4 v = *reinterpret_cast<const float4*>(ep + tl * kEpiPitch + 4 * lane);
-      if (splits > 1) {  // this split's fp32 partial sums; nq_gemm_splitk_reduce (gemm_int4_prefill.cu) adds them
-        *reinterpret_cast<float4*>(ws + (static_cast<size_t>(blockIdx.z) * T + tok) * N + row) = v;
-        continue;
-      }
-      float r[4] = {v.x, v.y, v.z, v.w};
-      uint2* dst = reinterpret_cast<uint2*>(out + static_cast<size_t>(tok) * N + row);
-      if (accumulate) {
-        const uint2 old = *dst;
-        const float2 o0 = h22f2(old.x), o1 = h22f2(old.y);
-        r[0] += o0.x, r[1] += o0.y, r[2] += o1.x, r[3] += o1.y;
-      }
-      *dst = make_uint2(pack_h2(r[0], r[1]), pack_h2(r[2], r[3]));
+  if (row >= N) return;
+  constexpr int kPer = kBN / 8;  // tokens per warp
+  uint2 old[kPer];
+  if (accumulate && splits == 1) {
+#pragma unroll
+    for (int q = 0; q < kPer; ++q) {
+      const int tok = t0 + warp + 8 * q;
+      old[q] = tok < T ? *reinterpret_cast<const uint2*>(out + static_cast<size_t>(tok) * N + row) : make_uint2(0, 0);
     }
+  }
+#pragma unroll
+  for (int q = 0; q < kPer; ++q) {
+    const int tl = warp + 8 * q, tok = t0 + tl;
+    if (tok >= T) break;
+    const float4 v = *reinterpret_cast<const float4*>(ep + tl * kEpiPitch + 4 * lane);
+    if (splits > 1) {  // this split's fp32 partial sums; nq_gemm_splitk_reduce (gemm_int4_prefill.cu) adds them
+      *reinterpret_cast<float4*>(ws + (static_cast<size_t>(blockIdx.z) * T + tok) * N + row) = v;
+      continue;
+    }
+    float r[4] = {v.x, v.y, v.z, v.w};
+    if (accumulate) {
+      const float2 o0 = h22f2(old[q].x), o1 = h22f2(old[q].y);
+      r[0] += o0.x, r[1] += o0.y, r[2] += o1.x, r[3] += o1.y;
+    }
+    *reinterpret_cast<uint2*>(out + static_cast<size_t>(tok) * N + row) = make_uint2(pack_h2(r[0], r[1]), pack_h2(r[2], r[3]));
   }
 }
 
