@@ -176,6 +176,15 @@ if want prefill; then
     run "prefill_long_idle$idle" 240 $PY -m nanoqwen_cli bench --model "$NANOQWEN_LADDER_7B" \
       --prompt-tokens 8192,32000 --gen-tokens 4 --runs 3 --prefill-chunk-idle $idle --format csv
   done
+  # the opt-in FP8 prefill (prefill_weights="fp8"): its GEMMs against cuBLAS fp16, the time to first token
+  # with it (512 in 5 runs: a 3-run median would include the graph capture) and where an 8k prompt's time goes
+  run prefill_fp8_gemm 200 $PY packages/nanoqwen-kernels/bench/bench_prefill_gemm.py 7b 1.5b --fp8 --m 512,2048,8192
+  run prefill_fp8_512 120 $PY -m nanoqwen_cli bench --model "$NANOQWEN_LADDER_7B" --prompt-tokens 512 \
+    --gen-tokens 4 --runs 5 --prefill-weights fp8 --format csv
+  run prefill_fp8_long 240 $PY -m nanoqwen_cli bench --model "$NANOQWEN_LADDER_7B" --prompt-tokens 2048,8192,32000 \
+    --gen-tokens 4 --runs 3 --prefill-weights fp8 --format csv
+  run prefill_fp8_breakdown 200 $PY scripts/prefill_breakdown.py "$NANOQWEN_LADDER_7B" --tokens 512,8192 \
+    --prefill-weights fp8 --json "$WORK/logs/prefill-breakdown-7b-fp8.json"
 fi
 # The tile GEMM's prepared knobs (docs/PERF.md "Prepared for the next lease"; default off): the tile-GEMM GPU
 # tests under both knobs, then scripts/ab_kernels.sh on the 7B (decode at depth 0, bench_batch 1 / 8 / 32 /
@@ -214,6 +223,10 @@ if want real && [ -n "${NQ_REAL_GGUF:-}" ]; then
   [ -f "$REAL_NQ" ] || run real_convert 240 $PY -c "import sys; from nanoqwen_format import convert; \
 print(convert(sys.argv[1], sys.argv[2], progress=False))" "$NQ_REAL_GGUF" "$REAL_NQ"
   run real_tier 420 $PY scripts/real_vs_transformers.py "$REAL_NQ" --out "$OUT/real_vs_transformers.json"
+  # the same tier with the opt-in FP8 prefill: its numbers, not a gate (e4m3 activations move the prompt
+  # positions' logits past the tier's bounds by design; docs/VALIDATION.md)
+  run real_tier_fp8 420 env NANOQWEN_PREFILL_WEIGHTS=fp8 $PY scripts/real_vs_transformers.py "$REAL_NQ" \
+    --prompts 40 --tokens 32 --windows 4 --out "$WORK/logs/real_vs_transformers_fp8.json"
   run real_bench 120 bash -c "$PY -m nanoqwen_cli bench --model '$REAL_NQ' --json > '$WORK/logs/bench_real_1.5b.json'; \
     rc=\$?; cat '$WORK/logs/bench_real_1.5b.json'; exit \$rc"
   # where the real model's batch-1 step goes (issue 15 keeps this breakdown for the 7B and the real 1.5B)

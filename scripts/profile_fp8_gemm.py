@@ -5,7 +5,6 @@ ncu --kernel-name regex:nq_gemm_fp8 --launch-skip 2 --launch-count 1)."""
 import sys
 
 import cupy as cp
-from nanoqwen_kernels import prefill_fp8 as f8
 from nanoqwen_kernels.dims import QWEN25_7B as D
 from nanoqwen_kernels.loader import load_module
 from nanoqwen_kernels.prefill import PrefillKernels
