@@ -179,3 +179,16 @@ def test_prefill_chunk_idle_reaches_the_engine(invoke):
     assert default["engine_info"]["prefill_chunk_idle"] == 512
     bad = invoke(["bench", "--synthetic", "tiny", *SMALL, "--prefill-chunk-idle", 0])
     assert bad.exit_code == 2 and "prefill-chunk-idle" in bad.output
+
+
+def test_prefill_weights_is_for_the_gpu_and_checked(invoke):
+    """--prefill-weights picks what the GPU's prefill GEMMs multiply (fp8 opt-in); the CPU reference has no
+    such choice: asking it for fp8 is one clear error, not a traceback; "auto" is accepted anywhere; an
+    unknown value is a usage error naming the choices."""
+    cpu = invoke(["bench", "--synthetic", "tiny", *SMALL, "--prefill-weights", "fp8"])
+    assert cpu.exit_code != 0 and "Traceback" not in cpu.output
+    assert "prefill_weights applies to device='cuda' only" in cpu.output
+    auto = json.loads(invoke(["bench", "--synthetic", "tiny", *SMALL, "--prefill-weights", "auto", "--json"]).stdout)
+    assert all(run["prompt_tokens"] == 20 for run in auto["runs"])
+    bad = invoke(["bench", "--synthetic", "tiny", *SMALL, "--prefill-weights", "bf16"])
+    assert bad.exit_code == 2 and "fp8" in bad.output and "int4" in bad.output

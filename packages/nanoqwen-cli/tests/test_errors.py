@@ -109,3 +109,11 @@ def test_serve_refuses_a_prefill_budget_below_one_before_loading(invoke, flag):
     option parser: a usage error naming the flag, no model touched, no port bound."""
     result = invoke(["serve", "--model", "/nonexistent/model.nanoqwen", "--device", "cpu", flag, 0])
     assert result.exit_code == 2 and flag in result.output
+
+
+def test_serve_refuses_fp8_prefill_on_the_cpu_before_binding(invoke, tiny_model):
+    """serve --prefill-weights fp8 on the CPU reference: the engine refuses it with one line, exit non-zero,
+    before any port is bound."""
+    result = invoke(["serve", "--model", tiny_model, "--device", "cpu", "--port", "0", "--prefill-weights", "fp8"])
+    assert result.exit_code != 0 and "Traceback" not in result.output
+    assert "prefill_weights applies to device='cuda' only" in result.output

@@ -256,3 +256,67 @@ def test_prefill_gemm_int4_wg_silu_launch(launches, monkeypatch):
         ],
     )
     assert len(launches) == n
+
+
+def test_fp8_launchers_launch_the_plan_and_refuse_bad_shapes(launches, monkeypatch):
+    """The FP8 prefill's launchers: quantize_e4m3 one block per token row with the row in dynamic shared
+    memory (2 K bytes); rmsnorm_e4m3 one block per row; gemm_fp8 the plan's grid with X's and W's TMA maps
+    (boxes of bn tokens and of 128 rows), split-K's reduction launch after it; gemm_fp8_silu one split. Bad
+    shapes, dtypes and a short scale vector are refused by name before anything launches."""
+    from nanoqwen_kernels import prefill_fp8 as f8
+    from nanoqwen_kernels import prefill_gemm as pg
+    from nanoqwen_kernels import tma
+
+    maps = []
+
+    def fake_encode(ptr, rows, cols, box_rows):
+        maps.append((ptr, rows, cols, box_rows))
+        return tma.TensorMap()
+
+    monkeypatch.setattr(tma, "encode_rows_u8", fake_encode)
+    p = PrefillKernels(TINY, load)
+    X, xq, sx = dev((300, 256), np.float16), dev((300, 256), np.uint8), dev((300,), np.float32)
+    p.quantize_e4m3(X, xq, sx)
+    fn, grid, args = launches[-1]
+    assert fn == "nq_quantize_e4m3_rows" and grid == (300, 1, 1) and int(args[3]) == 256
+    p.rmsnorm_e4m3(dev((300, 256), np.float16), dev((256,), np.float16), xq, sx, 1e-6)
+    assert launches[-1][0] == "nq_rmsnorm_e4m3_rows" and launches[-1][1] == (300, 1, 1)
+
+    w8, sw = dev((136, 256), np.uint8), dev((2, f8.n_pad(136)), np.float32)
+    out = dev((300, 136), np.float16)
+    p.gemm_fp8(w8, sw, xq, sx, out, accumulate=True)
+    bn, s = pg.choose_plan_fp8(300, 136, 256, 132)
+    fn, grid, args = launches[-1 - (s > 1)]
+    assert fn == f"nq_gemm_fp8_wg_n{bn}" and grid == (-(-300 // bn), 2, s)
+    assert maps[:2] == [(xq.data.ptr, 300, 256, bn), (w8.data.ptr, 136, 256, 128)]
+    assert [int(a) for a in args[5:10]] == [300, 136, 256, f8.n_pad(136), 1]
+    ws = dev((2 * 300 * 136,), np.float32)
+    n = len(launches)
+    p.gemm_fp8(w8, sw, xq, sx, out, tile=64, splits=2, workspace=ws)
+    assert [c[0] for c in launches[n:]] == ["nq_gemm_fp8_wg_n64", "nq_gemm_splitk_reduce"]
+    assert launches[n][1] == (5, 2, 2)
+    gu8, gsw, act = dev((1024, 256), np.uint8), dev((2, 1024), np.float32), dev((300, 512), np.float16)
+    p.gemm_fp8_silu(gu8, gsw, xq, sx, act, tile=128)
+    assert launches[-1][0] == "nq_gemm_fp8_wg_silu_n128" and launches[-1][1] == (3, 8, 1)
+    n = len(launches)
+    assert_each_refused(
+        lambda **kw: p.gemm_fp8(**kw),
+        dict(w8=w8, sw=sw, xq=xq, sx=sx, out=out),
+        [
+            ({"sx": dev((299,), np.float32)}, r"sx must be float32 \[>= 300\]"),
+            ({"sw": dev((2, 136), np.float32)}, "sw must have shape"),
+            ({"w8": dev((136, 200), np.uint8)}, r"w8 must be uint8 \[N, K\]"),
+            ({"xq": dev((300, 128), np.uint8)}, r"xq must be uint8 \[T, 256\]"),
+            ({"out": dev((300, 128), np.float16)}, "out must have shape"),
+        ],
+    )
+    assert_each_refused(
+        lambda **kw: p.quantize_e4m3(**kw),
+        dict(X=X, xq=xq, sx=sx),
+        [
+            ({"X": dev((300, 200), np.float16)}, "K % 128"),
+            ({"xq": dev((300, 256), np.int8)}, "xq"),
+            ({"sx": dev((3,), np.float32)}, r"sx must be float32 \[>= 300\]"),
+        ],
+    )
+    assert len(launches) == n
