@@ -56,15 +56,19 @@ def bench_shape(pk, name, proj, n, k, m, qw, sc, w, widths: bool) -> tuple:
     return (name, proj, n, k, m, plan, t_wg, fl / t_wg / 1e12, t_cb, fl / t_cb / 1e12)
 
 
+def fp8_operands(f8, n, k, m, qw, sc):
+    """Random X [m, k] quantized, the weight's e4m3 copy, an output: (x, out, w8, sw, xq, sx)."""
+    x = cp.random.standard_normal((m, k), dtype=cp.float32).astype(cp.float16)
+    w8, sw = f8.int4_to_e4m3(qw, sc)
+    xq, sx = cp.empty((m, k), cp.uint8), cp.empty(m, cp.float32)
+    f8.quantize_e4m3(x, xq, sx)
+    return x, cp.empty((m, n), cp.float16), w8, sw, xq, sx
+
+
 def bench_fp8_shape(pk, name, proj, n, k, m, qw, sc, w) -> tuple:
     """One (shape, M) of the FP8 GEMM: prints the line, returns the table row (as bench_shape's)."""
     f8 = pk.fp8
-    x = cp.random.standard_normal((m, k), dtype=cp.float32).astype(cp.float16)
-    out = cp.empty((m, n), cp.float16)
-    w8, sw = f8.int4_to_e4m3(qw, sc)
-    xq = cp.empty((m, k), cp.uint8)
-    sx = cp.empty(m, cp.float32)
-    f8.quantize_e4m3(x, xq, sx)
+    x, out, w8, sw, xq, sx = fp8_operands(f8, n, k, m, qw, sc)
     fl = 2.0 * m * n * k
     reps = max(2, min(40, int(4e12 / fl)))
     bn, sp = pg.choose_plan_fp8(m, n, k, 132)
@@ -80,12 +84,7 @@ def bench_fp8_shape(pk, name, proj, n, k, m, qw, sc, w) -> tuple:
 
 def sweep_fp8(pk, name, proj, n, k, m, qw, sc) -> None:
     f8 = pk.fp8
-    x = cp.random.standard_normal((m, k), dtype=cp.float32).astype(cp.float16)
-    out = cp.empty((m, n), cp.float16)
-    w8, sw = f8.int4_to_e4m3(qw, sc)
-    xq = cp.empty((m, k), cp.uint8)
-    sx = cp.empty(m, cp.float32)
-    f8.quantize_e4m3(x, xq, sx)
+    x, out, w8, sw, xq, sx = fp8_operands(f8, n, k, m, qw, sc)
     ws = cp.empty(max(pg.GW_SPLITS) * m * n, cp.float32)
     fl = 2.0 * m * n * k
     pick = pg.choose_plan_fp8(m, n, k, 132)

@@ -173,3 +173,12 @@ def launch(fn, grid: int | tuple, block: int | tuple, args: tuple, shared_mem: i
         pdl.launch(fn, grid, block, args, shared_mem, stream.ptr, cluster=cluster, programmatic=use_pdl)
     else:
         fn(grid, block, args, shared_mem=shared_mem, stream=stream)
+
+
+def workspace_f32(workspace, size: int):
+    """A split-K GEMM's fp32 scratch: `workspace` checked (float32, >= size elements, 16-byte aligned), or one
+    from CuPy's pool when None (which a graph capture must not do: the engine passes its own)."""
+    if workspace is None:
+        workspace = cupy_module().empty(size, dtype=np.float32)
+    check_array("workspace", workspace, np.float32, min_size=size, align=16)
+    return workspace

@@ -197,16 +197,9 @@ class Fp8Kernels:
         n, k, t = self._check(w8, sw, xq, sx, out, 1)
         if n % 8:
             raise KernelError(f"gemm_fp8 needs N % 8 == 0, got N = {n}")
-        if tile is None or splits is None:
-            bn, s = pg.choose_plan_fp8(t, n, k, ck.sm_count())
-            tile, splits = tile if tile is not None else bn, splits if splits is not None else s
-        if not isinstance(splits, int | np.integer) or not 1 <= splits <= k // GROUP:
-            raise KernelError(f"splits must be an int in 1 .. K / {GROUP} = {k // GROUP}, got {splits!r}")
-        s = int(splits)
+        tile, s = pg.resolve_plan(t, n, k, ck.sm_count(), tile, splits, fp8=True)
         if s > 1:
-            if workspace is None:
-                workspace = ck.cupy_module().empty(s * t * n, dtype=np.float32)
-            ck.check_array("workspace", workspace, np.float32, min_size=s * t * n, align=16)
+            workspace = ck.workspace_f32(workspace, s * t * n)
         self._launch(self._gf, tile, w8, sw, xq, sx, out, t, n, k, accumulate, workspace if s > 1 else ck.NULL, s)
         if s > 1:
             self._splitk_reduce(workspace, out, t, n, s, accumulate)

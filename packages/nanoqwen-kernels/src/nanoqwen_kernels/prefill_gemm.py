@@ -18,6 +18,8 @@ from __future__ import annotations
 import functools
 import os
 
+import numpy as np
+
 from .errors import KernelError
 
 GW_THREADS = 384  # two consumer warpgroups + one producer warpgroup
@@ -94,6 +96,18 @@ def choose_plan(t: int, n: int, k: int, sms: int, split_ok: bool = True) -> tupl
     $NANOQWEN_GEMM_SPLITS force either); split_ok False (the SiLU build): one split. Memoized: every
     prefill launch asks (~14 us of Python a plan)."""
     return _plan(t, n, k, sms, split_ok, os.environ.get("NANOQWEN_GEMM_TILE"), os.environ.get("NANOQWEN_GEMM_SPLITS"))
+
+
+def resolve_plan(t: int, n: int, k: int, sms: int, tile: int | None, splits, fp8: bool = False) -> tuple[int, int]:
+    """(tile, splits) of a launch: those given, the rest from choose_plan (or choose_plan_fp8); splits must
+    be an int in 1 .. K / 128 (KernelError otherwise). The width itself is checked by the launcher."""
+    if tile is None or splits is None:
+        bn, s = (choose_plan_fp8 if fp8 else choose_plan)(t, n, k, sms)
+        tile = bn if tile is None else tile
+        splits = s if splits is None else splits
+    if isinstance(splits, bool) or not isinstance(splits, int | np.integer) or not 1 <= splits <= k // 128:
+        raise KernelError(f"splits must be an int in 1 .. K / 128 = {k // 128}, got {splits!r}")
+    return tile, int(splits)
 
 
 def choose_plan_fp8(t: int, n: int, k: int, sms: int, split_ok: bool = True) -> tuple[int, int]:

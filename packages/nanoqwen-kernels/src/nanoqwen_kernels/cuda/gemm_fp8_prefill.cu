@@ -39,6 +39,7 @@
 // Tested: tests/test_prefill_gemm_fp8.py (against float64 on the same e4m3 inputs at T = 1, 17, 511, 513,
 // every width, split-K, accumulate, the SiLU build; the conversion and the quantizer bit for bit against
 // numpy's e4m3 rounding), tests/test_compile.py (SASS: the e4m3 QGMMAs, not serialized, setmaxnreg).
+#include "gemm_epilogue.cuh"
 #include "wgmma.cuh"
 
 namespace nq {
@@ -61,9 +62,8 @@ template <int NT>
 __host__ __device__ constexpr int x_bytes() { return NT * 8 * kBK; }
 template <int NT>
 __host__ __device__ constexpr int stage_bytes() { return (x_bytes<NT>() + kWBytes + kSwBytes + 1023) / 1024 * 1024; }
-constexpr int kEpiPitch = 132;  // floats per token of the epilogue's staging: 128 rows + 4 (bank spread)
 template <int NT>
-__host__ __device__ constexpr int epi_bytes() { return NT * 8 * kEpiPitch * 4; }
+__host__ __device__ constexpr int epi_bytes() { return epi::staging_bytes<NT>(); }
 // dynamic shared memory of a launch (prefill_gemm.py fp8_smem_bytes mirrors it)
 template <int NT>
 __host__ __device__ constexpr int smem_bytes() {
@@ -71,11 +71,6 @@ __host__ __device__ constexpr int smem_bytes() {
 }
 static_assert(smem_bytes<16>() <= 227 * 1024, "the ring must fit the 227 KB of an H100/H200 block");
 
-__device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 1, %0;" ::"n"(kConsumerThreads) : "memory"); }
-// silu with the fast reciprocal division (2 instructions; IEEE division is a ~20-instruction subroutine, and
-// the SiLU build's epilogue does 32 a thread per tile): error ~2 ulp of fp32, far below the fp16 output's.
-// For x very negative, __expf(-x) is inf and __fdividef gives -0, silu's limit.
-__device__ __forceinline__ float silu(float x) { return __fdividef(x, 1.f + __expf(-x)); }
 // Pin the partial sums in place (CUTLASS's warpgroup_fence_operand): the compiler may otherwise move the
 // promotion's register reads above the wgmma_wait that completes them (the wait is an asm with a memory
 // clobber, which orders memory, not registers), and ptxas, seeing a wgmma's accumulators read while it
@@ -170,68 +165,13 @@ __device__ __forceinline__ void gemm_fp8_wg(const TmaMap& xmap, const TmaMap& wm
     acc[j][0] *= x0, acc[j][2] *= x0, acc[j][1] *= x1, acc[j][3] *= x1;
   }
 
-  // ---- epilogue: [row][token] sums -> [token][row] fp16 rows of out (as gemm_int4_prefill.cu's) ----
-  consumer_sync();  // every consumer's wgmmas done: the ring is free for the staging
+  // ---- epilogue: [row][token] sums -> [token][row] fp16 rows of out (gemm_epilogue.cuh) ----
+  epi::consumers_sync();  // every consumer's wgmmas done: the ring is free for the staging
   float* ep = reinterpret_cast<float*>(ring);
-  if constexpr (kSilu) {  // rows arrive interleaved (the gate|up copy's rowmap): r0 the gate, r0 + 8 the up of output a
-    constexpr int kPitch = 68;
-    const int al = 8 * (r0 >> 4) + g8;
-#pragma unroll
-    for (int j = 0; j < NT; ++j) {
-      const int tl = 8 * j + 2 * c;
-      ep[tl * kPitch + al] = silu(acc[j][0]) * acc[j][2];
-      ep[(tl + 1) * kPitch + al] = silu(acc[j][1]) * acc[j][3];
-    }
-    consumer_sync();
-    const int I = N / 2, a = 64 * static_cast<int>(blockIdx.y) + 4 * (lane & 15);
-    if (a < I) {
-      for (int tl = 2 * warp + (lane >> 4); tl < kBN; tl += 16) {
-        const int tok = t0 + tl;
-        if (tok >= T) break;
-        const float4 v = *reinterpret_cast<const float4*>(ep + tl * kPitch + 4 * (lane & 15));
-        *reinterpret_cast<uint2*>(out + static_cast<size_t>(tok) * I + a) = make_uint2(pack_h2(v.x, v.y), pack_h2(v.z, v.w));
-      }
-    }
-    return;
-  }
-#pragma unroll
-  for (int j = 0; j < NT; ++j) {
-    const int tl = 8 * j + 2 * c;
-    ep[tl * kEpiPitch + r0] = acc[j][0];
-    ep[(tl + 1) * kEpiPitch + r0] = acc[j][1];
-    ep[tl * kEpiPitch + r1] = acc[j][2];
-    ep[(tl + 1) * kEpiPitch + r1] = acc[j][3];
-  }
-  consumer_sync();
-  // warp w writes tokens w, w + 8, ..: lane q the 4 rows 4q .. 4q + 3 (8 bytes), a token's 256 bytes per warp.
-  // The residual's old values (accumulate) are all loaded before any is used: one load after another, each
-  // waited for, made o_proj's epilogue (K = 3584: ~14 us of multiplies a tile) take about as long again.
-  const int row = row0 + 4 * lane;
-  if (row >= N) return;
-  constexpr int kPer = kBN / 8;  // tokens per warp
-  uint2 old[kPer];
-  if (accumulate && splits == 1) {
-#pragma unroll
-    for (int q = 0; q < kPer; ++q) {
-      const int tok = t0 + warp + 8 * q;
-      old[q] = tok < T ? *reinterpret_cast<const uint2*>(out + static_cast<size_t>(tok) * N + row) : make_uint2(0, 0);
-    }
-  }
-#pragma unroll
-  for (int q = 0; q < kPer; ++q) {
-    const int tl = warp + 8 * q, tok = t0 + tl;
-    if (tok >= T) break;
-    const float4 v = *reinterpret_cast<const float4*>(ep + tl * kEpiPitch + 4 * lane);
-    if (splits > 1) {  // this split's fp32 partial sums; nq_gemm_splitk_reduce (gemm_int4_prefill.cu) adds them
-      *reinterpret_cast<float4*>(ws + (static_cast<size_t>(blockIdx.z) * T + tok) * N + row) = v;
-      continue;
-    }
-    float r[4] = {v.x, v.y, v.z, v.w};
-    if (accumulate) {
-      const float2 o0 = h22f2(old[q].x), o1 = h22f2(old[q].y);
-      r[0] += o0.x, r[1] += o0.y, r[2] += o1.x, r[3] += o1.y;
-    }
-    *reinterpret_cast<uint2*>(out + static_cast<size_t>(tok) * N + row) = make_uint2(pack_h2(r[0], r[1]), pack_h2(r[2], r[3]));
+  if constexpr (kSilu) {
+    epi::store_silu<NT>(acc, ep, r0, warp, lane, out, T, N, t0);
+  } else {
+    epi::store_rows<NT>(acc, ep, r0, warp, lane, out, T, N, t0, row0, accumulate, ws, splits);
   }
 }
 

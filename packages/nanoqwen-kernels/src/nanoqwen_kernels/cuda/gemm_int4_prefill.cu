@@ -53,6 +53,7 @@
 // whole data flow emulated in numpy: the TMA box, the W / scale copies, each lane's fragments, wgmma's reads
 // of X, the SiLU row map), tests/test_compile.py (SASS per width: 8 HGMMA not serialized, setmaxnreg, no
 // local memory).
+#include "gemm_epilogue.cuh"
 #include "wgmma.cuh"
 
 namespace nq {
@@ -84,9 +85,8 @@ __host__ __device__ constexpr int x_bytes() { return NT * 8 * 128; }
 // a stage, rounded to 1024 bytes so every stage's X atoms stay 1024-aligned
 template <int NT>
 __host__ __device__ constexpr int stage_bytes() { return (x_bytes<NT>() + kWBytes + kSBytes + 1023) / 1024 * 1024; }
-constexpr int kEpiPitch = 132;  // floats per token of the epilogue's staging: 128 rows + 4 (bank spread)
 template <int NT>
-__host__ __device__ constexpr int epi_bytes() { return NT * 8 * kEpiPitch * 4; }
+__host__ __device__ constexpr int epi_bytes() { return epi::staging_bytes<NT>(); }
 // dynamic shared memory of the launch (prefill_gemm.py smem_bytes mirrors it): the ring (the epilogue's
 // staging reuses it) + 1024 to align it
 template <int NT>
@@ -95,7 +95,6 @@ __host__ __device__ constexpr int smem_bytes() {
 }
 static_assert(smem_bytes<32>() <= 227 * 1024, "the ring must fit the 227 KB of an H100/H200 block");
 
-__device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 1, %0;" ::"n"(kConsumerThreads) : "memory"); }
 
 // the half2 of pair c of word w (shift = 4 (c >> 1), sel = 0x4140 or 0x4342), times the scale pair s2
 __device__ __forceinline__ uint32_t dq_pair(uint32_t w, uint32_t shift, uint32_t sel, uint32_t s2) {
@@ -148,7 +147,6 @@ __device__ __forceinline__ int tile_row(int r, int N) {
   }
 }
 
-__device__ __forceinline__ float silu(float x) { return x / (1.f + __expf(-x)); }
 
 template <int NT, bool kSilu>
 __device__ __forceinline__ void gemm_int4_wg(const TmaMap& xmap, const uint32_t* __restrict__ qw,
@@ -243,59 +241,13 @@ __device__ __forceinline__ void gemm_int4_wg(const TmaMap& xmap, const uint32_t*
   }
   wgmma_wait<0>();
 
-  // ---- epilogue: [row][token] accumulators -> [token][row] fp16 rows of out ----
-  consumer_sync();  // every consumer's wgmmas done: the ring is free for the staging
+  // ---- epilogue: [row][token] sums -> [token][row] fp16 rows of out (gemm_epilogue.cuh) ----
+  epi::consumers_sync();  // every consumer's wgmmas done: the ring is free for the staging
   float* ep = reinterpret_cast<float*>(ring);
-  if constexpr (kSilu) {  // out[t][a] = silu(gate) * up, from the fp32 sums (one rounding), out [T][N / 2]
-    constexpr int kPitch = 68;  // 64 outputs + 4 (bank spread, 16-byte rows)
-    const int al = 8 * (r0 >> 4) + g;
-#pragma unroll
-    for (int j = 0; j < NT; ++j) {
-      const int tl = 8 * j + 2 * c;
-      ep[tl * kPitch + al] = silu(acc[j][0]) * acc[j][2];
-      ep[(tl + 1) * kPitch + al] = silu(acc[j][1]) * acc[j][3];
-    }
-    consumer_sync();
-    const int I = N / 2, a = 64 * static_cast<int>(blockIdx.y) + 4 * (lane & 15);
-    if (a < I) {  // half-warp h writes token tl = 2 (warp + 8 i) + h: 16 lanes x 8 bytes
-      for (int tl = 2 * warp + (lane >> 4); tl < kBN; tl += 16) {
-        const int tok = t0 + tl;
-        if (tok >= T) break;
-        const float4 v = *reinterpret_cast<const float4*>(ep + tl * kPitch + 4 * (lane & 15));
-        *reinterpret_cast<uint2*>(out + static_cast<size_t>(tok) * I + a) = make_uint2(pack_h2(v.x, v.y), pack_h2(v.z, v.w));
-      }
-    }
-    return;
-  }
-#pragma unroll
-  for (int j = 0; j < NT; ++j) {
-    const int tl = 8 * j + 2 * c;
-    ep[tl * kEpiPitch + r0] = acc[j][0];
-    ep[(tl + 1) * kEpiPitch + r0] = acc[j][1];
-    ep[tl * kEpiPitch + r1] = acc[j][2];
-    ep[(tl + 1) * kEpiPitch + r1] = acc[j][3];
-  }
-  consumer_sync();
-  // warp w writes tokens w, w + 8, ..: lane q the 4 rows 4q .. 4q + 3 (8 bytes), a token's 256 bytes per warp
-  const int row = row0 + 4 * lane;
-  if (row < N) {
-    for (int tl = warp; tl < kBN; tl += 8) {
-      const int tok = t0 + tl;
-      if (tok >= T) break;
-      const float4 v = *reinterpret_cast<const float4*>(ep + tl * kEpiPitch + 4 * lane);
-      if (splits > 1) {  // this split's fp32 partial sums; nq_gemm_splitk_reduce adds the splits
-        *reinterpret_cast<float4*>(ws + (static_cast<size_t>(blockIdx.z) * T + tok) * N + row) = v;
-        continue;
-      }
-      float r[4] = {v.x, v.y, v.z, v.w};
-      uint2* dst = reinterpret_cast<uint2*>(out + static_cast<size_t>(tok) * N + row);
-      if (accumulate) {
-        const uint2 old = *dst;
-        const float2 o0 = h22f2(old.x), o1 = h22f2(old.y);
-        r[0] += o0.x, r[1] += o0.y, r[2] += o1.x, r[3] += o1.y;
-      }
-      *dst = make_uint2(pack_h2(r[0], r[1]), pack_h2(r[2], r[3]));
-    }
+  if constexpr (kSilu) {
+    epi::store_silu<NT>(acc, ep, r0, warp, lane, out, T, N, t0);
+  } else {
+    epi::store_rows<NT>(acc, ep, r0, warp, lane, out, T, N, t0, row0, accumulate, ws, splits);
   }
 }
 
