@@ -149,7 +149,7 @@ class Engine:
 
                 backend = ReferenceBackend.create(nq, config, max_context=max_context, n_pages=kv_pages)
             else:
-                extra = {"n_pages": kv_pages} if kv_pages is not None else {}
+                extra: dict[str, object] = {"n_pages": kv_pages} if kv_pages is not None else {}
                 if prefill_weights is not None:
                     extra["prefill_weights"] = prefill_weights
                 backend = cls._cuda_backend(nq, config, max_context, progress, {**extra, "decode_mode": decode_mode, "max_batch": max_batch})
