@@ -227,8 +227,8 @@ class PrefillPass:
         return x, offsets
 
     def buffers(self, T: int, zeroed: bool = False) -> dict:
-        """The per-chunk temporaries (f16, row-major): h [T,H], qkv [T,R], q/a [T,Q], act [T,I], and gu [T,2I]
-        unless the gate|up GEMM applies the SiLU itself.
+        """The per-chunk temporaries (f16, row-major): h [T,H] (not with the FP8 path), qkv [T,R], q/a [T,Q],
+        act [T,I], and gu [T,2I] unless the gate|up GEMM applies the SiLU itself.
         zeroed: a graph bucket's (its padding rows of `a`, never written by attention, stay 0, so every
         padding row stays finite)."""
         xp, c = self.dev.xp, self.cfg
@@ -237,6 +237,8 @@ class PrefillPass:
         shapes = {"h": (T, H), "qkv": (T, R), "q": (T, Q), "a": (T, Q), "act": (T, Im)}
         if not self._silu_fused():  # the gate|up output, for silu_mul (7B, 8192 rows: 621 MB)
             shapes["gu"] = (T, 2 * Im)
+        if self.fp8 is not None:  # the norms write e4m3 into the FP8 scratch instead
+            del shapes["h"]
         new = xp.zeros if zeroed else xp.empty
         return {k: new(s, dtype=np.float16) for k, s in shapes.items()}
 
