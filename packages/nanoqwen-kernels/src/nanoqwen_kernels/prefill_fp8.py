@@ -190,7 +190,7 @@ class Fp8Kernels:
 
     def gemm_fp8(self, w8, sw, xq, sx, out, accumulate: bool = False, tile: int | None = None,
                  splits: int | None = None, workspace=None) -> None:
-        """out[T, N] fp16 = sum over K's groups g of (xq[:, g] . w8[:, g]^T) sx[g] sw[g] (+ out when
+        """out[t, n] fp16 = sx[t] sum over K's groups g of sw[g, n] (xq[t, g] . w8[n, g]) (+ out when
         accumulate, in fp32 before the one rounding). tile (prefill_gemm.GF8_WIDTHS) and splits default to
         prefill_gemm.choose_plan_fp8's; with splits > 1 the fp32 partial sums go to `workspace` (>= splits T N)
         and a second launch adds them."""
