@@ -2,8 +2,8 @@
 // are wgmma accumulators over [weight row][token]: a consumer lane holds tile rows r0 and r0 + 8 (r0 =
 // 64 (warp / 4) + 16 (warp % 4) + lane / 4) for tokens 8 j + 2 c and + 1 (c = lane % 4, j < NT). They go
 // through shared memory (`ep`, the free ring) into out's [token][row] fp16 rows, so each warp writes whole
-// 256-byte runs of a token's row. Called by the two consumer warpgroups (256 threads, named barrier 1)
-// once every consumer's wgmmas are done.
+// 256-byte runs of a token's row. Called (store, below) by the two consumer warpgroups (256 threads, named
+// barrier 1) once every consumer's wgmmas are done.
 #pragma once
 #include "common.cuh"
 
@@ -91,6 +91,19 @@ __device__ __forceinline__ void store_rows(const float (&acc)[NT][4], float* ep,
       r[0] += o0.x, r[1] += o0.y, r[2] += o1.x, r[3] += o1.y;
     }
     *reinterpret_cast<uint2*>(out + static_cast<size_t>(tok) * N + row) = make_uint2(pack_h2(r[0], r[1]), pack_h2(r[2], r[3]));
+  }
+}
+
+// The epilogue of either build, once every consumer's wgmmas are done (the barrier frees the ring `ep`).
+template <int NT, bool kSilu>
+__device__ __forceinline__ void store(const float (&acc)[NT][4], float* ep, int r0, int warp, int lane,
+                                      uint16_t* __restrict__ out, int T, int N, int t0, int row0, int accumulate,
+                                      float* __restrict__ ws, int splits) {
+  consumers_sync();
+  if constexpr (kSilu) {
+    store_silu<NT>(acc, ep, r0, warp, lane, out, T, N, t0);
+  } else {
+    store_rows<NT>(acc, ep, r0, warp, lane, out, T, N, t0, row0, accumulate, ws, splits);
   }
 }
 

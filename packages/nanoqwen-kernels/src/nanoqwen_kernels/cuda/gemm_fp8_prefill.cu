@@ -165,14 +165,8 @@ __device__ __forceinline__ void gemm_fp8_wg(const TmaMap& xmap, const TmaMap& wm
     acc[j][0] *= x0, acc[j][2] *= x0, acc[j][1] *= x1, acc[j][3] *= x1;
   }
 
-  // ---- epilogue: [row][token] sums -> [token][row] fp16 rows of out (gemm_epilogue.cuh) ----
-  epi::consumers_sync();  // every consumer's wgmmas done: the ring is free for the staging
-  float* ep = reinterpret_cast<float*>(ring);
-  if constexpr (kSilu) {
-    epi::store_silu<NT>(acc, ep, r0, warp, lane, out, T, N, t0);
-  } else {
-    epi::store_rows<NT>(acc, ep, r0, warp, lane, out, T, N, t0, row0, accumulate, ws, splits);
-  }
+  // ---- epilogue: [row][token] sums -> [token][row] fp16 rows of out, staged in the ring ----
+  epi::store<NT, kSilu>(acc, reinterpret_cast<float*>(ring), r0, warp, lane, out, T, N, t0, row0, accumulate, ws, splits);
 }
 
 }  // namespace gf8

@@ -241,14 +241,8 @@ __device__ __forceinline__ void gemm_int4_wg(const TmaMap& xmap, const uint32_t*
   }
   wgmma_wait<0>();
 
-  // ---- epilogue: [row][token] sums -> [token][row] fp16 rows of out (gemm_epilogue.cuh) ----
-  epi::consumers_sync();  // every consumer's wgmmas done: the ring is free for the staging
-  float* ep = reinterpret_cast<float*>(ring);
-  if constexpr (kSilu) {
-    epi::store_silu<NT>(acc, ep, r0, warp, lane, out, T, N, t0);
-  } else {
-    epi::store_rows<NT>(acc, ep, r0, warp, lane, out, T, N, t0, row0, accumulate, ws, splits);
-  }
+  // ---- epilogue: [row][token] sums -> [token][row] fp16 rows of out, staged in the ring ----
+  epi::store<NT, kSilu>(acc, reinterpret_cast<float*>(ring), r0, warp, lane, out, T, N, t0, row0, accumulate, ws, splits);
 }
 
 }  // namespace gw
