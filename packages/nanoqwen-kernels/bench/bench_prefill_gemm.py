@@ -82,41 +82,32 @@ def bench_fp8_shape(pk, name, proj, n, k, m, qw, sc, w) -> tuple:
     return (name, proj, n, k, m, plan, t_f8, fl / t_f8 / 1e12, t_cb, fl / t_cb / 1e12)
 
 
-def sweep_fp8(pk, name, proj, n, k, m, qw, sc) -> None:
-    f8 = pk.fp8
-    x, out, w8, sw, xq, sx = fp8_operands(f8, n, k, m, qw, sc)
+def sweep(pk, name, proj, n, k, m, qw, sc, fp8: bool = False) -> None:
+    """Every (width, splits) plan of one shape, us each, the plan choose_plan (choose_plan_fp8) picks marked."""
+    if fp8:
+        x, out, w8, sw, xq, sx = fp8_operands(pk.fp8, n, k, m, qw, sc)
+        widths, pick = pg.GF8_WIDTHS, pg.choose_plan_fp8(m, n, k, 132)
+
+        def gemm(bn, s, ws):
+            pk.fp8.gemm_fp8(w8, sw, xq, sx, out, tile=bn, splits=s, workspace=ws)
+    else:
+        x = cp.random.standard_normal((m, k), dtype=cp.float32).astype(cp.float16)
+        out = cp.empty((m, n), cp.float16)
+        widths, pick = pg.GW_WIDTHS, pg.choose_plan(m, n, k, 132)
+
+        def gemm(bn, s, ws):
+            pk.gemm_int4_wg(qw, sc, x, out, tile=bn, splits=s, workspace=ws)
     ws = cp.empty(max(pg.GW_SPLITS) * m * n, cp.float32)
     fl = 2.0 * m * n * k
-    pick = pg.choose_plan_fp8(m, n, k, 132)
     cells = []
-    for bn in pg.GF8_WIDTHS:
+    for bn in widths:
         for s in pg.GW_SPLITS:
             if s > 1 and k // 128 < 2 * s:
                 continue
-            t = time_graph(lambda i, bn=bn, s=s: f8.gemm_fp8(w8, sw, xq, sx, out, tile=bn, splits=s, workspace=ws),
-                           10, launches=5)
+            t = time_graph(lambda i, bn=bn, s=s: gemm(bn, s, ws), 10, launches=5)
             mark = "*" if (bn, s) == pick else ""
             cells.append(f"{mark}n{bn}x{s} {t * 1e6:.1f} ({fl / t / 1e12:.0f})")
-    print(f"sweep-fp8 {name} {proj} M={m}: " + " | ".join(cells), flush=True)
-
-
-def sweep(pk, name, proj, n, k, m, qw, sc) -> None:
-    """Every (width, splits) plan of one shape, us each, the plan choose_plan picks marked."""
-    x = cp.random.standard_normal((m, k), dtype=cp.float32).astype(cp.float16)
-    out = cp.empty((m, n), cp.float16)
-    ws = cp.empty(max(pg.GW_SPLITS) * m * n, cp.float32)
-    fl = 2.0 * m * n * k
-    pick = pg.choose_plan(m, n, k, 132)
-    cells = []
-    for bn in pg.GW_WIDTHS:
-        for s in pg.GW_SPLITS:
-            if s > 1 and k // 128 < 2 * s:
-                continue
-            t = time_graph(lambda i, bn=bn, s=s: pk.gemm_int4_wg(qw, sc, x, out, tile=bn, splits=s, workspace=ws),
-                           10, launches=5)
-            mark = "*" if (bn, s) == pick else ""
-            cells.append(f"{mark}n{bn}x{s} {t * 1e6:.1f} ({fl / t / 1e12:.0f})")
-    print(f"sweep {name} {proj} M={m}: " + " | ".join(cells), flush=True)
+    print(f"sweep{'-fp8' if fp8 else ''} {name} {proj} M={m}: " + " | ".join(cells), flush=True)
 
 
 def main() -> int:
@@ -139,7 +130,7 @@ def main() -> int:
             pk.dequantize_int4(qw, sc, w)
             for m in ms:
                 if "--sweep" in sys.argv:
-                    (sweep_fp8 if use_fp8 else sweep)(pk, name, proj, n, k, m, qw, sc)
+                    sweep(pk, name, proj, n, k, m, qw, sc, fp8=use_fp8)
                     continue
                 rows.append((bench_fp8_shape if use_fp8 else bench_shape)(pk, name, proj, n, k, m, qw, sc, w,
                                                                          *(() if use_fp8 else (widths,))))
