@@ -55,6 +55,14 @@ def quantize_rows(x: np.ndarray, mode: str) -> np.ndarray:
         s = np.abs(g).max(axis=2, keepdims=True) / E4M3_MAX
         s = np.where(s > 0, s, 1.0).astype(np.float32)
         return (round_e4m3(g / s) * s).reshape(T, K)
+    if mode.startswith("int8-g"):  # decode's W4A8 GEMVs: x rounded to fp16, then int8 per group of G columns
+        T, K = x.shape
+        G = int(mode[len("int8-g"):])
+        g = x.astype(np.float16).astype(np.float32).reshape(T, K // G, G)
+        amax = np.abs(g).max(axis=2, keepdims=True)
+        inv = np.where(amax > 0, np.float32(127.0) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+        q = np.clip(np.rint(g * inv), -127, 127)
+        return (q * (amax / np.float32(127.0))).astype(np.float32).reshape(T, K)
     raise ValueError(mode)
 
 
@@ -107,7 +115,8 @@ def main(argv=None) -> int:
         def linear(x, w):
             fam = order[calls[0] % len(order)]
             calls[0] += 1
-            return exact_linear(quantize_rows(x, mode) if x.shape[0] > 1 and fam in families else x, w)
+            rounded = fam in families and (x.shape[0] > 1 or mode.startswith("int8"))
+            return exact_linear(quantize_rows(x, mode) if rounded else x, w)
 
         ref.linear = exact_linear if mode is None else linear
         try:

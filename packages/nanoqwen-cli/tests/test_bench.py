@@ -192,3 +192,15 @@ def test_prefill_weights_is_for_the_gpu_and_checked(invoke):
     assert all(run["prompt_tokens"] == 20 for run in auto["runs"])
     bad = invoke(["bench", "--synthetic", "tiny", *SMALL, "--prefill-weights", "bf16"])
     assert bad.exit_code == 2 and "fp8" in bad.output and "int4" in bad.output
+
+
+def test_decode_activations_is_for_the_gpu_and_checked(invoke):
+    """--decode-activations int8 (opt-in, the GPU's batch-1 decode GEMVs): the CPU reference refuses it with
+    one clear error; fp16 is accepted anywhere; an unknown value is a usage error naming the choices."""
+    cpu = invoke(["bench", "--synthetic", "tiny", *SMALL, "--decode-activations", "int8"])
+    assert cpu.exit_code != 0 and "Traceback" not in cpu.output
+    assert "decode_activations applies to device='cuda' only" in cpu.output
+    ok = json.loads(invoke(["bench", "--synthetic", "tiny", *SMALL, "--decode-activations", "fp16", "--json"]).stdout)
+    assert all(run["prompt_tokens"] == 20 for run in ok["runs"])
+    bad = invoke(["bench", "--synthetic", "tiny", *SMALL, "--decode-activations", "int4"])
+    assert bad.exit_code == 2 and "int8" in bad.output and "fp16" in bad.output

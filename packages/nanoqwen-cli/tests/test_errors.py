@@ -111,6 +111,13 @@ def test_serve_refuses_a_prefill_budget_below_one_before_loading(invoke, flag):
     assert result.exit_code == 2 and flag in result.output
 
 
+def test_serve_refuses_int8_decode_on_the_cpu_before_binding(invoke, tiny_model):
+    """serve --decode-activations int8 on the CPU reference: one line from the engine, before any port."""
+    result = invoke(["serve", "--model", tiny_model, "--device", "cpu", "--port", "0", "--decode-activations", "int8"])
+    assert result.exit_code != 0 and "Traceback" not in result.output
+    assert "decode_activations applies to device='cuda' only" in result.output
+
+
 def test_serve_refuses_fp8_prefill_on_the_cpu_before_binding(invoke, tiny_model):
     """serve --prefill-weights fp8 on the CPU reference: the engine refuses it with one line, exit non-zero,
     before any port is bound."""

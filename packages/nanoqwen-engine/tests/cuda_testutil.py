@@ -31,7 +31,8 @@ def make_backend(path, kind="host", decode_mode="graph", **kw):
     nq, cfg = open_file(path)
     if kind == "host":
         dev = HostDevice()
-        kw.update(device=dev, kernels=HostKernels(cfg, dev))
+        variant = "a8" if kw.get("decode_activations") == "int8" else "tiles"  # the variant KernelSet would get
+        kw.update(device=dev, kernels=HostKernels(cfg, dev, variant))
     be = CudaBackend.create(nq, cfg, progress=False, decode_mode=decode_mode, **kw)
     be._nq = nq  # keep the mmap alive
     return be

@@ -86,6 +86,43 @@ def test_graph_and_eager_give_the_same_tokens(tied_path, kind, rng):
         assert nodes is None or nodes >= calls
 
 
+def test_int8_decode_activations_round_only_batch1_decode(tied_path, kind, rng):
+    """decode_activations="int8" (opt-in; the GEMV variant "a8"): a single sequence's decode GEMVs multiply
+    the activation rounded to int8 per 32 values. Teacher-forced on the fp16 run's tokens: the prefill's
+    logits are the same bits (prefill is not touched), every decode step's logits differ (the rounding is
+    there) by a small part of the logits' range."""
+    ref = make_backend(tied_path, kind, max_context=96)
+    a8 = make_backend(tied_path, kind, max_context=96, decode_activations="int8")
+    assert ref.info["decode_activations"] == "fp16" and a8.info["decode_activations"] == "int8"
+    ids = rng.integers(0, ref.config.vocab, size=21)
+    want_logits: list[np.ndarray] = []
+    toks, _ = generate(ref, ids, 10, logits=want_logits)
+    seq = a8.pool.new_sequence()
+    st = SamplerState(GREEDY, a8.config.vocab)
+    a8.prefill(seq, np.asarray(ids), st)
+    assert np.array_equal(a8.last_logits()[0], want_logits[0])
+    for t, want in zip(toks[:-1], want_logits[1:], strict=True):  # the fp16 run's token as each input
+        a8.decode([seq], [t], [st])
+        got = a8.last_logits()[0]
+        diff = float(np.abs(got - want).max())
+        assert 0 < diff < 0.05 * float(want.max() - want.min()), diff
+
+
+def test_int8_decode_activations_need_the_a8_kernels(tied_path):
+    """A kernel stand-in built without the int8-activation loop is refused for decode_activations="int8",
+    and an unknown setting is named."""
+    from nanoqwen_engine.cuda.device import HostDevice
+    from nanoqwen_engine.cuda.host_kernels import HostKernels
+
+    nq, cfg = open_file(tied_path)
+    dev = HostDevice()
+    with pytest.raises(InvalidRequestError, match="GEMV variant 'a8'"):
+        CudaBackend.create(nq, cfg, progress=False, device=dev, kernels=HostKernels(cfg, dev),
+                           decode_activations="int8")
+    with pytest.raises(InvalidRequestError, match="decode_activations"):
+        make_backend(tied_path, "host", decode_activations="int4")
+
+
 def test_each_row_of_a_batch_gets_its_tokens_alone(model_path, kind, rng):
     """6 sequences of mixed prompt lengths decode together: page boundaries fall at different steps for
     different rows (steps 0, 1, 8, ...); each row's greedy tokens are the ones it gets alone. Both test

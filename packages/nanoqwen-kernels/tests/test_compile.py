@@ -76,8 +76,18 @@ def test_gemv_int4_sass(dims_name):
     funcs = _functions(_sass("gemv_int4.cu", DIMS[dims_name]))
     tiles = {f"{k}_tile{c}" for k in GEMV_KINDS for c in (8, 16, 32, 64)}
     gemvs = {f"{k}{suffix}" for k in GEMV_KINDS for suffix in ("", "_mma8", "_mma32")}
+    a8 = {f"{k}_a8" for k in GEMV_KINDS}
     helpers = {"nq_norm_cols_h", "nq_norm_cols_i", "nq_norm_cols_wg_h"}
-    assert set(funcs) == gemvs | helpers | tiles
+    assert set(funcs) == gemvs | helpers | tiles | a8
+    for name in a8:
+        body = funcs[name]
+        # the int8-activation loop: byte products by dp4a (IDP), weights by 16-byte no-allocate loads, x
+        # rounded to int8 by an add of 1.5 * 2^23 (no F2I conversion in the staging)
+        assert body.count("IDP.4A") >= 64, f"{name}: expected the dp4a dot product"
+        assert "LDG.E.NA" in body and ".128" in body, f"{name}: expected 16-byte no-allocate weight loads"
+        if not name.startswith("nq_qkv_rope_kv"):  # (its RoPE epilogue's sincosf converts)
+            assert "F2I" not in body, f"{name}: a conversion instruction in the rounding"
+            assert "STL" not in body and "LDL" not in body, f"{name}: local-memory spill"
     for name in tiles:
         body = funcs[name]
         cols = int(name.rsplit("_tile", 1)[1])

@@ -3,7 +3,8 @@
 Fresh random weights/activations each test (the seeded `rng` fixture); outputs poisoned with NaN before
 every launch. B runs over 1, 2, 3, 5, 8 (one pass of the 8-column build), 9, 16 (the 32-column build),
 33, 64 (several passes), at the 7B, 1.5B and tiny shapes; B = 1 also on each GEMV variant's bodies; B > 1
-on the two batched builds (gemv_mma's passes and the tile GEMM of the "tiles" variant).
+on the two batched builds (gemv_mma's passes and the tile GEMM of the "tiles" variant). The int8-activation
+loop ("a8", B = 1) is checked against the same numpy product of the activation it rounds (gemv.round_a8).
 Tolerances: the INT4 GEMV's products and 4-term partial sums are fp16 on the half2 loop (refs.gemv_tolerance
 derives the bound; the tensor-core core is tighter); RoPE'd q/k and silu*up are compared at 8 fp16 ulps of
 their own magnitude plus that bound; the fp16 lm_head accumulates in fp32 on either B > 1 body (4e-5 of the row's
@@ -14,7 +15,14 @@ import numpy as np
 import pytest
 from nanoqwen_kernels import loader
 from nanoqwen_kernels.dims import PRESETS
-from nanoqwen_kernels.gemv import DEFAULT_LM_HEAD, GEMV_VARIANTS, LM_HEAD_BODIES, GemvKernels
+from nanoqwen_kernels.gemv import (
+    A8_VARIANTS,
+    DEFAULT_LM_HEAD,
+    GEMV_VARIANTS,
+    LM_HEAD_BODIES,
+    GemvKernels,
+    round_a8,
+)
 from refs import dequant, gemv_tolerance, matvec, pack_valueshuffle, random_int4, rmsnorm, rope
 
 pytestmark = pytest.mark.gpu
@@ -43,6 +51,12 @@ def _runs(b):
     return sorted(GEMV_VARIANTS) if b == 1 else ["mixed", "tiles"]
 
 
+def _xin(variant, b, xin):
+    """The activation a variant multiplies at batch b: the int8-activation loop ("a8", B = 1) rounds it
+    (round_a8, the kernel's numpy twin); the others take the fp16 values as they are."""
+    return round_a8(xin) if b == 1 and variant in A8_VARIANTS else xin
+
+
 def _check(got, ref, tol, what):
     got = np.asarray(got, dtype=np.float64)
     assert np.isfinite(got).all(), f"{what}: non-finite output (unwritten element?)"
@@ -68,14 +82,15 @@ def test_gemv_int4(kernels, dims, rng, b, mode):
         x = rng.standard_normal((b, k)).astype(np.float16)
         w = (1 + 0.1 * rng.standard_normal(k)).astype(np.float16)
         res = rng.standard_normal((b, n)).astype(np.float16)
-        xin = rmsnorm(x, w, EPS) if "norm" in mode else x
-        ref = matvec(wd, xin.T).T  # [B, N]
-        tol = gemv_tolerance(wd, xin, ref)
-        if "residual" in mode:
-            ref = ref + res.astype(np.float64)
-            tol = tol + 2.0**-10 * np.abs(ref)
+        xin0 = rmsnorm(x, w, EPS) if "norm" in mode else x
         qw, sc = cp.asarray(pack_valueshuffle(u)), cp.asarray(s)
         for variant in _runs(b):
+            xin = _xin(variant, b, xin0)
+            ref = matvec(wd, xin.T).T  # [B, N]
+            tol = gemv_tolerance(wd, xin, ref)
+            if "residual" in mode:
+                ref = ref + res.astype(np.float64)
+                tol = tol + 2.0**-10 * np.abs(ref)
             g = kernels[variant]
             if mode == "plain":
                 out = cp.full((b, n), np.nan, dtype=np.float16)
@@ -116,12 +131,13 @@ def test_qkv_rope_kv(kernels, dims, rng, b):
     pad = b >= 3  # a padding row: its table holds no page; it must write nothing and get NaN q
     if pad:
         table[b - 1] = -1
-    xin = rmsnorm(x, w, EPS)
+    xin0 = rmsnorm(x, w, EPS)
     wd = dequant(u, s)
-    lin = matvec(wd, xin.T).T + bias.astype(np.float64)  # [B, rows]
-    tols = gemv_tolerance(wd, xin, lin)
     qw, sc = cp.asarray(pack_valueshuffle(u)), cp.asarray(s)
     for variant in _runs(b):
+        xin = _xin(variant, b, xin0)
+        lin = matvec(wd, xin.T).T + bias.astype(np.float64)  # [B, rows]
+        tols = gemv_tolerance(wd, xin, lin)
         kc = cp.full((n_layers, n_pages, d.n_kv_heads, 16, 128), np.nan, dtype=np.float16)
         vc = cp.full_like(kc, np.nan)
         q_out = cp.full((b, d.q_dim), np.nan, dtype=np.float16)
@@ -164,17 +180,18 @@ def test_gate_up_silu(kernels, dims, rng, b):
     u, s = random_int4(rng, 2 * inter, H)
     x = rng.standard_normal((b, H)).astype(np.float16)
     w = (1 + 0.1 * rng.standard_normal(H)).astype(np.float16)
-    xin = rmsnorm(x, w, EPS)
+    xin0 = rmsnorm(x, w, EPS)
     wd = dequant(u, s)
-    lin = matvec(wd, xin.T).T
-    tol = gemv_tolerance(wd, xin, lin)
-    gate, up = lin[:, :inter], lin[:, inter:]
-    silu = gate / (1 + np.exp(-gate))
-    ref = silu * up
-    # d(silu*up) = silu' up dgate + silu dup, |silu'| <= 1.1
-    t = 1.1 * np.abs(up) * tol[:, :inter] + np.abs(silu) * tol[:, inter:] + 8 * 2.0**-11 * np.abs(ref) + 1e-6
     qw, sc = cp.asarray(pack_valueshuffle(u)), cp.asarray(s)
     for variant in _runs(b):
+        xin = _xin(variant, b, xin0)
+        lin = matvec(wd, xin.T).T
+        tol = gemv_tolerance(wd, xin, lin)
+        gate, up = lin[:, :inter], lin[:, inter:]
+        silu = gate / (1 + np.exp(-gate))
+        ref = silu * up
+        # d(silu*up) = silu' up dgate + silu dup, |silu'| <= 1.1
+        t = 1.1 * np.abs(up) * tol[:, :inter] + np.abs(silu) * tol[:, inter:] + 8 * 2.0**-11 * np.abs(ref) + 1e-6
         out = cp.full((b, inter), np.nan, dtype=np.float16)
         kernels[variant].gate_up_silu(qw, sc, _batch(b, cp.asarray(x)), cp.asarray(w), EPS, _batch(b, out))
         _check(out.get(), ref, t, f"{variant} gate_up_silu B={b}")

@@ -76,6 +76,40 @@ def test_mixed_runs_the_long_matrices_on_tensor_cores(monkeypatch):
     }
 
 
+def test_a8_runs_every_matrix_on_the_int8_activation_loop(monkeypatch):
+    assert _batch1_kernels("a8", monkeypatch) == {
+        "h": "nq_gemv_int4_h_a8",
+        "i": "nq_gemv_int4_i_a8",
+        "qkv": "nq_qkv_rope_kv_a8",
+        "gu": "nq_gate_up_silu_a8",
+    }
+
+
+def test_round_a8_is_the_int8_rounding_the_kernel_applies():
+    """gemv.round_a8 (the int8-activation loop's numpy twin): per 32 k, the largest |x| lands on +-127
+    exactly, every value within half a step (amax / 254) of itself, a zero block stays zero, and K not a
+    multiple of 32 is refused."""
+    from nanoqwen_kernels.errors import KernelError
+    from nanoqwen_kernels.gemv import A8_BLOCK, round_a8
+
+    rng = np.random.default_rng()
+    x = (rng.standard_normal((3, 8 * A8_BLOCK)) * rng.choice([1e-3, 1.0, 300.0], size=(3, 1))).astype(np.float16)
+    x[1, :A8_BLOCK] = 0  # an all-zero block
+    r = round_a8(x)
+    xf = x.astype(np.float32).reshape(3, 8, A8_BLOCK)
+    rb = r.reshape(3, 8, A8_BLOCK)
+    amax = np.abs(xf).max(axis=-1, keepdims=True)
+    step = amax / 127
+    assert np.all(np.abs(rb - xf) <= 0.5 * step * (1 + 1e-5) + 1e-30)
+    on_grid = np.divide(rb, step, out=np.zeros_like(rb), where=step > 0)
+    assert np.allclose(on_grid, np.rint(on_grid), atol=1e-3) and np.abs(on_grid).max() <= 127 + 1e-3
+    top = np.abs(xf).argmax(axis=-1)[..., None]
+    assert np.allclose(np.abs(np.take_along_axis(on_grid, top, -1))[amax > 0], 127, atol=1e-3)
+    assert not np.any(rb[1, 0])
+    with pytest.raises(KernelError, match="multiple of 32"):
+        round_a8(np.ones(48, dtype=np.float16))
+
+
 @pytest.mark.parametrize("how", ["default", "argument", "environment"])
 def test_attention_variant_reaches_the_attention_build(how, monkeypatch):
     """The variant picks the consumer body's defines and the launch's threads (1 producer + consumers)."""

@@ -18,7 +18,12 @@ import click
 
 from nanoqwen_cli import bandwidth, bench_report, session
 from nanoqwen_cli.errors import CliError
-from nanoqwen_cli.options import count_option, model_options, prefill_weights_option
+from nanoqwen_cli.options import (
+    count_option,
+    decode_activations_option,
+    model_options,
+    prefill_weights_option,
+)
 
 MEASURED_COPY_BW_GBS = 4190.0  # device-to-device copy on the H200 here, read + write (docs/PERF.md)
 
@@ -101,10 +106,11 @@ class IntList(click.ParamType):
     "GPU); 512 times a prompt in the steps a busy server gives it.",
 )
 @prefill_weights_option
+@decode_activations_option
 @click.option("--json", "as_json", is_flag=True, help="Same as --format json.")
 @click.pass_context
 def bench(ctx, model, device, max_context, synthetic, prompt_tokens, gen_tokens, concurrency, runs,
-          warmup, eager, copy_bw, prefill_chunk_idle, prefill_weights, fmt, as_json):  # fmt: skip
+          warmup, eager, copy_bw, prefill_chunk_idle, prefill_weights, decode_activations, fmt, as_json):  # fmt: skip
     """Measure prefill and decode speed, achieved GB/s and peak memory; or, with --concurrency, the
     throughput and latencies of many requests at once.
 
@@ -146,6 +152,8 @@ def bench(ctx, model, device, max_context, synthetic, prompt_tokens, gen_tokens,
         engine_kwargs["prefill_chunk_idle"] = prefill_chunk_idle
     if prefill_weights is not None:
         engine_kwargs["prefill_weights"] = prefill_weights
+    if decode_activations is not None:
+        engine_kwargs["decode_activations"] = decode_activations
     if concurrency:
         # Room for every request of the highest level at once, so that a level measures batching, not
         # queueing or preemption.

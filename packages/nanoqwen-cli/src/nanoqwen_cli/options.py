@@ -191,3 +191,16 @@ def prefill_weights_option(func):
         "fits, else INT4 as stored), fp16, int4, or fp8 (opt-in: activations rounded to e4m3 on the FP8 "
         "tensor cores; faster prompts, slightly different numbers).",
     )(func)
+
+
+def decode_activations_option(func):
+    """--decode-activations: what a single sequence's decode GEMVs multiply the INT4 weights with
+    (Engine.load's decode_activations)."""
+    return click.option(
+        "--decode-activations",
+        type=click.Choice(["fp16", "int8"]),
+        default=None,
+        help="GPU batch-1 decode GEMVs: fp16 (default: $NANOQWEN_DECODE_ACTIVATIONS, else fp16) or int8 (opt-in: "
+        "the activation rounded to int8 per 32 values and multiplied by dp4a, as llama.cpp's q8_1 GEMVs do; "
+        "faster tokens, slightly different numbers; batches of 2 or more stay fp16).",
+    )(func)

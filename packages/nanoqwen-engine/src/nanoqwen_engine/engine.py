@@ -54,6 +54,7 @@ DEFAULT_MAX_QUEUE = 256
 
 
 PREFILL_WEIGHTS = ("auto", "fp16", "int4", "fp8")  # cuda/plan.py's (kept here: the engine imports no CuPy)
+DECODE_ACTIVATIONS = ("fp16", "int8")  # cuda/backend.py's
 
 
 class Engine:
@@ -93,7 +94,8 @@ class Engine:
     def load(cls, path_or_hf_id, device: str = "cuda", max_context: int | None = None, progress: bool = True,
              kv_pages: int | None = None, decode_mode: str = "graph", max_batch: int = DEFAULT_MAX_BATCH,
              prefill_chunk: int = DEFAULT_PREFILL_CHUNK, max_queue: int = DEFAULT_MAX_QUEUE,
-             prefill_chunk_idle: int | None = None, prefill_weights: str | None = None) -> Engine:
+             prefill_chunk_idle: int | None = None, prefill_weights: str | None = None,
+             decode_activations: str | None = None) -> Engine:
         """Open a .nanoqwen file (an HF folder or hub id is converted into the cache first).
 
         device: "cuda" (nanoqwen_engine.cuda.CudaBackend) or "cpu" (the numpy reference backend).
@@ -106,7 +108,10 @@ class Engine:
         max_queue: waiting requests at most. prefill_weights (GPU only): what prefill's GEMMs multiply,
         "auto" (default: $NANOQWEN_PREFILL_WEIGHTS, else a resident fp16 copy where it fits, else the INT4
         matrices as stored), "fp16", "int4", or "fp8" (opt-in: e4m3 activations on the FP8 tensor cores, a
-        numerics change; docs/PERF.md).
+        numerics change; docs/PERF.md). decode_activations (GPU only): what a single sequence's decode GEMVs
+        multiply the INT4 weights with, "fp16" (default: $NANOQWEN_DECODE_ACTIVATIONS, else fp16) or "int8"
+        (opt-in: the activation rounded to int8 per 32 values, products by dp4a, as llama.cpp's q8_1 GEMVs
+        do; faster batch-1 decode, slightly different numbers; batches of 2 or more keep fp16).
         Every argument is checked before the model is touched (InvalidRequestError). Format errors from
         nanoqwen_format are wrapped in ModelFormatError (original as __cause__); a config or
         generation_config value of the wrong type or range is a ConfigError (a ModelFormatError).
@@ -124,6 +129,12 @@ class Engine:
         if device == "cpu" and prefill_weights not in (None, "auto"):
             raise InvalidRequestError("prefill_weights applies to device='cuda' only (the CPU reference computes in "
                                       "float32)")
+        if decode_activations is not None and decode_activations not in DECODE_ACTIVATIONS:
+            raise InvalidRequestError(f"decode_activations must be one of {DECODE_ACTIVATIONS}, got "
+                                      f"{decode_activations!r}")
+        if device == "cpu" and decode_activations not in (None, "fp16"):
+            raise InvalidRequestError("decode_activations applies to device='cuda' only (the CPU reference computes "
+                                      "in float32)")
         if max_context is not None:
             check_int("max_context", max_context, InvalidRequestError, lo=1)
         if kv_pages is not None:
@@ -152,6 +163,8 @@ class Engine:
                 extra: dict[str, object] = {"n_pages": kv_pages} if kv_pages is not None else {}
                 if prefill_weights is not None:
                     extra["prefill_weights"] = prefill_weights
+                if decode_activations is not None:
+                    extra["decode_activations"] = decode_activations
                 backend = cls._cuda_backend(nq, config, max_context, progress, {**extra, "decode_mode": decode_mode, "max_batch": max_batch})
         except NanoqwenFormatError as e:
             raise ModelFormatError(f"{path}: {e}") from e

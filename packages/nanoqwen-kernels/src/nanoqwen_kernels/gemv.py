@@ -52,6 +52,10 @@ X_SMEM_FEW_TILES = 90 * 1024
 # KernelSet picks one (argument, or $NANOQWEN_GEMV_VARIANT); all pass the same GPU tests.
 #   tiles   : B = 1 as "default"; B > 1 on the tile GEMM (gemm_tiles.cuh, planned by `plan_tiles`).
 #   tiles1  : every B on the tile GEMM (B = 1 included: measured against the half2 loop).
+#   a8      : B = 1 on the int8-activation loop (gemv_int4.cu "_a8" entries: x rounded to int8 per 32 k,
+#             products by dp4a; ~4 instructions per 8 weights against the half2 loop's ~19), B > 1 as
+#             "tiles". It changes the numbers (the activation's rounding, as llama.cpp's q8_1 GEMVs do),
+#             so it is opt-in and A8_VARIANTS says which variants do it.
 # Removed after measuring: "packed" / "packed1", the tile GEMM reading a tile-major copy of each matrix
 # at B <= 16 (twice the INT4 weight memory). H200, 2026-11-30, commit 226e4e9, bench_gemv.py 7B, us per
 # layer of the four INT4 GEMVs, tiles / packed1: B = 8 96.3 / 93.3, B = 16 108.1 / 114.5, B = 32
@@ -64,8 +68,10 @@ GEMV_VARIANTS: dict[str, frozenset[str]] = {
     "mixed": frozenset({"i", "gu"}),
     "tiles": frozenset(),
     "tiles1": frozenset(GEMV_KINDS),
+    "a8": frozenset(),
 }
-TILE_VARIANTS = frozenset({"tiles", "tiles1"})  # B > 1 on the tile GEMM
+A8_VARIANTS = frozenset({"a8"})  # B = 1 on the int8-activation loop (instead of the half2 loop)
+TILE_VARIANTS = frozenset({"tiles", "tiles1", "a8"})  # B > 1 on the tile GEMM
 TILE_AT_B1 = frozenset({"tiles1"})  # ... and B = 1 too
 DEFAULT_GEMV_VARIANT = "tiles"  # B = 1 on the half2 loop, B > 1 on the tile GEMM (docs/PERF.md)
 
@@ -76,6 +82,26 @@ DEFAULT_GEMV_VARIANT = "tiles"  # B = 1 on the half2 loop, B > 1 on the tile GEM
 # KernelSet picks one (argument, or $NANOQWEN_LM_HEAD).
 LM_HEAD_BODIES = ("blas", "mma")
 DEFAULT_LM_HEAD = "blas"
+
+
+A8_BLOCK = 32  # k per int8 scale of the int8-activation loop (one 16-byte piece of a weight row)
+def round_a8(x: np.ndarray) -> np.ndarray:
+    """What the int8-activation loop ("a8") multiplies the weights with, as float32 [..., K]: x (the staged
+    fp16 activation, normed when the GEMV norms) rounded to int8 per A8_BLOCK k with one scale each,
+    scale = amax / 127 and x_int = rint(x * (127 / amax)) in float32 (ties to even, as the kernel's
+    __float2int_rn), 0 where amax is 0. The kernel then sums q * x_int exactly and multiplies by scale
+    times the weights' group scale in fp32."""
+    xf = np.asarray(x, dtype=np.float16).astype(np.float32)
+    k = xf.shape[-1]
+    if k % A8_BLOCK:
+        raise KernelError(f"round_a8: K = {k} is not a multiple of {A8_BLOCK}")
+    g = xf.reshape(*xf.shape[:-1], k // A8_BLOCK, A8_BLOCK)
+    amax = np.abs(g).max(axis=-1, keepdims=True)
+    safe = np.where(amax > 0, amax, np.float32(1))
+    inv = np.where(amax > 0, np.float32(127) / safe, np.float32(0)).astype(np.float32)
+    q = np.rint((g * inv).astype(np.float32))
+    scale = (amax / np.float32(127)).astype(np.float32)
+    return (q * scale).astype(np.float32).reshape(xf.shape)
 
 
 @dataclass(frozen=True)
@@ -245,7 +271,9 @@ class GemvKernels:
         f = load_module(FP16_SOURCES, dims.defines())
         smem = X_SMEM_BUDGET
         names = {"h": "nq_gemv_int4_h", "i": "nq_gemv_int4_i", "qkv": "nq_qkv_rope_kv", "gu": "nq_gate_up_silu"}
-        self._half2 = {kind: m.get_function(name) for kind, name in names.items()}
+        self._a8 = variant in A8_VARIANTS
+        suffix = "_a8" if self._a8 else ""  # the B = 1 loop: half2, or int8 activations
+        self._half2 = {kind: m.get_function(name + suffix) for kind, name in names.items()}
         self._mma = {
             (kind, c): m.get_function(f"{name}_mma{c}", max_dynamic_smem=smem)
             for kind, name in names.items()
@@ -349,6 +377,11 @@ class GemvKernels:
 
     # ---- launches -----------------------------------------------------------------------------------
 
+    def _launch_b1(self, kind: str, block_units: int, args: tuple) -> None:
+        """The B = 1 loop (half2, or int8 activations) of one matrix kind: a grid-stride grid of even blocks."""
+        fn = self._half2[kind]
+        ck.launch(fn, ck.even_grid(fn, block_units, THREADS), THREADS, args)
+
     def _launch_mma(self, fn_of, n_units: int, k: int, b: int, args: tuple) -> None:
         """The tensor-core core over n_units units for B columns: plan, grid, launch."""
         tiles = -(-n_units // 8)
@@ -392,8 +425,7 @@ class GemvKernels:
             epi = (residual if residual is not None else ck.NULL, out, np.int32(n))
             self._launch_tiles(kind, units, k, b, (qweight, scales), x, norm_w, e, epi)
         elif b == 1 and kind not in self._mma_at_b1:
-            fn = self._half2[kind]
-            ck.launch(fn, ck.even_grid(fn, -(-units // WARPS), THREADS), THREADS, args)
+            self._launch_b1(kind, -(-units // WARPS), args)
         else:
             self._launch_mma(lambda c: self._mma[(kind, c)], units, k, b, args)
 
@@ -440,8 +472,7 @@ class GemvKernels:
             self._launch_tiles("qkv", rows // 2, d.hidden, b, (qweight, scales), x, norm_w, e,
                                (bias, *args[6:]))
         elif b == 1 and "qkv" not in self._mma_at_b1:
-            fn = self._half2["qkv"]
-            ck.launch(fn, ck.even_grid(fn, -(-(rows // 2) // WARPS), THREADS), THREADS, args)
+            self._launch_b1("qkv", -(-(rows // 2) // WARPS), args)
         else:
             self._launch_mma(lambda c: self._mma[("qkv", c)], rows // 2, d.hidden, b, args)
 
@@ -461,8 +492,7 @@ class GemvKernels:
         if self._on_tiles("gu", b):
             self._launch_tiles("gu", d.intermediate, d.hidden, b, (qweight, scales), x, norm_w, e, (out,))
         elif b == 1 and "gu" not in self._mma_at_b1:
-            fn = self._half2["gu"]
-            ck.launch(fn, ck.even_grid(fn, -(-d.intermediate // WARPS), THREADS), THREADS, args)
+            self._launch_b1("gu", -(-d.intermediate // WARPS), args)
         else:
             self._launch_mma(lambda c: self._mma[("gu", c)], d.intermediate, d.hidden, b, args)
 

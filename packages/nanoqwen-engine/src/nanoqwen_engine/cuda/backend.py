@@ -53,6 +53,7 @@ from .weights import (
 )
 
 DECODE_MODES = ("graph", "eager")
+DECODE_ACTIVATIONS = ("fp16", "int8")  # batch-1 decode GEMVs: fp16 activations, or int8 (GEMV variant "a8")
 MAX_BATCH = 64  # decode rows the buffers are sized for unless create() is given max_batch
 
 
@@ -127,7 +128,9 @@ class CudaBackend:
         kwargs: decode_mode "graph" (default) or "eager"; n_pages (pool size, overriding the sizing from
         max_context / free memory); max_batch (decode rows, default 64); prefill_weights "auto" (default:
         $NANOQWEN_PREFILL_WEIGHTS, else auto), "fp16", "int4" or "fp8" (opt-in: e4m3 activations;
-        plan.choose_prefill_weights). Test hooks: `device` (a
+        plan.choose_prefill_weights); decode_activations "fp16" (default: $NANOQWEN_DECODE_ACTIVATIONS, else
+        fp16) or "int8" (opt-in: batch-1 decode GEMVs on the int8-activation loop, the kernels' GEMV variant
+        "a8"; a `kernels` stand-in must have been built for it). Test hooks: `device` (a
         HostDevice) and `kernels` (a KernelSet stand-in) replace the GPU and the compiled kernels.
         """
         decode_mode = kwargs.pop("decode_mode", None) or "graph"
@@ -143,6 +146,10 @@ class CudaBackend:
             raise InvalidRequestError(
                 f"prefill_weights (NANOQWEN_PREFILL_WEIGHTS) must be one of {PREFILL_WEIGHTS}, got {prefill_weights!r}"
             )
+        decode_act = kwargs.pop("decode_activations", None) or os.environ.get("NANOQWEN_DECODE_ACTIVATIONS") or "fp16"
+        if decode_act not in DECODE_ACTIVATIONS:
+            raise InvalidRequestError(f"decode_activations (NANOQWEN_DECODE_ACTIVATIONS) must be one of "
+                                      f"{DECODE_ACTIVATIONS}, got {decode_act!r}")
         dev = kwargs.pop("device", None)
         ks = kwargs.pop("kernels", None)
         if kwargs:
@@ -153,8 +160,13 @@ class CudaBackend:
             dev = CupyDevice()
         info: dict = {"device": dev.name, "decode_mode": decode_mode}
         with Timer() as tk:
-            if ks is None:
-                ks = cls._build_kernels(config)
+            if ks is None:  # int8: the GEMV variant "a8"; fp16: $NANOQWEN_GEMV_VARIANT or the default
+                ks = cls._build_kernels(config, "a8" if decode_act == "int8" else None)
+        if decode_act == "int8" and getattr(ks, "gemv_variant", None) != "a8":
+            raise InvalidRequestError("decode_activations='int8' needs kernels built with GEMV variant 'a8', got "
+                                      f"{getattr(ks, 'gemv_variant', None)!r}")
+        # what runs (a user may also have picked the variant through $NANOQWEN_GEMV_VARIANT)
+        info["decode_activations"] = "int8" if getattr(ks, "gemv_variant", None) == "a8" else "fp16"
         info["kernel_build_s"] = tk.s
 
         tensors = {n: (nqfile.tensor(n).shape, nqfile.tensor(n).dtype) for n in nqfile.tensor_names}
@@ -225,14 +237,14 @@ class CudaBackend:
         return be
 
     @staticmethod
-    def _build_kernels(config):
+    def _build_kernels(config, gemv_variant: str | None = None):
         try:
             from nanoqwen_kernels import KernelSet
             from nanoqwen_kernels.errors import KernelError
         except Exception as e:
             raise NoGPUError(f"the kernel package is unavailable: {e}") from None
         try:
-            return KernelSet(_dims_of(config))
+            return KernelSet(_dims_of(config), gemv_variant=gemv_variant)
         except KernelError as e:
             raise GPUBackendError(f"cannot build the kernels for this model: {e}") from None
 

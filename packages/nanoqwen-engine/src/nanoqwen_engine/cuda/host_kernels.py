@@ -55,9 +55,21 @@ def _silu_mul(g: np.ndarray, u: np.ndarray) -> np.ndarray:
 
 
 class HostKernels:
-    def __init__(self, cfg, dev):
+    def __init__(self, cfg, dev, gemv_variant: str = "tiles"):
+        """gemv_variant: the KernelSet GEMV variant this stands in for; "a8" rounds a single row's GEMV
+        activation to int8 as the int8-activation loop does (nanoqwen_kernels.gemv.round_a8)."""
         self.cfg, self.dev = cfg, dev
+        self.gemv_variant = gemv_variant
         self._deq: dict[tuple[int, int], np.ndarray] = {}
+
+    def _gemv_x(self, xin: np.ndarray) -> np.ndarray:
+        """The activation a decode GEMV multiplies: fp16 values, int8-rounded for one row under "a8"."""
+        xin = xin.astype(np.float16).astype(np.float32)
+        if self.gemv_variant == "a8" and xin.shape[0] == 1:
+            from nanoqwen_kernels.gemv import round_a8
+
+            return round_a8(xin)
+        return xin
 
     # --- weights ---
     def _w(self, qweight: np.ndarray, scales: np.ndarray) -> np.ndarray:
@@ -120,8 +132,7 @@ class HostKernels:
     def gemv_int4(self, qweight, scales, x, out, residual=None, norm_w=None, eps=1e-6):
         xr = _rows(x)
         xin = _rms(xr, norm_w, eps) if norm_w is not None else xr.astype(np.float32)
-        xin = xin.astype(np.float16).astype(np.float32)
-        y = _mm(xin, self._w(qweight, scales))
+        y = _mm(self._gemv_x(xin), self._w(qweight, scales))
         if residual is not None:
             y = y + _rows(residual).astype(np.float32)
         _rows(out)[...] = y.astype(out.dtype)
@@ -130,7 +141,7 @@ class HostKernels:
     def qkv_rope_kv(self, qweight, scales, bias, x, norm_w, eps, pos_dev, page_table, k_cache, v_cache,
                     layer, q_out):
         c = self.cfg
-        h = _rms(_rows(x), norm_w, eps).astype(np.float16).astype(np.float32)
+        h = self._gemv_x(_rms(_rows(x), norm_w, eps))
         y = _mm(h, self._w(qweight, scales)) + bias.astype(np.float32)  # [B, R]
         tables = _rows(page_table)
         for b in range(y.shape[0]):  # each row at its own position, into its own sequence's pages
@@ -147,7 +158,7 @@ class HostKernels:
 
     @_launcher
     def gate_up_silu(self, qweight, scales, x, norm_w, eps, out):
-        h = _rms(_rows(x), norm_w, eps).astype(np.float16).astype(np.float32)
+        h = self._gemv_x(_rms(_rows(x), norm_w, eps))
         gu = _mm(h, self._w(qweight, scales))
         n = out.shape[-1]
         _rows(out)[...] = _silu_mul(gu[:, :n], gu[:, n:]).astype(out.dtype)

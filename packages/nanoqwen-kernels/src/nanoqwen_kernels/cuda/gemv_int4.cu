@@ -106,16 +106,18 @@ __device__ __forceinline__ float dot8(uint32_t w, uint4 x) {
   return f.x + f.y;
 }
 
-// One chunk of a unit's loads: kInFlight 16-byte pieces of each of the 2 rows per lane, and their scales.
-struct RowChunk {
-  uint4 v0[kInFlight], v1[kInFlight];
-  uint16_t g0[kInFlight], g1[kInFlight];
+// One chunk of a unit's loads: NP 16-byte pieces of each of the 2 rows per lane, and their scales.
+template <int NP>
+struct RowChunkN {
+  uint4 v0[NP], v1[NP];
+  uint16_t g0[NP], g1[NP];
 };
+using RowChunk = RowChunkN<kInFlight>;
 
-// Issue the loads of chunk j0 (pieces j0 .. j0+kInFlight-1 of each lane) of rows r0 and r1.
-template <int K>
+// Issue the loads of chunk j0 (pieces j0 .. j0+NP-1 of each lane) of rows r0 and r1.
+template <int K, int NP = kInFlight>
 __device__ __forceinline__ void load_chunk(const uint32_t* __restrict__ qw, const uint16_t* __restrict__ sc,
-                                           int r0, int r1, int j0, RowChunk& c) {
+                                           int r0, int r1, int j0, RowChunkN<NP>& c) {
   constexpr int kNU = K / 32;                 // 16-byte pieces per row
   constexpr int kNJ = (kNU + 31) / 32;        // pieces per lane
   constexpr int kGroups = K / kGroup;         // scales per row
@@ -125,7 +127,7 @@ __device__ __forceinline__ void load_chunk(const uint32_t* __restrict__ qw, cons
   const uint16_t* s0 = sc + static_cast<size_t>(r0) * kGroups;
   const uint16_t* s1 = sc + static_cast<size_t>(r1) * kGroups;
 #pragma unroll
-  for (int jj = 0; jj < kInFlight; ++jj) {  // issue every load of the chunk first
+  for (int jj = 0; jj < NP; ++jj) {  // issue every load of the chunk first
     const int u = (j0 + jj) * 32 + lane;
     if (j0 + jj < kNJ && u < kNU) {
       c.v0[jj] = ld_stream_v4(w0 + u);
@@ -153,24 +155,187 @@ __device__ __forceinline__ void use_chunk(const RowChunk& c, int j0, const uint4
   }
 }
 
-// One warp: dot products of rows r0 and r1 with xs; the full sums end in every lane. `first`, when
-// given, is chunk 0 already loaded (gemv_units issues it before the launch-overlap wait).
+// ---- the int8-activation loop (B = 1, the "a8" GEMV variant; opt-in: it rounds the activations) -------
+// The half2 loop spends ~19 instructions per word (8 weights) and is issue-bound (docs/PERF.md). Here the
+// activation is rounded to int8 in its prologue, one fp32 scale per 32 k (one 16-byte piece of a row,
+// llama.cpp's q8_1 block size), and a word costs 4 instructions: 2 LOP3 and 2 dp4a (4 byte products summed
+// into an int32 each):
+//     lo = w & 0x0F0F0F0F   bytes u[k+0..3]         dp4a(lo, x[k+0..3], acc_lo)
+//     hi = w & 0xF0F0F0F0   bytes 16 u[k+4..7]      dp4a(hi, x[k+4..7], acc_hi)
+//   a piece's integer sum is 16 (acc_lo) + acc_hi = 16 sum_k u x, exact in int32 (|.| < 2^20), and the
+//   zero point is folded in by starting acc_lo at -8 sum_k x (so the sum is 16 sum_k q x, q = u - 8);
+//   then one I2F and one FFMA per piece and row with the piece's scale / 16 times the group's scale.
+// Staged per block (every block rounds the whole x: K/8 chunks over 256 threads, the 4 chunks of a piece
+//   in 4 neighbouring lanes that share their max and sum by shuffles):
+//     xq (uint4) [2][K/32]:  xq[h][u] = the int8 x of words 2h, 2h+1 of piece u (k = 32u + 16h ..)
+//     xm (int2)  [K/32]:     {bits of scale_u / 16, -8 sum of the piece's int8 x}
+//   scale_u = amax_u / 127, x_int = rint(x * (127 / amax_u)) (ties to even; 0 when amax_u = 0), from the
+//   fp16 activation (normed and rounded as the half2 loop stages it). prefill_fp8.py's numpy twin
+//   (quantize_a8_np) rounds the same way; the tests compare against it.
+#ifndef NQ_A8_PIECES_H
+#define NQ_A8_PIECES_H 4  // 16-byte pieces per row per lane in flight, K = H (tuning knob, bench_gemv.py)
+#endif
+#ifndef NQ_A8_PIECES_I
+#define NQ_A8_PIECES_I 4  // the same for K = I (down_proj)
+#endif
+#ifndef NQ_A8_PROBE
+#define NQ_A8_PROBE 0  // 1: skip rounding x in the prologue (a timing probe; results wrong)
+#endif
+template <int K, bool kA8>
+__device__ constexpr int pieces_in_flight() {
+  return kA8 ? (K == kInter ? NQ_A8_PIECES_I : NQ_A8_PIECES_H) : kInFlight;
+}
+
+struct A8Stage {  // the shared-memory views of the staged x (carved from the half2 loop's xs buffer)
+  uint4* xq;
+  int2* xm;
+};
+
 template <int K>
-__device__ __forceinline__ void dot_rows2(const uint32_t* __restrict__ qw, const uint16_t* __restrict__ sc,
-                                          int r0, int r1, const uint4* xs, float& o0, float& o1,
-                                          const RowChunk* first = nullptr) {
+__device__ __forceinline__ A8Stage a8_views(uint4* xs) {
+  // half2's xs is K * 2 bytes; the int8 x takes K bytes and its metadata K / 4
+  return A8Stage{xs, reinterpret_cast<int2*>(xs + K / 16)};
+}
+
+template <int K>
+__device__ __forceinline__ void stage_x_a8(const uint16_t* __restrict__ x, const uint16_t* __restrict__ norm_w,
+                                           float eps, A8Stage st, float* red) {
+  constexpr int kChunks = K / 8;
+  constexpr int kNU = K / 32;
+  constexpr int kIters = (kChunks + kThreads - 1) / kThreads;  // chunks per thread (K = 18944: 10)
+  static_assert(kChunks % 4 == 0 && kThreads % 4 == 0, "a piece is 4 chunks of 4 neighbouring threads");
+  const uint4* x4 = reinterpret_cast<const uint4*>(x);
+  const uint4* w4 = reinterpret_cast<const uint4*>(norm_w);
+  // Loads first, then the arithmetic, kBatch chunks a thread at a time: the rounding below holds warp
+  // shuffles, across which the compiler does not move the next chunk's load, so a loop of load -> round ->
+  // store pays one L2 round trip per chunk. Measured (H200, 7B down_proj, K = 18944, 10 chunks a thread):
+  // that loop cost 4.5 of the kernel's 14.8 us (the same build with the rounding skipped: 10.2 us). Batches
+  // of 4 keep the registers of the GEMV loop's blocks (all 10 at once took 255).
+  constexpr int kBatch = kIters < 4 ? kIters : 4;
+  float r = 1.f;
+  if (norm_w != nullptr) {
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < kChunks; i += kThreads) ss += sum_squares8(x4[i]);
+    ss = block_sum<kThreads>(ss, red);
+    r = rsqrtf(ss / K + eps);
+  }
+  for (int it0 = 0; it0 < (NQ_A8_PROBE ? 0 : kIters); it0 += kBatch) {
+    uint4 v[kBatch];
+#pragma unroll
+    for (int jb = 0; jb < kBatch; ++jb) {
+      const int i = (it0 + jb) * kThreads + threadIdx.x;
+      v[jb] = i < kChunks ? x4[i] : make_uint4(0u, 0u, 0u, 0u);
+    }
+    if (norm_w != nullptr) {
+#pragma unroll
+      for (int jb = 0; jb < kBatch; ++jb) {
+        const int i = (it0 + jb) * kThreads + threadIdx.x;
+        if (i < kChunks) v[jb] = rms_apply8(v[jb], w4[i], r);
+      }
+    }
+#pragma unroll
+    for (int jb = 0; jb < kBatch; ++jb) {
+      const int i = (it0 + jb) * kThreads + threadIdx.x;
+      const uint32_t h[4] = {v[jb].x, v[jb].y, v[jb].z, v[jb].w};
+      float f[8];
+      float amax = 0.f;
+#pragma unroll
+      for (int t = 0; t < 4; ++t) {
+        const float2 p = h22f2(h[t]);
+        f[2 * t] = p.x;
+        f[2 * t + 1] = p.y;
+        amax = fmaxf(amax, fmaxf(fabsf(p.x), fabsf(p.y)));
+      }
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));  // the piece's 4 chunks: lanes 4m .. 4m+3
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      // rint(f * inv) without a conversion instruction (F2I issues at a quarter of the FMA rate): t = f * inv
+      // is rounded to fp32 first (as numpy's twin rounds it), then t + 1.5 * 2^23 lands in the binade whose
+      // ulp is 1, so the add rounds t to the nearest integer (ties to even) and the bits are 0x4B400000 + q:
+      // the low byte is q's int8, and the bits of 8 values summed in uint32 are 8 x 0x4B400000 + sum q.
+      uint32_t b[8], bsum = 0u;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        b[j] = __float_as_uint(__fadd_rn(__fmul_rn(f[j], inv), 12582912.f));  // _rn: never fused into one FMA
+        bsum += b[j];
+      }
+      int sum = static_cast<int>(bsum - 8u * 0x4B400000u);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      if (i < kChunks) {
+        const int u = i >> 2, c = i & 3;  // chunk i = word c of piece u
+        const uint32_t lo = __byte_perm(__byte_perm(b[0], b[1], 0x0040u), __byte_perm(b[2], b[3], 0x0040u), 0x5410u);
+        const uint32_t hi = __byte_perm(__byte_perm(b[4], b[5], 0x0040u), __byte_perm(b[6], b[7], 0x0040u), 0x5410u);
+        reinterpret_cast<uint2*>(st.xq)[((c >> 1) * kNU + u) * 2 + (c & 1)] = make_uint2(lo, hi);
+        if (c == 0) st.xm[u] = make_int2(__float_as_int(amax / 127.f * 0.0625f), -8 * sum);
+      }
+    }
+  }
+  __syncthreads();  // xq, xm complete before any warp reads them
+}
+
+// dp4a with unsigned bytes in a (the weights' nibbles) and signed bytes in b (x)
+__device__ __forceinline__ int dp4a_us(uint32_t a, uint32_t b, int c) {
+  int d;
+  asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+
+// 16 sum_k q[k] x_int[k] over one piece (4 words) of a row: exact
+__device__ __forceinline__ int dot32_a8(const uint4& w, const uint4& xa, const uint4& xb, int bias) {
+  int lo = bias, hi = 0;
+  lo = dp4a_us(w.x & 0x0F0F0F0Fu, xa.x, lo);
+  hi = dp4a_us(w.x & 0xF0F0F0F0u, xa.y, hi);
+  lo = dp4a_us(w.y & 0x0F0F0F0Fu, xa.z, lo);
+  hi = dp4a_us(w.y & 0xF0F0F0F0u, xa.w, hi);
+  lo = dp4a_us(w.z & 0x0F0F0F0Fu, xb.x, lo);
+  hi = dp4a_us(w.z & 0xF0F0F0F0u, xb.y, hi);
+  lo = dp4a_us(w.w & 0x0F0F0F0Fu, xb.z, lo);
+  hi = dp4a_us(w.w & 0xF0F0F0F0u, xb.w, hi);
+  return lo * 16 + hi;
+}
+
+template <int K, int NP>
+__device__ __forceinline__ void use_chunk_a8(const RowChunkN<NP>& c, int j0, A8Stage st, float& a0, float& a1) {
   constexpr int kNU = K / 32;
   constexpr int kNJ = (kNU + 31) / 32;
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int jj = 0; jj < NP; ++jj) {
+    const int u = (j0 + jj) * 32 + lane;
+    if (j0 + jj < kNJ && u < kNU) {
+      const uint4 xa = st.xq[u], xb = st.xq[kNU + u];
+      const int2 m = st.xm[u];
+      const float s16 = __int_as_float(m.x);
+      a0 += static_cast<float>(dot32_a8(c.v0[jj], xa, xb, m.y)) * (s16 * h2f(c.g0[jj]));
+      a1 += static_cast<float>(dot32_a8(c.v1[jj], xa, xb, m.y)) * (s16 * h2f(c.g1[jj]));
+    }
+  }
+}
+
+// One warp: dot products of rows r0 and r1 with xs; the full sums end in every lane. `first`, when
+// given, is chunk 0 already loaded (gemv_units issues it before the launch-overlap wait).
+template <int K, bool kA8 = false>
+__device__ __forceinline__ void dot_rows2(const uint32_t* __restrict__ qw, const uint16_t* __restrict__ sc,
+                                          int r0, int r1, uint4* xs, float& o0, float& o1,
+                                          const RowChunkN<pieces_in_flight<K, kA8>()>* first = nullptr) {
+  constexpr int kNU = K / 32;
+  constexpr int kNJ = (kNU + 31) / 32;
+  constexpr int kNP = pieces_in_flight<K, kA8>();
   float a0 = 0.f, a1 = 0.f;
 #pragma unroll
-  for (int j0 = 0; j0 < kNJ; j0 += kInFlight) {
-    RowChunk c;
+  for (int j0 = 0; j0 < kNJ; j0 += kNP) {
+    RowChunkN<kNP> c;
     if (j0 == 0 && first != nullptr) {
       c = *first;
     } else {
-      load_chunk<K>(qw, sc, r0, r1, j0, c);
+      load_chunk<K, kNP>(qw, sc, r0, r1, j0, c);
     }
-    use_chunk<K>(c, j0, xs, a0, a1);
+    if constexpr (kA8) {
+      use_chunk_a8<K, kNP>(c, j0, a8_views<K>(xs), a0, a1);
+    } else {
+      use_chunk<K>(c, j0, xs, a0, a1);
+    }
   }
   o0 = warp_sum(a0);
   o1 = warp_sum(a1);
@@ -188,7 +353,7 @@ __device__ __forceinline__ void dot_rows2(const uint32_t* __restrict__ qw, const
 // producer of x) drains; the DRAM round trip then overlaps that kernel's tail and this one's x prologue
 // instead of following them. Only weight loads go before the wait; x is read after it (the one exception
 // to common.cuh's rule that nothing is read before the wait, checked in tests/test_compile.py).
-template <int K, class Map, class Epi>
+template <int K, class Map, class Epi, bool kA8 = false>
 __device__ __forceinline__ void gemv_units(const uint32_t* __restrict__ qw, const uint16_t* __restrict__ sc,
                                            const uint16_t* __restrict__ x, const uint16_t* __restrict__ norm_w,
                                            float eps, int units, const Map& map, const Epi& epi) {
@@ -197,7 +362,7 @@ __device__ __forceinline__ void gemv_units(const uint32_t* __restrict__ qw, cons
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int p_first = blockIdx.x * kWarps + warp;
 #if NQ_GEMV_PRELOAD
-  RowChunk first;
+  RowChunkN<pieces_in_flight<K, kA8>()> first;
   int f0 = 0, f1 = 0;
   if (p_first < units) {
     map(p_first, f0, f1);
@@ -205,13 +370,17 @@ __device__ __forceinline__ void gemv_units(const uint32_t* __restrict__ qw, cons
   }
 #endif
   pdl_wait();  // launch overlap (common.cuh): x is the previous kernel's output
-  stage_x<K>(x, norm_w, eps, xs, red);
+  if constexpr (kA8) {
+    stage_x_a8<K>(x, norm_w, eps, a8_views<K>(xs), red);
+  } else {
+    stage_x<K>(x, norm_w, eps, xs, red);
+  }
   // no barrier below: warps leave the loop independently
   int p = p_first;
 #if NQ_GEMV_PRELOAD
   if (p < units) {
     float o0, o1;
-    dot_rows2<K>(qw, sc, f0, f1, xs, o0, o1, &first);
+    dot_rows2<K, kA8>(qw, sc, f0, f1, xs, o0, o1, &first);
     if (lane == 0) epi(0, p, f0, f1, o0, o1);
   }
   p += gridDim.x * kWarps;
@@ -220,7 +389,7 @@ __device__ __forceinline__ void gemv_units(const uint32_t* __restrict__ qw, cons
     int r0, r1;
     map(p, r0, r1);
     float o0, o1;
-    dot_rows2<K>(qw, sc, r0, r1, xs, o0, o1);
+    dot_rows2<K, kA8>(qw, sc, r0, r1, xs, o0, o1);
     if (lane == 0) epi(0, p, r0, r1, o0, o1);
   }
 }
@@ -317,56 +486,48 @@ struct GateUpEpi {
 using namespace nq;
 
 // ---- entries ---------------------------------------------------------------------------------------------
-// The half2 loop, B = 1 (x [K], out [N]; pos_dev [1], page_table [1, max_pages]).
-extern "C" __global__ void __launch_bounds__(kThreads) nq_gemv_int4_h(
-    const uint32_t* __restrict__ qweight,  // [N, H/8]
-    const uint16_t* __restrict__ scales,   // [N, H/128] fp16
-    const uint16_t* __restrict__ x,        // [H] fp16
-    const uint16_t* __restrict__ norm_w,   // [H] fp16 or null (no norm)
-    float eps,
-    const uint16_t* residual,              // [N] fp16 or null; may alias out
-    uint16_t* out,                         // [N] fp16
-    int n_rows) {
-  gemv_units<kHidden>(qweight, scales, x, norm_w, eps, (n_rows + 1) / 2, PlainRows{n_rows},
-                      PlainEpi{residual, out, n_rows});
-}
+// The B = 1 loops (x [K], out [N]; pos_dev [1], page_table [1, max_pages]): the half2 loop (no suffix) and
+// the int8-activation loop (suffix _a8), the same arguments. Per entry:
+//   nq_gemv_int4_h / _i: qweight [N, K/8], scales [N, K/128] fp16, x [K] fp16, norm_w [K] fp16 or null (no
+//     norm), eps, residual [N] fp16 or null (may alias out), out [N] fp16, n_rows = N.
+//   nq_qkv_rope_kv: fused input RMSNorm + q/k/v projection + bias + RoPE + KV page write (units kQkvRows / 2):
+//     qweight [kQkvRows, H/8] rows q | k | v, scales, bias [kQkvRows], x [H] (the residual stream), norm_w
+//     (not null), eps, pos [1] (device: graph-replayable), page_table [1, max_pages], max_pages, k_cache,
+//     v_cache [L, n_pages, kKvHeads, 16, 128] fp16, layer, n_pages, q_out [kQDim] fp16 (roped).
+//   nq_gate_up_silu: fused post-attention RMSNorm + gate/up + SiLU(gate) * up (units kInter): qweight
+//     [2I, H/8] rows gate | up, scales, x [H], norm_w or null, eps, out [I] fp16.
+#define NQ_B1_ENTRIES(SUFFIX, A8)                                                                            \
+  extern "C" __global__ void __launch_bounds__(kThreads) nq_gemv_int4_h##SUFFIX(                            \
+      const uint32_t* __restrict__ qweight, const uint16_t* __restrict__ scales, const uint16_t* __restrict__ x, \
+      const uint16_t* __restrict__ norm_w, float eps, const uint16_t* residual, uint16_t* out, int n_rows) { \
+    gemv_units<kHidden, PlainRows, PlainEpi, A8>(qweight, scales, x, norm_w, eps, (n_rows + 1) / 2,         \
+                                                 PlainRows{n_rows}, PlainEpi{residual, out, n_rows});       \
+  }                                                                                                         \
+  extern "C" __global__ void __launch_bounds__(kThreads) nq_gemv_int4_i##SUFFIX(                            \
+      const uint32_t* __restrict__ qweight, const uint16_t* __restrict__ scales, const uint16_t* __restrict__ x, \
+      const uint16_t* __restrict__ norm_w, float eps, const uint16_t* residual, uint16_t* out, int n_rows) { \
+    gemv_units<kInter, PlainRows, PlainEpi, A8>(qweight, scales, x, norm_w, eps, (n_rows + 1) / 2,          \
+                                                PlainRows{n_rows}, PlainEpi{residual, out, n_rows});        \
+  }                                                                                                         \
+  extern "C" __global__ void __launch_bounds__(kThreads) nq_qkv_rope_kv##SUFFIX(                            \
+      const uint32_t* __restrict__ qweight, const uint16_t* __restrict__ scales,                            \
+      const uint16_t* __restrict__ bias, const uint16_t* __restrict__ x, const uint16_t* __restrict__ norm_w, \
+      float eps, const int32_t* __restrict__ pos, const int32_t* __restrict__ page_table, int max_pages,     \
+      uint16_t* __restrict__ k_cache, uint16_t* __restrict__ v_cache, int layer, int n_pages,                \
+      uint16_t* __restrict__ q_out) {                                                                       \
+    gemv_units<kHidden, QkvRows, QkvEpi, A8>(                                                               \
+        qweight, scales, x, norm_w, eps, kQkvRows / 2, QkvRows{},                                           \
+        QkvEpi{bias, pos, page_table, max_pages, k_cache, v_cache, layer, n_pages, q_out});                 \
+  }                                                                                                         \
+  extern "C" __global__ void __launch_bounds__(kThreads) nq_gate_up_silu##SUFFIX(                           \
+      const uint32_t* __restrict__ qweight, const uint16_t* __restrict__ scales, const uint16_t* __restrict__ x, \
+      const uint16_t* __restrict__ norm_w, float eps, uint16_t* __restrict__ out) {                         \
+    gemv_units<kHidden, GateUpRows, GateUpEpi, A8>(qweight, scales, x, norm_w, eps, kInter, GateUpRows{},   \
+                                                   GateUpEpi{out});                                         \
+  }
 
-extern "C" __global__ void __launch_bounds__(kThreads) nq_gemv_int4_i(
-    const uint32_t* __restrict__ qweight, const uint16_t* __restrict__ scales, const uint16_t* __restrict__ x,
-    const uint16_t* __restrict__ norm_w, float eps, const uint16_t* residual, uint16_t* out, int n_rows) {
-  gemv_units<kInter>(qweight, scales, x, norm_w, eps, (n_rows + 1) / 2, PlainRows{n_rows},
-                     PlainEpi{residual, out, n_rows});
-}
-
-// Fused input RMSNorm + q/k/v projection + bias + RoPE + KV page write. Units = kQkvRows / 2.
-extern "C" __global__ void __launch_bounds__(kThreads) nq_qkv_rope_kv(
-    const uint32_t* __restrict__ qweight,   // [kQkvRows, H/8]   rows q | k | v
-    const uint16_t* __restrict__ scales,    // [kQkvRows, H/128]
-    const uint16_t* __restrict__ bias,      // [kQkvRows] fp16
-    const uint16_t* __restrict__ x,         // [H] fp16 residual stream
-    const uint16_t* __restrict__ norm_w,    // [H] fp16 input_layernorm weight (not null)
-    float eps,
-    const int32_t* __restrict__ pos,        // [1] position of this token (device: graph-replayable)
-    const int32_t* __restrict__ page_table, // [1, max_pages] logical block -> page id
-    int max_pages,
-    uint16_t* __restrict__ k_cache,         // [L, n_pages, kKvHeads, 16, 128] fp16
-    uint16_t* __restrict__ v_cache,         // same
-    int layer, int n_pages,
-    uint16_t* __restrict__ q_out) {         // [kQDim] fp16, roped
-  gemv_units<kHidden>(qweight, scales, x, norm_w, eps, kQkvRows / 2, QkvRows{},
-                      QkvEpi{bias, pos, page_table, max_pages, k_cache, v_cache, layer, n_pages, q_out});
-}
-
-// Fused post-attention RMSNorm + gate/up projection + SiLU(gate) * up. Units = kInter.
-extern "C" __global__ void __launch_bounds__(kThreads) nq_gate_up_silu(
-    const uint32_t* __restrict__ qweight,  // [2I, H/8]  rows gate | up
-    const uint16_t* __restrict__ scales,   // [2I, H/128]
-    const uint16_t* __restrict__ x,        // [H] fp16
-    const uint16_t* __restrict__ norm_w,   // [H] fp16 or null
-    float eps,
-    uint16_t* __restrict__ out) {          // [I] fp16
-  gemv_units<kHidden>(qweight, scales, x, norm_w, eps, kInter, GateUpRows{}, GateUpEpi{out});
-}
+NQ_B1_ENTRIES(, false)
+NQ_B1_ENTRIES(_a8, true)
 
 // The tensor-core core, B columns (x [B, K], outputs [B, ...]; pos [B], page_table [B, max_pages]);
 // n_cols = B, pass_cols = columns per pass, slice_groups = 128-k groups of x staged at a time (gemv.py's
