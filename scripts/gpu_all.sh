@@ -11,8 +11,8 @@
 # Sections (real, serve, llamacpp and peers need $NQ_REAL_GGUF / the carried .whl and .peer; see their comments):
 # info, model7b (writes the 7B-shaped synthetic file once, shared by the ladder and the bench),
 # kernels / engine / ladder / cli (pytest -m gpu of each suite; cli = tests/test_cli_gpu.py), kbench (packages/nanoqwen-kernels/bench/*.py),
-# gemvvariants (bench_gemv.py: the default and tiles1 GEMV variants at B = 1 .. 64),
-# clibench (nanoqwen-cli bench --synthetic 7b --json, graph then eager), batchbench (scripts/bench_batch.py:
+# gemvvariants (bench_gemv.py: the default, tiles1 and a8 GEMV variants at B = 1 .. 64),
+# clibench (nanoqwen-cli bench --synthetic 7b --json, graph, eager, then --decode-activations int8), batchbench (scripts/bench_batch.py:
 # batched decode throughput, B = 1, 8, 32, 64 requests of 128 + 256 tokens at once, then the same levels
 # through `nanoqwen-cli bench --concurrency`), breakdown
 # pdl (NANOQWEN_PDL=0/1 A/B), prefill (prefill graphs A/B, 7B and the 1.5B's dims),
@@ -109,7 +109,7 @@ fi
 # The batched GEMV bodies side by side (issue 13/15): the default ("tiles": half2 loop at B = 1, tile GEMM
 # beyond) and every B on the tile GEMM ("tiles1"); the lm_head rows add its other B > 1 body (gemv_mma).
 want gemvvariants && run gemvvariants 240 $PY packages/nanoqwen-kernels/bench/bench_gemv.py --batch 1,8,16,32,64 \
-  --variant tiles,tiles1 --no-peer --json "$WORK/logs/bench_gemv_variants.json"
+  --variant tiles,tiles1,a8 --no-peer --json "$WORK/logs/bench_gemv_variants.json"
 if want clibench || want clibench_graph; then
   if [ -d packages/nanoqwen-cli/src/nanoqwen_cli ]; then
     # the bench finds the 7B file the model7b section wrote in $NANOQWEN_CACHE
@@ -117,6 +117,8 @@ if want clibench || want clibench_graph; then
       rc=\$?; cat '$OUT/bench_7b_graph.json'; exit \$rc"
     want clibench && run clibench_eager 120 bash -c "$PY -m nanoqwen_cli bench --synthetic 7b --eager --json > '$OUT/bench_7b_eager.json'; \
       rc=\$?; cat '$OUT/bench_7b_eager.json'; exit \$rc"
+    # the opt-in int8 decode activations (recorded, not a gate: its numbers differ by design)
+    want clibench && run clibench_int8 120 $PY -m nanoqwen_cli bench --synthetic 7b --decode-activations int8
   else
     echo "no nanoqwen_cli package: clibench skipped" | tee -a "$LOG"
   fi
