@@ -147,8 +147,10 @@ def test_every_kernel_entry_is_named_nq():
 _GLOBAL_MEM = re.compile(r"\b(LDG|STG|LDGSTS|ATOMG|ATOM|RED|REDG|ST|LD|UBLKCP|UTMALDG|UTMASTG)\b")
 
 
-# the half2-loop entries (B = 1) that load their first weights before the wait
-_PRELOADING = {"nq_gemv_int4_h", "nq_gemv_int4_i", "nq_qkv_rope_kv", "nq_gate_up_silu"}
+# the B = 1 entries (the half2 loop, and the int8-activation loop "_a8") that load their first weights
+# before the wait
+_PRELOADING = {f"{k}{s}" for k in ("nq_gemv_int4_h", "nq_gemv_int4_i", "nq_qkv_rope_kv", "nq_gate_up_silu")
+               for s in ("", "_a8")}
 
 
 def _check_waits(funcs: dict[str, str]) -> None:
@@ -163,7 +165,7 @@ def _check_waits(funcs: dict[str, str]) -> None:
             # store or atomic (x, the outputs, the tickets) before it
             early = [op for op in early if op != "LDGSTS"]
         if name in _PRELOADING:
-            # the half2 loop loads a warp's first chunk of weights and scales before the wait (gemv_int4.cu,
+            # the B = 1 loops load a warp's first chunk of weights and scales before the wait (gemv_int4.cu,
             # NQ_GEMV_PRELOAD): loads only (x is read after the wait: the wait's memory clobber keeps every
             # source-order-later access after it), at most 4 pieces + 4 scales of each of the 2 rows
             loads = [op for op in early if op == "LDG"]
