@@ -76,7 +76,7 @@ def test_gemv_int4_sass(dims_name):
     funcs = _functions(_sass("gemv_int4.cu", DIMS[dims_name]))
     tiles = {f"{k}_tile{c}" for k in GEMV_KINDS for c in (8, 16, 32, 64)}
     gemvs = {f"{k}{suffix}" for k in GEMV_KINDS for suffix in ("", "_mma8", "_mma32")}
-    a8 = {f"{k}_a8" for k in GEMV_KINDS}
+    a8 = {f"{k}_a8" for k in GEMV_KINDS} | {"nq_gate_up_silu_a8x", "nq_gemv_int4_i_a8x"}
     helpers = {"nq_norm_cols_h", "nq_norm_cols_i", "nq_norm_cols_wg_h"}
     assert set(funcs) == gemvs | helpers | tiles | a8
     for name in a8:
@@ -150,7 +150,7 @@ _GLOBAL_MEM = re.compile(r"\b(LDG|STG|LDGSTS|ATOMG|ATOM|RED|REDG|ST|LD|UBLKCP|UT
 # the B = 1 entries (the half2 loop, and the int8-activation loop "_a8") that load their first weights
 # before the wait
 _PRELOADING = {f"{k}{s}" for k in ("nq_gemv_int4_h", "nq_gemv_int4_i", "nq_qkv_rope_kv", "nq_gate_up_silu")
-               for s in ("", "_a8")}
+               for s in ("", "_a8")} | {"nq_gate_up_silu_a8x", "nq_gemv_int4_i_a8x"}
 
 
 def _check_waits(funcs: dict[str, str]) -> None:

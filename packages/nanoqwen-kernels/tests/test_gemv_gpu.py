@@ -21,6 +21,8 @@ from nanoqwen_kernels.gemv import (
     GEMV_VARIANTS,
     LM_HEAD_BODIES,
     GemvKernels,
+    a8_image,
+    a8_image_values,
     round_a8,
 )
 from refs import dequant, gemv_tolerance, matvec, pack_valueshuffle, random_int4, rmsnorm, rope
@@ -195,6 +197,65 @@ def test_gate_up_silu(kernels, dims, rng, b):
         out = cp.full((b, inter), np.nan, dtype=np.float16)
         kernels[variant].gate_up_silu(qw, sc, _batch(b, cp.asarray(x)), cp.asarray(w), EPS, _batch(b, out))
         _check(out.get(), ref, t, f"{variant} gate_up_silu B={b}")
+
+
+def test_a8_image_pair(kernels, dims, rng):
+    """The int8-activation loop's down_proj pair. gate/up with a8_image writes down_proj's input already
+    rounded (gemv.a8_image's layout): its values are the numpy gate/up within the fp16 tolerance plus half an
+    int8 step, each 32-value group's largest on +-127, its stored sum that of its bytes. down_proj reading an
+    image made by numpy matches numpy on round_a8 of that x. And the fused pair gives the unfused a8 pair's
+    output bit for bit (the same fp16 values rounded the same way, the same sums)."""
+    import cupy as cp
+
+    g = kernels["a8"]
+    H, inter = dims.hidden, dims.intermediate
+    ug, sg = random_int4(rng, 2 * inter, H)
+    ud, sd = random_int4(rng, H, inter)
+    qg, scg = cp.asarray(pack_valueshuffle(ug)), cp.asarray(sg)
+    qd, scd = cp.asarray(pack_valueshuffle(ud)), cp.asarray(sd)
+    x = rng.standard_normal(H).astype(np.float16)
+    w = (1 + 0.1 * rng.standard_normal(H)).astype(np.float16)
+    res = rng.standard_normal(H).astype(np.float16)
+    # gate/up -> image
+    xin = round_a8(rmsnorm(x[None], w, EPS))
+    wd = dequant(ug, sg)
+    lin = matvec(wd, xin.T).T
+    tol = gemv_tolerance(wd, xin, lin)
+    gate, up = lin[0, :inter], lin[0, inter:]
+    silu = gate / (1 + np.exp(-gate))
+    ref = silu * up
+    t = 1.1 * np.abs(up) * tol[0, :inter] + np.abs(silu) * tol[0, inter:] + 8 * 2.0**-11 * np.abs(ref) + 1e-6
+    act = cp.full(inter, np.nan, dtype=np.float16)
+    g.gate_up_silu(qg, scg, cp.asarray(x), cp.asarray(w), EPS, act, a8_image=True)
+    img = act.get().view(np.uint8)[: inter * 5 // 4].copy()
+    vals = a8_image_values(img, inter).astype(np.float64)
+    q = img[:inter].view(np.int8).reshape(2, inter // 32, 16).transpose(1, 0, 2).reshape(inter // 32, 32)
+    meta = img[inter:].view(np.int32).reshape(inter // 32, 2)
+    assert np.array_equal(meta[:, 1], -8 * q.astype(np.int64).sum(axis=1)), "a group's stored sum"
+    nonzero = np.abs(q).max(axis=1) > 0
+    assert np.all(np.abs(q).max(axis=1)[nonzero] == 127), "a group's largest value must land on +-127"
+    step = np.abs(vals.reshape(-1, 32)).max(axis=1) / 127
+    _check(vals, ref, t + 0.51 * np.repeat(step, 32) + 1e-6, "a8 image of gate/up")
+    # down_proj reading a numpy image
+    h = rng.standard_normal(inter).astype(np.float16)
+    buf = cp.zeros(inter, dtype=np.float16)
+    buf.view(cp.uint8)[: inter * 5 // 4] = cp.asarray(a8_image(h))
+    wdd = dequant(ud, sd)
+    hr = round_a8(h[None])
+    ref_d = matvec(wdd, hr.T).T[0] + res.astype(np.float64)
+    tol_d = gemv_tolerance(wdd, hr, ref_d[None])[0] + 2.0**-10 * np.abs(ref_d)
+    out = cp.full(H, np.nan, dtype=np.float16)
+    g.gemv_int4(qd, scd, buf, out, residual=cp.asarray(res), x_a8_image=True)
+    _check(out.get(), ref_d, tol_d, "down_proj on an a8 image")
+    # fused pair == unfused pair, bit for bit
+    outs = []
+    for fused in (False, True):
+        a = cp.full(inter, np.nan, dtype=np.float16)
+        o = cp.asarray(res)
+        g.gate_up_silu(qg, scg, cp.asarray(x), cp.asarray(w), EPS, a, a8_image=fused)
+        g.gemv_int4(qd, scd, a, o, residual=o, x_a8_image=fused)
+        outs.append(o.get().view(np.uint16))
+    assert np.array_equal(outs[0], outs[1]), "the fused a8 pair differs from the unfused one"
 
 
 @pytest.mark.parametrize("b", BATCHES)

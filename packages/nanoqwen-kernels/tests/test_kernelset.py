@@ -85,6 +85,47 @@ def test_a8_runs_every_matrix_on_the_int8_activation_loop(monkeypatch):
     }
 
 
+def test_a8_image_holds_round_a8_in_the_staged_layout():
+    """gemv.a8_image (what nq_gate_up_silu_a8x writes, nq_gemv_int4_i_a8x stages): K bytes of int8 in the
+    [2][K/32][16] layout, then {scale / 16, -8 sum} per 32 values; read back it is round_a8 exactly."""
+    from nanoqwen_kernels.gemv import a8_image, a8_image_values, round_a8
+
+    rng = np.random.default_rng()
+    k = 8 * 128
+    x = (rng.standard_normal(k) * rng.choice([1e-2, 1.0, 50.0])).astype(np.float16)
+    x[32:64] = 0
+    img = a8_image(x)
+    assert img.dtype == np.uint8 and img.shape == (k * 5 // 4,)
+    assert np.array_equal(a8_image_values(img, k), round_a8(x))
+    q = np.rint(round_a8(x) / np.repeat(np.abs(x.astype(np.float32)).reshape(-1, 32).max(1) / 127, 32)
+                .clip(min=1e-30)).astype(np.int8)
+    u, h, i = 5, 1, 3  # byte i of half h of piece u is x_int[32u + 16h + i]
+    assert img[(h * (k // 32) + u) * 16 + i].view(np.int8) == q[32 * u + 16 * h + i]
+    meta = img[k:].view(np.int32).reshape(-1, 2)
+    assert meta[1, 0] == 0 and meta[1, 1] == 0  # the zero block
+    assert np.array_equal(meta[:, 1], -8 * q.astype(np.int64).reshape(-1, 32).sum(1))
+
+
+def test_a8_image_calls_need_the_a8_variant_and_one_sequence(monkeypatch):
+    monkeypatch.setattr(checks, "launch", lambda fn, grid, block, args, shared_mem=0: None)
+    monkeypatch.setattr(checks, "even_grid", lambda fn, units, threads, shared_mem=0, copies=1: 1)
+    monkeypatch.setattr(checks, "sm_count", lambda device_id=None: 132)
+    monkeypatch.setattr(checks, "cupy_module", fake_cupy)
+    d = TINY
+    h, i = d.hidden, d.intermediate
+    for variant, b, match in (("tiles", 1, "variant 'a8'"), ("a8", 2, "B = 1")):
+        g = GemvKernels(d, lambda sources, defines: _Module(), variant)
+        x = dev((b, h), np.float16) if b > 1 else dev((h,), np.float16)
+        out = dev((b, i), np.float16) if b > 1 else dev((i,), np.float16)
+        with pytest.raises(KernelError, match=match):
+            g.gate_up_silu(dev((2 * i, h // 8), np.uint32), dev((2 * i, h // 128), np.float16), x, None, 1e-6, out,
+                           a8_image=True)
+    g = GemvKernels(d, lambda sources, defines: _Module(), "a8")
+    with pytest.raises(KernelError, match="down_proj"):  # an image x is K = I only
+        g.gemv_int4(dev((h, h // 8), np.uint32), dev((h, h // 128), np.float16), dev((h,), np.float16),
+                    dev((h,), np.float16), x_a8_image=True)
+
+
 def test_round_a8_is_the_int8_rounding_the_kernel_applies():
     """gemv.round_a8 (the int8-activation loop's numpy twin): per 32 k, the largest |x| lands on +-127
     exactly, every value within half a step (amax / 254) of itself, a zero block stays zero, and K not a

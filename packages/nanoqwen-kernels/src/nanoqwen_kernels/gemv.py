@@ -85,6 +85,7 @@ DEFAULT_LM_HEAD = "blas"
 
 
 A8_BLOCK = 32  # k per int8 scale of the int8-activation loop (one 16-byte piece of a weight row)
+A8_IMAGE_GROUPS = 8  # groups of 32 outputs a block of nq_gate_up_silu_a8x takes at most (kA8ImageGroups)
 def round_a8(x: np.ndarray) -> np.ndarray:
     """What the int8-activation loop ("a8") multiplies the weights with, as float32 [..., K]: x (the staged
     fp16 activation, normed when the GEMV norms) rounded to int8 per A8_BLOCK k with one scale each,
@@ -102,6 +103,37 @@ def round_a8(x: np.ndarray) -> np.ndarray:
     q = np.rint((g * inv).astype(np.float32))
     scale = (amax / np.float32(127)).astype(np.float32)
     return (q * scale).astype(np.float32).reshape(xf.shape)
+
+
+def a8_image(x: np.ndarray) -> np.ndarray:
+    """The "a8 image" of one activation x [K] (fp16 values): what nq_gate_up_silu_a8x writes for down_proj
+    and nq_gemv_int4_i_a8x stages as it is, uint8 [K * 5 / 4]: K bytes of int8 x laid out [2][K/32][16]
+    (byte i of half h of piece u is x_int[32u + 16h + i]), then per piece u an int32 pair {float bits of
+    scale_u / 16, -8 sum x_int}, little-endian. The rounding is round_a8's."""
+    xf = np.asarray(x, dtype=np.float16).astype(np.float32).reshape(-1)
+    k = xf.shape[0]
+    if k % A8_BLOCK:
+        raise KernelError(f"a8_image: K = {k} is not a multiple of {A8_BLOCK}")
+    g = xf.reshape(k // A8_BLOCK, A8_BLOCK)
+    amax = np.abs(g).max(axis=1)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, np.float32(1)), np.float32(0)).astype(np.float32)
+    q = np.rint((g * inv[:, None]).astype(np.float32)).astype(np.int32)
+    xq = q.astype(np.int8).reshape(k // A8_BLOCK, 2, 16).transpose(1, 0, 2).reshape(-1).view(np.uint8)
+    meta = np.empty((k // A8_BLOCK, 2), dtype=np.int32)
+    meta[:, 0] = ((amax / np.float32(127)).astype(np.float32) * np.float32(0.0625)).astype(np.float32).view(np.int32)
+    meta[:, 1] = -8 * q.sum(axis=1)
+    return np.concatenate([xq, meta.reshape(-1).view(np.uint8)])
+
+
+def a8_image_values(img: np.ndarray, k: int) -> np.ndarray:
+    """The activation an a8 image stands for, float32 [K] (equal to round_a8 of the x it was made from)."""
+    b = np.asarray(img, dtype=np.uint8).reshape(-1)
+    if b.shape[0] < k * 5 // 4 or k % A8_BLOCK:
+        raise KernelError(f"a8_image_values: {b.shape[0]} bytes cannot hold the image of K = {k}")
+    q = b[:k].view(np.int8).reshape(2, k // A8_BLOCK, 16).transpose(1, 0, 2).reshape(k // A8_BLOCK, A8_BLOCK)
+    meta = b[k:k * 5 // 4].view(np.int32).reshape(k // A8_BLOCK, 2)
+    scale = meta[:, 0].view(np.float32) * np.float32(16)
+    return (q.astype(np.float32) * scale[:, None]).astype(np.float32).reshape(k)
 
 
 @dataclass(frozen=True)
@@ -274,6 +306,9 @@ class GemvKernels:
         self._a8 = variant in A8_VARIANTS
         suffix = "_a8" if self._a8 else ""  # the B = 1 loop: half2, or int8 activations
         self._half2 = {kind: m.get_function(name + suffix) for kind, name in names.items()}
+        # the a8 image pair: gate/up writing down_proj's x already rounded, and down_proj reading it
+        self._gu_image = m.get_function("nq_gate_up_silu_a8x") if self._a8 else None
+        self._down_image = m.get_function("nq_gemv_int4_i_a8x") if self._a8 else None
         self._mma = {
             (kind, c): m.get_function(f"{name}_mma{c}", max_dynamic_smem=smem)
             for kind, name in names.items()
@@ -396,10 +431,30 @@ class GemvKernels:
             shared_mem=plan.smem,
         )
 
-    def gemv_int4(self, qweight, scales, x, out, residual=None, norm_w=None, eps=1e-6) -> None:
-        """out[B, N] = W . (norm(x[b]) if norm_w else x[b]) (+ residual[B, N]); residual may be out itself."""
+    def _check_image_call(self, b: int, what: str) -> None:
+        if not self._a8:
+            raise KernelError(f"{what}: the a8 image needs the GEMV variant 'a8', this is {self.variant!r}")
+        if b != 1:
+            raise KernelError(f"{what}: the a8 image is one sequence's (B = 1), got B = {b}")
+
+    def gemv_int4(self, qweight, scales, x, out, residual=None, norm_w=None, eps=1e-6, x_a8_image=False) -> None:
+        """out[B, N] = W . (norm(x[b]) if norm_w else x[b]) (+ residual[B, N]); residual may be out itself.
+        x_a8_image (variant "a8", B = 1, K = I, no norm): x's storage holds an a8 image (gate_up_silu's
+        a8_image output; gemv.a8_image), which down_proj stages as it is."""
         n, k = self._int4(qweight, scales)
         b, lead = self._x(x, k)
+        if x_a8_image:
+            self._check_image_call(b, "gemv_int4")
+            if k != self.dims.intermediate or norm_w is not None:
+                raise KernelError("gemv_int4: an a8 image x is down_proj's (K = intermediate, no norm)")
+            ck.check_array("out", out, np.float16, (*lead, n))
+            if residual is not None:
+                ck.check_array("residual", residual, np.float16, (*lead, n))
+            ck.check_distinct(x=x, out=out)
+            fn = self._down_image
+            ck.launch(fn, ck.even_grid(fn, -(-((n + 1) // 2) // WARPS), THREADS), THREADS,
+                      (qweight, scales, x, residual if residual is not None else ck.NULL, out, np.int32(n)))
+            return
         ck.check_array("out", out, np.float16, (*lead, n))
         if residual is not None:
             ck.check_array("residual", residual, np.float16, (*lead, n))
@@ -476,8 +531,10 @@ class GemvKernels:
         else:
             self._launch_mma(lambda c: self._mma[("qkv", c)], rows // 2, d.hidden, b, args)
 
-    def gate_up_silu(self, qweight, scales, x, norm_w, eps, out) -> None:
-        """Fused RMSNorm + gate/up GEMV (rows [0,I) gate, [I,2I) up) + silu(gate) * up into out[B, I]."""
+    def gate_up_silu(self, qweight, scales, x, norm_w, eps, out, a8_image=False) -> None:
+        """Fused RMSNorm + gate/up GEMV (rows [0,I) gate, [I,2I) up) + silu(gate) * up into out[B, I].
+        a8_image (variant "a8", B = 1): out's storage receives the result as down_proj's a8 image
+        (gemv.a8_image of the fp16 values: I * 5 / 4 bytes) instead of fp16 values."""
         d = self.dims
         n, _ = self._int4(qweight, scales, d.hidden)
         if n != 2 * d.intermediate:
@@ -489,6 +546,13 @@ class GemvKernels:
         ck.check_array("out", out, np.float16, (*lead, d.intermediate))
         ck.check_distinct(x=x, out=out)
         args = (qweight, scales, x, norm_w if norm_w is not None else ck.NULL, e, out)
+        if a8_image:
+            self._check_image_call(b, "gate_up_silu")
+            fn = self._gu_image  # a block per group of 32 outputs at a time, A8_IMAGE_GROUPS a block at most
+            groups = d.intermediate // A8_BLOCK
+            grid = max(ck.even_grid(fn, groups, THREADS), -(-groups // A8_IMAGE_GROUPS))
+            ck.launch(fn, grid, THREADS, args)
+            return
         if self._on_tiles("gu", b):
             self._launch_tiles("gu", d.intermediate, d.hidden, b, (qweight, scales), x, norm_w, e, (out,))
         elif b == 1 and "gu" not in self._mma_at_b1:

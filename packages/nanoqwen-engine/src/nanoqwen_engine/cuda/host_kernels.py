@@ -129,10 +129,15 @@ class HostKernels:
         out[...] = _rms(x, w, eps).astype(out.dtype)
 
     @_launcher
-    def gemv_int4(self, qweight, scales, x, out, residual=None, norm_w=None, eps=1e-6):
-        xr = _rows(x)
-        xin = _rms(xr, norm_w, eps) if norm_w is not None else xr.astype(np.float32)
-        y = _mm(self._gemv_x(xin), self._w(qweight, scales))
+    def gemv_int4(self, qweight, scales, x, out, residual=None, norm_w=None, eps=1e-6, x_a8_image=False):
+        if x_a8_image:  # x's storage holds down_proj's a8 image (gate_up_silu's a8_image output)
+            from nanoqwen_kernels.gemv import a8_image_values
+
+            xv = a8_image_values(np.asarray(x).reshape(-1).view(np.uint8), qweight.shape[1] * 8)[None, :]
+        else:
+            xr = _rows(x)
+            xv = self._gemv_x(_rms(xr, norm_w, eps) if norm_w is not None else xr.astype(np.float32))
+        y = _mm(xv, self._w(qweight, scales))
         if residual is not None:
             y = y + _rows(residual).astype(np.float32)
         _rows(out)[...] = y.astype(out.dtype)
@@ -157,11 +162,18 @@ class HostKernels:
         self._write_kv(k.astype(np.float16), v.astype(np.float16), pos, page_table, k_cache, v_cache, layer)
 
     @_launcher
-    def gate_up_silu(self, qweight, scales, x, norm_w, eps, out):
+    def gate_up_silu(self, qweight, scales, x, norm_w, eps, out, a8_image=False):
         h = self._gemv_x(_rms(_rows(x), norm_w, eps))
         gu = _mm(h, self._w(qweight, scales))
         n = out.shape[-1]
-        _rows(out)[...] = _silu_mul(gu[:, :n], gu[:, n:]).astype(out.dtype)
+        act = _silu_mul(gu[:, :n], gu[:, n:]).astype(out.dtype)
+        if a8_image:  # the result as down_proj's a8 image, in out's storage
+            from nanoqwen_kernels.gemv import a8_image
+
+            img = a8_image(act[0])
+            np.asarray(out).reshape(-1).view(np.uint8)[: img.shape[0]] = img
+        else:
+            _rows(out)[...] = act
 
     @_launcher
     def attention_decode(self, q, k_cache, v_cache, page_table, seq_len_dev, layer, out, workspace):

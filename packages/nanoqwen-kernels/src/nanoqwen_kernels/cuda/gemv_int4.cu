@@ -353,7 +353,21 @@ __device__ __forceinline__ void dot_rows2(const uint32_t* __restrict__ qw, const
 // producer of x) drains; the DRAM round trip then overlaps that kernel's tail and this one's x prologue
 // instead of following them. Only weight loads go before the wait; x is read after it (the one exception
 // to common.cuh's rule that nothing is read before the wait, checked in tests/test_compile.py).
-template <int K, class Map, class Epi, bool kA8 = false>
+// What gemv_units stages as its x (template argument kX)
+constexpr int kXHalf = 0;   // fp16 x (normed or not) for the half2 loop
+constexpr int kXA8 = 1;     // fp16 x rounded to int8 in the prologue, for the int8-activation loop
+constexpr int kXImage = 2;  // x already rounded: an a8 image (gate_up_a8_image's output), copied as it is
+
+// Stage an a8 image (K bytes of int8 x then K / 32 int2 {scale / 16, -8 sum}: the shared layout itself)
+template <int K>
+__device__ __forceinline__ void stage_image(const uint16_t* __restrict__ img, uint4* xs) {
+  constexpr int kN = K / 16 + K / 64;  // uint4s: xq, then xm
+  const uint4* src = reinterpret_cast<const uint4*>(img);
+  for (int i = threadIdx.x; i < kN; i += kThreads) xs[i] = src[i];
+  __syncthreads();  // the image complete before any warp reads it
+}
+
+template <int K, class Map, class Epi, int kX = kXHalf>
 __device__ __forceinline__ void gemv_units(const uint32_t* __restrict__ qw, const uint16_t* __restrict__ sc,
                                            const uint16_t* __restrict__ x, const uint16_t* __restrict__ norm_w,
                                            float eps, int units, const Map& map, const Epi& epi) {
@@ -362,7 +376,7 @@ __device__ __forceinline__ void gemv_units(const uint32_t* __restrict__ qw, cons
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int p_first = blockIdx.x * kWarps + warp;
 #if NQ_GEMV_PRELOAD
-  RowChunkN<pieces_in_flight<K, kA8>()> first;
+  RowChunkN<pieces_in_flight<K, kX != kXHalf>()> first;
   int f0 = 0, f1 = 0;
   if (p_first < units) {
     map(p_first, f0, f1);
@@ -370,7 +384,9 @@ __device__ __forceinline__ void gemv_units(const uint32_t* __restrict__ qw, cons
   }
 #endif
   pdl_wait();  // launch overlap (common.cuh): x is the previous kernel's output
-  if constexpr (kA8) {
+  if constexpr (kX == kXImage) {
+    stage_image<K>(x, xs);
+  } else if constexpr (kX == kXA8) {
     stage_x_a8<K>(x, norm_w, eps, a8_views<K>(xs), red);
   } else {
     stage_x<K>(x, norm_w, eps, xs, red);
@@ -380,7 +396,7 @@ __device__ __forceinline__ void gemv_units(const uint32_t* __restrict__ qw, cons
 #if NQ_GEMV_PRELOAD
   if (p < units) {
     float o0, o1;
-    dot_rows2<K, kA8>(qw, sc, f0, f1, xs, o0, o1, &first);
+    dot_rows2<K, kX != kXHalf>(qw, sc, f0, f1, xs, o0, o1, &first);
     if (lane == 0) epi(0, p, f0, f1, o0, o1);
   }
   p += gridDim.x * kWarps;
@@ -389,7 +405,7 @@ __device__ __forceinline__ void gemv_units(const uint32_t* __restrict__ qw, cons
     int r0, r1;
     map(p, r0, r1);
     float o0, o1;
-    dot_rows2<K, kA8>(qw, sc, r0, r1, xs, o0, o1);
+    dot_rows2<K, kX != kXHalf>(qw, sc, r0, r1, xs, o0, o1);
     if (lane == 0) epi(0, p, r0, r1, o0, o1);
   }
 }
@@ -481,6 +497,97 @@ struct GateUpEpi {
   }
 };
 
+// ---- gate/up writing down_proj's x already rounded (the "a8 image") -------------------------------------
+// Under the int8-activation loop every down_proj block rounds the whole intermediate (18,944 values on the
+// 7B) in its prologue: ~3.6 of its 13.9 us (docs/PERF.md "fourteenth lease"). Here the kernel that produces
+// the intermediate rounds it once: a block takes whole groups of 32 outputs (warp w units 32g + 4w .. +3,
+// the same rows and epilogue arithmetic as GateUpEpi) and puts their fp16-rounded values in shared memory;
+// the last of the block's warps to finish a group (a shared-memory counter per group, no block barrier:
+// a barrier per group held the warps in step and lost, docs/PERF.md) rounds it as stage_x_a8 would (the
+// group is one of down_proj's 32-k pieces) and writes it in the layout down_proj stages: image = xq
+// [2][kInter/32] uint4, then xm [kInter/32] int2. A block takes at most kA8ImageGroups groups (the
+// launcher's grid), each its own slot, so no slot is reused.
+constexpr int kA8ImageGroups = 8;
+__device__ __forceinline__ void a8_round_group(float v, int g, uint16_t* img) {
+  constexpr int kNU = kInter / 32;
+  const int lane = threadIdx.x & 31;
+  const float amax = warp_max(fabsf(v));
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  const uint32_t b = __float_as_uint(__fadd_rn(__fmul_rn(v, inv), 12582912.f));  // as stage_x_a8
+  int sum = static_cast<int>(b - 0x4B400000u);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+  // lane 4m gathers the bytes of lanes 4m .. 4m+3: word m of the group (k = 32g + 4m ..)
+  const uint32_t b1 = __shfl_down_sync(0xffffffffu, b, 1), b2 = __shfl_down_sync(0xffffffffu, b, 2),
+                 b3 = __shfl_down_sync(0xffffffffu, b, 3);
+  if ((lane & 3) == 0) {
+    const int m = lane >> 2;  // bytes 4m .. 4m+3 of the group: half m / 4 of the piece, word m % 4 of it
+    reinterpret_cast<uint32_t*>(img)[((m >> 2) * kNU + g) * 4 + (m & 3)] =
+        __byte_perm(__byte_perm(b, b1, 0x0040u), __byte_perm(b2, b3, 0x0040u), 0x5410u);
+  }
+  if (lane == 0) reinterpret_cast<int2*>(img + kInter / 2)[g] = make_int2(__float_as_int(amax / 127.f * 0.0625f), -8 * sum);
+}
+
+template <int K>
+__device__ __forceinline__ void gate_up_a8_image(const uint32_t* __restrict__ qw, const uint16_t* __restrict__ sc,
+                                                 const uint16_t* __restrict__ x, const uint16_t* __restrict__ norm_w,
+                                                 float eps, uint16_t* __restrict__ img) {
+  static_assert(kInter % 32 == 0, "groups of 32 outputs");
+  constexpr int kGroups = kInter / 32;
+  constexpr int kNP = pieces_in_flight<K, true>();
+  __shared__ uint4 xs[K / 8];
+  __shared__ float red[32];
+  __shared__ float hs[kA8ImageGroups][32];
+  __shared__ int done[kA8ImageGroups];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const GateUpRows map{};
+#if NQ_GEMV_PRELOAD
+  RowChunkN<kNP> first;  // the first unit's first chunk, before the wait (as gemv_units)
+  if (blockIdx.x < kGroups) {
+    int f0, f1;
+    map(32 * blockIdx.x + 4 * warp, f0, f1);
+    load_chunk<K>(qw, sc, f0, f1, 0, first);
+  }
+#endif
+  if (threadIdx.x < kA8ImageGroups) done[threadIdx.x] = 0;  // published by stage_x_a8's barrier
+  pdl_wait();
+  stage_x_a8<K>(x, norm_w, eps, a8_views<K>(xs), red);
+  // unit j of group g (slot s): warp w's output 4w + j of the group; after its 4th, the warp counts itself
+  // done with the group, and the last of the kWarps rounds and writes it
+  int s = 0, j = 0;
+#if NQ_GEMV_PRELOAD
+  if (static_cast<int>(blockIdx.x) < kGroups) {  // the first unit, peeled: its chunk was loaded before the wait
+    int r0, r1;
+    map(32 * blockIdx.x + 4 * warp, r0, r1);
+    float o0, o1;
+    dot_rows2<K, true>(qw, sc, r0, r1, xs, o0, o1, &first);
+    if (lane == 0) hs[0][4 * warp] = h2f(f2h(o0 / (1.f + __expf(-o0)) * o1));
+    j = 1;
+  }
+#endif
+  for (int g = blockIdx.x; g < kGroups;) {  // block-uniform; s < kA8ImageGroups
+    int r0, r1;
+    map(32 * g + 4 * warp + j, r0, r1);
+    float o0, o1;
+    dot_rows2<K, true>(qw, sc, r0, r1, xs, o0, o1);
+    if (lane == 0) hs[s][4 * warp + j] = h2f(f2h(o0 / (1.f + __expf(-o0)) * o1));  // GateUpEpi's value
+    if (++j == 4) {
+      int last = 0;
+      if (lane == 0) {
+        __threadfence_block();  // this warp's 4 values before its count (release)
+        last = atomicAdd(&done[s], 1) == kWarps - 1;
+      }
+      if (__shfl_sync(0xffffffffu, last, 0)) {
+        __threadfence_block();  // every warp's values after the last count (acquire)
+        a8_round_group(hs[s][lane], g, img);
+      }
+      j = 0;
+      ++s;
+      g += gridDim.x;
+    }
+  }
+}
+
 }  // namespace nq
 
 using namespace nq;
@@ -496,17 +603,17 @@ using namespace nq;
 //     v_cache [L, n_pages, kKvHeads, 16, 128] fp16, layer, n_pages, q_out [kQDim] fp16 (roped).
 //   nq_gate_up_silu: fused post-attention RMSNorm + gate/up + SiLU(gate) * up (units kInter): qweight
 //     [2I, H/8] rows gate | up, scales, x [H], norm_w or null, eps, out [I] fp16.
-#define NQ_B1_ENTRIES(SUFFIX, A8)                                                                            \
+#define NQ_B1_ENTRIES(SUFFIX, KX)                                                                            \
   extern "C" __global__ void __launch_bounds__(kThreads) nq_gemv_int4_h##SUFFIX(                            \
       const uint32_t* __restrict__ qweight, const uint16_t* __restrict__ scales, const uint16_t* __restrict__ x, \
       const uint16_t* __restrict__ norm_w, float eps, const uint16_t* residual, uint16_t* out, int n_rows) { \
-    gemv_units<kHidden, PlainRows, PlainEpi, A8>(qweight, scales, x, norm_w, eps, (n_rows + 1) / 2,         \
+    gemv_units<kHidden, PlainRows, PlainEpi, KX>(qweight, scales, x, norm_w, eps, (n_rows + 1) / 2,         \
                                                  PlainRows{n_rows}, PlainEpi{residual, out, n_rows});       \
   }                                                                                                         \
   extern "C" __global__ void __launch_bounds__(kThreads) nq_gemv_int4_i##SUFFIX(                            \
       const uint32_t* __restrict__ qweight, const uint16_t* __restrict__ scales, const uint16_t* __restrict__ x, \
       const uint16_t* __restrict__ norm_w, float eps, const uint16_t* residual, uint16_t* out, int n_rows) { \
-    gemv_units<kInter, PlainRows, PlainEpi, A8>(qweight, scales, x, norm_w, eps, (n_rows + 1) / 2,          \
+    gemv_units<kInter, PlainRows, PlainEpi, KX>(qweight, scales, x, norm_w, eps, (n_rows + 1) / 2,          \
                                                 PlainRows{n_rows}, PlainEpi{residual, out, n_rows});        \
   }                                                                                                         \
   extern "C" __global__ void __launch_bounds__(kThreads) nq_qkv_rope_kv##SUFFIX(                            \
@@ -515,19 +622,36 @@ using namespace nq;
       float eps, const int32_t* __restrict__ pos, const int32_t* __restrict__ page_table, int max_pages,     \
       uint16_t* __restrict__ k_cache, uint16_t* __restrict__ v_cache, int layer, int n_pages,                \
       uint16_t* __restrict__ q_out) {                                                                       \
-    gemv_units<kHidden, QkvRows, QkvEpi, A8>(                                                               \
+    gemv_units<kHidden, QkvRows, QkvEpi, KX>(                                                               \
         qweight, scales, x, norm_w, eps, kQkvRows / 2, QkvRows{},                                           \
         QkvEpi{bias, pos, page_table, max_pages, k_cache, v_cache, layer, n_pages, q_out});                 \
   }                                                                                                         \
   extern "C" __global__ void __launch_bounds__(kThreads) nq_gate_up_silu##SUFFIX(                           \
       const uint32_t* __restrict__ qweight, const uint16_t* __restrict__ scales, const uint16_t* __restrict__ x, \
       const uint16_t* __restrict__ norm_w, float eps, uint16_t* __restrict__ out) {                         \
-    gemv_units<kHidden, GateUpRows, GateUpEpi, A8>(qweight, scales, x, norm_w, eps, kInter, GateUpRows{},   \
+    gemv_units<kHidden, GateUpRows, GateUpEpi, KX>(qweight, scales, x, norm_w, eps, kInter, GateUpRows{},   \
                                                    GateUpEpi{out});                                         \
   }
 
-NQ_B1_ENTRIES(, false)
-NQ_B1_ENTRIES(_a8, true)
+NQ_B1_ENTRIES(, kXHalf)
+NQ_B1_ENTRIES(_a8, kXA8)
+
+// The int8-activation loop's down_proj pair (the engine's batch-1 decode under decode_activations="int8"):
+//   nq_gate_up_silu_a8x: as nq_gate_up_silu_a8, but its output is the intermediate already rounded for
+//     down_proj, an a8 image (gate_up_a8_image below) of kInter * 5 / 4 bytes, in `out` ([I] fp16 storage);
+//   nq_gemv_int4_i_a8x: down_proj (K = I) reading such an image as its x (no norm): its prologue is a copy.
+extern "C" __global__ void __launch_bounds__(kThreads) nq_gate_up_silu_a8x(
+    const uint32_t* __restrict__ qweight, const uint16_t* __restrict__ scales, const uint16_t* __restrict__ x,
+    const uint16_t* __restrict__ norm_w, float eps, uint16_t* __restrict__ out) {
+  gate_up_a8_image<kHidden>(qweight, scales, x, norm_w, eps, out);
+}
+
+extern "C" __global__ void __launch_bounds__(kThreads) nq_gemv_int4_i_a8x(
+    const uint32_t* __restrict__ qweight, const uint16_t* __restrict__ scales, const uint16_t* __restrict__ x,
+    const uint16_t* residual, uint16_t* out, int n_rows) {
+  gemv_units<kInter, PlainRows, PlainEpi, kXImage>(qweight, scales, x, nullptr, 0.f, (n_rows + 1) / 2,
+                                                   PlainRows{n_rows}, PlainEpi{residual, out, n_rows});
+}
 
 // The tensor-core core, B columns (x [B, K], outputs [B, ...]; pos [B], page_table [B, max_pages]);
 // n_cols = B, pass_cols = columns per pass, slice_groups = 128-k groups of x staged at a time (gemv.py's
