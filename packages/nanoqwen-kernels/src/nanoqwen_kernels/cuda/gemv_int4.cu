@@ -170,20 +170,17 @@ __device__ __forceinline__ void use_chunk(const RowChunk& c, int j0, const uint4
 //     xq (uint4) [2][K/32]:  xq[h][u] = the int8 x of words 2h, 2h+1 of piece u (k = 32u + 16h ..)
 //     xm (int2)  [K/32]:     {bits of scale_u / 16, -8 sum of the piece's int8 x}
 //   scale_u = amax_u / 127, x_int = rint(x * (127 / amax_u)) (ties to even; 0 when amax_u = 0), from the
-//   fp16 activation (normed and rounded as the half2 loop stages it). prefill_fp8.py's numpy twin
-//   (quantize_a8_np) rounds the same way; the tests compare against it.
-#ifndef NQ_A8_PIECES_H
-#define NQ_A8_PIECES_H 4  // 16-byte pieces per row per lane in flight, K = H (tuning knob, bench_gemv.py)
-#endif
-#ifndef NQ_A8_PIECES_I
-#define NQ_A8_PIECES_I 4  // the same for K = I (down_proj)
-#endif
+//   fp16 activation (normed and rounded as the half2 loop stages it). gemv.py's numpy twin (round_a8)
+//   rounds the same way; the tests compare against it.
 #ifndef NQ_A8_PROBE
 #define NQ_A8_PROBE 0  // 1: skip rounding x in the prologue (a timing probe; results wrong)
 #endif
+// 16-byte pieces per row per lane in flight: kInFlight for both loops. Measured for the int8 loop (H200,
+// 7B down_proj): 2 / 6 / 8 / 10 pieces 16.8 / 15.5 / 14.6 / 14.9 us against 14.8 at 4; gate/up, o_proj and
+// q/k/v within 0.3 us at 2 / 6 / 8 (docs/PERF.md "fourteenth lease").
 template <int K, bool kA8>
 __device__ constexpr int pieces_in_flight() {
-  return kA8 ? (K == kInter ? NQ_A8_PIECES_I : NQ_A8_PIECES_H) : kInFlight;
+  return kInFlight;
 }
 
 struct A8Stage {  // the shared-memory views of the staged x (carved from the half2 loop's xs buffer)
