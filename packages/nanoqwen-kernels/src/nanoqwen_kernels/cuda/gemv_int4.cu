@@ -1,6 +1,7 @@
 // gemv_int4.cu: the INT4 x FP16 GEMVs of decode over ValueShuffle-v1 words, for B sequences at once,
-// with their fused variants. Three bodies share the row maps and epilogues below:
+// with their fused variants. Four bodies share the row maps and epilogues below:
 //   the half2 loop (this file)      B = 1; products in half2 FMAs
+//   the int8-activation loop        B = 1, opt-in (suffix _a8, _a8x; this file): x rounded to int8, dp4a
 //   the tensor-core core            any B; gemv_mma.cuh (mma.sync, one column per sequence)
 //   the tile GEMM                   B <= 64; gemm_tiles.cuh (entries at the end of this file)
 //
@@ -12,8 +13,10 @@
 //                             memory), k and v written into the KV page of pos[b] from page_table row b,
 //                             q (roped) to q_out row b.
 //   nq_gate_up_silu           K = H, rows [0,I) gate, [I,2I) up: out[b][i] = silu(gate[i]) * up[i].
-//   each as the half2 loop (B = 1, the name above) and as the tensor-core core for up to 8 or 32
-//   columns per pass (suffix _mma8, _mma32; blockIdx.y = pass; gemv.py plans passes and slices).
+//   each as the half2 loop (B = 1, the name above), the int8-activation loop (B = 1, suffix _a8; and the
+//   down_proj pair nq_gate_up_silu_a8x -> nq_gemv_int4_i_a8x, which hands the intermediate over already
+//   rounded) and as the tensor-core core for up to 8 or 32 columns per pass (suffix _mma8, _mma32;
+//   blockIdx.y = pass; gemv.py plans passes and slices).
 // Shapes/dtypes: qweight uint32 [N, K/8], scales fp16 [N, K/128], x fp16 [B, K], out fp16 [B, N or I].
 //   The KV page layout is docs/INTERFACES.md section 3: k_cache fp16 [L, n_pages, n_kv, 16, 128];
 //   page_table int32 [B, max_pages], row b = sequence b's table.
