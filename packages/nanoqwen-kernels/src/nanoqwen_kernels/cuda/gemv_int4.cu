@@ -1,7 +1,7 @@
 // gemv_int4.cu: the INT4 x FP16 GEMVs of decode over ValueShuffle-v1 words, for B sequences at once,
 // with their fused variants. Four bodies share the row maps and epilogues below:
 //   the half2 loop (this file)      B = 1; products in half2 FMAs
-//   the int8-activation loop        B = 1, opt-in (suffix _a8, _a8x; this file): x rounded to int8, dp4a
+//   the int8-activation loop        B = 1, opt-in (suffix _a8, _a8x); gemv_a8.cuh: x rounded to int8, dp4a
 //   the tensor-core core            any B; gemv_mma.cuh (mma.sync, one column per sequence)
 //   the tile GEMM                   B <= 64; gemm_tiles.cuh (entries at the end of this file)
 //
@@ -109,230 +109,80 @@ __device__ __forceinline__ float dot8(uint32_t w, uint4 x) {
   return f.x + f.y;
 }
 
-// One chunk of a unit's loads: NP 16-byte pieces of each of the 2 rows per lane, and their scales.
-template <int NP>
-struct RowChunkN {
-  uint4 v0[NP], v1[NP];
-  uint16_t g0[NP], g1[NP];
+// One chunk of a unit's loads: kInFlight 16-byte pieces of each of the 2 rows per lane, and their scales.
+struct RowChunk {
+  uint4 v0[kInFlight], v1[kInFlight];
+  uint16_t g0[kInFlight], g1[kInFlight];
 };
-using RowChunk = RowChunkN<kInFlight>;
 
-// Issue the loads of chunk j0 (pieces j0 .. j0+NP-1 of each lane) of rows r0 and r1.
-template <int K, int NP = kInFlight>
-__device__ __forceinline__ void load_chunk(const uint32_t* __restrict__ qw, const uint16_t* __restrict__ sc,
-                                           int r0, int r1, int j0, RowChunkN<NP>& c) {
+// f(jj, u) for each piece jj of chunk j0 this lane holds that exists: u = the piece's index in its row
+// (K / 32 pieces of 16 bytes; lane l holds pieces l, l + 32, ...). The loads and both loops' multiplies
+// walk a chunk this way.
+template <int K, class F>
+__device__ __forceinline__ void for_chunk_pieces(int j0, F&& f) {
   constexpr int kNU = K / 32;                 // 16-byte pieces per row
   constexpr int kNJ = (kNU + 31) / 32;        // pieces per lane
-  constexpr int kGroups = K / kGroup;         // scales per row
   const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int jj = 0; jj < kInFlight; ++jj) {
+    const int u = (j0 + jj) * 32 + lane;
+    if (j0 + jj < kNJ && u < kNU) f(jj, u);
+  }
+}
+
+// Issue the loads of chunk j0 (pieces j0 .. j0+kInFlight-1 of each lane) of rows r0 and r1.
+template <int K>
+__device__ __forceinline__ void load_chunk(const uint32_t* __restrict__ qw, const uint16_t* __restrict__ sc,
+                                           int r0, int r1, int j0, RowChunk& c) {
+  constexpr int kGroups = K / kGroup;         // scales per row
   const uint4* w0 = reinterpret_cast<const uint4*>(qw + static_cast<size_t>(r0) * (K / 8));
   const uint4* w1 = reinterpret_cast<const uint4*>(qw + static_cast<size_t>(r1) * (K / 8));
   const uint16_t* s0 = sc + static_cast<size_t>(r0) * kGroups;
   const uint16_t* s1 = sc + static_cast<size_t>(r1) * kGroups;
-#pragma unroll
-  for (int jj = 0; jj < NP; ++jj) {  // issue every load of the chunk first
-    const int u = (j0 + jj) * 32 + lane;
-    if (j0 + jj < kNJ && u < kNU) {
-      c.v0[jj] = ld_stream_v4(w0 + u);
-      c.v1[jj] = ld_stream_v4(w1 + u);
-      c.g0[jj] = s0[u >> 2];  // 4 pieces per group: lanes 4m..4m+3 share a scale
-      c.g1[jj] = s1[u >> 2];
-    }
-  }
+  for_chunk_pieces<K>(j0, [&](int jj, int u) {  // issue every load of the chunk first
+    c.v0[jj] = ld_stream_v4(w0 + u);
+    c.v1[jj] = ld_stream_v4(w1 + u);
+    c.g0[jj] = s0[u >> 2];  // 4 pieces per group: lanes 4m..4m+3 share a scale
+    c.g1[jj] = s1[u >> 2];
+  });
 }
 
 // Multiply chunk j0 with xs into the lane's partial sums.
 template <int K>
 __device__ __forceinline__ void use_chunk(const RowChunk& c, int j0, const uint4* xs, float& a0, float& a1) {
   constexpr int kNU = K / 32;
-  constexpr int kNJ = (kNU + 31) / 32;
-  const int lane = threadIdx.x & 31;
-#pragma unroll
-  for (int jj = 0; jj < kInFlight; ++jj) {
-    const int u = (j0 + jj) * 32 + lane;
-    if (j0 + jj < kNJ && u < kNU) {
-      const uint4 x0 = xs[u], x1 = xs[kNU + u], x2 = xs[2 * kNU + u], x3 = xs[3 * kNU + u];
-      a0 += h2f(c.g0[jj]) * (dot8(c.v0[jj].x, x0) + dot8(c.v0[jj].y, x1) + dot8(c.v0[jj].z, x2) + dot8(c.v0[jj].w, x3));
-      a1 += h2f(c.g1[jj]) * (dot8(c.v1[jj].x, x0) + dot8(c.v1[jj].y, x1) + dot8(c.v1[jj].z, x2) + dot8(c.v1[jj].w, x3));
-    }
-  }
+  for_chunk_pieces<K>(j0, [&](int jj, int u) {
+    const uint4 x0 = xs[u], x1 = xs[kNU + u], x2 = xs[2 * kNU + u], x3 = xs[3 * kNU + u];
+    a0 += h2f(c.g0[jj]) * (dot8(c.v0[jj].x, x0) + dot8(c.v0[jj].y, x1) + dot8(c.v0[jj].z, x2) + dot8(c.v0[jj].w, x3));
+    a1 += h2f(c.g1[jj]) * (dot8(c.v1[jj].x, x0) + dot8(c.v1[jj].y, x1) + dot8(c.v1[jj].z, x2) + dot8(c.v1[jj].w, x3));
+  });
 }
 
-// ---- the int8-activation loop (B = 1, the "a8" GEMV variant; opt-in: it rounds the activations) -------
-// The half2 loop spends ~19 instructions per word (8 weights) and is issue-bound (docs/PERF.md). Here the
-// activation is rounded to int8 in its prologue, one fp32 scale per 32 k (one 16-byte piece of a row,
-// llama.cpp's q8_1 block size), and a word costs 4 instructions: 2 LOP3 and 2 dp4a (4 byte products summed
-// into an int32 each):
-//     lo = w & 0x0F0F0F0F   bytes u[k+0..3]         dp4a(lo, x[k+0..3], acc_lo)
-//     hi = w & 0xF0F0F0F0   bytes 16 u[k+4..7]      dp4a(hi, x[k+4..7], acc_hi)
-//   a piece's integer sum is 16 (acc_lo) + acc_hi = 16 sum_k u x, exact in int32 (|.| < 2^20), and the
-//   zero point is folded in by starting acc_lo at -8 sum_k x (so the sum is 16 sum_k q x, q = u - 8);
-//   then one I2F and one FFMA per piece and row with the piece's scale / 16 times the group's scale.
-// Staged per block (every block rounds the whole x: K/8 chunks over 256 threads, the 4 chunks of a piece
-//   in 4 neighbouring lanes that share their max and sum by shuffles):
-//     xq (uint4) [2][K/32]:  xq[h][u] = the int8 x of words 2h, 2h+1 of piece u (k = 32u + 16h ..)
-//     xm (int2)  [K/32]:     {bits of scale_u / 16, -8 sum of the piece's int8 x}
-//   scale_u = amax_u / 127, x_int = rint(x * (127 / amax_u)) (ties to even; 0 when amax_u = 0), from the
-//   fp16 activation (normed and rounded as the half2 loop stages it). gemv.py's numpy twin (round_a8)
-//   rounds the same way; the tests compare against it.
-#ifndef NQ_A8_PROBE
-#define NQ_A8_PROBE 0  // 1: skip rounding x in the prologue (a timing probe; results wrong)
-#endif
-// 16-byte pieces per row per lane in flight: kInFlight for both loops. Measured for the int8 loop (H200,
-// 7B down_proj): 2 / 6 / 8 / 10 pieces 16.8 / 15.5 / 14.6 / 14.9 us against 14.8 at 4; gate/up, o_proj and
-// q/k/v within 0.3 us at 2 / 6 / 8 (docs/PERF.md "fourteenth lease").
-template <int K, bool kA8>
-__device__ constexpr int pieces_in_flight() {
-  return kInFlight;
-}
+}  // namespace nq
 
-struct A8Stage {  // the shared-memory views of the staged x (carved from the half2 loop's xs buffer)
-  uint4* xq;
-  int2* xm;
-};
+#include "gemv_a8.cuh"  // the int8-activation loop: x rounded to int8 in the prologue, dp4a products
 
-template <int K>
-__device__ __forceinline__ A8Stage a8_views(uint4* xs) {
-  // half2's xs is K * 2 bytes; the int8 x takes K bytes and its metadata K / 4
-  return A8Stage{xs, reinterpret_cast<int2*>(xs + K / 16)};
-}
-
-template <int K>
-__device__ __forceinline__ void stage_x_a8(const uint16_t* __restrict__ x, const uint16_t* __restrict__ norm_w,
-                                           float eps, A8Stage st, float* red) {
-  constexpr int kChunks = K / 8;
-  constexpr int kNU = K / 32;
-  constexpr int kIters = (kChunks + kThreads - 1) / kThreads;  // chunks per thread (K = 18944: 10)
-  static_assert(kChunks % 4 == 0 && kThreads % 4 == 0, "a piece is 4 chunks of 4 neighbouring threads");
-  const uint4* x4 = reinterpret_cast<const uint4*>(x);
-  const uint4* w4 = reinterpret_cast<const uint4*>(norm_w);
-  // Loads first, then the arithmetic, kBatch chunks a thread at a time: the rounding below holds warp
-  // shuffles, across which the compiler does not move the next chunk's load, so a loop of load -> round ->
-  // store pays one L2 round trip per chunk. Measured (H200, 7B down_proj, K = 18944, 10 chunks a thread):
-  // that loop cost 4.5 of the kernel's 14.8 us (the same build with the rounding skipped: 10.2 us). Batches
-  // of 4 keep the registers of the GEMV loop's blocks (all 10 at once took 255).
-  constexpr int kBatch = kIters < 4 ? kIters : 4;
-  float r = 1.f;
-  if (norm_w != nullptr) {
-    float ss = 0.f;
-    for (int i = threadIdx.x; i < kChunks; i += kThreads) ss += sum_squares8(x4[i]);
-    ss = block_sum<kThreads>(ss, red);
-    r = rsqrtf(ss / K + eps);
-  }
-  for (int it0 = 0; it0 < (NQ_A8_PROBE ? 0 : kIters); it0 += kBatch) {
-    uint4 v[kBatch];
-#pragma unroll
-    for (int jb = 0; jb < kBatch; ++jb) {
-      const int i = (it0 + jb) * kThreads + threadIdx.x;
-      v[jb] = i < kChunks ? x4[i] : make_uint4(0u, 0u, 0u, 0u);
-    }
-    if (norm_w != nullptr) {
-#pragma unroll
-      for (int jb = 0; jb < kBatch; ++jb) {
-        const int i = (it0 + jb) * kThreads + threadIdx.x;
-        if (i < kChunks) v[jb] = rms_apply8(v[jb], w4[i], r);
-      }
-    }
-#pragma unroll
-    for (int jb = 0; jb < kBatch; ++jb) {
-      const int i = (it0 + jb) * kThreads + threadIdx.x;
-      const uint32_t h[4] = {v[jb].x, v[jb].y, v[jb].z, v[jb].w};
-      float f[8];
-      float amax = 0.f;
-#pragma unroll
-      for (int t = 0; t < 4; ++t) {
-        const float2 p = h22f2(h[t]);
-        f[2 * t] = p.x;
-        f[2 * t + 1] = p.y;
-        amax = fmaxf(amax, fmaxf(fabsf(p.x), fabsf(p.y)));
-      }
-      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));  // the piece's 4 chunks: lanes 4m .. 4m+3
-      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-      const float inv = amax > 0.f ? 127.f / amax : 0.f;
-      // rint(f * inv) without a conversion instruction (F2I issues at a quarter of the FMA rate): t = f * inv
-      // is rounded to fp32 first (as numpy's twin rounds it), then t + 1.5 * 2^23 lands in the binade whose
-      // ulp is 1, so the add rounds t to the nearest integer (ties to even) and the bits are 0x4B400000 + q:
-      // the low byte is q's int8, and the bits of 8 values summed in uint32 are 8 x 0x4B400000 + sum q.
-      uint32_t b[8], bsum = 0u;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        b[j] = __float_as_uint(__fadd_rn(__fmul_rn(f[j], inv), 12582912.f));  // _rn: never fused into one FMA
-        bsum += b[j];
-      }
-      int sum = static_cast<int>(bsum - 8u * 0x4B400000u);
-      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-      if (i < kChunks) {
-        const int u = i >> 2, c = i & 3;  // chunk i = word c of piece u
-        const uint32_t lo = __byte_perm(__byte_perm(b[0], b[1], 0x0040u), __byte_perm(b[2], b[3], 0x0040u), 0x5410u);
-        const uint32_t hi = __byte_perm(__byte_perm(b[4], b[5], 0x0040u), __byte_perm(b[6], b[7], 0x0040u), 0x5410u);
-        reinterpret_cast<uint2*>(st.xq)[((c >> 1) * kNU + u) * 2 + (c & 1)] = make_uint2(lo, hi);
-        if (c == 0) st.xm[u] = make_int2(__float_as_int(amax / 127.f * 0.0625f), -8 * sum);
-      }
-    }
-  }
-  __syncthreads();  // xq, xm complete before any warp reads them
-}
-
-// dp4a with unsigned bytes in a (the weights' nibbles) and signed bytes in b (x)
-__device__ __forceinline__ int dp4a_us(uint32_t a, uint32_t b, int c) {
-  int d;
-  asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-  return d;
-}
-
-// 16 sum_k q[k] x_int[k] over one piece (4 words) of a row: exact
-__device__ __forceinline__ int dot32_a8(const uint4& w, const uint4& xa, const uint4& xb, int bias) {
-  int lo = bias, hi = 0;
-  lo = dp4a_us(w.x & 0x0F0F0F0Fu, xa.x, lo);
-  hi = dp4a_us(w.x & 0xF0F0F0F0u, xa.y, hi);
-  lo = dp4a_us(w.y & 0x0F0F0F0Fu, xa.z, lo);
-  hi = dp4a_us(w.y & 0xF0F0F0F0u, xa.w, hi);
-  lo = dp4a_us(w.z & 0x0F0F0F0Fu, xb.x, lo);
-  hi = dp4a_us(w.z & 0xF0F0F0F0u, xb.y, hi);
-  lo = dp4a_us(w.w & 0x0F0F0F0Fu, xb.z, lo);
-  hi = dp4a_us(w.w & 0xF0F0F0F0u, xb.w, hi);
-  return lo * 16 + hi;
-}
-
-template <int K, int NP>
-__device__ __forceinline__ void use_chunk_a8(const RowChunkN<NP>& c, int j0, A8Stage st, float& a0, float& a1) {
-  constexpr int kNU = K / 32;
-  constexpr int kNJ = (kNU + 31) / 32;
-  const int lane = threadIdx.x & 31;
-#pragma unroll
-  for (int jj = 0; jj < NP; ++jj) {
-    const int u = (j0 + jj) * 32 + lane;
-    if (j0 + jj < kNJ && u < kNU) {
-      const uint4 xa = st.xq[u], xb = st.xq[kNU + u];
-      const int2 m = st.xm[u];
-      const float s16 = __int_as_float(m.x);
-      a0 += static_cast<float>(dot32_a8(c.v0[jj], xa, xb, m.y)) * (s16 * h2f(c.g0[jj]));
-      a1 += static_cast<float>(dot32_a8(c.v1[jj], xa, xb, m.y)) * (s16 * h2f(c.g1[jj]));
-    }
-  }
-}
+namespace nq {
 
 // One warp: dot products of rows r0 and r1 with xs; the full sums end in every lane. `first`, when
 // given, is chunk 0 already loaded (gemv_units issues it before the launch-overlap wait).
 template <int K, bool kA8 = false>
 __device__ __forceinline__ void dot_rows2(const uint32_t* __restrict__ qw, const uint16_t* __restrict__ sc,
                                           int r0, int r1, uint4* xs, float& o0, float& o1,
-                                          const RowChunkN<pieces_in_flight<K, kA8>()>* first = nullptr) {
+                                          const RowChunk* first = nullptr) {
   constexpr int kNU = K / 32;
   constexpr int kNJ = (kNU + 31) / 32;
-  constexpr int kNP = pieces_in_flight<K, kA8>();
   float a0 = 0.f, a1 = 0.f;
 #pragma unroll
-  for (int j0 = 0; j0 < kNJ; j0 += kNP) {
-    RowChunkN<kNP> c;
+  for (int j0 = 0; j0 < kNJ; j0 += kInFlight) {
+    RowChunk c;
     if (j0 == 0 && first != nullptr) {
       c = *first;
     } else {
-      load_chunk<K, kNP>(qw, sc, r0, r1, j0, c);
+      load_chunk<K>(qw, sc, r0, r1, j0, c);
     }
     if constexpr (kA8) {
-      use_chunk_a8<K, kNP>(c, j0, a8_views<K>(xs), a0, a1);
+      use_chunk_a8<K>(c, j0, a8_views<K>(xs), a0, a1);
     } else {
       use_chunk<K>(c, j0, xs, a0, a1);
     }
@@ -376,7 +226,7 @@ __device__ __forceinline__ void gemv_units(const uint32_t* __restrict__ qw, cons
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int p_first = blockIdx.x * kWarps + warp;
 #if NQ_GEMV_PRELOAD
-  RowChunkN<pieces_in_flight<K, kX != kXHalf>()> first;
+  RowChunk first;
   int f0 = 0, f1 = 0;
   if (p_first < units) {
     map(p_first, f0, f1);
@@ -534,7 +384,6 @@ __device__ __forceinline__ void gate_up_a8_image(const uint32_t* __restrict__ qw
                                                  float eps, uint16_t* __restrict__ img) {
   static_assert(kInter % 32 == 0, "groups of 32 outputs");
   constexpr int kGroups = kInter / 32;
-  constexpr int kNP = pieces_in_flight<K, true>();
   __shared__ uint4 xs[K / 8];
   __shared__ float red[32];
   __shared__ float hs[kA8ImageGroups][32];
@@ -542,7 +391,7 @@ __device__ __forceinline__ void gate_up_a8_image(const uint32_t* __restrict__ qw
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const GateUpRows map{};
 #if NQ_GEMV_PRELOAD
-  RowChunkN<kNP> first;  // the first unit's first chunk, before the wait (as gemv_units)
+  RowChunk first;  // the first unit's first chunk, before the wait (as gemv_units)
   if (blockIdx.x < kGroups) {
     int f0, f1;
     map(32 * blockIdx.x + 4 * warp, f0, f1);
