@@ -181,26 +181,19 @@ def test_prefill_chunk_idle_reaches_the_engine(invoke):
     assert bad.exit_code == 2 and "prefill-chunk-idle" in bad.output
 
 
-def test_prefill_weights_is_for_the_gpu_and_checked(invoke):
-    """--prefill-weights picks what the GPU's prefill GEMMs multiply (fp8 opt-in); the CPU reference has no
-    such choice: asking it for fp8 is one clear error, not a traceback; "auto" is accepted anywhere; an
-    unknown value is a usage error naming the choices."""
-    cpu = invoke(["bench", "--synthetic", "tiny", *SMALL, "--prefill-weights", "fp8"])
+@pytest.mark.parametrize("flag,gpu_only,anywhere,bad,choices", [
+    ("--prefill-weights", "fp8", "auto", "bf16", ("fp8", "int4")),
+    ("--decode-activations", "int8", "fp16", "int4", ("int8", "fp16")),
+])
+def test_gpu_numerics_choices_are_checked(invoke, flag, gpu_only, anywhere, bad, choices):
+    """--prefill-weights (what the GPU's prefill GEMMs multiply; fp8 opt-in) and --decode-activations (the
+    GPU's batch-1 decode GEMVs; int8 opt-in): the CPU reference has no such choice, so asking it for the
+    GPU-only value is one clear error, not a traceback; the default value is accepted anywhere; an unknown
+    value is a usage error naming the choices."""
+    cpu = invoke(["bench", "--synthetic", "tiny", *SMALL, flag, gpu_only])
     assert cpu.exit_code != 0 and "Traceback" not in cpu.output
-    assert "prefill_weights applies to device='cuda' only" in cpu.output
-    auto = json.loads(invoke(["bench", "--synthetic", "tiny", *SMALL, "--prefill-weights", "auto", "--json"]).stdout)
-    assert all(run["prompt_tokens"] == 20 for run in auto["runs"])
-    bad = invoke(["bench", "--synthetic", "tiny", *SMALL, "--prefill-weights", "bf16"])
-    assert bad.exit_code == 2 and "fp8" in bad.output and "int4" in bad.output
-
-
-def test_decode_activations_is_for_the_gpu_and_checked(invoke):
-    """--decode-activations int8 (opt-in, the GPU's batch-1 decode GEMVs): the CPU reference refuses it with
-    one clear error; fp16 is accepted anywhere; an unknown value is a usage error naming the choices."""
-    cpu = invoke(["bench", "--synthetic", "tiny", *SMALL, "--decode-activations", "int8"])
-    assert cpu.exit_code != 0 and "Traceback" not in cpu.output
-    assert "decode_activations applies to device='cuda' only" in cpu.output
-    ok = json.loads(invoke(["bench", "--synthetic", "tiny", *SMALL, "--decode-activations", "fp16", "--json"]).stdout)
+    assert f"{flag[2:].replace('-', '_')} applies to device='cuda' only" in cpu.output
+    ok = json.loads(invoke(["bench", "--synthetic", "tiny", *SMALL, flag, anywhere, "--json"]).stdout)
     assert all(run["prompt_tokens"] == 20 for run in ok["runs"])
-    bad = invoke(["bench", "--synthetic", "tiny", *SMALL, "--decode-activations", "int4"])
-    assert bad.exit_code == 2 and "int8" in bad.output and "fp16" in bad.output
+    wrong = invoke(["bench", "--synthetic", "tiny", *SMALL, flag, bad])
+    assert wrong.exit_code == 2 and all(c in wrong.output for c in choices)

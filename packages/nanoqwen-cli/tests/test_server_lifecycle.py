@@ -218,8 +218,9 @@ def test_load_generator_script(server):
 
 
 def test_prefill_budgets_shape_the_served_steps(tiny_model, tmp_path, tiny_engine, rng):
-    """`serve --prefill-chunk 8 --prefill-chunk-idle 32 --prefill-weights auto` (the prefill-weights choice is
-    the GPU's; "auto" is what a CPU server accepts), a real process, the openai client: a lone prompt
+    """`serve --prefill-chunk 8 --prefill-chunk-idle 32 --prefill-weights auto --decode-activations fp16` (both
+    numerics choices are the GPU's; "auto" and "fp16" are what a CPU server accepts), a real process, the
+    openai client: a lone prompt
     of 33..64 tokens is prefilled in 2 engine steps of <= 32 (the idle budget; 5+ in steps of 8), its
     greedy text the engine's; then, with a request decoding beside them, 8 concurrent streams of ~40-token
     prompts (chunks of 8 beside the decoding row) each complete with its exact token count, a client that
@@ -227,7 +228,7 @@ def test_prefill_budgets_shape_the_served_steps(tiny_model, tmp_path, tiny_engin
     from server_process import ServeProcess
 
     proc = ServeProcess(tiny_model, tmp_path, "--served-model-name", "tiny", "--prefill-chunk", "8",
-                        "--prefill-chunk-idle", "32", "--prefill-weights", "auto")
+                        "--prefill-chunk-idle", "32", "--prefill-weights", "auto", "--decode-activations", "fp16")
     try:
         proc.health_statuses()
         words = ["def", "return", "x", "for", "in", "range", "if", "else", "(", ")", ":", "+", "1"]
