@@ -94,8 +94,15 @@ def test_fp8_plan_and_smem():
         assert bn in pg.GF8_WIDTHS and 1 <= s <= k // 128
         assert pg.choose_plan_fp8(t, n, k, 132, split_ok=False)[1] == 1
     src = (CUDA_DIR / "gemm_fp8_prefill.cu").read_text()
-    assert "#define NQ_GF8_STAGES 6" in src and pg.GF8_STAGES == 6
-    assert pg.fp8_smem_bytes(128) <= 227 * 1024
+    assert "kMaxStages = 6;" in src and pg.GF8_MAX_STAGES == 6
+    # the ring beside the epilogue's staging: n128 4 plain / 5 SiLU stages, n64 6
+    assert [pg.fp8_stages(bn, silu) for bn in (128, 64) for silu in (False, True)] == [4, 5, 6, 6]
+    for bn in pg.GF8_WIDTHS:
+        for silu in (False, True):
+            assert pg.fp8_smem_bytes(bn, silu) <= pg.GF8_SMEM_MAX
+    # persistent: at most a block per SM, never more blocks than tiles
+    assert pg.fp8_grid(8192, 37888, 128, 1, 132) == (132, 1, 1)
+    assert pg.fp8_grid(17, 256, 64, 1, 132) == (2, 1, 1) and pg.fp8_units(512, 3584, 128, 3) == 4 * 28 * 3
     assert pg.fp8_stage_bytes(128) == 33 * 1024 and pg.fp8_stage_bytes(64) == 25 * 1024  # 32.5 / 24.5 KB, rounded up
 
 
@@ -233,10 +240,31 @@ def test_gemm_fp8_tiles_splits_accumulate(kernels, rng, tile, splits, accumulate
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("t", [1, 130])
+@pytest.mark.parametrize("band", [1, 3, 8])
+@pytest.mark.parametrize("tile,splits,accumulate", [(128, 1, False), (64, 3, True), (128, 2, True)])
+def test_gemm_fp8_persistent_blocks_walk_many_tiles(kernels, rng, monkeypatch, band, tile, splits, accumulate):
+    """Five blocks for 30-110 tiles: each block's ring runs on from one tile into the next (the producer
+    filling the next tile's stages during this one's epilogue), in the banded order, with a last band
+    narrower than the others (10 row blocks in bands of 3)."""
+    from nanoqwen_kernels import checks
+
+    monkeypatch.setattr(checks, "sm_count", lambda device_id=None: 5)
+    monkeypatch.setattr(pg, "GF8_BAND", band)
+    got, ref, _ = _gemm_case(kernels["7b"], rng, 333, 1280, 768, tile=tile, splits=splits, accumulate=accumulate)
+    _close(got, ref)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 130, 700])
 @pytest.mark.parametrize("tile", pg.GF8_WIDTHS)
-def test_gemm_fp8_silu(kernels, rng, t, tile):
+def test_gemm_fp8_silu(kernels, rng, monkeypatch, t, tile):
+    """(At 700 tokens on 3 blocks, each block runs several tiles.)"""
     import cupy as cp
+    from nanoqwen_kernels import checks
+
+    if t == 700:
+        monkeypatch.setattr(checks, "sm_count", lambda device_id=None: 3)
 
     kern, i, k = kernels["7b"], 320, 512
     u, s = random_int4(rng, 2 * i, k, scale=0.1)

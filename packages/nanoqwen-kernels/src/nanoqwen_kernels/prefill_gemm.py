@@ -9,8 +9,10 @@ on a narrow matrix has few tiles (the 7B's q/k/v at T = 512: 36 x 2 = 72 blocks 
 multiplies the blocks without narrowing the tile. choose_plan picks (BN, S) with the least estimated time:
 waves x (stages per block + a fixed cost) x the time of a stage at that width, plus the reduction's bytes.
 
-The FP8 GEMM (cuda/gemm_fp8_prefill.cu, opt-in) has the same grid and split-K; its stage is a whole group of
-128 k, its widths 128 and 64 tokens (GF8_*), and choose_plan_fp8 picks with its own rates.
+The FP8 GEMM (cuda/gemm_fp8_prefill.cu, opt-in) has the same tiles and split-K; its stage is a whole group
+of 128 k, its widths 128 and 64 tokens (GF8_*), and choose_plan_fp8 picks with its own rates. Its blocks are
+persistent (fp8_grid: one per SM, each walking the tiles in the kernel's banded order), so a block's ring
+fills the next tile's stages during this one's epilogue.
 """
 
 from __future__ import annotations
@@ -39,7 +41,16 @@ _EPI_PITCH = 132  # floats per token of the epilogue's staging
 
 
 GF8_THREADS = 384  # the FP8 GEMM: two consumer warpgroups + one producer warpgroup
-GF8_STAGES = 6
+GF8_MAX_STAGES = 6  # the kernel's gf8::kMaxStages
+# Row blocks per band of the persistent FP8 tile order (the kernel's Unit): the 132 tiles running at once
+# cover 8 row blocks x ~16 token blocks, so a band's weights (8 x 128 rows) stay in L2 while its token blocks
+# stream. Band 1 (every token block of a row block before the next: the old grid's order) rereads all of X
+# for each pair of row blocks; on down at 8,192 tokens (X = 155 MB of e4m3, beyond the 50 MB L2) band 8 ran
+# 1,180-1,214 TFLOP/s against 1,048-1,107 for band 1, and a 7B 8k prefill 145.8-146.2 ms against
+# 150.0-151.1 (bands 4 and 16 within 1% of 8; H200, docs/PERF.md fifteenth lease).
+GF8_BAND = 8
+GF8_SMEM_MAX = 227 * 1024  # an H100/H200 block's dynamic shared memory
+_EPI_SILU_PITCH = 68  # the SiLU build's staging: 64 outputs + 4
 GF8_WIDTHS = (128, 64)  # nq_gemm_fp8_wg_n128 / _n64 (256 would need 256 accumulator registers: see the kernel)
 GF8_EFFICIENCY = {128: 1.0, 64: 0.6}
 _FP8_MAC_RATE_SM = 4.2e12  # ~1,100 TFLOP/s over 132 SMs at n128 (7B gate/up and down at T = 512, H200)
@@ -62,9 +73,35 @@ def fp8_stage_bytes(bn: int) -> int:
     return (raw + 1023) // 1024 * 1024
 
 
-def fp8_smem_bytes(bn: int, stages: int = GF8_STAGES) -> int:
-    """Dynamic shared memory of an FP8 launch of width bn (the kernel's gf8::smem_bytes)."""
-    return max(stages * fp8_stage_bytes(bn), bn * _EPI_PITCH * 4) + 1024
+def fp8_staging_bytes(bn: int, silu: bool) -> int:
+    """The FP8 epilogue's own staging (fp32 [bn][pitch], to 1 KB): apart from the ring, which the producer
+    is filling with the next tile's stages while the epilogue runs."""
+    raw = bn * (_EPI_SILU_PITCH if silu else _EPI_PITCH) * 4
+    return (raw + 1023) // 1024 * 1024
+
+
+def fp8_stages(bn: int, silu: bool) -> int:
+    """The FP8 ring's depth (the kernel's gf8::stages): what fits beside the staging, at most GF8_MAX_STAGES."""
+    return min(GF8_MAX_STAGES, (GF8_SMEM_MAX - 1024 - fp8_staging_bytes(bn, silu)) // fp8_stage_bytes(bn))
+
+
+def fp8_smem_bytes(bn: int, silu: bool) -> int:
+    """Dynamic shared memory of an FP8 launch (the kernel's gf8::smem_bytes): ring + staging + alignment."""
+    return fp8_stages(bn, silu) * fp8_stage_bytes(bn) + fp8_staging_bytes(bn, silu) + 1024
+
+
+def fp8_units(t: int, n: int, bn: int, splits: int = 1) -> int:
+    """Tiles of an FP8 launch: token blocks x row blocks x K splits."""
+    gx, gy, gz = grid(t, n, bn, splits)
+    return gx * gy * gz
+
+
+def fp8_grid(t: int, n: int, bn: int, splits: int, sms: int) -> tuple[int, int, int]:
+    """Persistent: one block per SM (fewer when there are fewer tiles); block b runs tiles b, b + grid, ..
+    Against the kernel before (a block per tile, its epilogue staged in the drained ring), same call, 7B at
+    8,192 tokens: gate/up 917-998 -> 1,134 TFLOP/s, down 1,061-1,090 -> 1,214, q/k/v and o_proj equal
+    within the calls' spread (H200, docs/PERF.md fifteenth lease)."""
+    return (min(fp8_units(t, n, bn, splits), sms), 1, 1)
 
 
 def grid(t: int, n: int, bn: int, splits: int = 1) -> tuple[int, int, int]:

@@ -14,6 +14,9 @@ constexpr int kPitch = 132;     // floats per token of the staging: 128 rows + 4
 constexpr int kSiluPitch = 68;  // the SiLU build's: 64 outputs + 4 (16-byte rows)
 template <int NT>
 __host__ __device__ constexpr int staging_bytes() { return NT * 8 * kPitch * 4; }
+// the staging one build needs (the SiLU build's rows are half as wide)
+template <int NT, bool kSilu>
+__host__ __device__ constexpr int staging_bytes_of() { return NT * 8 * (kSilu ? kSiluPitch : kPitch) * 4; }
 
 __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, 256;" ::: "memory"); }
 
@@ -23,10 +26,11 @@ __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, 256
 __device__ __forceinline__ float silu(float x) { return __fdividef(x, 1.f + __expf(-x)); }
 
 // The SiLU build (gate|up, N = 2I rows mapped so a lane's rows r0 and r0 + 8 are output a's gate and up,
-// a = 64 blockIdx.y + 8 (r0 / 16) + lane / 4): out[t][a] = silu(gate) * up from the fp32 sums, out [T][N / 2].
+// a = 64 ty + 8 (r0 / 16) + lane / 4, ty the tile's row block): out[t][a] = silu(gate) * up from the fp32 sums,
+// out [T][N / 2].
 template <int NT>
 __device__ __forceinline__ void store_silu(const float (&acc)[NT][4], float* ep, int r0, int warp, int lane,
-                                           uint16_t* __restrict__ out, int T, int N, int t0) {
+                                           uint16_t* __restrict__ out, int T, int N, int t0, int ty) {
   const int c = lane & 3, al = 8 * (r0 >> 4) + (lane >> 2);
 #pragma unroll
   for (int j = 0; j < NT; ++j) {
@@ -35,7 +39,7 @@ __device__ __forceinline__ void store_silu(const float (&acc)[NT][4], float* ep,
     ep[(tl + 1) * kSiluPitch + al] = silu(acc[j][1]) * acc[j][3];
   }
   consumers_sync();
-  const int I = N / 2, a = 64 * static_cast<int>(blockIdx.y) + 4 * (lane & 15);
+  const int I = N / 2, a = 64 * ty + 4 * (lane & 15);
   if (a >= I) return;
   for (int tl = 2 * warp + (lane >> 4); tl < 8 * NT; tl += 16) {  // half-warp h: token 2 (warp + 8 i) + h
     const int tok = t0 + tl;
@@ -46,7 +50,7 @@ __device__ __forceinline__ void store_silu(const float (&acc)[NT][4], float* ep,
 }
 
 // The plain build: out[tok][row0 + r] = sum (+ out when accumulate: the residual added in fp32, one
-// rounding), or, split-K, this split's fp32 partial sums into ws [splits][T][N] (nq_gemm_splitk_reduce in
+// rounding), or, split-K, split z's fp32 partial sums into ws [splits][T][N] (nq_gemm_splitk_reduce in
 // gemm_int4_prefill.cu adds them). Warp w writes tokens w, w + 8, ..: lane q the rows 4q .. 4q + 3 (8
 // bytes). The residual's old values are all loaded before any is used: loaded one after another, each
 // waited for, they made the FP8 GEMM's o_proj epilogue (K = 3,584: ~14 us of multiplies a tile) take about
@@ -54,7 +58,7 @@ __device__ __forceinline__ void store_silu(const float (&acc)[NT][4], float* ep,
 template <int NT>
 __device__ __forceinline__ void store_rows(const float (&acc)[NT][4], float* ep, int r0, int warp, int lane,
                                            uint16_t* __restrict__ out, int T, int N, int t0, int row0, int accumulate,
-                                           float* __restrict__ ws, int splits) {
+                                           float* __restrict__ ws, int z, int splits) {
   const int c = lane & 3;
 #pragma unroll
   for (int j = 0; j < NT; ++j) {
@@ -82,7 +86,7 @@ __device__ __forceinline__ void store_rows(const float (&acc)[NT][4], float* ep,
     if (tok >= T) break;
     const float4 v = *reinterpret_cast<const float4*>(ep + tl * kPitch + 4 * lane);
     if (splits > 1) {
-      *reinterpret_cast<float4*>(ws + (static_cast<size_t>(blockIdx.z) * T + tok) * N + row) = v;
+      *reinterpret_cast<float4*>(ws + (static_cast<size_t>(z) * T + tok) * N + row) = v;
       continue;
     }
     float r[4] = {v.x, v.y, v.z, v.w};
@@ -94,16 +98,18 @@ __device__ __forceinline__ void store_rows(const float (&acc)[NT][4], float* ep,
   }
 }
 
-// The epilogue of either build, once every consumer's wgmmas are done (the barrier frees the ring `ep`).
+// The epilogue of either build for the tile (t0, row block ty, split z), once every consumer's wgmmas are
+// done. The first barrier frees `ep`: the ring (no copy in flight), or a persistent block's own staging,
+// which the consumers' reads of the previous tile's epilogue used last.
 template <int NT, bool kSilu>
 __device__ __forceinline__ void store(const float (&acc)[NT][4], float* ep, int r0, int warp, int lane,
-                                      uint16_t* __restrict__ out, int T, int N, int t0, int row0, int accumulate,
-                                      float* __restrict__ ws, int splits) {
+                                      uint16_t* __restrict__ out, int T, int N, int t0, int ty, int accumulate,
+                                      float* __restrict__ ws, int z, int splits) {
   consumers_sync();
   if constexpr (kSilu) {
-    store_silu<NT>(acc, ep, r0, warp, lane, out, T, N, t0);
+    store_silu<NT>(acc, ep, r0, warp, lane, out, T, N, t0, ty);
   } else {
-    store_rows<NT>(acc, ep, r0, warp, lane, out, T, N, t0, row0, accumulate, ws, splits);
+    store_rows<NT>(acc, ep, r0, warp, lane, out, T, N, t0, 128 * ty, accumulate, ws, z, splits);
   }
 }
 

@@ -158,7 +158,7 @@ __device__ __forceinline__ void gemm_int4_wg(const TmaMap& xmap, const uint32_t*
   char* const ring = reinterpret_cast<char*>(smem_raw) + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
   __shared__ uint64_t full_bar[kStages], fullx_bar[kStages], empty_bar[kStages];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int t0 = blockIdx.x * kBN, row0 = blockIdx.y * kBM;  // row0: the plain build's first row
+  const int t0 = blockIdx.x * kBN;
   // split-K: split z = blockIdx.z of `splits` takes groups [z G / splits, (z + 1) G / splits) of K (an even
   // stage count: the loop below is unrolled by two)
   const int G = K / kGroup;
@@ -242,7 +242,8 @@ __device__ __forceinline__ void gemm_int4_wg(const TmaMap& xmap, const uint32_t*
   wgmma_wait<0>();
 
   // ---- epilogue: [row][token] sums -> [token][row] fp16 rows of out, staged in the ring ----
-  epi::store<NT, kSilu>(acc, reinterpret_cast<float*>(ring), r0, warp, lane, out, T, N, t0, row0, accumulate, ws, splits);
+  epi::store<NT, kSilu>(acc, reinterpret_cast<float*>(ring), r0, warp, lane, out, T, N, t0, static_cast<int>(blockIdx.y),
+                        accumulate, ws, static_cast<int>(blockIdx.z), splits);
 }
 
 }  // namespace gw
