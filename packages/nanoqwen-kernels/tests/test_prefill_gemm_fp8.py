@@ -106,6 +106,23 @@ def test_fp8_plan_and_smem():
     assert pg.fp8_stage_bytes(128) == 33 * 1024 and pg.fp8_stage_bytes(64) == 25 * 1024  # 32.5 / 24.5 KB, rounded up
 
 
+def test_fp8_smem_mirror_matches_the_kernel():
+    """prefill_gemm.fp8_smem_bytes (what a launch asks for) equals the kernel's gf8::smem_bytes for every
+    width and build: the kernel's static_assert on the mirror's numbers compiles; off by 1 KB it does not."""
+    from nanoqwen_kernels.errors import KernelError
+    from nanoqwen_kernels.loader import compile_cubin
+
+    def mirror(delta: int = 0) -> dict:
+        return {"NQ_GF8_MIRROR_N128": pg.fp8_smem_bytes(128, False) + delta,
+                "NQ_GF8_MIRROR_N128_SILU": pg.fp8_smem_bytes(128, True),
+                "NQ_GF8_MIRROR_N64": pg.fp8_smem_bytes(64, False),
+                "NQ_GF8_MIRROR_N64_SILU": pg.fp8_smem_bytes(64, True)}
+
+    assert compile_cubin(["gemm_fp8_prefill.cu"], {**TINY.defines(), **mirror()})[:4] == b"\x7fELF"
+    with pytest.raises(KernelError, match="fp8_smem_bytes disagrees"):
+        compile_cubin(["gemm_fp8_prefill.cu"], {**TINY.defines(), **mirror(1024)})
+
+
 # ---- GPU ------------------------------------------------------------------------------------------------
 
 

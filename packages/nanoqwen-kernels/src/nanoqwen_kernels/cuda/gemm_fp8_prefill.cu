@@ -83,6 +83,13 @@ __host__ __device__ constexpr int smem_bytes() {
   return stages<NT, kSilu>() * stage_bytes<NT>() + staging_bytes<NT, kSilu>() + 1024;
 }
 static_assert(smem_bytes<16, false>() <= kSmemMax && stages<16, false>() >= 4, "n128: >= 4 stages must fit");
+// The launcher sizes each launch's shared memory from prefill_gemm.py's mirror of smem_bytes(); its CPU test
+// compiles this file with the mirror's four numbers (tests/test_prefill_gemm_fp8.py), so the two cannot drift.
+#ifdef NQ_GF8_MIRROR_N128
+static_assert(smem_bytes<16, false>() == NQ_GF8_MIRROR_N128 && smem_bytes<16, true>() == NQ_GF8_MIRROR_N128_SILU &&
+                  smem_bytes<8, false>() == NQ_GF8_MIRROR_N64 && smem_bytes<8, true>() == NQ_GF8_MIRROR_N64_SILU,
+              "prefill_gemm.py fp8_smem_bytes disagrees with gf8::smem_bytes");
+#endif
 
 // Pin the partial sums in place (CUTLASS's warpgroup_fence_operand): the compiler may otherwise move the
 // promotion's register reads above the wgmma_wait that completes them (the wait is an asm with a memory
