@@ -260,8 +260,9 @@ def test_prefill_gemm_int4_wg_silu_launch(launches, monkeypatch):
 
 def test_fp8_launchers_launch_the_plan_and_refuse_bad_shapes(launches, monkeypatch):
     """The FP8 prefill's launchers: quantize_e4m3 one block per token row with the row in dynamic shared
-    memory (2 K bytes); rmsnorm_e4m3 one block per row; gemm_fp8 the plan's grid with X's and W's TMA maps
-    (boxes of bn tokens and of 128 rows), split-K's reduction launch after it; gemm_fp8_silu one split. Bad
+    memory (2 K bytes); rmsnorm_e4m3 one block per row; gemm_fp8 persistent blocks (one per tile up to one
+    per SM) over the plan's tiles with X's and W's TMA maps (boxes of bn tokens and of 128 rows) and the
+    tile order's band, split-K's reduction launch after it; gemm_fp8_silu one split. Bad
     shapes, dtypes and a short scale vector are refused by name before anything launches."""
     from nanoqwen_kernels import prefill_fp8 as f8
     from nanoqwen_kernels import prefill_gemm as pg
@@ -287,17 +288,18 @@ def test_fp8_launchers_launch_the_plan_and_refuse_bad_shapes(launches, monkeypat
     p.gemm_fp8(w8, sw, xq, sx, out, accumulate=True)
     bn, s = pg.choose_plan_fp8(300, 136, 256, 132)
     fn, grid, args = launches[-1 - (s > 1)]
-    assert fn == f"nq_gemm_fp8_wg_n{bn}" and grid == (-(-300 // bn), 2, s)
+    assert fn == f"nq_gemm_fp8_wg_n{bn}" and grid == (min(-(-300 // bn) * 2 * s, 132), 1, 1)
     assert maps[:2] == [(xq.data.ptr, 300, 256, bn), (w8.data.ptr, 136, 256, 128)]
     assert [int(a) for a in args[5:10]] == [300, 136, 256, f8.n_pad(136), 1]
+    assert int(args[11]) == s and int(args[12]) == pg.GF8_BAND == 8
     ws = dev((2 * 300 * 136,), np.float32)
     n = len(launches)
     p.gemm_fp8(w8, sw, xq, sx, out, tile=64, splits=2, workspace=ws)
     assert [c[0] for c in launches[n:]] == ["nq_gemm_fp8_wg_n64", "nq_gemm_splitk_reduce"]
-    assert launches[n][1] == (5, 2, 2)
+    assert launches[n][1] == (5 * 2 * 2, 1, 1)  # 5 token blocks x 2 row blocks x 2 splits
     gu8, gsw, act = dev((1024, 256), np.uint8), dev((2, 1024), np.float32), dev((300, 512), np.float16)
     p.gemm_fp8_silu(gu8, gsw, xq, sx, act, tile=128)
-    assert launches[-1][0] == "nq_gemm_fp8_wg_silu_n128" and launches[-1][1] == (3, 8, 1)
+    assert launches[-1][0] == "nq_gemm_fp8_wg_silu_n128" and launches[-1][1] == (3 * 8, 1, 1)
     n = len(launches)
     assert_each_refused(
         lambda **kw: p.gemm_fp8(**kw),
