@@ -29,6 +29,10 @@
 // run a tile's epilogue the producer is already filling the next tile's stages: a block never starts a tile
 // on an empty ring, which is what a block per tile did (its epilogue staged in the drained ring). The
 // epilogue has its own staging beside the ring for that; the ring is as deep as fits beside it (stages()).
+// Against a block per tile, same call, 7B at 8,192 tokens: gate/up 917-998 -> 1,134 TFLOP/s, down
+// 1,061-1,090 -> 1,214 (band 8; band 1 gave 1,083 / 1,048: the band is what down needs); the whole 8k
+// prefill 152.3 -> 145.8-146.2 ms (H200, docs/PERF.md "fifteenth lease"). The bits are the same: a tile's
+// arithmetic does not depend on where or when it runs.
 //
 // The ring (stages() stages, each one INT4 group = 128 k, all three copies completing on one mbarrier):
 //     X  [BN tokens][128 B]  e4m3, TMA box (the 128-byte swizzle: wgmma's K-major layout, wgmma.cuh)
@@ -43,8 +47,10 @@
 // W tiles by TMA multicast (2 x 1, 1 x 2, 2 x 2) were tried and ran 2-3x slower; removed.
 //
 // Tested: tests/test_prefill_gemm_fp8.py (against float64 on the same e4m3 inputs at T = 1, 17, 511, 513,
-// every width, split-K, accumulate, the SiLU build; the conversion and the quantizer bit for bit against
-// numpy's e4m3 rounding), tests/test_compile.py (SASS: the e4m3 QGMMAs, not serialized, setmaxnreg).
+// every width, split-K, accumulate, the SiLU build, blocks that each run 30-110 tiles in bands of 1, 3 and 8;
+// the conversion and the quantizer bit for bit against numpy's e4m3 rounding; the launcher's shared-memory
+// mirror against smem_bytes() at compile time), tests/test_compile.py (SASS: the e4m3 QGMMAs, not
+// serialized, setmaxnreg).
 #include "gemm_epilogue.cuh"
 #include "wgmma.cuh"
 
