@@ -124,10 +124,16 @@ class Fp8Kernels:
 
     def __init__(self, dims, load_module, splitk_reduce):
         mod = load_module(FP8_SOURCES, dims.defines())
-        self._gf = {bn: mod.get_function(f"nq_gemm_fp8_wg_n{bn}", max_dynamic_smem=pg.fp8_smem_bytes(bn, False))
+
+        def entries(prefix: str, silu: bool) -> dict:
+            """per width: (the entry, its launches' dynamic shared memory; the SiLU build's staging is half
+            as wide)"""
+            smem = {bn: pg.fp8_smem_bytes(bn, silu) for bn in pg.GF8_WIDTHS}
+            return {bn: (mod.get_function(f"{prefix}_n{bn}", max_dynamic_smem=smem[bn]), smem[bn])
                     for bn in pg.GF8_WIDTHS}
-        self._gf_silu = {bn: mod.get_function(f"nq_gemm_fp8_wg_silu_n{bn}",
-                                              max_dynamic_smem=pg.fp8_smem_bytes(bn, True)) for bn in pg.GF8_WIDTHS}
+
+        self._gf = entries("nq_gemm_fp8_wg", False)
+        self._gf_silu = entries("nq_gemm_fp8_wg_silu", True)
         # the row in dynamic shared memory: K x 2 bytes (above 48 KB needs the opt-in, up to 227 KB: K <= 116k)
         self._quant = mod.get_function("nq_quantize_e4m3_rows",
                                        max_dynamic_smem=2 * max(dims.hidden, dims.q_dim, dims.intermediate))
@@ -241,11 +247,11 @@ class Fp8Kernels:
             raise KernelError(f"tile must be one of {pg.GF8_WIDTHS}, got {tile!r}")
         xmap = self._map(xq, t, k, tile)
         wmap = self._map(w8, n, k, pg.GW_ROWS)
-        silu = fns is self._gf_silu
-        ck.launch(fns[tile], pg.fp8_grid(t, n, tile, splits, ck.sm_count()), (pg.GF8_THREADS, 1, 1),
+        fn, smem = fns[tile]
+        ck.launch(fn, pg.fp8_grid(t, n, tile, splits, ck.sm_count()), (pg.GF8_THREADS, 1, 1),
                   (xmap, wmap, sw, sx, out, np.int32(t), np.int32(n), np.int32(k), np.int32(sw.shape[1]),
                    np.int32(1 if accumulate else 0), ws, np.int32(splits), np.int32(pg.GF8_BAND)),
-                  shared_mem=pg.fp8_smem_bytes(tile, silu))
+                  shared_mem=smem)
 
     def _map(self, a, rows: int, cols: int, box_rows: int):
         """A byte matrix's TMA map (boxes of box_rows x 128), once per (address, shape, box)."""

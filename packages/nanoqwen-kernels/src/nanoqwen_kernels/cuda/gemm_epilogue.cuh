@@ -12,11 +12,9 @@ namespace epi {
 
 constexpr int kPitch = 132;     // floats per token of the staging: 128 rows + 4 (bank spread)
 constexpr int kSiluPitch = 68;  // the SiLU build's: 64 outputs + 4 (16-byte rows)
-template <int NT>
-__host__ __device__ constexpr int staging_bytes() { return NT * 8 * kPitch * 4; }
-// the staging one build needs (the SiLU build's rows are half as wide)
-template <int NT, bool kSilu>
-__host__ __device__ constexpr int staging_bytes_of() { return NT * 8 * (kSilu ? kSiluPitch : kPitch) * 4; }
+// the staging a build needs (the SiLU build's rows are half as wide)
+template <int NT, bool kSilu = false>
+__host__ __device__ constexpr int staging_bytes() { return NT * 8 * (kSilu ? kSiluPitch : kPitch) * 4; }
 
 __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, 256;" ::: "memory"); }
 

@@ -73,14 +73,13 @@ __host__ __device__ constexpr int x_bytes() { return NT * 8 * kBK; }
 template <int NT>
 __host__ __device__ constexpr int stage_bytes() { return (x_bytes<NT>() + kWBytes + kSwBytes + 1023) / 1024 * 1024; }
 template <int NT, bool kSilu>
-__host__ __device__ constexpr int staging_bytes() { return (epi::staging_bytes_of<NT, kSilu>() + 1023) / 1024 * 1024; }
+__host__ __device__ constexpr int staging_bytes() { return (epi::staging_bytes<NT, kSilu>() + 1023) / 1024 * 1024; }
 // The ring's depth: as many stages as fit beside the epilogue's own staging, at most kMaxStages (n128: 4
 // plain, 5 SiLU; n64: 6). prefill_gemm.py fp8_stages mirrors it.
 template <int NT, bool kSilu>
 __host__ __device__ constexpr int stages() {
-  return (kSmemMax - 1024 - staging_bytes<NT, kSilu>()) / stage_bytes<NT>() < kMaxStages
-             ? (kSmemMax - 1024 - staging_bytes<NT, kSilu>()) / stage_bytes<NT>()
-             : kMaxStages;
+  const int fit = (kSmemMax - 1024 - staging_bytes<NT, kSilu>()) / stage_bytes<NT>();
+  return fit < kMaxStages ? fit : kMaxStages;
 }
 // dynamic shared memory of a launch (prefill_gemm.py fp8_smem_bytes mirrors it): the ring, the staging, and
 // room to align the ring to 1024 bytes (the swizzle atoms)
