@@ -53,6 +53,5 @@ def launches(monkeypatch):
         checks, "even_grid", lambda fn, units, threads, shared_mem=0, copies=1: min(units, 132 * 4 // copies)
     )
     monkeypatch.setattr(checks, "sm_count", lambda device_id=None: 132)
-    monkeypatch.setattr(checks, "resident_blocks", lambda fn, threads, shared_mem=0: 3)  # spread_grid's
     monkeypatch.setattr(checks, "cupy_module", fake_cupy)
     return calls

@@ -130,10 +130,10 @@ def tickets_clear(cp, ws):
     return not cp.asnumpy(ws[:TICKET_WORDS]).view(np.int32).any()
 
 
-def run(cp, ak, dims, c, B, settled=False):
+def run(cp, ak, dims, c, B):
     out = cp.full((B, dims.n_heads * 128), np.nan, dtype=cp.float16)
     ws = poisoned_workspace(ak, B)
-    ak.attention_decode(c["q"], c["k"], c["v"], c["table"], c["seq"], c["layer"], out, ws, settled=settled)
+    ak.attention_decode(c["q"], c["k"], c["v"], c["table"], c["seq"], c["layer"], out, ws)
     assert tickets_clear(cp, ws), "a call left a ticket counter non-zero"
     return cp.asnumpy(out).astype(np.float64).reshape(B, dims.n_heads, 128)
 
@@ -165,47 +165,6 @@ def test_decode_matches_reference(kernels, name, seq_len, variant, rng):
     got = cp.asnumpy(out).astype(np.float64).reshape(1, dims.n_heads, 128)
     check(got, c, variant, [seq_len])
     assert tickets_clear(cp, ws)
-
-
-@gpu
-@pytest.mark.gpu
-@pytest.mark.parametrize("name", ["7b", "tiny"])
-@pytest.mark.parametrize("lengths", [[1], [640], [1024], [1025], [40000], [0, 17, 1000, 5000]])
-def test_decode_settled_matches_reference(kernels, name, lengths, rng):
-    """settled=True (the engine's decode step): lengths and first page ids read before the launch-overlap
-    wait, blocks without pages leaving before it (attention_decode.cu). Every row matches its reference,
-    an idle row included, and the call leaves its tickets clear."""
-    import cupy as cp
-
-    dims, ak = DIMS[name], kernels[name, "mma"]
-    c = make_batch(cp, dims, lengths, rng)
-    check(run(cp, ak, dims, c, len(lengths), settled=True), c, "mma", lengths)
-
-
-@gpu
-@pytest.mark.gpu
-@pytest.mark.parametrize("length", [1, 640, 5000])
-def test_decode_with_l2_prefetch_gives_the_same_bits(kernels, length, rng):
-    """An L2 prefetch list (the engine's batch-1 step: weights the next kernels read, warmed by the blocks
-    with no pages) changes nothing in the output: the same bits as without it, settled or not; ranges
-    cover a buffer of 48 MB in pieces of odd sizes."""
-    import cupy as cp
-    from nanoqwen_kernels.attention import l2_prefetch
-
-    dims, ak = QWEN25_7B, kernels["7b", "mma"]
-    c = make_batch(cp, dims, [length], rng)
-    buf = cp.zeros(48 << 20, dtype=cp.uint8)
-    p = int(buf.data.ptr)
-    pf = l2_prefetch([(p, 6_422_528), (p + 6_422_528, 16), (p + (8 << 20), 20_000_000), (p + (30 << 20), 18 << 20)])
-    plain = run(cp, ak, dims, c, 1)
-    check(plain, c, "mma", [length])
-    for settled in (False, True):
-        out = cp.full((1, dims.n_heads * 128), np.nan, dtype=cp.float16)
-        ws = poisoned_workspace(ak, 1)
-        ak.attention_decode(c["q"], c["k"], c["v"], c["table"], c["seq"], c["layer"], out, ws, settled=settled,
-                            prefetch=pf)
-        np.testing.assert_array_equal(cp.asnumpy(out).astype(np.float64).reshape(plain.shape), plain)
-        assert tickets_clear(cp, ws)
 
 
 # (dims, consumer body): both bodies on the 7B shape, the default body on the tiny one

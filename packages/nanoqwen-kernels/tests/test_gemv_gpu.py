@@ -114,16 +114,6 @@ def _positions(rng, b):
 
 @pytest.mark.parametrize("b", BATCHES)
 def test_qkv_rope_kv(kernels, dims, rng, b):
-    _check_qkv_rope_kv(kernels, dims, rng, b, settled=False)
-
-
-def test_qkv_rope_kv_settled(kernels, dims, rng):
-    """B = 1 with settled=True (the engine's decode step): the loop reads the position and its page id
-    before its launch-overlap wait (gemv_int4.cu QkvEpi); the same results."""
-    _check_qkv_rope_kv(kernels, dims, rng, 1, settled=True)
-
-
-def _check_qkv_rope_kv(kernels, dims, rng, b, settled):
     import cupy as cp
 
     d = dims
@@ -155,7 +145,7 @@ def _check_qkv_rope_kv(kernels, dims, rng, b, settled):
         q_out = cp.full((b, d.q_dim), np.nan, dtype=np.float16)
         kernels[variant].qkv_rope_kv(
             qw, sc, cp.asarray(bias), _batch(b, cp.asarray(x)), cp.asarray(w), EPS, cp.asarray(pos),
-            cp.asarray(table) if b > 1 else cp.asarray(table[0]), kc, vc, layer, _batch(b, q_out), settled=settled,
+            cp.asarray(table) if b > 1 else cp.asarray(table[0]), kc, vc, layer, _batch(b, q_out),
         )
         kh, vh, qh = kc.get(), vc.get(), q_out.get()
         written = np.zeros(kh.shape, dtype=bool)

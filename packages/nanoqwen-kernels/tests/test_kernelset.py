@@ -38,7 +38,6 @@ def _batch1_kernels(variant, monkeypatch) -> dict[str, str]:
     calls = []
     monkeypatch.setattr(checks, "launch", lambda fn, grid, block, args, shared_mem=0: calls.append(fn))
     monkeypatch.setattr(checks, "even_grid", lambda fn, units, threads, shared_mem=0, copies=1: 1)
-    monkeypatch.setattr(checks, "resident_blocks", lambda fn, threads, shared_mem=0: 3)
     monkeypatch.setattr(checks, "sm_count", lambda device_id=None: 132)
     monkeypatch.setattr(checks, "cupy_module", fake_cupy)
     d = TINY
@@ -110,7 +109,6 @@ def test_a8_image_holds_round_a8_in_the_staged_layout():
 def test_a8_image_calls_need_the_a8_variant_and_one_sequence(monkeypatch):
     monkeypatch.setattr(checks, "launch", lambda fn, grid, block, args, shared_mem=0: None)
     monkeypatch.setattr(checks, "even_grid", lambda fn, units, threads, shared_mem=0, copies=1: 1)
-    monkeypatch.setattr(checks, "resident_blocks", lambda fn, threads, shared_mem=0: 3)
     monkeypatch.setattr(checks, "sm_count", lambda device_id=None: 132)
     monkeypatch.setattr(checks, "cupy_module", fake_cupy)
     d = TINY

@@ -10,8 +10,6 @@ batch of one. Every bad argument is one KernelError naming it (checks.py), befor
 
 from __future__ import annotations
 
-import ctypes
-
 import numpy as np
 
 from . import checks as ck
@@ -38,36 +36,6 @@ DEFAULT_VARIANT = "mma"
 # kernel + combine kernel pair (2026-12-01, docs/PERF.md: 7B batch 1, context 640 8.56 -> 7.24 us per call).
 CLUSTER_MAX = 8  # the portable cluster size
 TICKET_WORDS = 1024  # the workspace's first words: the one-kernel build's ticket counters (kTicketWords)
-
-
-PREFETCH_RANGES = 8  # attention_decode.cu kPrefetchRanges
-
-
-class L2Prefetch(ctypes.Structure):
-    """Byte ranges of device memory (weights the next kernels read) that decode attention's blocks with no
-    pages prefetch into L2 (attention_decode.cu "L2 prefetch"); a kernel argument by value."""
-
-    _pack_ = 8
-    _fields_ = [("ptr", ctypes.c_uint64 * PREFETCH_RANGES), ("bytes", ctypes.c_uint64 * PREFETCH_RANGES),
-                ("n", ctypes.c_int32)]
-
-
-def l2_prefetch(ranges) -> L2Prefetch:
-    """An L2Prefetch of (device pointer, bytes) pairs: at most PREFETCH_RANGES, each 16-byte aligned with a
-    size a multiple of 16 (what cp.async.bulk.prefetch takes); empty ranges are dropped."""
-    ranges = [(int(p), int(n)) for p, n in ranges if int(n) > 0]
-    if len(ranges) > PREFETCH_RANGES:
-        raise KernelError(f"l2_prefetch: {len(ranges)} ranges, at most {PREFETCH_RANGES}")
-    pf = L2Prefetch()
-    for i, (p, n) in enumerate(ranges):
-        if p % 16 or n % 16:
-            raise KernelError(f"l2_prefetch: range {i} ({p:#x}, {n} bytes) is not 16-byte aligned and sized")
-        pf.ptr[i], pf.bytes[i] = p, n
-    pf.n = len(ranges)
-    return pf
-
-
-NO_PREFETCH = L2Prefetch()
 
 
 def decode_splits(dims: ModelDims, batch: int, sms: int) -> int:
@@ -159,8 +127,7 @@ class AttentionKernels:
         leaves them 0)."""
         return ck.cupy_module().zeros(self.workspace_floats(max_batch), dtype=np.float32)
 
-    def attention_decode(self, q, k_cache, v_cache, page_table, seq_len_dev, layer, out, workspace,
-                         settled: bool = False, prefetch: L2Prefetch | None = None) -> None:
+    def attention_decode(self, q, k_cache, v_cache, page_table, seq_len_dev, layer, out, workspace) -> None:
         """out[b, h] = softmax(q[b, h] K_b^T / sqrt(128)) V_b over positions < seq_len_dev[b] of sequence
         b's pages (page_table[b]) in one layer; a row with seq_len 0 (padding) gives 0.
 
@@ -169,11 +136,6 @@ class AttentionKernels:
         [B] (device); workspace: float32, zeroed, of at least decode_workspace_floats(dims, B, sms) elements
         (new_workspace; its first TICKET_WORDS must be 0, as every call leaves them).
         seq_len is clamped to max_pages*16 on the device.
-        settled: the caller promises seq_len_dev and page_table were written before the previous kernel on
-        the stream started (the engine's decode step), so the kernel reads them before its launch-overlap
-        wait (attention_decode.cu); False (the default) reads everything after it.
-        prefetch: an L2Prefetch (l2_prefetch) of weights the next kernels read, which the blocks with no
-        pages warm in L2 at batch 1 (ignored at B > 1); None: no prefetch.
         """
         d = self.dims
         ck.check_array("q", q, np.float16)
@@ -200,8 +162,7 @@ class AttentionKernels:
             (d.n_kv_heads, c * n, B),
             (self.threads, 1, 1),
             (q, k_cache, v_cache, page_table, seq_len_dev, np.int32(layer), np.int32(n_pages),
-             np.int32(max_pages), np.int32(c), np.int32(n), workspace, out, np.int32(1 if settled else 0),
-             NO_PREFETCH if prefetch is None else prefetch),
+             np.int32(max_pages), np.int32(c), np.int32(n), workspace, out),
             shared_mem=self.smem_bytes,
             cluster=(1, c, 1),
         )

@@ -141,32 +141,19 @@ def _sm_count(device_id: int) -> int:
 
 
 @functools.cache
-def resident_blocks(fn, threads: int, shared_mem: int) -> int:
-    """Blocks of `fn` one SM holds at once (the occupancy API, for its registers and shared memory)."""
+def _resident_blocks(fn_ptr: int, threads: int, shared_mem: int) -> int:
     from cupy_backends.cuda.api import driver
 
-    return max(1, int(driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.ptr, threads, shared_mem)))
+    return max(1, int(driver.occupancyMaxActiveBlocksPerMultiprocessor(fn_ptr, threads, shared_mem)))
 
 
 def even_grid(fn, block_units: int, threads: int, shared_mem: int = 0, copies: int = 1) -> int:
     """Blocks for a grid-stride kernel: at most what is resident at once (the occupancy API's answer for
     this kernel's registers and shared memory), shared by `copies` grids side by side (grid.y), and
     every block running the same number of iterations (no ragged last wave)."""
-    cap = max(1, sm_count() * resident_blocks(fn, threads, shared_mem) // copies)
+    cap = max(1, sm_count() * _resident_blocks(fn.ptr, threads, shared_mem) // copies)
     iters = -(-block_units // cap)
     return max(1, -(-block_units // iters))
-
-
-def spread_grid(fn, units: int, threads: int, warps: int) -> int:
-    """Blocks for the B = 1 GEMV loops dealing `units` round-robin over blocks (gemv_int4.cu NQ_GEMV_SPREAD):
-    a multiple of the SM count (one block per SM, more only while units outnumber the SMs' warps, at most
-    what is resident at once), so every SM gets the same number of units to within one; fewer blocks than
-    SMs only when there are fewer units than SMs."""
-    sms = sm_count()
-    if units <= sms:
-        return max(1, units)
-    per_sm = min(resident_blocks(fn, threads, 0), -(-units // (sms * warps)))
-    return sms * max(1, per_sm)
 
 
 def launch(fn, grid: int | tuple, block: int | tuple, args: tuple, shared_mem: int = 0,

@@ -192,19 +192,6 @@ TILE_SMEM_ALIGN = 1024  # gemm_tiles.cuh kTileSmemAlignPad: the ring aligned for
 TILE_MIN_ITEMS = 2
 
 
-def gemv_spread() -> bool:
-    """Whether the B = 1 loops deal their units round-robin over blocks on an SM-multiple grid (gemv_int4.cu
-    NQ_GEMV_SPREAD, a $NANOQWEN_KERNEL_DEFINES knob, default on) or take them in block order on an even grid."""
-    return bool(extra_defines().get("NQ_GEMV_SPREAD", 1))
-
-
-def b1_grid(fn, units: int) -> int:
-    """The B = 1 loop's grid for `units` 2-row units (WARPS per block)."""
-    if gemv_spread():
-        return ck.spread_grid(fn, units, THREADS, WARPS)
-    return ck.even_grid(fn, -(-units // WARPS), THREADS)
-
-
 def tile_min_items() -> int:
     """TILE_MIN_ITEMS, or $NANOQWEN_TILE_MIN_ITEMS (a positive integer)."""
     raw = os.environ.get("NANOQWEN_TILE_MIN_ITEMS", "")
@@ -425,10 +412,10 @@ class GemvKernels:
 
     # ---- launches -----------------------------------------------------------------------------------
 
-    def _launch_b1(self, kind: str, units: int, args: tuple, fn=None) -> None:
-        """The B = 1 loop (half2, or int8 activations) of one matrix kind over `units` 2-row units."""
-        fn = self._half2[kind] if fn is None else fn
-        ck.launch(fn, b1_grid(fn, units), THREADS, args)
+    def _launch_b1(self, kind: str, block_units: int, args: tuple) -> None:
+        """The B = 1 loop (half2, or int8 activations) of one matrix kind: a grid-stride grid of even blocks."""
+        fn = self._half2[kind]
+        ck.launch(fn, ck.even_grid(fn, block_units, THREADS), THREADS, args)
 
     def _launch_mma(self, fn_of, n_units: int, k: int, b: int, args: tuple) -> None:
         """The tensor-core core over n_units units for B columns: plan, grid, launch."""
@@ -464,8 +451,9 @@ class GemvKernels:
             if residual is not None:
                 ck.check_array("residual", residual, np.float16, (*lead, n))
             ck.check_distinct(x=x, out=out)
-            self._launch_b1("i", (n + 1) // 2, (qweight, scales, x, residual if residual is not None else ck.NULL,
-                                                out, np.int32(n)), fn=self._down_image)
+            fn = self._down_image
+            ck.launch(fn, ck.even_grid(fn, -(-((n + 1) // 2) // WARPS), THREADS), THREADS,
+                      (qweight, scales, x, residual if residual is not None else ck.NULL, out, np.int32(n)))
             return
         ck.check_array("out", out, np.float16, (*lead, n))
         if residual is not None:
@@ -492,20 +480,16 @@ class GemvKernels:
             epi = (residual if residual is not None else ck.NULL, out, np.int32(n))
             self._launch_tiles(kind, units, k, b, (qweight, scales), x, norm_w, e, epi)
         elif b == 1 and kind not in self._mma_at_b1:
-            self._launch_b1(kind, units, args)
+            self._launch_b1(kind, -(-units // WARPS), args)
         else:
             self._launch_mma(lambda c: self._mma[(kind, c)], units, k, b, args)
 
     def qkv_rope_kv(
-        self, qweight, scales, bias, x, norm_w, eps, pos_dev, page_table, k_cache, v_cache, layer, q_out,
-        settled: bool = False,
+        self, qweight, scales, bias, x, norm_w, eps, pos_dev, page_table, k_cache, v_cache, layer, q_out
     ) -> None:
         """Fused RMSNorm + q/k/v GEMV + bias + RoPE at pos_dev[b] + K/V into the page of pos_dev[b] in
         page_table row b; q of row b to q_out[b]. A row whose position has no page (page id < 0 or past
-        the pool, or pos_dev[b] outside the table) writes no K/V and gets NaN q (a padding row).
-        settled: the caller promises pos_dev and page_table were written before the previous kernel on
-        the stream started (the engine's decode step), so the B = 1 loop may read them before its
-        launch-overlap wait (gemv_int4.cu QkvEpi); False (the default) reads them after it."""
+        the pool, or pos_dev[b] outside the table) writes no K/V and gets NaN q (a padding row)."""
         d = self.dims
         rows = d.qkv_rows
         n, _ = self._int4(qweight, scales, d.hidden)
@@ -543,7 +527,7 @@ class GemvKernels:
             self._launch_tiles("qkv", rows // 2, d.hidden, b, (qweight, scales), x, norm_w, e,
                                (bias, *args[6:]))
         elif b == 1 and "qkv" not in self._mma_at_b1:
-            self._launch_b1("qkv", rows // 2, (*args, np.int32(1 if settled else 0)))
+            self._launch_b1("qkv", -(-(rows // 2) // WARPS), args)
         else:
             self._launch_mma(lambda c: self._mma[("qkv", c)], rows // 2, d.hidden, b, args)
 
@@ -572,7 +556,7 @@ class GemvKernels:
         if self._on_tiles("gu", b):
             self._launch_tiles("gu", d.intermediate, d.hidden, b, (qweight, scales), x, norm_w, e, (out,))
         elif b == 1 and "gu" not in self._mma_at_b1:
-            self._launch_b1("gu", d.intermediate, args)
+            self._launch_b1("gu", -(-d.intermediate // WARPS), args)
         else:
             self._launch_mma(lambda c: self._mma[("gu", c)], d.intermediate, d.hidden, b, args)
 

@@ -35,21 +35,16 @@ Buffers (per backend, [R, ...] allocated once at load; H hidden, I intermediate,
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from . import l2_prefetch
 from .sampling import DeviceSampler
 from .weights import GpuWeights
 
 SPAN_GAP = 16384  # entries (64 KiB): changed entries closer than this go to the device in one copy
-
-
-_SETTLED = os.environ.get("NANOQWEN_DECODE_SETTLED", "1") != "0"  # A/B knob (temporary)
 
 
 def _spans(cells: np.ndarray) -> list[tuple[int, int]]:
@@ -151,8 +146,6 @@ class DecodeStep:
         self.graph_nodes: dict[tuple[int, str], int | None] = {}
         self.launcher_calls: int | None = None  # per step, counted on the first eager step
         self.shadow: np.ndarray | None = None  # host copy of ctrl as it stands on the device
-        # what each layer's decode attention warms in L2 for the kernels after it, at batch 1 (l2_prefetch.py)
-        self.prefetch = l2_prefetch.plan(ks, weights.layers, cfg.intermediate)
 
     @property
     def workspace_bytes(self) -> int:
@@ -181,13 +174,9 @@ class DecodeStep:
     def launch_layer(self, ks, i: int, v: BucketViews) -> None:
         """Decoder layer i on v.x (in place, through v.y) for each row's token at its POS."""
         lw, eps = self.w.layers[i], self.cfg.rms_eps
-        # settled: pos, seq_len and the page tables are written before a step's first kernel (the host's
-        # control copy, the previous step's advance), so q/k/v and attention may read them before their
-        # launch-overlap wait (docs/KERNELS.md)
         ks.qkv_rope_kv(lw.qkv.qweight, lw.qkv.scales, lw.qkv_bias, v.x, lw.in_norm, eps, v.pos, v.table,
-                       self.k_cache, self.v_cache, i, v.q, settled=_SETTLED)
-        ks.attention_decode(v.q, self.k_cache, self.v_cache, v.table, v.seq_len, i, v.attn, self.attn_ws,
-                            settled=_SETTLED, prefetch=self.prefetch[i] if v.x.shape[0] == 1 else None)
+                       self.k_cache, self.v_cache, i, v.q)
+        ks.attention_decode(v.q, self.k_cache, self.v_cache, v.table, v.seq_len, i, v.attn, self.attn_ws)
         ks.gemv_int4(lw.o.qweight, lw.o.scales, v.attn, v.y, residual=v.x)
         if v.act.shape[0] == 1 and getattr(ks, "gemv_variant", None) == "a8":
             # int8 decode activations: gate/up hands down_proj its input already rounded (the a8 image in

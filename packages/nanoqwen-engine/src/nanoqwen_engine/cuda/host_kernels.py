@@ -144,7 +144,7 @@ class HostKernels:
 
     @_launcher
     def qkv_rope_kv(self, qweight, scales, bias, x, norm_w, eps, pos_dev, page_table, k_cache, v_cache,
-                    layer, q_out, settled=False):
+                    layer, q_out):
         c = self.cfg
         h = self._gemv_x(_rms(_rows(x), norm_w, eps))
         y = _mm(h, self._w(qweight, scales)) + bias.astype(np.float32)  # [B, R]
@@ -176,8 +176,7 @@ class HostKernels:
             _rows(out)[...] = act
 
     @_launcher
-    def attention_decode(self, q, k_cache, v_cache, page_table, seq_len_dev, layer, out, workspace,
-                         settled=False, prefetch=None):
+    def attention_decode(self, q, k_cache, v_cache, page_table, seq_len_dev, layer, out, workspace):
         qr, o, tables = _rows(q), _rows(out), _rows(page_table)
         for b in range(qr.shape[0]):
             n = int(seq_len_dev[b])

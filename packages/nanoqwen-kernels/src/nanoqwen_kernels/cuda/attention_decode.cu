@@ -17,7 +17,6 @@
 //     ws_acc     [B, n_clusters, NQ_NHEADS, 128]          a cluster's unnormalised partial outputs
 //     ws_ml      [B, n_clusters, C, NQ_NHEADS, 2]         its (max, sum) in the log2 domain, per rank
 // Launch: nq_attention_decode grid (NQ_NKV, C x n_clusters, B), cluster (1, C, 1), C <= 8,
-//         last arguments: settled (int) and an L2Prefetch by value (see "L2 prefetch" below),
 //         32 * (1 + NQ_DECODE_CONSUMERS) threads, kSmemBytes dynamic smem (attention.py: C and n_clusters
 //         from B, so that NQ_NKV x C x n_clusters x B blocks cover the SMs: 7B at batch 1 (8, 5), 33
 //         sequences and more (1, 1)).
@@ -90,11 +89,9 @@ __device__ __forceinline__ Smem carve(unsigned char* smem) {
 // The whole block streams pages p0 .. p0+count-1 of sequence b's KV head kvh through the ring: one
 // producer warp, the consumer warps (their states left in merge_*). Called by every thread; ends with a
 // block barrier.
-// first_ids: when have_first, the producer lane's page id of the run's first 32 (read before the wait).
 __device__ __forceinline__ void stream_pages(const Smem& sm, const uint16_t* qb, const uint16_t* k_cache,
                                              const uint16_t* v_cache, const int* table, int layer, int n_pages,
-                                             int kvh, int p0, int count, int seq_len, int first_ids,
-                                             bool have_first) {
+                                             int kvh, int p0, int count, int seq_len) {
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
   if (threadIdx.x == 0) {
@@ -119,7 +116,7 @@ __device__ __forceinline__ void stream_pages(const Smem& sm, const uint16_t* qb,
       const int n = min(32, count - base);
       // a page id outside the cache (a corrupt table) reads page 0 rather than faulting: garbage out, no
       // GPU fault, as the clamp of seq_len does for a corrupt length
-      const int raw_page = base == 0 && have_first ? first_ids : lane < n ? table[p0 + base + lane] : 0;
+      const int raw_page = lane < n ? table[p0 + base + lane] : 0;
       const int my_page = static_cast<unsigned>(raw_page) < static_cast<unsigned>(n_pages) ? raw_page : 0;
       for (int j = 0; j < n; ++j) {
         const int page = __shfl_sync(0xffffffffu, my_page, j);
@@ -196,43 +193,6 @@ __device__ __forceinline__ float ld_cluster(const float* local, uint32_t rank) {
   return v;
 }
 
-// ---- L2 prefetch by the blocks with no pages ------------------------------------------------------------
-// At batch 1 and a short context most of the grid has no pages (7B, context 640: 128 of 160 blocks), and the
-// whole kernel moves ~1.3 MB in ~7 us: HBM idles. The launcher may hand the kernel byte ranges of weights
-// the next kernels will read (L2Prefetch: the engine's choice, nanoqwen_engine/cuda/l2_prefetch.py); the
-// blocks with no pages split them and issue cp.async.bulk.prefetch.L2 for their share (16 KiB a
-// prefetch), before the launch-overlap wait (weights never change during a decode), then leave. Nothing
-// waits for a prefetch: it only warms L2 for o_proj / gate_up / down.
-constexpr int kPrefetchRanges = 8;
-struct L2Prefetch {
-  unsigned long long ptr[kPrefetchRanges];    // global addresses, 16-byte aligned
-  unsigned long long bytes[kPrefetchRanges];  // multiples of 16
-  int n;                                      // ranges in use (0: no prefetch)
-};
-
-__device__ __forceinline__ void prefetch_l2(unsigned long long p, uint32_t bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
-}
-
-// Block `idx` of `count` issues its share of the concatenated ranges (4 KiB-aligned cuts), its threads
-// taking 16 KiB chunks in turn.
-__device__ __forceinline__ void prefetch_share(const L2Prefetch& pf, int idx, int count) {
-  constexpr unsigned long long kChunk = 16384, kCut = 4096;
-  unsigned long long total = 0;
-  for (int r = 0; r < pf.n && r < kPrefetchRanges; ++r) total += pf.bytes[r];
-  const unsigned long long cuts = (total + kCut - 1) / kCut;
-  const unsigned long long lo = min(total, cuts * idx / count * kCut);
-  const unsigned long long hi = min(total, cuts * (idx + 1) / count * kCut);
-  unsigned long long base = 0;
-  for (int r = 0; r < pf.n && r < kPrefetchRanges; ++r) {
-    const unsigned long long a = max(lo, base), b = min(hi, base + pf.bytes[r]);
-    for (unsigned long long off = a + threadIdx.x * kChunk; off < b; off += kThreads * kChunk) {
-      prefetch_l2(pf.ptr[r] + (off - base), static_cast<uint32_t>(min(kChunk, b - off)));
-    }
-    base += pf.bytes[r];
-  }
-}
-
 }  // namespace nq_dec
 
 #ifndef NQ_ATTN_ONE_TRIGGER
@@ -250,17 +210,8 @@ extern "C" __global__ void __launch_bounds__(nq_dec::kThreads, 1)
                         const int* __restrict__ seq_len_dev,         // [B]
                         int layer, int n_pages, int max_pages, int csize, int n_clusters,
                         float* __restrict__ workspace,               // tickets, ws_acc, ws_ml
-                        nq::uint16_t* __restrict__ out,              // [B, NQ_NHEADS*128]
-                        int settled,
-                        const nq_dec::L2Prefetch pf) {               // weights to warm in L2 (n = 0: none)
-  // Launch overlap (common.cuh): nothing is read or written before pdl_wait, except, when `settled`, the
-  // lengths and the page ids. settled (the engine's decode step) promises that seq_len_dev and page_table
-  // were written before the previous kernel in the stream started (the host's control copy, the previous
-  // step's advance): a kernel placed here has passed that kernel's launch, so they are visible. The block
-  // then learns its run and its first page ids while q/k/v drains, the blocks with no pages leave without
-  // waiting, and after the wait the copies go out at once (two dependent L2 round trips off every layer).
-  // Only ids: copying the settled pages early too lost in the step (docs/PERF.md, fifteenth lease).
-  if (!settled) nq::pdl_wait();
+                        nq::uint16_t* __restrict__ out) {            // [B, NQ_NHEADS*128]
+  nq::pdl_wait();  // launch overlap (common.cuh): nothing read or written before it
   using namespace nq_dec;
   extern __shared__ __align__(128) unsigned char smem[];
   const Smem sm = carve(smem);
@@ -281,12 +232,7 @@ extern "C" __global__ void __launch_bounds__(nq_dec::kThreads, 1)
   const int o_first = threadIdx.x + kThreads * rank, o_step = kThreads * csize;  // this block's outputs
   if (ci >= used) {  // uniform over the cluster: no cluster barrier is skipped by only some of its blocks
     if (ci == 0) {   // an idle row (seq_len 0): defined output 0
-      if (settled) nq::pdl_wait();
       for (int o = o_first; o < kG * 128; o += o_step) outb[o] = nq::f2h(0.f);
-    } else if (pf.n > 0 && gridDim.z == 1) {  // batch 1: this block's share of the L2 prefetch
-      const int n_clusters_idle = n_clusters - used;
-      prefetch_share(pf, (kvh * n_clusters_idle + (ci - used)) * csize + rank,
-                     static_cast<int>(gridDim.x) * n_clusters_idle * csize);
     }
     return;
   }
@@ -295,13 +241,8 @@ extern "C" __global__ void __launch_bounds__(nq_dec::kThreads, 1)
   const int per_block = (c_cnt + csize - 1) / csize;
   const int p0 = c0 + rank * per_block;
   const int count = max(0, min(per_block, c_cnt - rank * per_block));
-  int first_ids = 0;  // the producer warp's first 32 page ids (stream_pages)
-  if (settled) {
-    if (threadIdx.x < 32 && static_cast<int>(threadIdx.x) < count) first_ids = table[p0 + threadIdx.x];
-    nq::pdl_wait();
-  }
 
-  stream_pages(sm, qb, k_cache, v_cache, table, layer, n_pages, kvh, p0, count, seq_len, first_ids, settled != 0);
+  stream_pages(sm, qb, k_cache, v_cache, table, layer, n_pages, kvh, p0, count, seq_len);
 #if NQ_ATTN_ONE_TRIGGER
   // o_proj may launch once every block of this grid is here (all resident or gone, so its blocks cannot
   // crowd out one of ours) and place its blocks during this combine; it still waits for this kernel's

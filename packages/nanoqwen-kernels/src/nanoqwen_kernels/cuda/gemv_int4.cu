@@ -164,16 +164,6 @@ __device__ __forceinline__ void use_chunk(const RowChunk& c, int j0, const uint4
 
 namespace nq {
 
-#ifndef NQ_GEMV_PIPE
-#define NQ_GEMV_PIPE 0  // 1: the int8-activation loop issues a long row's next chunk before using this one
-#endif
-#ifndef NQ_GEMV_TRIGGER
-#define NQ_GEMV_TRIGGER 0  // the B = 1 loops let the next kernel launch: 0 at exit, 1 after the x prologue,
-#endif                     // 2 once a warp has its last unit's sums (A/B knob)
-#ifndef NQ_GEMV_SPREAD
-#define NQ_GEMV_SPREAD 1  // 1: unit p -> block p % gridDim.x (units dealt across blocks, hence across SMs)
-#endif
-
 // One warp: dot products of rows r0 and r1 with xs; the full sums end in every lane. `first`, when
 // given, is chunk 0 already loaded (gemv_units issues it before the launch-overlap wait).
 template <int K, bool kA8 = false>
@@ -183,36 +173,18 @@ __device__ __forceinline__ void dot_rows2(const uint32_t* __restrict__ qw, const
   constexpr int kNU = K / 32;
   constexpr int kNJ = (kNU + 31) / 32;
   float a0 = 0.f, a1 = 0.f;
-  if constexpr (kA8 && NQ_GEMV_PIPE && kNJ > kInFlight) {
-    // software-pipelined (only rows longer than one chunk: down_proj): chunk j0 + kInFlight's loads are
-    // issued before chunk j0 is multiplied, so a warp keeps a chunk in flight while it computes
+#pragma unroll
+  for (int j0 = 0; j0 < kNJ; j0 += kInFlight) {
     RowChunk c;
-    if (first != nullptr) {
+    if (j0 == 0 && first != nullptr) {
       c = *first;
     } else {
-      load_chunk<K>(qw, sc, r0, r1, 0, c);
+      load_chunk<K>(qw, sc, r0, r1, j0, c);
     }
-#pragma unroll
-    for (int j0 = 0; j0 < kNJ; j0 += kInFlight) {
-      RowChunk n;
-      if (j0 + kInFlight < kNJ) load_chunk<K>(qw, sc, r0, r1, j0 + kInFlight, n);
+    if constexpr (kA8) {
       use_chunk_a8<K>(c, j0, a8_views<K>(xs), a0, a1);
-      if (j0 + kInFlight < kNJ) c = n;
-    }
-  } else {
-#pragma unroll
-    for (int j0 = 0; j0 < kNJ; j0 += kInFlight) {
-      RowChunk c;
-      if (j0 == 0 && first != nullptr) {
-        c = *first;
-      } else {
-        load_chunk<K>(qw, sc, r0, r1, j0, c);
-      }
-      if constexpr (kA8) {
-        use_chunk_a8<K>(c, j0, a8_views<K>(xs), a0, a1);
-      } else {
-        use_chunk<K>(c, j0, xs, a0, a1);
-      }
+    } else {
+      use_chunk<K>(c, j0, xs, a0, a1);
     }
   }
   o0 = warp_sum(a0);
@@ -231,38 +203,23 @@ __device__ __forceinline__ void dot_rows2(const uint32_t* __restrict__ qw, const
 // producer of x) drains; the DRAM round trip then overlaps that kernel's tail and this one's x prologue
 // instead of following them. Only weight loads go before the wait; x is read after it (the one exception
 // to common.cuh's rule that nothing is read before the wait, checked in tests/test_compile.py).
-// An epilogue's reads that do not depend on this step's kernels (EpiPre<Epi>::read, column 0), for the B = 1
-// loop to issue before its wait: an Epi with a member type Pre and pre(b) has them (QkvEpi); any other has
-// none, and call() is its plain operator().
-// none, and call() is its plain operator(). Only when the epilogue says its inputs are settled (written
-// before the previous kernel started); otherwise the epilogue reads them itself, after the sums.
-template <class...>
-using void_t = void;
-template <class Epi, class = void>
-struct EpiPre {
-  struct type {};
-  __device__ static type read(const Epi&) { return {}; }
-  __device__ static void call(const Epi& e, const type&, int p, int r0, int r1, float o0, float o1) {
-    e(0, p, r0, r1, o0, o1);
-  }
-};
-template <class Epi>
-struct EpiPre<Epi, void_t<typename Epi::Pre>> {
-  using type = typename Epi::Pre;
-  __device__ static type read(const Epi& e) { return e.settled ? e.pre(0) : type{}; }
-  __device__ static void call(const Epi& e, const type& pr, int p, int r0, int r1, float o0, float o1) {
-    if (e.settled) {
-      e(pr, 0, p, r0, r1, o0, o1);
-    } else {
-      e(0, p, r0, r1, o0, o1);
-    }
-  }
-};
-
 // What gemv_units stages as its x (template argument kX)
 constexpr int kXHalf = 0;   // fp16 x (normed or not) for the half2 loop
 constexpr int kXA8 = 1;     // fp16 x rounded to int8 in the prologue, for the int8-activation loop
 constexpr int kXImage = 2;  // x already rounded: an a8 image (gate_up_a8_image's output), copied as it is
+
+// Launch overlap, the int8-activation loop only: the next kernel may launch (griddepcontrol.launch_dependents,
+// which takes effect for a block at its first warp's call) once a warp of every block has the sums of its
+// last unit, so the next kernel's blocks are placed and load their first weights during this one's last
+// epilogues and exits; it still waits for this kernel's completion before reading what it wrote. H200,
+// decode protocol, ms/token, pairs in the same call (docs/PERF.md "sixteenth lease"): 7B int8 1.753 / 1.744
+// / 1.829 -> 1.723 / 1.721 / 1.791, 1.5B dims int8 0.885 / 0.912 / 0.904 -> 0.859 / 0.871 / 0.868; on the
+// half2 loop it lost on the 7B (2.007 / 2.060 / 2.005 -> 2.123 / 2.108 / 2.109), so that loop leaves it to
+// its blocks' exits as before.
+template <int kX>
+__device__ __forceinline__ void trigger_after_last_unit(bool last) {
+  if (kX != kXHalf && last) pdl_trigger();
+}
 
 // Stage an a8 image (K bytes of int8 x then K / 32 int2 {scale / 16, -8 sum}: the shared layout itself)
 template <int K>
@@ -280,16 +237,7 @@ __device__ __forceinline__ void gemv_units(const uint32_t* __restrict__ qw, cons
   __shared__ uint4 xs[K / 8];  // [4][K/32] x 16 B: K * 2 bytes (37.9 KB at K = 18944)
   __shared__ float red[32];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  // Which units a warp takes. NQ_GEMV_SPREAD: warp w of block b takes units b + gridDim.x * (w + kWarps i),
-  // so the units are dealt round-robin over the blocks and the launcher's grid (a multiple of the SM count,
-  // gemv.py spread_grid) gives every SM the same number to within one. Before, warp w of block b took units
-  // kWarps b + w + ...: the 7B's down_proj (1,792 units, 224 blocks) then put 16 units on 92 SMs and 8 on
-  // 40, the 1.5B's (768 units, 96 blocks) left 36 SMs idle.
-  const int p_first = NQ_GEMV_SPREAD ? warp * static_cast<int>(gridDim.x) + static_cast<int>(blockIdx.x)
-                                     : static_cast<int>(blockIdx.x) * kWarps + warp;
-  // What the epilogue reads that no kernel of this step writes (q/k/v: the position and its page id; EpiPre
-  // below): read before the wait with the weights, instead of two dependent L2 round trips after the sums
-  const auto pre = EpiPre<Epi>::read(epi);
+  const int p_first = blockIdx.x * kWarps + warp;
 #if NQ_GEMV_PRELOAD
   RowChunk first;
   int f0 = 0, f1 = 0;
@@ -306,26 +254,24 @@ __device__ __forceinline__ void gemv_units(const uint32_t* __restrict__ qw, cons
   } else {
     stage_x<K>(x, norm_w, eps, xs, red);
   }
-  if (NQ_GEMV_TRIGGER == 1) pdl_trigger();
   // no barrier below: warps leave the loop independently
-  const int stride = gridDim.x * kWarps;
   int p = p_first;
 #if NQ_GEMV_PRELOAD
   if (p < units) {
     float o0, o1;
     dot_rows2<K, kX != kXHalf>(qw, sc, f0, f1, xs, o0, o1, &first);
-    if (NQ_GEMV_TRIGGER == 2 && p + stride >= units) pdl_trigger();
-    if (lane == 0) EpiPre<Epi>::call(epi, pre, p, f0, f1, o0, o1);
+    trigger_after_last_unit<kX>(p + gridDim.x * kWarps >= units);
+    if (lane == 0) epi(0, p, f0, f1, o0, o1);
   }
-  p += stride;
+  p += gridDim.x * kWarps;
 #endif
-  for (; p < units; p += stride) {
+  for (; p < units; p += gridDim.x * kWarps) {
     int r0, r1;
     map(p, r0, r1);
     float o0, o1;
     dot_rows2<K, kX != kXHalf>(qw, sc, r0, r1, xs, o0, o1);
-    if (NQ_GEMV_TRIGGER == 2 && p + stride >= units) pdl_trigger();
-    if (lane == 0) EpiPre<Epi>::call(epi, pre, p, r0, r1, o0, o1);
+    trigger_after_last_unit<kX>(p + gridDim.x * kWarps >= units);
+    if (lane == 0) epi(0, p, r0, r1, o0, o1);
   }
 }
 
@@ -360,27 +306,13 @@ struct QkvEpi {
   uint16_t* v_cache;
   int layer, n_pages;
   uint16_t* q_out;            // [B, kQDim]
-  // settled (the B = 1 entries' last argument; 0 elsewhere): pos and page_table were written before the
-  // previous kernel in the stream started (the engine's decode step: the host's control copy, the previous
-  // step's advance), so the B = 1 loop reads column 0's position and page id before its wait (EpiPre)
-  int settled;
-  struct Pre {
-    int ps, page;
-  };
-  __device__ Pre pre(int b) const {
+  __device__ void operator()(int b, int p, int r0, int r1, float x0, float x1) const {
+    const int head = p / 64, d = p % 64;
     const int ps = pos[b];
     // A row whose position has no page (a padding row of a batch bucket: page id -1) writes no K/V and
     // gets NaN q, so nothing outside its own outputs changes and garbage shows rather than hides.
     const int blk = ps >= 0 ? ps / kPageTokens : -1;
     const int page = (blk >= 0 && blk < max_pages) ? page_table[static_cast<size_t>(b) * max_pages + blk] : -1;
-    return {ps, page};
-  }
-  __device__ void operator()(int b, int p, int r0, int r1, float x0, float x1) const {
-    (*this)(pre(b), b, p, r0, r1, x0, x1);
-  }
-  __device__ void operator()(const Pre& pr, int b, int p, int r0, int r1, float x0, float x1) const {
-    const int head = p / 64, d = p % 64;
-    const int ps = pr.ps, page = pr.page;
     const bool ok = page >= 0 && page < n_pages;
     x0 += h2f(bias[r0]);
     x1 += h2f(bias[r1]);
@@ -484,7 +416,6 @@ __device__ __forceinline__ void gate_up_a8_image(const uint32_t* __restrict__ qw
   if (threadIdx.x < kA8ImageGroups) done[threadIdx.x] = 0;  // published by stage_x_a8's barrier
   pdl_wait();
   stage_x_a8<K>(x, norm_w, eps, a8_views<K>(xs), red);
-  if (NQ_GEMV_TRIGGER == 1) pdl_trigger();
   // unit j of group g (slot s): warp w's output 4w + j of the group; after its 4th, the warp counts itself
   // done with the group, and the last of the kWarps rounds and writes it
   int s = 0, j = 0;
@@ -503,7 +434,7 @@ __device__ __forceinline__ void gate_up_a8_image(const uint32_t* __restrict__ qw
     map(32 * g + 4 * warp + j, r0, r1);
     float o0, o1;
     dot_rows2<K, true>(qw, sc, r0, r1, xs, o0, o1);
-    if (NQ_GEMV_TRIGGER == 2 && j == 3 && g + static_cast<int>(gridDim.x) >= kGroups) pdl_trigger();
+    trigger_after_last_unit<kXA8>(j == 3 && g + static_cast<int>(gridDim.x) >= kGroups);
     if (lane == 0) hs[s][4 * warp + j] = h2f(f2h(o0 / (1.f + __expf(-o0)) * o1));  // GateUpEpi's value
     if (++j == 4) {
       int last = 0;
@@ -534,8 +465,7 @@ using namespace nq;
 //   nq_qkv_rope_kv: fused input RMSNorm + q/k/v projection + bias + RoPE + KV page write (units kQkvRows / 2):
 //     qweight [kQkvRows, H/8] rows q | k | v, scales, bias [kQkvRows], x [H] (the residual stream), norm_w
 //     (not null), eps, pos [1] (device: graph-replayable), page_table [1, max_pages], max_pages, k_cache,
-//     v_cache [L, n_pages, kKvHeads, 16, 128] fp16, layer, n_pages, q_out [kQDim] fp16 (roped), settled
-//     (1: pos and page_table were written before the previous kernel started; QkvEpi).
+//     v_cache [L, n_pages, kKvHeads, 16, 128] fp16, layer, n_pages, q_out [kQDim] fp16 (roped).
 //   nq_gate_up_silu: fused post-attention RMSNorm + gate/up + SiLU(gate) * up (units kInter): qweight
 //     [2I, H/8] rows gate | up, scales, x [H], norm_w or null, eps, out [I] fp16.
 #define NQ_B1_ENTRIES(SUFFIX, KX)                                                                            \
@@ -556,10 +486,10 @@ using namespace nq;
       const uint16_t* __restrict__ bias, const uint16_t* __restrict__ x, const uint16_t* __restrict__ norm_w, \
       float eps, const int32_t* __restrict__ pos, const int32_t* __restrict__ page_table, int max_pages,     \
       uint16_t* __restrict__ k_cache, uint16_t* __restrict__ v_cache, int layer, int n_pages,                \
-      uint16_t* __restrict__ q_out, int settled) {                                                          \
+      uint16_t* __restrict__ q_out) {                                                                       \
     gemv_units<kHidden, QkvRows, QkvEpi, KX>(                                                               \
         qweight, scales, x, norm_w, eps, kQkvRows / 2, QkvRows{},                                           \
-        QkvEpi{bias, pos, page_table, max_pages, k_cache, v_cache, layer, n_pages, q_out, settled});        \
+        QkvEpi{bias, pos, page_table, max_pages, k_cache, v_cache, layer, n_pages, q_out});                 \
   }                                                                                                         \
   extern "C" __global__ void __launch_bounds__(kThreads) nq_gate_up_silu##SUFFIX(                           \
       const uint32_t* __restrict__ qweight, const uint16_t* __restrict__ scales, const uint16_t* __restrict__ x, \
