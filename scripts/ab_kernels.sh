@@ -10,6 +10,8 @@
 # environment. Records in $AB_DIR (default /tmp/nq-ab): <label>-{d0,p512,batch}.json; a table printed last.
 # AB_DIMS: the dims preset the variants are precompiled for (default 7b; 1.5b for the 1.5B's dims).
 # Against an older revision: scripts/ab_base.sh REV prints a variant spec that runs REV's packages.
+# One bench per variant cannot see a change below the run-to-run noise (~+-0.05 ms/token on the 7B):
+# scripts/ab_decode.sh repeats the decode protocol in interleaved rounds, from a bare machine.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 MODEL=$1; shift
