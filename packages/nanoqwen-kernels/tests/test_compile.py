@@ -174,6 +174,21 @@ def _check_waits(funcs: dict[str, str]) -> None:
         assert not early, f"{name}: global memory access before griddepcontrol.wait: {early[:4]}"
 
 
+def test_only_the_int8_loop_releases_the_next_kernel_early():
+    """The B = 1 int8-activation entries let the next kernel launch once a warp of each block has its last
+    unit's sums (griddepcontrol.launch_dependents = PREEXIT; gemv_int4.cu trigger_after_last_unit); the
+    half2 entries leave it to their blocks' exits: on the H200 the trigger won every pair on the int8 loop
+    and lost every pair on the 7B's half2 loop (docs/PERF.md, sixteenth lease)."""
+    funcs = _functions(_sass("gemv_int4.cu", QWEN25_7B))
+    int8 = sorted(n for n in _PRELOADING if n.endswith(("_a8", "_a8x")))
+    half2 = sorted(n for n in _PRELOADING if n not in int8)
+    assert len(int8) == 6 and len(half2) == 4
+    for name in int8:
+        assert "PREEXIT" in funcs[name], f"{name}: no griddepcontrol.launch_dependents"
+    for name in half2:
+        assert "PREEXIT" not in funcs[name], f"{name}: the half2 loop must not release its successor early"
+
+
 @pytest.mark.parametrize("source", SOURCES)
 def test_every_kernel_waits_for_its_predecessor_before_touching_memory(source):
     """Every kernel is launched with programmatic dependent launch (pdl.py), so its blocks may be placed
