@@ -1,5 +1,5 @@
 // gemv_int4.cu: the INT4 x FP16 GEMVs of decode over ValueShuffle-v1 words, for B sequences at once,
-// with their fused variants. Four bodies share the row maps and epilogues below:
+// with their fused variants. Four bodies share the row maps and epilogues (gemv_epilogues.cuh):
 //   the half2 loop (this file)      B = 1; products in half2 FMAs
 //   the int8-activation loop        B = 1, opt-in (suffix _a8, _a8x); gemv_a8.cuh: x rounded to int8, dp4a
 //   the tensor-core core            any B; gemv_mma.cuh (mma.sync, one column per sequence)
@@ -275,185 +275,10 @@ __device__ __forceinline__ void gemv_units(const uint32_t* __restrict__ qw, cons
   }
 }
 
-// ---- epilogues: what happens to the 2 sums of a unit for column (sequence) b ----------------------------
-struct PlainEpi {
-  const uint16_t* residual;  // [B, n_rows] or null; may alias out: each element is read, then written,
-  uint16_t* out;             // by one thread
-  int n_rows;
-  __device__ void operator()(int b, int, int r0, int r1, float o0, float o1) const {
-    const size_t base = static_cast<size_t>(b) * n_rows;
-    if (residual != nullptr) {
-      o0 += h2f(residual[base + r0]);
-      o1 += h2f(residual[base + r1]);
-    }
-    out[base + r0] = f2h(o0);
-    if (r1 != r0) out[base + r1] = f2h(o1);
-  }
-};
-
-struct QkvRows {  // unit p: head p/64 (q heads, then k, then v), rows d and d+64 of it (d = p % 64)
-  __device__ void operator()(int p, int& r0, int& r1) const {
-    r0 = (p / 64) * kHeadDim + p % 64;
-    r1 = r0 + 64;  // the pair HF's rotate-half RoPE mixes
-  }
-};
-struct QkvEpi {
-  const uint16_t* bias;
-  const int32_t* pos;         // [B] position of each sequence's new token
-  const int32_t* page_table;  // [B, max_pages]
-  int max_pages;
-  uint16_t* k_cache;
-  uint16_t* v_cache;
-  int layer, n_pages;
-  uint16_t* q_out;            // [B, kQDim]
-  __device__ void operator()(int b, int p, int r0, int r1, float x0, float x1) const {
-    const int head = p / 64, d = p % 64;
-    const int ps = pos[b];
-    // A row whose position has no page (a padding row of a batch bucket: page id -1) writes no K/V and
-    // gets NaN q, so nothing outside its own outputs changes and garbage shows rather than hides.
-    const int blk = ps >= 0 ? ps / kPageTokens : -1;
-    const int page = (blk >= 0 && blk < max_pages) ? page_table[static_cast<size_t>(b) * max_pages + blk] : -1;
-    const bool ok = page >= 0 && page < n_pages;
-    x0 += h2f(bias[r0]);
-    x1 += h2f(bias[r1]);
-    if (head < kHeads + kKvHeads) {  // q or k: rotate the pair (d, d + 64)
-      // HF: inv_freq[d] = 1 / theta^(2d/128), angle = pos * inv_freq in fp32. inv_freq is computed in
-      // fp64 and rounded once (kRopeInvFreq, common.cuh), so it is the correctly rounded fp32 value (as
-      // the engine's numpy reference computes it): an ulp of inv_freq is ~2e-3 rad of angle at pos 32k.
-      // Precise sincosf (no fast math) because the angle reaches ~3e4 rad at 32k context.
-      const float inv = kRopeInvFreq[d];
-      const float ang = static_cast<float>(ps) * inv;
-      float sn, cs;
-      sincosf(ang, &sn, &cs);
-      const float ra = x0 * cs - x1 * sn;
-      const float rb = x1 * cs + x0 * sn;
-      x0 = ra;
-      x1 = rb;
-    }
-    if (head < kHeads) {
-      uint16_t* q = q_out + static_cast<size_t>(b) * kQDim;
-      q[r0] = ok ? f2h(x0) : kHalfNaN;
-      q[r1] = ok ? f2h(x1) : kHalfNaN;
-    } else if (ok) {
-      const bool is_k = head < kHeads + kKvHeads;
-      const int kvh = head - kHeads - (is_k ? 0 : kKvHeads);
-      // k_cache[layer][page][kvh][pos % 16][:]
-      const size_t base =
-          ((((static_cast<size_t>(layer) * n_pages + page) * kKvHeads + kvh) * kPageTokens) + ps % kPageTokens) *
-          kHeadDim;
-      uint16_t* dst = is_k ? k_cache : v_cache;
-      dst[base + d] = f2h(x0);
-      dst[base + d + 64] = f2h(x1);
-    }
-  }
-};
-
-struct GateUpRows {  // gate row p and the up row of the same output element
-  __device__ void operator()(int p, int& r0, int& r1) const {
-    r0 = p;
-    r1 = kInter + p;
-  }
-};
-struct GateUpEpi {
-  uint16_t* out;  // [B, kInter]
-  __device__ void operator()(int b, int p, int, int, float g, float u) const {
-    // HF rounds gate and up to fp16 before the activation; we keep fp32 (within the test tolerance)
-    out[static_cast<size_t>(b) * kInter + p] = f2h(g / (1.f + __expf(-g)) * u);
-  }
-};
-
-// ---- gate/up writing down_proj's x already rounded (the "a8 image") -------------------------------------
-// Under the int8-activation loop every down_proj block rounds the whole intermediate (18,944 values on the
-// 7B) in its prologue: ~3.6 of its 13.9 us (docs/PERF.md "fourteenth lease"). Here the kernel that produces
-// the intermediate rounds it once: a block takes whole groups of 32 outputs (warp w units 32g + 4w .. +3,
-// the same rows and epilogue arithmetic as GateUpEpi) and puts their fp16-rounded values in shared memory;
-// the last of the block's warps to finish a group (a shared-memory counter per group, no block barrier:
-// a barrier per group held the warps in step and lost, docs/PERF.md) rounds it as stage_x_a8 would (the
-// group is one of down_proj's 32-k pieces) and writes it in the layout down_proj stages: image = xq
-// [2][kInter/32] uint4, then xm [kInter/32] int2. A block takes at most kA8ImageGroups groups (the
-// launcher's grid), each its own slot, so no slot is reused.
-constexpr int kA8ImageGroups = 8;
-__device__ __forceinline__ void a8_round_group(float v, int g, uint16_t* img) {
-  constexpr int kNU = kInter / 32;
-  const int lane = threadIdx.x & 31;
-  const float amax = warp_max(fabsf(v));
-  const float inv = amax > 0.f ? 127.f / amax : 0.f;
-  const uint32_t b = __float_as_uint(__fadd_rn(__fmul_rn(v, inv), 12582912.f));  // as stage_x_a8
-  int sum = static_cast<int>(b - 0x4B400000u);
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-  // lane 4m gathers the bytes of lanes 4m .. 4m+3: word m of the group (k = 32g + 4m ..)
-  const uint32_t b1 = __shfl_down_sync(0xffffffffu, b, 1), b2 = __shfl_down_sync(0xffffffffu, b, 2),
-                 b3 = __shfl_down_sync(0xffffffffu, b, 3);
-  if ((lane & 3) == 0) {
-    const int m = lane >> 2;  // bytes 4m .. 4m+3 of the group: half m / 4 of the piece, word m % 4 of it
-    reinterpret_cast<uint32_t*>(img)[((m >> 2) * kNU + g) * 4 + (m & 3)] =
-        __byte_perm(__byte_perm(b, b1, 0x0040u), __byte_perm(b2, b3, 0x0040u), 0x5410u);
-  }
-  if (lane == 0) reinterpret_cast<int2*>(img + kInter / 2)[g] = make_int2(__float_as_int(amax / 127.f * 0.0625f), -8 * sum);
-}
-
-template <int K>
-__device__ __forceinline__ void gate_up_a8_image(const uint32_t* __restrict__ qw, const uint16_t* __restrict__ sc,
-                                                 const uint16_t* __restrict__ x, const uint16_t* __restrict__ norm_w,
-                                                 float eps, uint16_t* __restrict__ img) {
-  static_assert(kInter % 32 == 0, "groups of 32 outputs");
-  constexpr int kGroups = kInter / 32;
-  __shared__ uint4 xs[K / 8];
-  __shared__ float red[32];
-  __shared__ float hs[kA8ImageGroups][32];
-  __shared__ int done[kA8ImageGroups];
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const GateUpRows map{};
-#if NQ_GEMV_PRELOAD
-  RowChunk first;  // the first unit's first chunk, before the wait (as gemv_units)
-  if (blockIdx.x < kGroups) {
-    int f0, f1;
-    map(32 * blockIdx.x + 4 * warp, f0, f1);
-    load_chunk<K>(qw, sc, f0, f1, 0, first);
-  }
-#endif
-  if (threadIdx.x < kA8ImageGroups) done[threadIdx.x] = 0;  // published by stage_x_a8's barrier
-  pdl_wait();
-  stage_x_a8<K>(x, norm_w, eps, a8_views<K>(xs), red);
-  // unit j of group g (slot s): warp w's output 4w + j of the group; after its 4th, the warp counts itself
-  // done with the group, and the last of the kWarps rounds and writes it
-  int s = 0, j = 0;
-#if NQ_GEMV_PRELOAD
-  if (static_cast<int>(blockIdx.x) < kGroups) {  // the first unit, peeled: its chunk was loaded before the wait
-    int r0, r1;
-    map(32 * blockIdx.x + 4 * warp, r0, r1);
-    float o0, o1;
-    dot_rows2<K, true>(qw, sc, r0, r1, xs, o0, o1, &first);
-    if (lane == 0) hs[0][4 * warp] = h2f(f2h(o0 / (1.f + __expf(-o0)) * o1));
-    j = 1;
-  }
-#endif
-  for (int g = blockIdx.x; g < kGroups;) {  // block-uniform; s < kA8ImageGroups
-    int r0, r1;
-    map(32 * g + 4 * warp + j, r0, r1);
-    float o0, o1;
-    dot_rows2<K, true>(qw, sc, r0, r1, xs, o0, o1);
-    trigger_after_last_unit<kXA8>(j == 3 && g + static_cast<int>(gridDim.x) >= kGroups);
-    if (lane == 0) hs[s][4 * warp + j] = h2f(f2h(o0 / (1.f + __expf(-o0)) * o1));  // GateUpEpi's value
-    if (++j == 4) {
-      int last = 0;
-      if (lane == 0) {
-        __threadfence_block();  // this warp's 4 values before its count (release)
-        last = atomicAdd(&done[s], 1) == kWarps - 1;
-      }
-      if (__shfl_sync(0xffffffffu, last, 0)) {
-        __threadfence_block();  // every warp's values after the last count (acquire)
-        a8_round_group(hs[s][lane], g, img);
-      }
-      j = 0;
-      ++s;
-      g += gridDim.x;
-    }
-  }
-}
-
 }  // namespace nq
+
+#include "gemv_epilogues.cuh"  // the row maps and fused epilogues every body shares
+#include "gemv_a8_image.cuh"   // gate/up handing down_proj its input already rounded (int8 loop)
 
 using namespace nq;
 
@@ -503,7 +328,7 @@ NQ_B1_ENTRIES(_a8, kXA8)
 
 // The int8-activation loop's down_proj pair (the engine's batch-1 decode under decode_activations="int8"):
 //   nq_gate_up_silu_a8x: as nq_gate_up_silu_a8, but its output is the intermediate already rounded for
-//     down_proj, an a8 image (gate_up_a8_image below) of kInter * 5 / 4 bytes, in `out` ([I] fp16 storage);
+//     down_proj, an a8 image (gate_up_a8_image, gemv_a8_image.cuh) of kInter * 5 / 4 bytes, in `out` ([I] fp16 storage);
 //   nq_gemv_int4_i_a8x: down_proj (K = I) reading such an image as its x (no norm): its prologue is a copy.
 extern "C" __global__ void __launch_bounds__(kThreads) nq_gate_up_silu_a8x(
     const uint32_t* __restrict__ qweight, const uint16_t* __restrict__ scales, const uint16_t* __restrict__ x,

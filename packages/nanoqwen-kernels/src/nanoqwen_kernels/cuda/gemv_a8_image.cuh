@@ -1,0 +1,99 @@
+// gemv_a8_image.cuh: gate/up + SiLU writing down_proj's input already rounded to int8 (the "a8 image"), the
+// int8-activation loop's down_proj pair (entries nq_gate_up_silu_a8x -> nq_gemv_int4_i_a8x in gemv_int4.cu,
+// which includes this after the loop's pieces, dot_rows2 and the row maps).
+#pragma once
+
+namespace nq {
+
+// ---- gate/up writing down_proj's x already rounded (the "a8 image") -------------------------------------
+// Under the int8-activation loop every down_proj block rounds the whole intermediate (18,944 values on the
+// 7B) in its prologue: ~3.6 of its 13.9 us (docs/PERF.md "fourteenth lease"). Here the kernel that produces
+// the intermediate rounds it once: a block takes whole groups of 32 outputs (warp w units 32g + 4w .. +3,
+// the same rows and epilogue arithmetic as GateUpEpi) and puts their fp16-rounded values in shared memory;
+// the last of the block's warps to finish a group (a shared-memory counter per group, no block barrier:
+// a barrier per group held the warps in step and lost, docs/PERF.md) rounds it as stage_x_a8 would (the
+// group is one of down_proj's 32-k pieces) and writes it in the layout down_proj stages: image = xq
+// [2][kInter/32] uint4, then xm [kInter/32] int2. A block takes at most kA8ImageGroups groups (the
+// launcher's grid), each its own slot, so no slot is reused.
+constexpr int kA8ImageGroups = 8;
+__device__ __forceinline__ void a8_round_group(float v, int g, uint16_t* img) {
+  constexpr int kNU = kInter / 32;
+  const int lane = threadIdx.x & 31;
+  const float amax = warp_max(fabsf(v));
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  const uint32_t b = __float_as_uint(__fadd_rn(__fmul_rn(v, inv), 12582912.f));  // as stage_x_a8
+  int sum = static_cast<int>(b - 0x4B400000u);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+  // lane 4m gathers the bytes of lanes 4m .. 4m+3: word m of the group (k = 32g + 4m ..)
+  const uint32_t b1 = __shfl_down_sync(0xffffffffu, b, 1), b2 = __shfl_down_sync(0xffffffffu, b, 2),
+                 b3 = __shfl_down_sync(0xffffffffu, b, 3);
+  if ((lane & 3) == 0) {
+    const int m = lane >> 2;  // bytes 4m .. 4m+3 of the group: half m / 4 of the piece, word m % 4 of it
+    reinterpret_cast<uint32_t*>(img)[((m >> 2) * kNU + g) * 4 + (m & 3)] =
+        __byte_perm(__byte_perm(b, b1, 0x0040u), __byte_perm(b2, b3, 0x0040u), 0x5410u);
+  }
+  if (lane == 0) reinterpret_cast<int2*>(img + kInter / 2)[g] = make_int2(__float_as_int(amax / 127.f * 0.0625f), -8 * sum);
+}
+
+template <int K>
+__device__ __forceinline__ void gate_up_a8_image(const uint32_t* __restrict__ qw, const uint16_t* __restrict__ sc,
+                                                 const uint16_t* __restrict__ x, const uint16_t* __restrict__ norm_w,
+                                                 float eps, uint16_t* __restrict__ img) {
+  static_assert(kInter % 32 == 0, "groups of 32 outputs");
+  constexpr int kGroups = kInter / 32;
+  __shared__ uint4 xs[K / 8];
+  __shared__ float red[32];
+  __shared__ float hs[kA8ImageGroups][32];
+  __shared__ int done[kA8ImageGroups];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const GateUpRows map{};
+#if NQ_GEMV_PRELOAD
+  RowChunk first;  // the first unit's first chunk, before the wait (as gemv_units)
+  if (blockIdx.x < kGroups) {
+    int f0, f1;
+    map(32 * blockIdx.x + 4 * warp, f0, f1);
+    load_chunk<K>(qw, sc, f0, f1, 0, first);
+  }
+#endif
+  if (threadIdx.x < kA8ImageGroups) done[threadIdx.x] = 0;  // published by stage_x_a8's barrier
+  pdl_wait();
+  stage_x_a8<K>(x, norm_w, eps, a8_views<K>(xs), red);
+  // unit j of group g (slot s): warp w's output 4w + j of the group; after its 4th, the warp counts itself
+  // done with the group, and the last of the kWarps rounds and writes it
+  int s = 0, j = 0;
+#if NQ_GEMV_PRELOAD
+  if (static_cast<int>(blockIdx.x) < kGroups) {  // the first unit, peeled: its chunk was loaded before the wait
+    int r0, r1;
+    map(32 * blockIdx.x + 4 * warp, r0, r1);
+    float o0, o1;
+    dot_rows2<K, true>(qw, sc, r0, r1, xs, o0, o1, &first);
+    if (lane == 0) hs[0][4 * warp] = h2f(f2h(o0 / (1.f + __expf(-o0)) * o1));
+    j = 1;
+  }
+#endif
+  for (int g = blockIdx.x; g < kGroups;) {  // block-uniform; s < kA8ImageGroups
+    int r0, r1;
+    map(32 * g + 4 * warp + j, r0, r1);
+    float o0, o1;
+    dot_rows2<K, true>(qw, sc, r0, r1, xs, o0, o1);
+    trigger_after_last_unit<kXA8>(j == 3 && g + static_cast<int>(gridDim.x) >= kGroups);
+    if (lane == 0) hs[s][4 * warp + j] = h2f(f2h(o0 / (1.f + __expf(-o0)) * o1));  // GateUpEpi's value
+    if (++j == 4) {
+      int last = 0;
+      if (lane == 0) {
+        __threadfence_block();  // this warp's 4 values before its count (release)
+        last = atomicAdd(&done[s], 1) == kWarps - 1;
+      }
+      if (__shfl_sync(0xffffffffu, last, 0)) {
+        __threadfence_block();  // every warp's values after the last count (acquire)
+        a8_round_group(hs[s][lane], g, img);
+      }
+      j = 0;
+      ++s;
+      g += gridDim.x;
+    }
+  }
+}
+
+}  // namespace nq
