@@ -26,7 +26,7 @@ def _good(d):
         gu_qweight=dev((2 * i, h // 8), np.uint32), gu_scales=dev((2 * i, h // 128), np.float16),
         norm_w=dev((h,), np.float16), eps=1e-6, act=dev((1, i), np.float16),
         dn_qweight=dev((h, i // 8), np.uint32), dn_scales=dev((h, i // 128), np.float16),
-        barrier=dev((2,), np.uint32),
+        barrier=dev((64,), np.uint32),
     )
 
 
@@ -70,8 +70,9 @@ def test_bad_arguments_are_refused(launches):
         (dict(y=dev((h,), np.float16)), "y must have shape"),
         (dict(act=dev((1, h), np.float16)), "act must have shape"),
         (dict(norm_w=dev((h - 8,), np.float16)), "norm_w must have shape"),
-        (dict(barrier=dev((2,), np.int32)), "barrier must be uint32"),
-        (dict(barrier=dev((1,), np.uint32)), "barrier must have shape"),
+        (dict(barrier=dev((64,), np.int32)), "barrier must be uint32"),
+        (dict(barrier=dev((2,), np.uint32)), "barrier must have shape"),
+        (dict(barrier=dev((65,), np.uint32)[1:]), "barrier must be 128-byte aligned"),
         (dict(y=x), "x and y overlap"),
         (dict(eps=0.0), "eps must be"),
     ]

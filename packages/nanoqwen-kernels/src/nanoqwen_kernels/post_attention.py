@@ -4,7 +4,7 @@ phases separated by grid barriers instead of kernel boundaries. The same bits as
 replaces (gemv_int4 o_proj, gate_up_silu, gemv_int4 down_proj on the B = 1 loop of the GEMV variant: the
 half2 loop, or the int8-activation loop with the a8 image handed to down_proj).
 
-    bar = ks.grid_barrier()                      # once per decode state: uint32 [2], zero
+    bar = ks.grid_barrier()                      # once per decode state: uint32 [64], zero
     if ks.post_attention_fusable(1):
         ks.post_attention(o_q, o_s, attn, x, y, gu_q, gu_s, post_norm, eps, act, dn_q, dn_s, bar)
 
@@ -21,6 +21,8 @@ from . import checks as ck
 from .errors import KernelError
 from .gemv import A8_BLOCK, A8_IMAGE_GROUPS, A8_VARIANTS, THREADS, GemvKernels
 
+BARRIER_WORDS = 64  # GridBarrier (gemv_fused.cuh): arrivals at word 0, the generation at word 32
+
 
 class PostAttentionKernels:
     def __init__(self, gemv: GemvKernels):
@@ -36,9 +38,9 @@ class PostAttentionKernels:
         return b == 1 and all(self._g.on_b1_loop(kind) for kind in ("h", "i", "gu"))
 
     def grid_barrier(self):
-        """A zeroed uint32 [2] for the kernel's grid barriers (arrivals, generation); it stays zero between
-        launches."""
-        return ck.cupy_module().zeros(2, dtype=np.uint32)
+        """A zeroed uint32 [BARRIER_WORDS] for the kernel's grid barriers (arrivals at word 0, the generation
+        at word 32: two 128-byte lines); the arrivals stay zero between launches."""
+        return ck.cupy_module().zeros(BARRIER_WORDS, dtype=np.uint32)
 
     def grid(self) -> int:
         """Blocks of a launch: every block resident at once (a multiple of the SM count)."""
@@ -74,7 +76,7 @@ class PostAttentionKernels:
         ck.check_array("y", y, np.float16, (*lead, d.hidden), align=16)
         ck.check_array("act", act, np.float16, (*lead, d.intermediate), align=16)
         ck.check_array("norm_w", norm_w, np.float16, (d.hidden,), align=16)
-        ck.check_array("barrier", barrier, np.uint32, (2,))
+        ck.check_array("barrier", barrier, np.uint32, (BARRIER_WORDS,), align=128)
         e = ck.check_eps(eps)
         ck.check_distinct(attn=attn, x=x, y=y, act=act, barrier=barrier)
         ck.launch(self._fn, self.grid(), THREADS,

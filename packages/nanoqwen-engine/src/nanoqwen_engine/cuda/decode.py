@@ -29,7 +29,7 @@ Buffers (per backend, [R, ...] allocated once at load; H hidden, I intermediate,
     x, y    f16 [R, H]  residual stream, ping-pong (o_proj: x -> y, down_proj: y -> x; no in-place aliasing)
     q, attn f16 [R, Q]  roped queries / attention outputs
     act     f16 [R, I]  silu(gate) * up
-    barrier u32 [2]     the fused post-attention kernel's grid barrier (B = 1; zero between launches)
+    barrier u32 [64]    the fused post-attention kernel's grid barrier (B = 1; zero between launches)
 
 At B = 1, o_proj, gate/up and down_proj run as one kernel (ks.post_attention: three GEMV phases with grid
 barriers between them, the same bits as the three launches) unless $NANOQWEN_DECODE_FUSED=0.

@@ -183,7 +183,9 @@ class HostKernels:
         return b == 1 and not ({"h", "i", "gu"} & GEMV_VARIANTS[v]) and v not in TILE_AT_B1
 
     def grid_barrier(self):
-        return np.zeros(2, dtype=np.uint32)
+        from nanoqwen_kernels.post_attention import BARRIER_WORDS
+
+        return np.zeros(BARRIER_WORDS, dtype=np.uint32)
 
     @_launcher
     def post_attention(self, o_qweight, o_scales, attn, x, y, gu_qweight, gu_scales, norm_w, eps, act,

@@ -132,16 +132,6 @@ __device__ __forceinline__ void cp_async16_l2_256(void* smem_dst, const void* gm
 // beside the running ones) took 2.20 -> 2.55 ms/token, 2.43 without the weight prefetch; an L2 prefetch
 // of the first weights before the wait cost 0.06 ms on its own; the wait alone gave 2.12 ms.
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-// A pointer whose loads must stay after a wait (pdl_wait, a grid barrier): the empty asm makes its value
-// unknown to the compiler from here on, so no load through it moves above this point. The waits' memory
-// clobbers alone do not hold a load through a const __restrict__ pointer there (the compiler may treat the
-// data as invariant and issue it early, as a non-coherent load): seen in the fused post-attention kernel,
-// whose o_proj phase read attention's output before the wait (tests/test_compile.py checks every entry).
-template <class T>
-__device__ __forceinline__ const T* after_wait(const T* p) {
-  asm volatile("" : "+l"(p)::"memory");
-  return p;
-}
 // Let the next kernel in the stream launch now rather than when this one's blocks exit. Used only by small
 // one-wave kernels whose successor can issue work that does not depend on them (the tile GEMM's weight
 // copies, gemm_tiles.cuh): the successor still waits in pdl_wait for this kernel's completion and flush.

@@ -47,6 +47,7 @@ __device__ __forceinline__ void gate_up_a8_image_on(const uint32_t* __restrict__
   constexpr int kGroups = kInter / 32;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const GateUpRows map{};
+  wait.arrive();
 #if NQ_GEMV_PRELOAD
   RowChunk first;  // the first unit's first chunk, before the wait (as gemv_units)
   if (blockIdx.x < kGroups) {
@@ -57,7 +58,7 @@ __device__ __forceinline__ void gate_up_a8_image_on(const uint32_t* __restrict__
 #endif
   if (threadIdx.x < kA8ImageGroups) done[threadIdx.x] = 0;  // published by stage_x_a8's barrier
   wait();
-  stage_x_a8<K>(after_wait(x), norm_w, eps, a8_views<K>(xs), red);
+  stage_x_a8<K>(x, norm_w, eps, a8_views<K>(xs), red);
   // unit j of group g (slot s): warp w's output 4w + j of the group; after its 4th, the warp counts itself
   // done with the group, and the last of the kWarps rounds and writes it
   int s = 0, j = 0;

@@ -24,38 +24,56 @@
 
 namespace nq {
 
-// A grid-wide barrier over a [2] uint32 in global memory: {arrivals, generation}. Self-resetting (the last
-// block to arrive zeroes the count before it bumps the generation), so one zeroed buffer serves every
-// launch and every graph replay, as long as two grids using it never run at the same time (one per
+// A grid-wide barrier over uint32s in global memory: arrivals at bar[0], the generation at bar[32] (another
+// 128-byte line, so the polls of the generation do not queue with the arrivals' atomics). Self-resetting
+// (the last block to arrive zeroes the count before it bumps the generation), so one zeroed buffer serves
+// every launch and every graph replay, as long as two grids using it never run at the same time (one per
 // decode state: the kernels of a stream run one after another, overlapping only their neighbours).
+// Split in two so a phase's weight loads go between them (gemv_units_on: arrive, preload, wait): the
+// arrival's release must wait for this block's outstanding stores, and a fence placed after the preload
+// would wait for those loads too (a DRAM round trip under load). Neither half uses a full fence
+// (__threadfence is fence.sc: it drains every outstanding access): the arrival is an atomic with release
+// semantics and the poll a load with acquire semantics.
 struct GridBarrier {
   unsigned* bar;
-  __device__ __forceinline__ void operator()() const {
+  mutable unsigned gen = 0;  // thread 0's: the generation this block waits to see pass
+  __device__ __forceinline__ void arrive() const {
     __syncthreads();  // every warp of the block has written its outputs of the phase
     if (threadIdx.x == 0) {
-      unsigned gen;
       // the generation before arriving: it cannot move before this block has arrived
-      asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(gen) : "l"(bar + 1) : "memory");
-      __threadfence();  // release: the block's writes (ordered before thread 0 by the barrier above)
-      if (atomicAdd(bar, 1u) == gridDim.x - 1) {
-        atomicExch(bar, 0u);  // reset before the release below lets anyone arrive at the next barrier
-        __threadfence();
-        asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(bar + 1), "r"(gen + 1u) : "memory");
-      } else {
-        unsigned now;
-        do {
-          asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(now) : "l"(bar + 1) : "memory");
-        } while (now == gen);
+      asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(gen) : "l"(bar + 32) : "memory");
+      unsigned old;
+      // release: the block's writes (ordered before thread 0 by the barrier above) before the arrival
+      asm volatile("atom.release.gpu.global.add.u32 %0, [%1], 1;" : "=r"(old) : "l"(bar) : "memory");
+      if (old == gridDim.x - 1) {  // the last: reset the count, then let everyone go (release orders both)
+        asm volatile("st.relaxed.gpu.global.u32 [%0], 0;" ::"l"(bar) : "memory");
+        asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(bar + 32), "r"(gen + 1u) : "memory");
       }
-      __threadfence();  // acquire, for the block (the barrier below orders its threads after thread 0)
     }
-    __syncthreads();
+  }
+  __device__ __forceinline__ void operator()() const {
+    if (threadIdx.x == 0) {
+      unsigned now;
+      do {  // acquire: every block's writes of the phase are visible after it
+        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(now) : "l"(bar + 32) : "memory");
+      } while (now == gen);
+    }
+    __syncthreads();  // the other threads after thread 0's acquire
   }
 };
 
+// A pointer the compiler knows nothing about, so its loads are generic ones (coherent, never hoisted). Phase
+// A reads attention's output through it: as a const __restrict__ argument it was loaded non-coherently
+// (ld.global.nc), and ptxas scheduled those loads above griddepcontrol.wait, before attention had
+// finished (tests/test_compile.py: nothing but weights and scales is loaded before the wait).
+__device__ __forceinline__ const uint16_t* opaque(const uint16_t* p) {
+  asm("" : "+l"(p));
+  return p;
+}
+
 template <bool kA8>
 __device__ __forceinline__ void post_attention_b1(
-    const uint32_t* __restrict__ o_qw, const uint16_t* __restrict__ o_sc, const uint16_t* __restrict__ attn,
+    const uint32_t* __restrict__ o_qw, const uint16_t* __restrict__ o_sc, const uint16_t* attn,
     uint16_t* x, uint16_t* y, const uint32_t* __restrict__ gu_qw, const uint16_t* __restrict__ gu_sc,
     const uint16_t* __restrict__ norm_w, float eps, uint16_t* act, const uint32_t* __restrict__ dn_qw,
     const uint16_t* __restrict__ dn_sc, unsigned* bar) {
@@ -67,7 +85,7 @@ __device__ __forceinline__ void post_attention_b1(
   const GridBarrier barrier{bar};
   // phase A waits for attention (the previous kernel) and releases nothing early: the next kernel must not
   // take SM resources while phases B and C still run
-  gemv_units_on<kHidden, PlainRows, PlainEpi, kX, false>(o_qw, o_sc, attn, nullptr, 0.f, kUnits,
+  gemv_units_on<kHidden, PlainRows, PlainEpi, kX, false>(o_qw, o_sc, opaque(attn), nullptr, 0.f, kUnits,
                                                          PlainRows{kHidden}, PlainEpi{x, y, kHidden}, xs, red,
                                                          PdlWait{});
   if constexpr (kA8) {

@@ -232,12 +232,14 @@ __device__ __forceinline__ void stage_image(const uint16_t* __restrict__ img, ui
 
 // What a phase waits on before it reads x: the previous kernel (launch overlap), or, inside the fused
 // post-attention kernel (gemv_fused.cuh), the previous phase's blocks (a grid barrier).
+// A wait is called in two halves: arrive() before the first weights are issued, operator() after them.
 struct PdlWait {
+  __device__ __forceinline__ void arrive() const {}
   __device__ __forceinline__ void operator()() const { pdl_wait(); }
 };
 
 // gemv_units over shared buffers the caller owns (xs: K / 8 uint4s; red: 32 floats), waiting with `wait`
-// (every thread calls it once, after its first weights are issued); kTrigger: the int8 loop's early launch
+// (every thread calls wait.arrive() before its first weights are issued and wait() after them); kTrigger: the int8 loop's early launch
 // of the next kernel (trigger_after_last_unit), off in a phase that is not its kernel's last.
 template <int K, class Map, class Epi, int kX, bool kTrigger, class Wait>
 __device__ __forceinline__ void gemv_units_on(const uint32_t* __restrict__ qw, const uint16_t* __restrict__ sc,
@@ -246,6 +248,7 @@ __device__ __forceinline__ void gemv_units_on(const uint32_t* __restrict__ qw, c
                                               float* red, const Wait& wait) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int p_first = blockIdx.x * kWarps + warp;
+  wait.arrive();
 #if NQ_GEMV_PRELOAD
   RowChunk first;
   int f0 = 0, f1 = 0;
@@ -255,7 +258,6 @@ __device__ __forceinline__ void gemv_units_on(const uint32_t* __restrict__ qw, c
   }
 #endif
   wait();  // x is the previous kernel's (or phase's) output
-  x = after_wait(x);
   if constexpr (kX == kXImage) {
     stage_image<K>(x, xs);
   } else if constexpr (kX == kXA8) {
@@ -366,12 +368,12 @@ extern "C" __global__ void __launch_bounds__(kThreads) nq_gemv_int4_i_a8x(
 // int8-activation loop (nq_post_attention_a8, down_proj's input handed over as an a8 image): o_proj
 // (qweight/scales o_*, attn [H]) + residual x [H] into y [H]; gate/up (gu_*, RMSNorm weight norm_w, eps) +
 // SiLU into act ([I] fp16 storage: values, or the a8 image); down_proj (dn_*) + residual y into x.
-// bar: uint32 [2], zero before the first launch (the barrier leaves it zero). Grid: at most what is
+// bar: uint32 [BARRIER_WORDS = 64] (arrivals at 0, generation at 32), zero before the first launch (the barrier leaves it zero). Grid: at most what is
 // resident at once (gemv.py post_attention); 256 threads.
 #define NQ_POST_ATTENTION_ENTRY(SUFFIX, A8)                                                                  \
   extern "C" __global__ void __launch_bounds__(kThreads) nq_post_attention##SUFFIX(                          \
       const uint32_t* __restrict__ o_qweight, const uint16_t* __restrict__ o_scales,                        \
-      const uint16_t* __restrict__ attn, uint16_t* x, uint16_t* y, const uint32_t* __restrict__ gu_qweight, \
+      const uint16_t* attn, uint16_t* x, uint16_t* y, const uint32_t* __restrict__ gu_qweight,              \
       const uint16_t* __restrict__ gu_scales, const uint16_t* __restrict__ norm_w, float eps, uint16_t* act, \
       const uint32_t* __restrict__ dn_qweight, const uint16_t* __restrict__ dn_scales, unsigned* bar) {     \
     post_attention_b1<A8>(o_qweight, o_scales, attn, x, y, gu_qweight, gu_scales, norm_w, eps, act,         \
