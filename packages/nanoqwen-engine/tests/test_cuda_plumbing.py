@@ -69,49 +69,21 @@ def test_last_logits_and_score_match_reference(tied_pair, rng):
     gpu.pool.free(seq)
 
 
-@pytest.mark.parametrize("fused", ["1", "0"])
-def test_graph_and_eager_give_the_same_tokens(tied_path, kind, rng, monkeypatch, fused):
-    monkeypatch.setenv("NANOQWEN_DECODE_FUSED", fused)
+def test_graph_and_eager_give_the_same_tokens(tied_path, kind, rng):
     ids = rng.integers(0, 4096, size=20)
     g = make_backend(tied_path, kind, "graph", max_context=64)
     e = make_backend(tied_path, kind, "eager", max_context=64)
     assert generate(g, ids, 24)[0] == generate(e, ids, 24)[0]
     assert e.step.graphs == {}
     c = g.config
-    # embed + per layer (q/k/v, attention, then o_proj -> gate/up -> down_proj fused in one launch, or
-    # three) + final norm, lm_head, sampler, advance
-    calls = 1 + (3 if fused == "1" else 5) * c.n_layers + 4
+    # embed + 5 per layer + final norm, lm_head, sampler, advance
+    calls = 1 + 5 * c.n_layers + 4
     assert g.info["launcher_calls_per_token"] == calls
     nodes = g.info["graph_kernel_nodes_greedy"]
     if kind == "host":
         assert nodes == calls
     else:  # a launcher may be several kernels (split attention + combine); None if the dump is unreadable
         assert nodes is None or nodes >= calls
-
-
-@pytest.mark.parametrize("activations", ["fp16", "int8"])
-def test_fused_post_attention_gives_the_same_bits(tied_path, kind, rng, monkeypatch, activations):
-    """Batch-1 decode with o_proj, gate/up and down_proj in one kernel (the default) and as three launches
-    ($NANOQWEN_DECODE_FUSED=0): the same tokens and the same logits bits, step after step."""
-    ids = rng.integers(0, 4096, size=19)
-    runs = []
-    for fused in ("1", "0"):
-        monkeypatch.setenv("NANOQWEN_DECODE_FUSED", fused)
-        be = make_backend(tied_path, kind, max_context=64, decode_activations=activations)
-        assert be.step.fused is (fused == "1")
-        logits: list[np.ndarray] = []
-        toks, _ = generate(be, ids, 12, logits=logits)
-        runs.append((toks, [lg.view(np.uint32) for lg in logits]))
-    assert runs[0][0] == runs[1][0]
-    assert len(runs[0][1]) == len(runs[1][1]) > 0
-    for a, b in zip(runs[0][1], runs[1][1], strict=True):
-        assert np.array_equal(a, b)
-
-
-def test_decode_fused_setting_is_checked(tied_path, monkeypatch):
-    monkeypatch.setenv("NANOQWEN_DECODE_FUSED", "yes")
-    with pytest.raises(InvalidRequestError, match="NANOQWEN_DECODE_FUSED"):
-        make_backend(tied_path, "host", max_context=64)
 
 
 def test_int8_decode_activations_round_only_batch1_decode(tied_path, kind, rng):

@@ -29,7 +29,7 @@ def launches(monkeypatch):
     """The launches a launcher makes, as (function name, grid, args), with nothing compiled or run (each
     one's arguments packed as the PDL launch would: pdl.pack_args refuses what it cannot pass, and a
     cluster shape checked against its grid as make_config does): the launch helpers of
-    nanoqwen_kernels.checks replaced (132 SMs, 2 resident blocks of a grid-barrier kernel each; CuPy stood in for by fakes.fake_cupy). `.clusters` holds
+    nanoqwen_kernels.checks replaced (132 SMs; CuPy stood in for by fakes.fake_cupy). `.clusters` holds
     each launch's cluster dims (None: no cluster)."""
     from fakes import fake_cupy
     from nanoqwen_kernels import checks, pdl
@@ -53,6 +53,5 @@ def launches(monkeypatch):
         checks, "even_grid", lambda fn, units, threads, shared_mem=0, copies=1: min(units, 132 * 4 // copies)
     )
     monkeypatch.setattr(checks, "sm_count", lambda device_id=None: 132)
-    monkeypatch.setattr(checks, "resident_grid", lambda fn, threads, shared_mem=0: 132 * 2)
     monkeypatch.setattr(checks, "cupy_module", fake_cupy)
     return calls

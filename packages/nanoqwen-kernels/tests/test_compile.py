@@ -78,19 +78,7 @@ def test_gemv_int4_sass(dims_name):
     gemvs = {f"{k}{suffix}" for k in GEMV_KINDS for suffix in ("", "_mma8", "_mma32")}
     a8 = {f"{k}_a8" for k in GEMV_KINDS} | {"nq_gate_up_silu_a8x", "nq_gemv_int4_i_a8x"}
     helpers = {"nq_norm_cols_h", "nq_norm_cols_i", "nq_norm_cols_wg_h"}
-    fused = {"nq_post_attention", "nq_post_attention_a8"}
-    assert set(funcs) == gemvs | helpers | tiles | a8 | fused
-    for name in fused:
-        body = funcs[name]
-        # three GEMV phases (gemv_fused.cuh) on the B = 1 loops, two grid barriers between them: an arrival
-        # (an atomic add with release), the last block's reset and release store, the acquire polls; no
-        # full fence (fence.sc = MEMBAR.SC.GPU drains every outstanding access, the preloaded weights too)
-        products = body.count("IDP.4A") if name.endswith("_a8") else body.count("PRMT")
-        assert products >= 3 * 16, f"{name}: expected the three GEMV loops"
-        assert body.count("ATOMG.E.ADD.STRONG.GPU") == 2, f"{name}: expected two barrier arrivals"
-        assert "STG.E.STRONG.GPU" in body and "LDG.E.STRONG.GPU" in body, f"{name}: no release / acquire"
-        assert "MEMBAR.SC.GPU" not in body, f"{name}: a full fence in the grid barrier"
-        assert "STL" not in body and "LDL" not in body, f"{name}: local-memory spill"
+    assert set(funcs) == gemvs | helpers | tiles | a8
     for name in a8:
         body = funcs[name]
         # the int8-activation loop: byte products by dp4a (IDP), weights by 16-byte no-allocate loads, x
@@ -163,7 +151,6 @@ _GLOBAL_MEM = re.compile(r"\b(LDG|STG|LDGSTS|ATOMG|ATOM|RED|REDG|ST|LD|UBLKCP|UT
 # before the wait
 _PRELOADING = {f"{k}{s}" for k in ("nq_gemv_int4_h", "nq_gemv_int4_i", "nq_qkv_rope_kv", "nq_gate_up_silu")
                for s in ("", "_a8")} | {"nq_gate_up_silu_a8x", "nq_gemv_int4_i_a8x"}
-_FUSED = {"nq_post_attention", "nq_post_attention_a8"}  # preload too (before the wait, and before each barrier)
 # a load of weights (16-byte, no L1 allocation) or of scales (fp16): what may go before the wait
 _WEIGHT_LOAD = re.compile(r"\bLDG\.E\.(NA\.[A-Z0-9.]*128|U16)\b")
 
@@ -179,11 +166,12 @@ def _check_waits(funcs: dict[str, str]) -> None:
             # the wait (gemm_tiles.cuh): weights are never written during a step. Only those: no plain load,
             # store or atomic (x, the outputs, the tickets) before it
             early = [op for op in early if op != "LDGSTS"]
-        if name in _PRELOADING or name in _FUSED:
+        if name in _PRELOADING:
             # the B = 1 loops load a warp's first chunk of weights and scales before the wait (gemv_int4.cu,
             # NQ_GEMV_PRELOAD): weight and scale loads only, at most 4 pieces + 4 scales of each of the 2
-            # rows; x is read after the wait (common.cuh after_wait: a const __restrict__ x was once issued
-            # before it, as a non-coherent 16-byte load)
+            # rows. Checked by kind, not only counted: a build of a fused kernel (docs/PERF.md, seventeenth
+            # lease) had ptxas schedule its x loads, non-coherent ones of a const __restrict__ argument, above
+            # griddepcontrol.wait; the wait's memory clobber does not hold those back
             lines = [ln for ln in body[:wait].splitlines() if re.search(r"\bLDG\b", ln)]
             assert len(lines) <= 16, f"{name}: {len(lines)} loads before the wait"
             for ln in lines:
@@ -198,10 +186,9 @@ def test_only_the_int8_loop_releases_the_next_kernel_early():
     half2 entries leave it to their blocks' exits: on the H200 the trigger won every pair on the int8 loop
     and lost every pair on the 7B's half2 loop (docs/PERF.md, sixteenth lease)."""
     funcs = _functions(_sass("gemv_int4.cu", QWEN25_7B))
-    every = _PRELOADING | _FUSED
-    int8 = sorted(n for n in every if n.endswith(("_a8", "_a8x")))
-    half2 = sorted(n for n in every if n not in int8)
-    assert len(int8) == 7 and len(half2) == 5
+    int8 = sorted(n for n in _PRELOADING if n.endswith(("_a8", "_a8x")))
+    half2 = sorted(n for n in _PRELOADING if n not in int8)
+    assert len(int8) == 6 and len(half2) == 4
     for name in int8:
         assert "PREEXIT" in funcs[name], f"{name}: no griddepcontrol.launch_dependents"
     for name in half2:

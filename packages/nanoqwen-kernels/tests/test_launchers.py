@@ -283,9 +283,6 @@ def test_kernelset_exposes_the_interface(monkeypatch, launches):
         "make_sampler_state",
         "set_sampler_params",
         "attention_workspace",
-        "post_attention",
-        "post_attention_fusable",
-        "grid_barrier",
     ]
     for name in names:
         assert callable(getattr(ks, name)), name

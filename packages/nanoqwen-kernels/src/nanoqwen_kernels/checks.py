@@ -147,12 +147,6 @@ def _resident_blocks(fn_ptr: int, threads: int, shared_mem: int) -> int:
     return max(1, int(driver.occupancyMaxActiveBlocksPerMultiprocessor(fn_ptr, threads, shared_mem)))
 
 
-def resident_grid(fn, threads: int, shared_mem: int = 0) -> int:
-    """Every block of `fn` the GPU holds at once (SMs x the occupancy API's blocks per SM): the most a grid
-    whose blocks wait for each other (a grid barrier) may have."""
-    return sm_count() * _resident_blocks(fn.ptr, threads, shared_mem)
-
-
 def even_grid(fn, block_units: int, threads: int, shared_mem: int = 0, copies: int = 1) -> int:
     """Blocks for a grid-stride kernel: at most what is resident at once (the occupancy API's answer for
     this kernel's registers and shared memory), shared by `copies` grids side by side (grid.y), and

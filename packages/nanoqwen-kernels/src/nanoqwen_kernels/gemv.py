@@ -300,7 +300,6 @@ class GemvKernels:
         self._blas = Blas()
         self._mma_at_b1 = GEMV_VARIANTS[variant]
         m = load_module(INT4_SOURCES, dims.defines())
-        self.int4_module = m  # post_attention.py takes its fused entries from it
         f = load_module(FP16_SOURCES, dims.defines())
         smem = X_SMEM_BUDGET
         names = {"h": "nq_gemv_int4_h", "i": "nq_gemv_int4_i", "qkv": "nq_qkv_rope_kv", "gu": "nq_gate_up_silu"}
@@ -350,10 +349,6 @@ class GemvKernels:
         if not self._tiles or b < self._tile_min_b:
             return False
         return not (b <= TILE_CORE_MAX_B and kind in self._core_small_b)
-
-    def on_b1_loop(self, kind: str) -> bool:
-        """Whether this matrix kind runs on the B = 1 loop (half2 or int8 activations) at B = 1."""
-        return kind not in self._mma_at_b1 and not self._on_tiles(kind, 1)
 
     def _units_by_kind(self) -> dict[str, tuple[int, int]]:
         """(units, K) of each INT4 matrix kind: o_proj, down_proj, the fused q/k/v and gate/up."""

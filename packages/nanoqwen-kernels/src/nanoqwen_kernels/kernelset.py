@@ -4,7 +4,7 @@ the typed launchers of docs/INTERFACES.md section 4.
     ks = KernelSet(ModelDims(hidden=..., ...))          # arch defaults to the current device's
     ks.qkv_rope_kv(...); ks.attention_decode(...); ks.gemv_int4(...); ks.argmax(...)
 
-Each launcher lives beside its kernel (gemv.py, post_attention.py, norm.py, embed.py, sampling.py, attention.py,
+Each launcher lives beside its kernel (gemv.py, norm.py, embed.py, sampling.py, attention.py,
 prefill.py); KernelSet only builds them and forwards, so each contract is written once.
 """
 
@@ -22,7 +22,6 @@ from .errors import KernelError
 from .gemv import DEFAULT_GEMV_VARIANT, DEFAULT_LM_HEAD, GEMV_VARIANTS, LM_HEAD_BODIES, GemvKernels
 from .loader import device_arch, load_module
 from .norm import NormKernels
-from .post_attention import PostAttentionKernels
 from .prefill import PrefillKernels
 from .sampling import SamplingKernels
 
@@ -61,16 +60,12 @@ class KernelSet:
         s = SamplingKernels(dims, load)
         a = AttentionKernels(dims, load, attn)
         p = PrefillKernels(dims, load)
-        f = PostAttentionKernels(g)
 
         # the launchers, as bound methods (docs/INTERFACES.md section 4)
         self.gemv_int4 = g.gemv_int4
         self.qkv_rope_kv = g.qkv_rope_kv
         self.gate_up_silu = g.gate_up_silu
         self.gemv_fp16 = g.gemv_fp16
-        self.post_attention = f.post_attention
-        self.post_attention_fusable = f.fusable
-        self.grid_barrier = f.grid_barrier
         self.rmsnorm = n.rmsnorm
         self.rmsnorm_rows = n.rmsnorm_rows
         self.embed = e.embed

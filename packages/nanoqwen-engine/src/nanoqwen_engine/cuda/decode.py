@@ -29,37 +29,22 @@ Buffers (per backend, [R, ...] allocated once at load; H hidden, I intermediate,
     x, y    f16 [R, H]  residual stream, ping-pong (o_proj: x -> y, down_proj: y -> x; no in-place aliasing)
     q, attn f16 [R, Q]  roped queries / attention outputs
     act     f16 [R, I]  silu(gate) * up
-    barrier u32 [64]    the fused post-attention kernel's grid barrier (B = 1; zero between launches)
-
-At B = 1, o_proj, gate/up and down_proj run as one kernel (ks.post_attention: three GEMV phases with grid
-barriers between them, the same bits as the three launches) unless $NANOQWEN_DECODE_FUSED=0.
     xn      f16 [R, H]  final-normed hidden states
     logits  f32 [R, V]  lm_head outputs (fp32 so the sampler and the ladder see unrounded logits)
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from ..errors import InvalidRequestError
 from .sampling import DeviceSampler
 from .weights import GpuWeights
 
 SPAN_GAP = 16384  # entries (64 KiB): changed entries closer than this go to the device in one copy
-
-
-def fused_post_attention() -> bool:
-    """$NANOQWEN_DECODE_FUSED: "1" (default) runs B = 1's o_proj, gate/up and down_proj as one kernel, "0" as
-    three (the comparison docs/PERF.md makes)."""
-    v = os.environ.get("NANOQWEN_DECODE_FUSED", "1")
-    if v not in ("0", "1"):
-        raise InvalidRequestError(f"NANOQWEN_DECODE_FUSED must be 0 or 1, got {v!r}")
-    return v == "1"
 
 
 def _spans(cells: np.ndarray) -> list[tuple[int, int]]:
@@ -156,8 +141,6 @@ class DecodeStep:
         self.xn = xp.zeros((R, H), dtype=np.float16)
         self.logits = xp.zeros((R, V), dtype=np.float32)
         self.attn_ws = ks.attention_workspace(R)
-        self.fused = fused_post_attention() and ks.post_attention_fusable(1)
-        self.barrier = ks.grid_barrier() if self.fused else None
         self.sampler = sampler
         self.graphs: dict[tuple[int, str], Any] = {}  # (bucket, mode) -> graph, or "pending"
         self.graph_nodes: dict[tuple[int, str], int | None] = {}
@@ -167,8 +150,6 @@ class DecodeStep:
     @property
     def workspace_bytes(self) -> int:
         arrs = [self.ctrl, self.x, self.y, self.q, self.attn, self.act, self.xn, self.logits, self.attn_ws]
-        if self.barrier is not None:
-            arrs.append(self.barrier)
         return sum(int(a.nbytes) for a in arrs) + self.sampler.nbytes
 
     def views(self, B: int) -> BucketViews:
@@ -196,11 +177,6 @@ class DecodeStep:
         ks.qkv_rope_kv(lw.qkv.qweight, lw.qkv.scales, lw.qkv_bias, v.x, lw.in_norm, eps, v.pos, v.table,
                        self.k_cache, self.v_cache, i, v.q)
         ks.attention_decode(v.q, self.k_cache, self.v_cache, v.table, v.seq_len, i, v.attn, self.attn_ws)
-        if v.act.shape[0] == 1 and self.fused:
-            # o_proj -> gate/up -> down_proj in one kernel, grid barriers between (docs/KERNELS.md)
-            ks.post_attention(lw.o.qweight, lw.o.scales, v.attn, v.x, v.y, lw.gate_up.qweight, lw.gate_up.scales,
-                              lw.post_norm, eps, v.act, lw.down.qweight, lw.down.scales, self.barrier)
-            return
         ks.gemv_int4(lw.o.qweight, lw.o.scales, v.attn, v.y, residual=v.x)
         if v.act.shape[0] == 1 and getattr(ks, "gemv_variant", None) == "a8":
             # int8 decode activations: gate/up hands down_proj its input already rounded (the a8 image in

@@ -175,28 +175,6 @@ class HostKernels:
         else:
             _rows(out)[...] = act
 
-    def post_attention_fusable(self, b: int) -> bool:
-        """As KernelSet's: B = 1 with o_proj, gate/up and down_proj on the GEMV variant's B = 1 loop."""
-        from nanoqwen_kernels.gemv import GEMV_VARIANTS, TILE_AT_B1
-
-        v = self.gemv_variant
-        return b == 1 and not ({"h", "i", "gu"} & GEMV_VARIANTS[v]) and v not in TILE_AT_B1
-
-    def grid_barrier(self):
-        from nanoqwen_kernels.post_attention import BARRIER_WORDS
-
-        return np.zeros(BARRIER_WORDS, dtype=np.uint32)
-
-    @_launcher
-    def post_attention(self, o_qweight, o_scales, attn, x, y, gu_qweight, gu_scales, norm_w, eps, act,
-                       dn_qweight, dn_scales, barrier):
-        """The fused kernel's contract: the three launches it replaces, in order (the a8 image between the
-        last two under "a8")."""
-        a8 = self.gemv_variant == "a8"
-        HostKernels.gemv_int4.__wrapped__(self, o_qweight, o_scales, attn, y, residual=x)
-        HostKernels.gate_up_silu.__wrapped__(self, gu_qweight, gu_scales, y, norm_w, eps, act, a8_image=a8)
-        HostKernels.gemv_int4.__wrapped__(self, dn_qweight, dn_scales, act, x, residual=y, x_a8_image=a8)
-
     @_launcher
     def attention_decode(self, q, k_cache, v_cache, page_table, seq_len_dev, layer, out, workspace):
         qr, o, tables = _rows(q), _rows(out), _rows(page_table)

@@ -36,18 +36,18 @@ __device__ __forceinline__ void a8_round_group(float v, int g, uint16_t* img) {
   if (lane == 0) reinterpret_cast<int2*>(img + kInter / 2)[g] = make_int2(__float_as_int(amax / 127.f * 0.0625f), -8 * sum);
 }
 
-// over shared buffers the caller owns (xs: K / 8 uint4s, red: 32 floats, hs and done: kA8ImageGroups
-// slots), waiting with `wait` and releasing the next kernel early only when kTrigger (as gemv_units_on)
-template <int K, bool kTrigger, class Wait>
-__device__ __forceinline__ void gate_up_a8_image_on(const uint32_t* __restrict__ qw, const uint16_t* __restrict__ sc,
-                                                    const uint16_t* __restrict__ x, const uint16_t* __restrict__ norm_w,
-                                                    float eps, uint16_t* __restrict__ img, uint4* xs, float* red,
-                                                    float (*hs)[32], int* done, const Wait& wait) {
+template <int K>
+__device__ __forceinline__ void gate_up_a8_image(const uint32_t* __restrict__ qw, const uint16_t* __restrict__ sc,
+                                                 const uint16_t* __restrict__ x, const uint16_t* __restrict__ norm_w,
+                                                 float eps, uint16_t* __restrict__ img) {
   static_assert(kInter % 32 == 0, "groups of 32 outputs");
   constexpr int kGroups = kInter / 32;
+  __shared__ uint4 xs[K / 8];
+  __shared__ float red[32];
+  __shared__ float hs[kA8ImageGroups][32];
+  __shared__ int done[kA8ImageGroups];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const GateUpRows map{};
-  wait.arrive();
 #if NQ_GEMV_PRELOAD
   RowChunk first;  // the first unit's first chunk, before the wait (as gemv_units)
   if (blockIdx.x < kGroups) {
@@ -57,7 +57,7 @@ __device__ __forceinline__ void gate_up_a8_image_on(const uint32_t* __restrict__
   }
 #endif
   if (threadIdx.x < kA8ImageGroups) done[threadIdx.x] = 0;  // published by stage_x_a8's barrier
-  wait();
+  pdl_wait();
   stage_x_a8<K>(x, norm_w, eps, a8_views<K>(xs), red);
   // unit j of group g (slot s): warp w's output 4w + j of the group; after its 4th, the warp counts itself
   // done with the group, and the last of the kWarps rounds and writes it
@@ -77,7 +77,7 @@ __device__ __forceinline__ void gate_up_a8_image_on(const uint32_t* __restrict__
     map(32 * g + 4 * warp + j, r0, r1);
     float o0, o1;
     dot_rows2<K, true>(qw, sc, r0, r1, xs, o0, o1);
-    if constexpr (kTrigger) trigger_after_last_unit<kXA8>(j == 3 && g + static_cast<int>(gridDim.x) >= kGroups);
+    trigger_after_last_unit<kXA8>(j == 3 && g + static_cast<int>(gridDim.x) >= kGroups);
     if (lane == 0) hs[s][4 * warp + j] = h2f(f2h(o0 / (1.f + __expf(-o0)) * o1));  // GateUpEpi's value
     if (++j == 4) {
       int last = 0;
@@ -94,17 +94,6 @@ __device__ __forceinline__ void gate_up_a8_image_on(const uint32_t* __restrict__
       g += gridDim.x;
     }
   }
-}
-
-template <int K>
-__device__ __forceinline__ void gate_up_a8_image(const uint32_t* __restrict__ qw, const uint16_t* __restrict__ sc,
-                                                 const uint16_t* __restrict__ x, const uint16_t* __restrict__ norm_w,
-                                                 float eps, uint16_t* __restrict__ img) {
-  __shared__ uint4 xs[K / 8];
-  __shared__ float red[32];
-  __shared__ float hs[kA8ImageGroups][32];
-  __shared__ int done[kA8ImageGroups];
-  gate_up_a8_image_on<K, true>(qw, sc, x, norm_w, eps, img, xs, red, hs, done, PdlWait{});
 }
 
 }  // namespace nq

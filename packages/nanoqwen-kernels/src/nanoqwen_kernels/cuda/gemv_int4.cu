@@ -230,25 +230,14 @@ __device__ __forceinline__ void stage_image(const uint16_t* __restrict__ img, ui
   __syncthreads();  // the image complete before any warp reads it
 }
 
-// What a phase waits on before it reads x: the previous kernel (launch overlap), or, inside the fused
-// post-attention kernel (gemv_fused.cuh), the previous phase's blocks (a grid barrier).
-// A wait is called in two halves: arrive() before the first weights are issued, operator() after them.
-struct PdlWait {
-  __device__ __forceinline__ void arrive() const {}
-  __device__ __forceinline__ void operator()() const { pdl_wait(); }
-};
-
-// gemv_units over shared buffers the caller owns (xs: K / 8 uint4s; red: 32 floats), waiting with `wait`
-// (every thread calls wait.arrive() before its first weights are issued and wait() after them); kTrigger: the int8 loop's early launch
-// of the next kernel (trigger_after_last_unit), off in a phase that is not its kernel's last.
-template <int K, class Map, class Epi, int kX, bool kTrigger, class Wait>
-__device__ __forceinline__ void gemv_units_on(const uint32_t* __restrict__ qw, const uint16_t* __restrict__ sc,
-                                              const uint16_t* __restrict__ x, const uint16_t* __restrict__ norm_w,
-                                              float eps, int units, const Map& map, const Epi& epi, uint4* xs,
-                                              float* red, const Wait& wait) {
+template <int K, class Map, class Epi, int kX = kXHalf>
+__device__ __forceinline__ void gemv_units(const uint32_t* __restrict__ qw, const uint16_t* __restrict__ sc,
+                                           const uint16_t* __restrict__ x, const uint16_t* __restrict__ norm_w,
+                                           float eps, int units, const Map& map, const Epi& epi) {
+  __shared__ uint4 xs[K / 8];  // [4][K/32] x 16 B: K * 2 bytes (37.9 KB at K = 18944)
+  __shared__ float red[32];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int p_first = blockIdx.x * kWarps + warp;
-  wait.arrive();
 #if NQ_GEMV_PRELOAD
   RowChunk first;
   int f0 = 0, f1 = 0;
@@ -257,7 +246,7 @@ __device__ __forceinline__ void gemv_units_on(const uint32_t* __restrict__ qw, c
     load_chunk<K>(qw, sc, f0, f1, 0, first);
   }
 #endif
-  wait();  // x is the previous kernel's (or phase's) output
+  pdl_wait();  // launch overlap (common.cuh): x is the previous kernel's output
   if constexpr (kX == kXImage) {
     stage_image<K>(x, xs);
   } else if constexpr (kX == kXA8) {
@@ -271,7 +260,7 @@ __device__ __forceinline__ void gemv_units_on(const uint32_t* __restrict__ qw, c
   if (p < units) {
     float o0, o1;
     dot_rows2<K, kX != kXHalf>(qw, sc, f0, f1, xs, o0, o1, &first);
-    if constexpr (kTrigger) trigger_after_last_unit<kX>(p + gridDim.x * kWarps >= units);
+    trigger_after_last_unit<kX>(p + gridDim.x * kWarps >= units);
     if (lane == 0) epi(0, p, f0, f1, o0, o1);
   }
   p += gridDim.x * kWarps;
@@ -281,25 +270,15 @@ __device__ __forceinline__ void gemv_units_on(const uint32_t* __restrict__ qw, c
     map(p, r0, r1);
     float o0, o1;
     dot_rows2<K, kX != kXHalf>(qw, sc, r0, r1, xs, o0, o1);
-    if constexpr (kTrigger) trigger_after_last_unit<kX>(p + gridDim.x * kWarps >= units);
+    trigger_after_last_unit<kX>(p + gridDim.x * kWarps >= units);
     if (lane == 0) epi(0, p, r0, r1, o0, o1);
   }
-}
-
-template <int K, class Map, class Epi, int kX = kXHalf>
-__device__ __forceinline__ void gemv_units(const uint32_t* __restrict__ qw, const uint16_t* __restrict__ sc,
-                                           const uint16_t* __restrict__ x, const uint16_t* __restrict__ norm_w,
-                                           float eps, int units, const Map& map, const Epi& epi) {
-  __shared__ uint4 xs[K / 8];  // [4][K/32] x 16 B: K * 2 bytes (37.9 KB at K = 18944)
-  __shared__ float red[32];
-  gemv_units_on<K, Map, Epi, kX, true>(qw, sc, x, norm_w, eps, units, map, epi, xs, red, PdlWait{});
 }
 
 }  // namespace nq
 
 #include "gemv_epilogues.cuh"  // the row maps and fused epilogues every body shares
 #include "gemv_a8_image.cuh"   // gate/up handing down_proj its input already rounded (int8 loop)
-#include "gemv_fused.cuh"       // o_proj -> gate/up -> down_proj in one kernel (B = 1), grid barriers between
 
 using namespace nq;
 
@@ -363,25 +342,6 @@ extern "C" __global__ void __launch_bounds__(kThreads) nq_gemv_int4_i_a8x(
   gemv_units<kInter, PlainRows, PlainEpi, kXImage>(qweight, scales, x, nullptr, 0.f, (n_rows + 1) / 2,
                                                    PlainRows{n_rows}, PlainEpi{residual, out, n_rows});
 }
-
-// The fused post-attention kernel (gemv_fused.cuh), B = 1, on the half2 loop (nq_post_attention) or the
-// int8-activation loop (nq_post_attention_a8, down_proj's input handed over as an a8 image): o_proj
-// (qweight/scales o_*, attn [H]) + residual x [H] into y [H]; gate/up (gu_*, RMSNorm weight norm_w, eps) +
-// SiLU into act ([I] fp16 storage: values, or the a8 image); down_proj (dn_*) + residual y into x.
-// bar: uint32 [BARRIER_WORDS = 64] (arrivals at 0, generation at 32), zero before the first launch (the barrier leaves it zero). Grid: at most what is
-// resident at once (gemv.py post_attention); 256 threads.
-#define NQ_POST_ATTENTION_ENTRY(SUFFIX, A8)                                                                  \
-  extern "C" __global__ void __launch_bounds__(kThreads) nq_post_attention##SUFFIX(                          \
-      const uint32_t* __restrict__ o_qweight, const uint16_t* __restrict__ o_scales,                        \
-      const uint16_t* attn, uint16_t* x, uint16_t* y, const uint32_t* __restrict__ gu_qweight,              \
-      const uint16_t* __restrict__ gu_scales, const uint16_t* __restrict__ norm_w, float eps, uint16_t* act, \
-      const uint32_t* __restrict__ dn_qweight, const uint16_t* __restrict__ dn_scales, unsigned* bar) {     \
-    post_attention_b1<A8>(o_qweight, o_scales, attn, x, y, gu_qweight, gu_scales, norm_w, eps, act,         \
-                          dn_qweight, dn_scales, bar);                                                      \
-  }
-
-NQ_POST_ATTENTION_ENTRY(, false)
-NQ_POST_ATTENTION_ENTRY(_a8, true)
 
 // The tensor-core core, B columns (x [B, K], outputs [B, ...]; pos [B], page_table [B, max_pages]);
 // n_cols = B, pass_cols = columns per pass, slice_groups = 128-k groups of x staged at a time (gemv.py's
