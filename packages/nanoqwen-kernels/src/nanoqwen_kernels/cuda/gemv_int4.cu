@@ -216,14 +216,10 @@ constexpr int kXImage = 2;  // x already rounded: an a8 image (gate_up_a8_image'
 // / 1.829 -> 1.723 / 1.721 / 1.791, 1.5B dims int8 0.885 / 0.912 / 0.904 -> 0.859 / 0.871 / 0.868; on the
 // half2 loop it lost on the 7B (2.007 / 2.060 / 2.005 -> 2.123 / 2.108 / 2.109), so that loop leaves it to
 // its blocks' exits as before.
-template <int kX, bool kHalfToo = false>
+template <int kX>
 __device__ __forceinline__ void trigger_after_last_unit(bool last) {
-  if ((kX != kXHalf || kHalfToo) && last) pdl_trigger();
+  if (kX != kXHalf && last) pdl_trigger();
 }
-
-#ifndef NQ_QKV_TRIGGER
-#define NQ_QKV_TRIGGER 0  // 1: the half2 q/k/v entry releases decode attention early too (A/B knob)
-#endif
 
 // Stage an a8 image (K bytes of int8 x then K / 32 int2 {scale / 16, -8 sum}: the shared layout itself)
 template <int K>
@@ -234,7 +230,7 @@ __device__ __forceinline__ void stage_image(const uint16_t* __restrict__ img, ui
   __syncthreads();  // the image complete before any warp reads it
 }
 
-template <int K, class Map, class Epi, int kX = kXHalf, bool kHalfTrigger = false>
+template <int K, class Map, class Epi, int kX = kXHalf>
 __device__ __forceinline__ void gemv_units(const uint32_t* __restrict__ qw, const uint16_t* __restrict__ sc,
                                            const uint16_t* __restrict__ x, const uint16_t* __restrict__ norm_w,
                                            float eps, int units, const Map& map, const Epi& epi) {
@@ -264,7 +260,7 @@ __device__ __forceinline__ void gemv_units(const uint32_t* __restrict__ qw, cons
   if (p < units) {
     float o0, o1;
     dot_rows2<K, kX != kXHalf>(qw, sc, f0, f1, xs, o0, o1, &first);
-    trigger_after_last_unit<kX, kHalfTrigger>(p + gridDim.x * kWarps >= units);
+    trigger_after_last_unit<kX>(p + gridDim.x * kWarps >= units);
     if (lane == 0) epi(0, p, f0, f1, o0, o1);
   }
   p += gridDim.x * kWarps;
@@ -274,7 +270,7 @@ __device__ __forceinline__ void gemv_units(const uint32_t* __restrict__ qw, cons
     map(p, r0, r1);
     float o0, o1;
     dot_rows2<K, kX != kXHalf>(qw, sc, r0, r1, xs, o0, o1);
-    trigger_after_last_unit<kX, kHalfTrigger>(p + gridDim.x * kWarps >= units);
+    trigger_after_last_unit<kX>(p + gridDim.x * kWarps >= units);
     if (lane == 0) epi(0, p, r0, r1, o0, o1);
   }
 }
@@ -316,7 +312,7 @@ using namespace nq;
       float eps, const int32_t* __restrict__ pos, const int32_t* __restrict__ page_table, int max_pages,     \
       uint16_t* __restrict__ k_cache, uint16_t* __restrict__ v_cache, int layer, int n_pages,                \
       uint16_t* __restrict__ q_out) {                                                                       \
-    gemv_units<kHidden, QkvRows, QkvEpi, KX, NQ_QKV_TRIGGER != 0>(                                          \
+    gemv_units<kHidden, QkvRows, QkvEpi, KX>(                                                               \
         qweight, scales, x, norm_w, eps, kQkvRows / 2, QkvRows{},                                           \
         QkvEpi{bias, pos, page_table, max_pages, k_cache, v_cache, layer, n_pages, q_out});                 \
   }                                                                                                         \
