@@ -166,10 +166,6 @@ def _check_waits(funcs: dict[str, str]) -> None:
             # the wait (gemm_tiles.cuh): weights are never written during a step. Only those: no plain load,
             # store or atomic (x, the outputs, the tickets) before it
             early = [op for op in early if op != "LDGSTS"]
-        if name == "nq_attention_decode":
-            # reads its lengths before the wait (NQ_ATTN_EARLY_PAGES: settled before the step; the page
-            # copies issued early come later in the text, test_attention_decode_copies_settled_pages_early)
-            early = [op for op in early if op != "LDG"]
         if name in _PRELOADING:
             # the B = 1 loops load a warp's first chunk of weights and scales before the wait (gemv_int4.cu,
             # NQ_GEMV_PRELOAD): weight and scale loads only, at most 4 pieces + 4 scales of each of the 2
@@ -197,33 +193,6 @@ def test_only_the_int8_loop_releases_the_next_kernel_early():
         assert "PREEXIT" in funcs[name], f"{name}: no griddepcontrol.launch_dependents"
     for name in half2:
         assert "PREEXIT" not in funcs[name], f"{name}: the half2 loop must not release its successor early"
-
-
-def test_attention_decode_copies_settled_pages_early(monkeypatch):
-    """Decode attention (NQ_ATTN_EARLY_PAGES, attention_decode.cu) waits per role: the producer copies the
-    settled pages (UBLKCP) before its wait and the rest after; the consumers load q (16-byte loads) only
-    after theirs; nothing is stored before the first wait. Built with the knob off, one wait precedes
-    every load and copy."""
-
-    def ops(body):
-        return [m.group(0) for m in re.finditer(r"\bACQBULK\b|\bUBLKCP\b|\bLDG\.E\.128\b|\bSTG\b", body)]
-
-    body = _functions(_sass("attention_decode.cu", QWEN25_7B))["nq_attention_decode"]
-    seq = ops(body)
-    first_wait = seq.index("ACQBULK")
-    assert "STG" not in seq[:first_wait], "a store before the wait"
-    waits = [i for i, op in enumerate(seq) if op == "ACQBULK"]
-    assert len(waits) >= 3, "expected a wait per role (idle rows, consumers, producer)"
-    copies = [i for i, op in enumerate(seq) if op == "UBLKCP"]
-    assert any(i < waits[-1] for i in copies) and any(i > waits[-1] for i in copies), \
-        "expected page copies both before the producer's wait and after it"
-    q_loads = [i for i, op in enumerate(seq) if op == "LDG.E.128"]
-    assert q_loads and all(any(w < i for w in waits) for i in q_loads), "q loaded before any wait"
-    # the knob off: the single wait first
-    monkeypatch.setenv("NANOQWEN_KERNEL_DEFINES", "NQ_ATTN_EARLY_PAGES=0")
-    plain = _functions(_sass("attention_decode.cu", QWEN25_7B))["nq_attention_decode"]
-    assert plain.count("ACQBULK") == 1
-    assert not _GLOBAL_MEM.findall(plain[: plain.find("ACQBULK")])
 
 
 @pytest.mark.parametrize("source", SOURCES)
