@@ -151,8 +151,8 @@ _GLOBAL_MEM = re.compile(r"\b(LDG|STG|LDGSTS|ATOMG|ATOM|RED|REDG|ST|LD|UBLKCP|UT
 # before the wait
 _PRELOADING = {f"{k}{s}" for k in ("nq_gemv_int4_h", "nq_gemv_int4_i", "nq_qkv_rope_kv", "nq_gate_up_silu")
                for s in ("", "_a8")} | {"nq_gate_up_silu_a8x", "nq_gemv_int4_i_a8x"}
-# a load of weights (16-byte, no L1 allocation) or of scales (fp16): what may go before the wait
-_WEIGHT_LOAD = re.compile(r"\bLDG\.E\.(NA\.[A-Z0-9.]*128|U16)\b")
+# a load of weights (16-byte, no L1 allocation) or of scales (fp16, read-only): what may go before the wait
+_WEIGHT_LOAD = re.compile(r"\bLDG\.E\.(NA\.[A-Z0-9.]*128|U16\.CONSTANT)\b")
 
 
 def _check_waits(funcs: dict[str, str]) -> None:
