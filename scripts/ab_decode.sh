@@ -4,8 +4,9 @@
 #   MODELS="7b 1.5b" ROUNDS="1 2 3" RUNS=5 bash scripts/ab_decode.sh "label|DEFINES|ENV=.. ENV2=.." ...
 #
 # e.g. "base||NANOQWEN_DECODE_ACTIVATIONS=int8" "knob|NQ_SOME_KNOB=1|NANOQWEN_DECODE_ACTIVATIONS=int8".
-# Setup first: the synthetic models (MODELS: 7b = the 7B-shaped file, 1.5b = the real 1.5B's dims; written
-# once under /tmp), every kernel build precompiled for each model with no defines and with each of
+# Setup first: the kernel caches seeded from .kc/ when the call carries it (scripts/kernel_cache_for_device.sh:
+# the builds compiled on the CPU machine), the synthetic models (MODELS: 7b = the 7B-shaped file, 1.5b = the
+# real 1.5B's dims; written once under /tmp), every kernel build precompiled for each model with no defines and with each of
 # $PRE_DEFS (space-separated define sets, e.g. "NQ_SOME_KNOB=1"), and, when $TESTS is set, pytest on it
 # (groups separated by ';', each its own pytest process: the packages' tests have their own conftests).
 # Then per round, per model, per variant: `nanoqwen-cli bench` (a 512-token prompt + 128 generated,
@@ -22,7 +23,12 @@ PY=${PYTHON:-python3}
 export PYTHONPATH=packages/nanoqwen-format/src:packages/nanoqwen-kernels/src:packages/nanoqwen-engine/src:packages/nanoqwen-cli/src${PYTHONPATH:+:$PYTHONPATH}
 export NANOQWEN_KERNEL_CACHE=${NANOQWEN_KERNEL_CACHE:-/tmp/nq-ab-kc} NANOQWEN_TEST_KERNEL_CACHE=${NANOQWEN_TEST_KERNEL_CACHE:-/tmp/nq-ab-tkc}
 export NANOQWEN_CACHE=${NANOQWEN_CACHE:-/tmp/nq-ab-cache} PYTHONUNBUFFERED=1
-mkdir -p "$NANOQWEN_CACHE"
+mkdir -p "$NANOQWEN_CACHE" "$NANOQWEN_KERNEL_CACHE" "$NANOQWEN_TEST_KERNEL_CACHE"
+# builds compiled beforehand on the CPU machine (scripts/kernel_cache_for_device.sh; carried as .kc)
+if [ -d .kc ]; then
+  cp -n .kc/*.cubin "$NANOQWEN_KERNEL_CACHE"/ 2>/dev/null || true
+  cp -n .kc/*.cubin "$NANOQWEN_TEST_KERNEL_CACHE"/ 2>/dev/null || true
+fi
 T0=$(date +%s)
 t() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
 MODELS=${MODELS:-7b}

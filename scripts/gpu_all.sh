@@ -39,6 +39,12 @@ PY=${PYTHON:-python3}
 export PYTHONPATH=packages/nanoqwen-format/src:packages/nanoqwen-kernels/src:packages/nanoqwen-engine/src:packages/nanoqwen-cli/src${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
 export NANOQWEN_KERNEL_CACHE=${NANOQWEN_KERNEL_CACHE:-$WORK/kcache}
+# builds compiled beforehand on the CPU machine (scripts/kernel_cache_for_device.sh), when the call carries .kc;
+# the kernels test suite reads the same cache (packages/nanoqwen-kernels/tests/conftest.py:
+# $NANOQWEN_TEST_KERNEL_CACHE), so what one section compiles the next one finds
+export NANOQWEN_TEST_KERNEL_CACHE=${NANOQWEN_TEST_KERNEL_CACHE:-$NANOQWEN_KERNEL_CACHE}
+mkdir -p "$NANOQWEN_KERNEL_CACHE"
+[ -d .kc ] && { cp -n .kc/*.cubin "$NANOQWEN_KERNEL_CACHE"/ 2>/dev/null || true; }
 export NANOQWEN_CACHE=${NANOQWEN_CACHE:-$WORK/cache}
 export NANOQWEN_LADDER_MODELS=${NANOQWEN_LADDER_MODELS:-$WORK/models}
 export NANOQWEN_LADDER_OUT=$WORK/ladder

@@ -20,6 +20,25 @@ class _Unloaded:
         return name
 
 
+class _HostArrays:
+    """Stands in for CuPy where a launcher class allocates its device scratch at construction (the tile
+    GEMM's workspace and tickets): numpy, so the builds can be listed on a machine without a GPU."""
+
+    def __getattr__(self, name):
+        import numpy as np
+
+        return getattr(np, name)
+
+
+def _without_gpu() -> None:
+    """Let the launcher classes be built with no GPU: an H200's SM count (it sizes launch plans and
+    scratch buffers, never a build's defines) and numpy for their scratch buffers."""
+    from nanoqwen_kernels import checks
+
+    checks.sm_count = lambda device_id=None: 132
+    checks.cupy_module = lambda: _HostArrays()
+
+
 def builds(dims_names: list[str]) -> list[tuple[tuple[str, ...], tuple]]:
     from nanoqwen_kernels.attention import VARIANTS as DECODE_VARIANTS
     from nanoqwen_kernels.attention import AttentionKernels
@@ -30,6 +49,7 @@ def builds(dims_names: list[str]) -> list[tuple[tuple[str, ...], tuple]]:
     from nanoqwen_kernels.prefill import ATTENTION_VARIANTS, PrefillKernels
     from nanoqwen_kernels.sampling import SamplingKernels
 
+    _without_gpu()
     found = set()
 
     def record(sources, defines):
