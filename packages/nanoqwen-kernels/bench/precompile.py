@@ -10,6 +10,7 @@ machine (the cache key holds it) and carry the directory there: the GPU runs the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -30,13 +31,19 @@ class _HostArrays:
         return getattr(np, name)
 
 
-def _without_gpu() -> None:
+@contextlib.contextmanager
+def _without_gpu():
     """Let the launcher classes be built with no GPU: an H200's SM count (it sizes launch plans and
-    scratch buffers, never a build's defines) and numpy for their scratch buffers."""
+    scratch buffers, never a build's defines) and numpy for their scratch buffers; restored after."""
     from nanoqwen_kernels import checks
 
+    saved = checks.sm_count, checks.cupy_module
     checks.sm_count = lambda device_id=None: 132
     checks.cupy_module = lambda: _HostArrays()
+    try:
+        yield
+    finally:
+        checks.sm_count, checks.cupy_module = saved
 
 
 def builds(dims_names: list[str]) -> list[tuple[tuple[str, ...], tuple]]:
@@ -49,26 +56,26 @@ def builds(dims_names: list[str]) -> list[tuple[tuple[str, ...], tuple]]:
     from nanoqwen_kernels.prefill import ATTENTION_VARIANTS, PrefillKernels
     from nanoqwen_kernels.sampling import SamplingKernels
 
-    _without_gpu()
     found = set()
 
     def record(sources, defines):
         found.add((tuple(sources), tuple(sorted(defines.items()))))
         return _Unloaded()
 
-    for name in dims_names:
-        d = PRESETS[name]
-        GemvKernels(d, record)
-        NormKernels(d, record)
-        EmbedKernels(d, record)
-        try:  # it allocates device scratch after loading its module: the build is recorded by then
-            SamplingKernels(d, record)
-        except Exception:
-            pass
-        for v in DECODE_VARIANTS:
-            AttentionKernels(d, record, v)
-        for v in ATTENTION_VARIANTS:
-            PrefillKernels(d, record, v)
+    with _without_gpu():
+        for name in dims_names:
+            d = PRESETS[name]
+            GemvKernels(d, record)
+            NormKernels(d, record)
+            EmbedKernels(d, record)
+            try:  # it allocates device scratch after loading its module: the build is recorded by then
+                SamplingKernels(d, record)
+            except Exception:
+                pass
+            for v in DECODE_VARIANTS:
+                AttentionKernels(d, record, v)
+            for v in ATTENTION_VARIANTS:
+                PrefillKernels(d, record, v)
     return sorted(found)
 
 

@@ -1,0 +1,32 @@
+"""bench/precompile.py lists every build the launchers load without a GPU (what
+scripts/kernel_cache_for_device.sh relies on to compile them on the CPU machine), and leaves the launch
+helpers it stands in for as they were."""
+
+import importlib.util
+from pathlib import Path
+
+from nanoqwen_kernels import checks
+from nanoqwen_kernels.dims import PRESETS
+
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "precompile.py"
+
+
+def _precompile():
+    spec = importlib.util.spec_from_file_location("precompile", BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_builds_are_listed_without_a_gpu():
+    before = checks.sm_count, checks.cupy_module
+    found = _precompile().builds(["tiny", "1.5b"])
+    assert (checks.sm_count, checks.cupy_module) == before
+    sources = {s for build in found for s in build[0]}
+    for name in ("gemv_int4.cu", "gemv_fp16.cu", "attention_decode.cu", "rmsnorm.cu", "embed.cu", "sampling.cu",
+                 "gemm_int4_prefill.cu", "gemm_fp8_prefill.cu"):
+        assert name in sources, name
+    hidden = {dict(defines)["NQ_HIDDEN"] for _, defines in found}
+    assert hidden == {PRESETS["tiny"].hidden, PRESETS["1.5b"].hidden}
+    # one gemv_int4 build per shape: the launchers pick variants by entry name, not by define
+    assert sum(1 for srcs, _ in found if srcs == ("gemv_int4.cu",)) == 2
