@@ -22,7 +22,7 @@ before returning, so the host's work overlaps it); --no-run-ahead measures the s
     python3 scripts/bench_batch.py MODEL.nanoqwen [--batch 1,8,32,64] [--prompt 128] [--gen 256] [--json out.json]
 
 The INT4 GEMV variant is the engine's: $NANOQWEN_GEMV_VARIANT (nanoqwen_kernels.gemv.GEMV_VARIANTS, e.g.
-NANOQWEN_GEMV_VARIANT=mixed), printed in the header and recorded in the JSON.
+NANOQWEN_GEMV_VARIANT=default), printed in the header and recorded in the JSON.
 
 Needs a GPU (CuPy). Run by scripts/gpu_all.sh (section `batchbench`, on the 7B-shaped synthetic model).
 """

@@ -11,7 +11,7 @@
 # Sections (real, serve, llamacpp and peers need $NQ_REAL_GGUF / the carried .whl and .peer; see their comments):
 # info, model7b (writes the 7B-shaped synthetic file once, shared by the ladder and the bench),
 # kernels / engine / ladder / cli (pytest -m gpu of each suite; cli = tests/test_cli_gpu.py), kbench (packages/nanoqwen-kernels/bench/*.py),
-# gemvvariants (bench_gemv.py: the default, tiles1 and a8 GEMV variants at B = 1 .. 64),
+# gemvvariants (bench_gemv.py: the default, default-core and a8 GEMV variants at B = 1 .. 64),
 # clibench (nanoqwen-cli bench --synthetic 7b --json, graph, eager, then --decode-activations int8), batchbench (scripts/bench_batch.py:
 # batched decode throughput, B = 1, 8, 32, 64 requests of 128 + 256 tokens at once, then the same levels
 # through `nanoqwen-cli bench --concurrency`), breakdown
@@ -113,9 +113,10 @@ if want kbench; then
   done
 fi
 # The batched GEMV bodies side by side (issue 13/15): the default ("tiles": half2 loop at B = 1, tile GEMM
-# beyond) and every B on the tile GEMM ("tiles1"); the lm_head rows add its other B > 1 body (gemv_mma).
+# beyond), the tensor-core core's passes at B > 1 ("default") and the int8-activation loop at B = 1 ("a8");
+# the lm_head rows add its other B > 1 body (gemv_mma).
 want gemvvariants && run gemvvariants 240 $PY packages/nanoqwen-kernels/bench/bench_gemv.py --batch 1,8,16,32,64 \
-  --variant tiles,tiles1,a8 --no-peer --json "$WORK/logs/bench_gemv_variants.json"
+  --variant tiles,default,a8 --no-peer --json "$WORK/logs/bench_gemv_variants.json"
 if want clibench || want clibench_graph; then
   if [ -d packages/nanoqwen-cli/src/nanoqwen_cli ]; then
     # the bench finds the 7B file the model7b section wrote in $NANOQWEN_CACHE

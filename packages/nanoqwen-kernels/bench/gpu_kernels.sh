@@ -6,7 +6,7 @@
 # device's NVRTC version (no compile on the device then). Each step's limit: TEST_S, SAN_S, RACE_S,
 # BENCH_S (seconds); the GPU test files in $TESTS (default: every kernels test), extra pytest arguments in
 # $TEST_ARGS, pytest-xdist workers in $WORKERS, the benchmark's batch sizes in $BATCHES and its GEMV
-# variants (every B) in $VARIANTS (default: the default variant; e.g. VARIANTS=mixed,tiles).
+# variants (every B) in $VARIANTS (default: the default variant; e.g. VARIANTS=default,tiles).
 #   bash packages/nanoqwen-kernels/bench/gpu_kernels.sh
 set -u -o pipefail
 cd "$(dirname "$0")/../../.."

@@ -49,8 +49,8 @@ def kernels(dims, gpu):
 
 def _runs(b):
     """Variants to run at batch b: every variant at B = 1; beyond, one per batched build (gemv_mma's
-    passes: "mixed"; the tile GEMM: "tiles")."""
-    return sorted(GEMV_VARIANTS) if b == 1 else ["mixed", "tiles"]
+    passes: "default"; the tile GEMM: "tiles")."""
+    return sorted(GEMV_VARIANTS) if b == 1 else ["default", "tiles"]
 
 
 def _xin(variant, b, xin):
@@ -269,7 +269,7 @@ def test_gemv_fp16(kernels, dims, rng, b, head):
     w = (0.02 * rng.standard_normal((n, dims.hidden), dtype=np.float32)).astype(np.float16)
     x = rng.standard_normal((b, dims.hidden)).astype(np.float16)
     out = cp.full((b, n), np.nan, dtype=np.float32)
-    g = kernels["mixed"] if head == DEFAULT_LM_HEAD else GemvKernels(dims, _load, "mixed", head)
+    g = kernels["default"] if head == DEFAULT_LM_HEAD else GemvKernels(dims, _load, "default", head)
     g.gemv_fp16(cp.asarray(w), _batch(b, cp.asarray(x)), _batch(b, out))
     wf, xf = w.astype(np.float32), x.astype(np.float32)
     ref = matvec(wf, xf.T).T

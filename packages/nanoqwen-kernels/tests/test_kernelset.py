@@ -11,7 +11,7 @@ from nanoqwen_kernels.gemv import DEFAULT_GEMV_VARIANT, GEMV_KINDS, GEMV_VARIANT
 
 @pytest.mark.parametrize("how", ["argument", "environment"])
 @pytest.mark.parametrize("kwarg,env,message", [
-    ("gemv_variant", "NANOQWEN_GEMV_VARIANT", "unknown INT4 GEMV variant 'fastest'.*default, mma, mixed"),
+    ("gemv_variant", "NANOQWEN_GEMV_VARIANT", "unknown INT4 GEMV variant 'fastest'.*default, mma, tiles, a8"),
     ("attention_variant", "NANOQWEN_ATTENTION_VARIANT", "unknown decode attention variant 'fastest'.*fma, mma, mma8"),
 ])
 def test_unknown_variant_is_a_clear_error(how, kwarg, env, message, monkeypatch):
@@ -66,14 +66,16 @@ def test_variant_picks_the_body_per_matrix(variant, monkeypatch):
         assert on_tensor_cores == (kind in GEMV_VARIANTS[variant]), (variant, kind, kernel)
 
 
-def test_mixed_runs_the_long_matrices_on_tensor_cores(monkeypatch):
-    got = _batch1_kernels("mixed", monkeypatch)
+def test_mma_runs_every_matrix_on_tensor_cores(monkeypatch):
+    got = _batch1_kernels("mma", monkeypatch)
     assert got == {
-        "h": "nq_gemv_int4_h",
+        "h": "nq_gemv_int4_h_mma8",
         "i": "nq_gemv_int4_i_mma8",
-        "qkv": "nq_qkv_rope_kv",
+        "qkv": "nq_qkv_rope_kv_mma8",
         "gu": "nq_gate_up_silu_mma8",
     }
+    for removed in ("mixed", "tiles1"):  # measured slower everywhere and removed (gemv.py)
+        assert removed not in GEMV_VARIANTS
 
 
 def test_a8_runs_every_matrix_on_the_int8_activation_loop(monkeypatch):

@@ -12,12 +12,13 @@ from nanoqwen_kernels.gemv import GemvKernels
 
 def test_gemv_int4_good_call_and_residual_alias(launches):
     d = TINY
-    g = GemvKernels(d, load, "mixed")  # at B = 1: K = H on the half2 loop, K = I on tensor cores
+    g = GemvKernels(d, load, "default")  # at B = 1 on the half2 loop
     qw, sc = dev((300, d.hidden // 8), np.uint32), dev((300, d.hidden // 128), np.float16)
     x, out = dev((d.hidden,), np.float16), dev((300,), np.float16)
     g.gemv_int4(qw, sc, x, out, residual=out)  # in-place residual is allowed
     fn, grid, args = launches[-1]
     assert fn == "nq_gemv_int4_h" and grid == -(-150 // 8) and int(args[-1]) == 300
+    g = GemvKernels(d, load, "mma")  # at B = 1 on the tensor-core core
     qi, si = dev((7, d.intermediate // 8), np.uint32), dev((7, d.intermediate // 128), np.float16)
     g.gemv_int4(qi, si, dev((d.intermediate,), np.float16), dev((7,), np.float16))
     fn, grid, args = launches[-1]
@@ -27,9 +28,9 @@ def test_gemv_int4_good_call_and_residual_alias(launches):
 
 @pytest.mark.parametrize("b, entry, passes", [(2, "mma8", 1), (8, "mma8", 1), (9, "mma32", 1), (64, "mma32", 2)])
 def test_gemv_int4_batched_launch(launches, b, entry, passes):
-    """The "mixed" variant: B > 1 on gemv_mma's passes."""
+    """The "default" variant: B > 1 on gemv_mma's passes."""
     d = TINY
-    g = GemvKernels(d, load, "mixed")
+    g = GemvKernels(d, load, "default")
     qw, sc = dev((300, d.hidden // 8), np.uint32), dev((300, d.hidden // 128), np.float16)
     res = dev((b, 300), np.float16)
     g.gemv_int4(qw, sc, dev((b, d.hidden), np.float16), res, residual=res)
@@ -196,7 +197,7 @@ def test_qkv_rope_kv_batched_checks(launches):
 
 def test_gate_up_and_fp16_checks(launches):
     d = TINY
-    g = GemvKernels(d, load, "mixed")
+    g = GemvKernels(d, load, "mma")
     qw, sc = dev((2 * d.intermediate, d.hidden // 8), np.uint32), dev((2 * d.intermediate, 2), np.float16)
     g.gate_up_silu(
         qw,
@@ -206,7 +207,7 @@ def test_gate_up_and_fp16_checks(launches):
         1e-6,
         dev((d.intermediate,), np.float16),
     )
-    assert launches[-1][0] == "nq_gate_up_silu_mma8"  # "mixed": gate/up on tensor cores at B = 1
+    assert launches[-1][0] == "nq_gate_up_silu_mma8"  # "mma": gate/up on tensor cores at B = 1
     with pytest.raises(KernelError, match="2 x intermediate"):
         g.gate_up_silu(
             dev((d.intermediate, d.hidden // 8), np.uint32),
@@ -218,7 +219,7 @@ def test_gate_up_and_fp16_checks(launches):
         )
     g.gemv_fp16(dev((1001, d.hidden), np.float16), dev((d.hidden,), np.float16), dev((1001,), np.float32))
     assert launches[-1][0] == "nq_gemv_fp16" and int(launches[-1][2][-1]) == 1001
-    gm = GemvKernels(d, load, "mixed", "mma")  # the lm_head's gemv_mma body at B > 1
+    gm = GemvKernels(d, load, "default", "mma")  # the lm_head's gemv_mma body at B > 1
     gm.gemv_fp16(dev((1001, d.hidden), np.float16), dev((3, d.hidden), np.float16), dev((3, 1001), np.float32))
     assert launches[-1][0] == "nq_gemv_fp16_mma8" and int(launches[-1][2][-3]) == 3
     with pytest.raises(KernelError, match="out must be float32"):

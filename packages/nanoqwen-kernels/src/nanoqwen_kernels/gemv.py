@@ -44,14 +44,12 @@ X_SMEM_FEW_TILES = 90 * 1024
 #   "h" o_proj (K = H), "i" down_proj (K = I), "qkv" the fused q/k/v, "gu" the fused gate/up.
 #   default : the half2 loop everywhere (the default: the fastest at B = 1 as measured);
 #   mma     : the tensor-core core everywhere (B = 1 then gives the same bits as a row of any batch);
-#   mixed   : down and gate/up on the tensor-core core, o_proj and q/k/v on the half2 loop.
 # H200, 2026-11-30, commit 04608fd (bench_gemv.py --batch 1 --sweep, docs/PERF.md), us at B = 1,
 # half2 loop / tensor-core core: o_proj 5.02 / 7.19, q/k/v 7.38 / 12.68, gate/up 25.61 / 41.05,
 # down 15.35 / 21.51. The core is built for batches (x of up to 32 sequences in shared memory, two
 # batches of loads in flight per warp); at B = 1 it keeps too few bytes in flight (docs/PERF.md).
 # KernelSet picks one (argument, or $NANOQWEN_GEMV_VARIANT); all pass the same GPU tests.
 #   tiles   : B = 1 as "default"; B > 1 on the tile GEMM (gemm_tiles.cuh, planned by `plan_tiles`).
-#   tiles1  : every B on the tile GEMM (B = 1 included: measured against the half2 loop).
 #   a8      : B = 1 on the int8-activation loop (gemv_int4.cu "_a8" entries: x rounded to int8 per 32 k,
 #             products by dp4a; ~4 instructions per 8 weights against the half2 loop's ~19), B > 1 as
 #             "tiles". It changes the numbers (the activation's rounding, as llama.cpp's q8_1 GEMVs do),
@@ -61,18 +59,19 @@ X_SMEM_FEW_TILES = 90 * 1024
 # layer of the four INT4 GEMVs, tiles / packed1: B = 8 96.3 / 93.3, B = 16 108.1 / 114.5, B = 32
 # 151.2 / 151.3 and B = 64 252.0 / 254.6 (the same row-by-row entries: noise); B = 1 195.7 (eager-timed:
 # the copy's first launch cannot be captured) vs tiles1 90.8 and the half2 loop 54.5.
+# Removed as measured slower everywhere (issue 15: fewer variants, fewer paths to test): "tiles1", every B
+# on the tile GEMM (B = 1: 90.8 against the half2 loop's 54.5 us per layer above; B > 1 = "tiles"), and
+# "mixed", down and gate/up on the tensor-core core at B = 1 (gate/up 41.05 / down 21.51 us against the
+# half2 loop's 25.61 / 15.35 above; B > 1 = "default", the core's passes, slower than the tile GEMM).
 GEMV_KINDS = ("h", "i", "qkv", "gu")
 GEMV_VARIANTS: dict[str, frozenset[str]] = {
     "default": frozenset(),
     "mma": frozenset(GEMV_KINDS),
-    "mixed": frozenset({"i", "gu"}),
     "tiles": frozenset(),
-    "tiles1": frozenset(GEMV_KINDS),
     "a8": frozenset(),
 }
 A8_VARIANTS = frozenset({"a8"})  # B = 1 on the int8-activation loop (instead of the half2 loop)
-TILE_VARIANTS = frozenset({"tiles", "tiles1", "a8"})  # B > 1 on the tile GEMM
-TILE_AT_B1 = frozenset({"tiles1"})  # ... and B = 1 too
+TILE_VARIANTS = frozenset({"tiles", "a8"})  # B > 1 on the tile GEMM
 DEFAULT_GEMV_VARIANT = "tiles"  # B = 1 on the half2 loop, B > 1 on the tile GEMM (docs/PERF.md)
 
 # The lm_head (gemv_fp16) at B > 1; B = 1 is always the fp16 half2 GEMV (99% of the copy bandwidth).
@@ -318,7 +317,6 @@ class GemvKernels:
         self._fp16_mma = {c: f.get_function(f"nq_gemv_fp16_mma{c}", max_dynamic_smem=smem) for c in MMA_BUILDS}
         self._tiles = variant in TILE_VARIANTS
         self._core_small_b = tile_core_kinds()
-        self._tile_min_b = 1 if variant in TILE_AT_B1 else 2
         if self._tiles:
             self._tile = {
                 (kind, c): m.get_function(f"{name}_tile{c}", max_dynamic_smem=tile_smem(c))
@@ -346,7 +344,7 @@ class GemvKernels:
         """Whether this matrix kind at B columns runs on the tile GEMM: B > 1 in the tile variants, except
         the kinds of tile_core_kinds() (o_proj) at B <= TILE_CORE_MAX_B, which run on the tensor-core core
         (gemv_mma.cuh)."""
-        if not self._tiles or b < self._tile_min_b:
+        if not self._tiles or b < 2:
             return False
         return not (b <= TILE_CORE_MAX_B and kind in self._core_small_b)
 
