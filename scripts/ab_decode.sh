@@ -21,14 +21,14 @@ OUT=${OUT:-ab-out}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 export PYTHONPATH=packages/nanoqwen-format/src:packages/nanoqwen-kernels/src:packages/nanoqwen-engine/src:packages/nanoqwen-cli/src${PYTHONPATH:+:$PYTHONPATH}
-export NANOQWEN_KERNEL_CACHE=${NANOQWEN_KERNEL_CACHE:-/tmp/nq-ab-kc} NANOQWEN_TEST_KERNEL_CACHE=${NANOQWEN_TEST_KERNEL_CACHE:-/tmp/nq-ab-tkc}
+# one kernel cache for the precompile, the tests and the benches (the loader writes a cubin by rename, so
+# the background precompile and the tests may fill it at once): a build is compiled once per call
+export NANOQWEN_KERNEL_CACHE=${NANOQWEN_KERNEL_CACHE:-/tmp/nq-ab-kc}
+export NANOQWEN_TEST_KERNEL_CACHE=${NANOQWEN_TEST_KERNEL_CACHE:-$NANOQWEN_KERNEL_CACHE}
 export NANOQWEN_CACHE=${NANOQWEN_CACHE:-/tmp/nq-ab-cache} PYTHONUNBUFFERED=1
-mkdir -p "$NANOQWEN_CACHE" "$NANOQWEN_KERNEL_CACHE" "$NANOQWEN_TEST_KERNEL_CACHE"
+mkdir -p "$NANOQWEN_CACHE" "$NANOQWEN_KERNEL_CACHE"
 # builds compiled beforehand on the CPU machine (scripts/kernel_cache_for_device.sh; carried as .kc)
-if [ -d .kc ]; then
-  cp -n .kc/*.cubin "$NANOQWEN_KERNEL_CACHE"/ 2>/dev/null || true
-  cp -n .kc/*.cubin "$NANOQWEN_TEST_KERNEL_CACHE"/ 2>/dev/null || true
-fi
+[ -d .kc ] && { cp -n .kc/*.cubin "$NANOQWEN_KERNEL_CACHE"/ 2>/dev/null || true; }
 T0=$(date +%s)
 t() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
 MODELS=${MODELS:-7b}

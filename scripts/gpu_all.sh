@@ -11,7 +11,7 @@
 # Sections (real, serve, llamacpp and peers need $NQ_REAL_GGUF / the carried .whl and .peer; see their comments):
 # info, model7b (writes the 7B-shaped synthetic file once, shared by the ladder and the bench),
 # kernels / engine / ladder / cli (pytest -m gpu of each suite; cli = tests/test_cli_gpu.py), kbench (packages/nanoqwen-kernels/bench/*.py),
-# gemvvariants (bench_gemv.py: the default, default-core and a8 GEMV variants at B = 1 .. 64),
+# gemvvariants (bench_gemv.py: the GEMV variants "tiles" (the default), "default" and "a8" at B = 1 .. 64),
 # clibench (nanoqwen-cli bench --synthetic 7b --json, graph, eager, then --decode-activations int8), batchbench (scripts/bench_batch.py:
 # batched decode throughput, B = 1, 8, 32, 64 requests of 128 + 256 tokens at once, then the same levels
 # through `nanoqwen-cli bench --concurrency`), breakdown
