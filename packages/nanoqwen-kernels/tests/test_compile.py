@@ -131,6 +131,20 @@ def test_gemv_fp16_sass():
             assert "HMMA.16816.F32" in body, f"{name}: expected the tensor-core dot product"
 
 
+def test_head_i8_sass():
+    """The int8 lm_head: 16-byte no-allocate weight loads, bytes turned into floats by byte permutes (no
+    I2F, an eighth of the FFMA rate), no spill, and its first unit's weights issued before the wait."""
+    funcs = _functions(_sass("head_i8.cu", QWEN25_7B))
+    assert set(funcs) == {"nq_gemv_head_i8", "nq_quantize_head_i8", "nq_dequantize_head_i8"}
+    body = funcs["nq_gemv_head_i8"]
+    assert "LDG.E.NA" in body and ".128" in body
+    per_lane = QWEN25_7B.hidden // 16 // 32  # 16-byte pieces of a row per lane
+    assert "I2F" not in body and body.count("PRMT") >= 2 * 16 * per_lane  # a permute per weight of 2 rows
+    assert "STL" not in body and "LDL" not in body
+    wait = body.find("ACQBULK")
+    assert len([ln for ln in body[:wait].splitlines() if "LDG.E.NA" in ln]) == 2 * per_lane
+
+
 def test_every_kernel_entry_is_named_nq():
     """Kernel entries carry the nq_ prefix, so a profiler's kernel list finds the code."""
 
@@ -149,8 +163,9 @@ _GLOBAL_MEM = re.compile(r"\b(LDG|STG|LDGSTS|ATOMG|ATOM|RED|REDG|ST|LD|UBLKCP|UT
 
 # the B = 1 entries (the half2 loop, and the int8-activation loop "_a8") that load their first weights
 # before the wait
-_PRELOADING = {f"{k}{s}" for k in ("nq_gemv_int4_h", "nq_gemv_int4_i", "nq_qkv_rope_kv", "nq_gate_up_silu")
-               for s in ("", "_a8")} | {"nq_gate_up_silu_a8x", "nq_gemv_int4_i_a8x"}
+_PRELOADING_GEMV = {f"{k}{s}" for k in ("nq_gemv_int4_h", "nq_gemv_int4_i", "nq_qkv_rope_kv", "nq_gate_up_silu")
+                    for s in ("", "_a8")} | {"nq_gate_up_silu_a8x", "nq_gemv_int4_i_a8x"}
+_PRELOADING = _PRELOADING_GEMV | {"nq_gemv_head_i8"}  # + the int8 lm_head's loop (head_i8.cu)
 # a load of weights (16-byte, no L1 allocation) or of scales (fp16, read-only): what may go before the wait
 _WEIGHT_LOAD = re.compile(r"\bLDG\.E\.(NA\.[A-Z0-9.]*128|U16\.CONSTANT)\b")
 
@@ -186,8 +201,8 @@ def test_only_the_int8_loop_releases_the_next_kernel_early():
     half2 entries leave it to their blocks' exits: on the H200 the trigger won every pair on the int8 loop
     and lost every pair on the 7B's half2 loop (docs/PERF.md, sixteenth lease)."""
     funcs = _functions(_sass("gemv_int4.cu", QWEN25_7B))
-    int8 = sorted(n for n in _PRELOADING if n.endswith(("_a8", "_a8x")))
-    half2 = sorted(n for n in _PRELOADING if n not in int8)
+    int8 = sorted(n for n in _PRELOADING_GEMV if n.endswith(("_a8", "_a8x")))
+    half2 = sorted(n for n in _PRELOADING_GEMV if n not in int8)
     assert len(int8) == 6 and len(half2) == 4
     for name in int8:
         assert "PREEXIT" in funcs[name], f"{name}: no griddepcontrol.launch_dependents"

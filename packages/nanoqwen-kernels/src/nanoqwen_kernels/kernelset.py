@@ -5,7 +5,7 @@ the typed launchers of docs/INTERFACES.md section 4.
     ks.qkv_rope_kv(...); ks.attention_decode(...); ks.gemv_int4(...); ks.argmax(...)
 
 Each launcher lives beside its kernel (gemv.py, norm.py, embed.py, sampling.py, attention.py,
-prefill.py); KernelSet only builds them and forwards, so each contract is written once.
+prefill.py, head_i8.py); KernelSet only builds them and forwards, so each contract is written once.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from .dims import ModelDims
 from .embed import EmbedKernels
 from .errors import KernelError
 from .gemv import DEFAULT_GEMV_VARIANT, DEFAULT_LM_HEAD, GEMV_VARIANTS, LM_HEAD_BODIES, GemvKernels
+from .head_i8 import HeadI8Kernels
 from .loader import device_arch, load_module
 from .norm import NormKernels
 from .prefill import PrefillKernels
@@ -60,12 +61,16 @@ class KernelSet:
         s = SamplingKernels(dims, load)
         a = AttentionKernels(dims, load, attn)
         p = PrefillKernels(dims, load)
+        h = HeadI8Kernels(dims, load)
 
         # the launchers, as bound methods (docs/INTERFACES.md section 4)
         self.gemv_int4 = g.gemv_int4
         self.qkv_rope_kv = g.qkv_rope_kv
         self.gate_up_silu = g.gate_up_silu
         self.gemv_fp16 = g.gemv_fp16
+        self.gemv_head_i8 = h.gemv_head_i8
+        self.quantize_head_i8 = h.quantize_head_i8
+        self.dequantize_head_i8 = h.dequantize_head_i8
         self.rmsnorm = n.rmsnorm
         self.rmsnorm_rows = n.rmsnorm_rows
         self.embed = e.embed
