@@ -92,6 +92,7 @@ def main(argv=None) -> int:
         LM_HEAD_BODIES,
         GemvKernels,
     )
+    from nanoqwen_kernels.head_i8 import HeadI8Kernels
 
     ok, why = gpu_status()
     if not ok:
@@ -167,6 +168,16 @@ def main(argv=None) -> int:
             bench("gate_up_silu (norm+gate/up+silu)", "layer", b, variant, 2 * inter, H, call, list(zip(qw, sc, strict=True)), one)
             call = functools.partial(g.gemv_fp16, x=xh, out=cp.zeros((*lead, V), dtype=np.float32))
             bench("gemv_fp16 (lm_head)", "head", b, variant, V, H, call, lm, V * H * 2)
+        if b == 1:  # the int8 lm_head (head_i8.cu; the engine's default head at batch 1)
+            hk = HeadI8Kernels(D, lambda s, defs: loader.load_module(s, defs))
+            heads = []
+            for (w,) in lm:
+                q8 = cp.empty((V, H), dtype=np.uint8)
+                s8 = cp.empty((V, H // 128), dtype=np.float16)
+                hk.quantize_head_i8(w, q8, s8)
+                heads.append((q8, s8))
+            call = functools.partial(hk.gemv_head_i8, x=xh, out=cp.zeros(V, dtype=np.float32))
+            bench("gemv_head_i8 (lm_head int8)", "peer", b, "-", V, H, call, heads, V * H + V * (H // 128) * 2)
         if b > 1:  # the lm_head's other B > 1 body (gemv_mma's passes), beside the default (cuBLAS)
             other = next(h for h in LM_HEAD_BODIES if h != DEFAULT_LM_HEAD)
             gh = GemvKernels(D, lambda s, defs: loader.load_module(s, defs), chosen[0], other)

@@ -52,6 +52,7 @@ def builds(dims_names: list[str]) -> list[tuple[tuple[str, ...], tuple]]:
     from nanoqwen_kernels.dims import PRESETS
     from nanoqwen_kernels.embed import EmbedKernels
     from nanoqwen_kernels.gemv import GemvKernels
+    from nanoqwen_kernels.head_i8 import HeadI8Kernels
     from nanoqwen_kernels.norm import NormKernels
     from nanoqwen_kernels.prefill import ATTENTION_VARIANTS, PrefillKernels
     from nanoqwen_kernels.sampling import SamplingKernels
@@ -66,6 +67,7 @@ def builds(dims_names: list[str]) -> list[tuple[tuple[str, ...], tuple]]:
         for name in dims_names:
             d = PRESETS[name]
             GemvKernels(d, record)
+            HeadI8Kernels(d, record)
             NormKernels(d, record)
             EmbedKernels(d, record)
             try:  # it allocates device scratch after loading its module: the build is recorded by then
