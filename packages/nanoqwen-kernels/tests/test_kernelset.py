@@ -166,7 +166,7 @@ def test_attention_variant_reaches_the_attention_build(how, monkeypatch):
                            32 * (1 + attention.VARIANTS[variant][1])))
             self.attention_decode = self.new_workspace = None
 
-    for name in ("GemvKernels", "NormKernels", "EmbedKernels", "SamplingKernels", "PrefillKernels"):
+    for name in ("GemvKernels", "NormKernels", "EmbedKernels", "SamplingKernels", "PrefillKernels", "HeadI8Kernels"):
         monkeypatch.setattr(kernelset, name, lambda *a, **k: _Anything())
     monkeypatch.setattr(kernelset, "AttentionKernels", Attn)
     kw = {}
