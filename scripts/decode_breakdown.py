@@ -97,7 +97,10 @@ def main() -> int:
         ),
     }
     head = {
-        "final_norm+lm_head": (lambda: step.launch_head(ks, v.x, v.xn, v.logits), nbytes(w.lm_head, w.final_norm)),
+        # the bytes the head's launch reads: the int8 head (q + scales) at B = 1 when loaded so, else fp16
+        "final_norm+lm_head": (lambda: step.launch_head(ks, v.x, v.xn, v.logits), nbytes(
+            *((w.lm_head_i8.q, w.lm_head_i8.s) if w.lm_head_i8 is not None and B == 1 else (w.lm_head,)),
+            w.final_norm)),
         "embed+argmax": (
             lambda: (ks.embed(w.embed, v.tokens, v.x), step.sampler.launch(ks, "greedy", v.logits, v.tokens, 0,
                                                                            bucket)),

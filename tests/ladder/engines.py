@@ -58,7 +58,7 @@ def cpu_engine(path, max_context: int, budget: int | None = None) -> Engine:
 
     When the budget holds every layer they are dequantized up front by a thread pool (numpy releases the
     GIL in its vectorised unpack): ~3 s per 7B layer on one core, so 28 layers take ~1.5 min serially.
-    That reaches into ReferenceWeights' private cache (_load, _layers, _lm_head_f32); a test helper only.
+    That reaches into ReferenceWeights' private cache (_load, _layers); a test helper only.
     """
     from concurrent.futures import ThreadPoolExecutor
 
@@ -77,8 +77,7 @@ def cpu_engine(path, max_context: int, budget: int | None = None) -> Engine:
             for i, layer in enumerate(ex.map(w._load, range(cfg.n_layers))):
                 w._layers[i] = layer
         w.lazy = False
-        if w.lm_head.nbytes * 2 <= budget // 4:
-            w._lm_head_f32 = w.lm_head.astype(np.float32)
+        w.fit_head_f32()  # the head's float32 values (the int8 head's s * q by default) under the new budget
     return Engine(be, tok, nq, path, time.perf_counter() - t0)
 
 

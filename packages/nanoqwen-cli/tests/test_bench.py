@@ -16,14 +16,16 @@ from nanoqwen_format.synthetic import tiny_config
 SMALL = ["--device", "cpu", "--prompt-tokens", 20, "--gen-tokens", 4, "--runs", 3, "--warmup", 1]
 
 
-def _expected_weight_bytes(config: dict) -> int:
-    """INT4 words (K/8 uint32 per row) + fp16 scales (K/128 per row) + fp16 lm_head, from the dims alone."""
+def _expected_weight_bytes(config: dict, lm_head_dtype: str) -> int:
+    """INT4 words (K/8 uint32 per row) + fp16 scales (K/128 per row) + the lm_head (fp16; or int8 bytes and
+    an fp16 scale per 128 values), from the dims alone."""
     h, i, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
     d = h // config["num_attention_heads"]
     kv = config["num_key_value_heads"] * d
     shapes = [(h, h), (kv, h), (kv, h), (h, h), (i, h), (i, h), (h, i)]  # q k v o gate up down: [N, K]
     per_layer = sum(n * (k // 8) * 4 + n * (k // 128) * 2 for n, k in shapes)
-    return config["num_hidden_layers"] * per_layer + v * h * 2
+    head = v * h * 2 if lm_head_dtype == "fp16" else v * h + v * (h // 128) * 2
+    return config["num_hidden_layers"] * per_layer + head
 
 
 def test_synthetic_tiny_written_once_then_benched_as_markdown_and_json(invoke):
@@ -64,7 +66,8 @@ def test_synthetic_tiny_written_once_then_benched_as_markdown_and_json(invoke):
     assert r["copy_bw_gbs"] is None and r["pct_of_copy_bw"] is None
 
     config = open_model(path).config
-    assert r["weight_bytes_per_token"] == _expected_weight_bytes(config)
+    assert r["engine_info"]["lm_head_dtype"] == "int8"  # the default: the head's bytes counted as int8
+    assert r["weight_bytes_per_token"] == _expected_weight_bytes(config, "int8")
     assert r["kv_bytes_per_context_token"] == bandwidth.kv_bytes_per_token(config)
     want_bytes = r["weight_bytes_per_token"] + r["kv_bytes_per_context_token"] * (20 + 4 / 2)
     assert r["bytes_per_token"] == want_bytes
@@ -162,8 +165,9 @@ def test_decode_bytes_counts_the_tied_embedding_as_lm_head(tmp_path):
     path = write_synthetic(tmp_path / "tied.nanoqwen", config, seed=1) or tmp_path / "tied.nanoqwen"
     nq = open_model(path)
     assert "lm_head.weight" not in nq.tensor_names
-    counts = bandwidth.decode_bytes(nq)
-    assert counts.projections + counts.scales + counts.lm_head == _expected_weight_bytes(nq.config)
+    for dtype in ("fp16", "int8"):
+        counts = bandwidth.decode_bytes(nq, dtype)
+        assert counts.projections + counts.scales + counts.lm_head == _expected_weight_bytes(nq.config, dtype)
 
 
 def test_prefill_chunk_idle_reaches_the_engine(invoke):

@@ -242,6 +242,7 @@ def test_request_waits_for_pages_then_both_give_their_solo_tokens(tiny_path, rng
     ({"prefill_weights": "fp8"}, "device='cuda' only"), ({"prefill_weights": "int4"}, "device='cuda' only"),
     ({"decode_activations": "int4"}, "decode_activations must be one of"),
     ({"decode_activations": "int8"}, "device='cuda' only"),
+    ({"lm_head_dtype": "bf16"}, "lm_head_dtype must be one of"), ({"lm_head_dtype": 8}, "lm_head_dtype must be one of"),
 ])
 def test_load_arguments_are_checked_before_the_model_is_opened(tmp_path, kw, match):
     """A missing model would raise ModelNotFoundError: the argument error comes first."""

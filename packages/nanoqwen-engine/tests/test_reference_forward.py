@@ -1,7 +1,9 @@
 """The reference backend against a deliberately naive float64 Qwen2 written here, and its cache.
 
 The naive model shares nothing with the backend but the dequantized weights: a contiguous per-layer
-list of K/V, explicit loops over positions and heads, RoPE as pairwise rotations.
+list of K/V, explicit loops over positions and heads, RoPE as pairwise rotations. Its lm_head is either
+the file's fp16 values or s * q of the int8 head (nanoqwen_kernels.head_i8's quantizer, the definition of
+lm_head_dtype="int8").
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import pytest
 from nanoqwen_engine.params import SamplingParams
 from nanoqwen_engine.reference import ReferenceBackend
 from nanoqwen_engine.sampler import SamplerState
+from nanoqwen_kernels.head_i8 import dequantize_head_i8, quantize_head_i8
 
 
 class NaiveQwen2:
@@ -20,7 +23,9 @@ class NaiveQwen2:
         self.cfg = cfg
         g = lambda n: np.asarray(nq.tensor(n), dtype=np.float64)  # noqa: E731
         self.embed = g("model.embed_tokens.weight")
-        self.head = self.embed if cfg.tie_word_embeddings else g("lm_head.weight")
+        head16 = nq.tensor("model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight")
+        self.heads = {"fp16": np.asarray(head16, dtype=np.float64),
+                      "int8": dequantize_head_i8(*quantize_head_i8(np.asarray(head16))).astype(np.float64)}
         self.norm = g("model.norm.weight")
         self.layers = []
         for i in range(cfg.n_layers):
@@ -47,8 +52,8 @@ class NaiveQwen2:
             out[i + hd // 2] = x2 * math.cos(a) + x1 * math.sin(a)
         return out
 
-    def logits(self, ids):
-        """float64 [T, V], one position at a time."""
+    def logits(self, ids, lm_head_dtype):
+        """float64 [T, V], one position at a time, through the lm_head of `lm_head_dtype`."""
         c = self.cfg
         hd = c.head_dim
         cache = [([], []) for _ in range(c.n_layers)]  # per layer: list of k [n_kv, hd], v [n_kv, hd]
@@ -76,7 +81,7 @@ class NaiveQwen2:
                 h = self._norm(x, L["post"])
                 gate = L["mlp.gate_proj"] @ h
                 x = x + L["mlp.down_proj"] @ (gate / (1 + np.exp(-gate)) * (L["mlp.up_proj"] @ h))
-            rows.append(self.head @ self._norm(x, self.norm))
+            rows.append(self.heads[lm_head_dtype] @ self._norm(x, self.norm))
         return np.stack(rows)
 
 
@@ -98,13 +103,14 @@ def tied_backend(tied_path, open_file):
     assert backend.pool.n_free == backend.pool.n_pages
 
 
-def test_reference_matches_naive_float64(model_path, open_file, naive_cache, rng):
+@pytest.mark.parametrize("lm_head_dtype", ["int8", "fp16"])
+def test_reference_matches_naive_float64(model_path, open_file, naive_cache, rng, lm_head_dtype):
     nq, cfg = open_file(model_path)
     ids = rng.integers(0, cfg.vocab, size=21)
-    backend = ReferenceBackend.create(nq, cfg, max_context=64)
+    backend = ReferenceBackend.create(nq, cfg, max_context=64, lm_head_dtype=lm_head_dtype)
     got = backend.score(ids)
     naive = naive_cache.setdefault(model_path, NaiveQwen2(nq, cfg))
-    want = naive.logits(ids)
+    want = naive.logits(ids, lm_head_dtype)
     assert got.shape == (21, cfg.vocab) and got.dtype == np.float32
     assert rel_err(got, want) < 1e-4
     assert backend.pool.n_free == backend.pool.n_pages  # score gave its pages back

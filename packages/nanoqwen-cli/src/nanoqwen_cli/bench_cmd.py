@@ -21,6 +21,7 @@ from nanoqwen_cli.errors import CliError
 from nanoqwen_cli.options import (
     count_option,
     decode_activations_option,
+    lm_head_dtype_option,
     model_options,
     prefill_weights_option,
 )
@@ -107,15 +108,17 @@ class IntList(click.ParamType):
 )
 @prefill_weights_option
 @decode_activations_option
+@lm_head_dtype_option
 @click.option("--json", "as_json", is_flag=True, help="Same as --format json.")
 @click.pass_context
 def bench(ctx, model, device, max_context, synthetic, prompt_tokens, gen_tokens, concurrency, runs,
-          warmup, eager, copy_bw, prefill_chunk_idle, prefill_weights, decode_activations, fmt, as_json):  # fmt: skip
+          warmup, eager, copy_bw, prefill_chunk_idle, prefill_weights, decode_activations, lm_head_dtype, fmt, as_json):  # fmt: skip
     """Measure prefill and decode speed, achieved GB/s and peak memory; or, with --concurrency, the
     throughput and latencies of many requests at once.
 
     Decode GB/s counts the bytes each token reads (INT4 projections + scales + lm_head from the file's
-    tensor table, + K/V at the mean context) over the median ms/token.
+    tensor table, the lm_head as --lm-head-dtype stores it, + K/V at the mean context) over the median
+    ms/token.
 
     \b
     Examples:
@@ -154,6 +157,8 @@ def bench(ctx, model, device, max_context, synthetic, prompt_tokens, gen_tokens,
         engine_kwargs["prefill_weights"] = prefill_weights
     if decode_activations is not None:
         engine_kwargs["decode_activations"] = decode_activations
+    if lm_head_dtype is not None:
+        engine_kwargs["lm_head_dtype"] = lm_head_dtype
     if concurrency:
         # Room for every request of the highest level at once, so that a level measures batching, not
         # queueing or preemption.
@@ -254,7 +259,7 @@ def _summary(loaded, records, prompt_tokens, gen_tokens, copy_bw, eager, warmup)
     decode_rate = bench_report.spread(r["decode_tok_s"] for r in records)
     decode_ms = per_token["median"]
     with _opened(open_model(loaded.path)) as nq:
-        counts = bandwidth.decode_bytes(nq)
+        counts = bandwidth.decode_bytes(nq, loaded.engine.info["lm_head_dtype"])
     mean_context = prompt_tokens + gen_tokens / 2
     bytes_per_token = counts.at_context(mean_context)
     gbs = bytes_per_token / (decode_ms * 1e-3) / 1e9 if decode_ms else None

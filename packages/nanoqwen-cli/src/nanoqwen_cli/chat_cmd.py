@@ -16,7 +16,13 @@ from nanoqwen_cli import session
 from nanoqwen_cli.chat_input import TurnReader
 from nanoqwen_cli.conversation import Conversation
 from nanoqwen_cli.errors import CliError, describe
-from nanoqwen_cli.options import SETTINGS, model_options, sampling_options, sampling_overrides
+from nanoqwen_cli.options import (
+    SETTINGS,
+    lm_head_dtype_option,
+    model_options,
+    sampling_options,
+    sampling_overrides,
+)
 
 HELP_TEXT = f"""\
   /set temperature 0     a sampling setting: {", ".join(SETTINGS)}
@@ -35,12 +41,13 @@ QUIT = ("/bye", "/exit", "/quit")
 
 @click.command(short_help="Interactive multi-turn chat.")
 @model_options
+@lm_head_dtype_option
 @sampling_options
 @click.option(
     "--system", default=None, help="System message for the chat template (default: the model's own)."
 )
 @click.option("--quiet", "-q", is_flag=True, help="No banner, notes, or timing lines on stderr.")
-def chat(model, device, max_context, system, quiet, **sampling):
+def chat(model, device, max_context, lm_head_dtype, system, quiet, **sampling):
     """Talk with the model; each message is answered with the whole conversation in context.
 
     On a terminal, lines that arrive together (a paste) are one message, and \"\"\" ... \"\"\" spans
@@ -57,7 +64,7 @@ def chat(model, device, max_context, system, quiet, **sampling):
     """
     overrides = sampling_overrides(sampling)
     session.make_params(overrides)  # bad values fail before a load
-    loaded = session.load(model, device, max_context, progress=not quiet)
+    loaded = session.load(model, device, max_context, progress=not quiet, lm_head_dtype=lm_head_dtype)
     _Chat(loaded, Conversation(system, overrides), TurnReader(), quiet).loop()
 
 

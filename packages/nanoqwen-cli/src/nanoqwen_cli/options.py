@@ -204,3 +204,18 @@ def decode_activations_option(func):
         "the activation rounded to int8 per 32 values and multiplied by dp4a, as llama.cpp's q8_1 GEMVs do; "
         "faster tokens, slightly different numbers; batches of 2 or more stay fp16).",
     )(func)
+
+
+def lm_head_dtype_option(func):
+    """--lm-head-dtype: how the lm_head is stored and multiplied, on either device (Engine.load's
+    lm_head_dtype)."""
+    return click.option(
+        "--lm-head-dtype",
+        type=click.Choice(["int8", "fp16"]),
+        default=None,
+        help="How the lm_head (the last matrix, hidden state -> one logit per vocabulary token) is stored, on "
+        "either device: int8 (default: $NANOQWEN_LM_HEAD_DTYPE, else int8) quantizes it at load with one fp16 "
+        "scale per 128 values, finer than the Q6_K of llama.cpp's Q4_K_M files: half the bytes of a batch-1 "
+        "decode step's largest read (7B: 1.09 of 4.46 GB), slightly different logits. fp16: the file's "
+        "values as they are.",
+    )(func)

@@ -12,12 +12,13 @@ import click
 
 from nanoqwen_cli import session
 from nanoqwen_cli.errors import CliError
-from nanoqwen_cli.options import model_options
+from nanoqwen_cli.options import lm_head_dtype_option, model_options
 
 
 @click.command(short_help="Perplexity of a model on text files.")
 @click.argument("files", nargs=-1, required=True, type=click.Path(path_type=Path))
 @model_options
+@lm_head_dtype_option
 @click.option(
     "--window",
     type=int,
@@ -39,7 +40,7 @@ from nanoqwen_cli.options import model_options
     help="Print one JSON record: ppl, nll_mean, nll_stderr, tokens_scored, windows, window, time_s, "
     "window_nll, model, device, files, tokens.",
 )
-def perplexity(files, model, device, max_context, window, max_windows, quiet, as_json):
+def perplexity(files, model, device, max_context, lm_head_dtype, window, max_windows, quiet, as_json):
     """Perplexity of the model on FILES (UTF-8 text, tokenized one by one and joined in the order given).
 
     The joined tokens are cut into non-overlapping windows of --window tokens (a last, shorter window
@@ -59,7 +60,8 @@ def perplexity(files, model, device, max_context, window, max_windows, quiet, as
     if window < 2:
         raise CliError(f"--window must be at least 2 tokens, got {window}")
     texts = [_read_text(f) for f in files]  # every file is checked before the model loads
-    loaded = session.load(model, device, max_context or window, progress=not (quiet or as_json))
+    loaded = session.load(model, device, max_context or window, progress=not (quiet or as_json),
+                          lm_head_dtype=lm_head_dtype)
     engine = loaded.engine
     check_window(engine, window)
     ids: list[int] = []

@@ -9,12 +9,13 @@ import click
 
 from nanoqwen_cli import session
 from nanoqwen_cli.errors import CliError
-from nanoqwen_cli.options import model_options, sampling_options, sampling_overrides
+from nanoqwen_cli.options import lm_head_dtype_option, model_options, sampling_options, sampling_overrides
 
 
 @click.command(short_help="Generate an answer to a prompt, streamed.")
 @click.argument("prompt", required=False)
 @model_options
+@lm_head_dtype_option
 @sampling_options
 @click.option(
     "--system", default=None, help="System message for the chat template (default: the model's own)."
@@ -30,7 +31,7 @@ from nanoqwen_cli.options import model_options, sampling_options, sampling_overr
     help="Print one JSON record (text, token counts, timings, finish_reason, model, device) at the end "
     "instead of streaming.",
 )
-def run(prompt, model, device, max_context, system, raw, quiet, as_json, **sampling):
+def run(prompt, model, device, max_context, lm_head_dtype, system, raw, quiet, as_json, **sampling):
     """Generate an answer to PROMPT (an argument, or stdin when absent or `-`, less one trailing newline),
     streamed to stdout.
 
@@ -51,7 +52,8 @@ def run(prompt, model, device, max_context, system, raw, quiet, as_json, **sampl
         raise click.UsageError("--system applies to the chat template; it has no meaning with --raw")
     request = text if raw else session.messages_for(text, system)
 
-    loaded = session.load(model, device, max_context, progress=not (quiet or as_json))
+    loaded = session.load(model, device, max_context, progress=not (quiet or as_json),
+                          lm_head_dtype=lm_head_dtype)
     engine = loaded.engine
     n_prompt = len(engine.encode_prompt(request))
     params, note = session.fit_max_tokens(engine, n_prompt, params)

@@ -13,7 +13,7 @@ import json
 import click
 
 from nanoqwen_cli import session
-from nanoqwen_cli.options import count_option, model_options
+from nanoqwen_cli.options import count_option, lm_head_dtype_option, model_options
 
 
 def _default_eps() -> float:
@@ -24,6 +24,7 @@ def _default_eps() -> float:
 
 @click.command(short_help="Greedy tokens vs the CPU reference.")
 @model_options
+@lm_head_dtype_option
 @count_option(
     "--prompts",
     "n_prompts",
@@ -51,6 +52,7 @@ def verify(
     model,
     device,
     max_context,
+    lm_head_dtype,
     n_prompts,
     max_tokens,
     max_prompt_tokens,
@@ -77,7 +79,8 @@ def verify(
     if device == "cuda":
         session.require_gpu()  # before minutes of loading the reference
     progress = not as_json
-    reference = session.load(model, "cpu", max_context, progress=progress)
+    # --lm-head-dtype goes to both engines: the reference multiplies the values the device does
+    reference = session.load(model, "cpu", max_context, progress=progress, lm_head_dtype=lm_head_dtype)
     b = reference.engine
     limit = b.max_context - max_tokens  # longest prompt that leaves room for the answer
     if limit < 1:
@@ -91,7 +94,8 @@ def verify(
     if not prompts:
         raise click.UsageError(f"no prompt of the set fits a context of {b.max_context} tokens")
     needed = max(n for n in lengths if n <= limit) + max_tokens
-    under_test = session.load(str(reference.path), device, max_context or needed, progress=progress)
+    under_test = session.load(str(reference.path), device, max_context or needed, progress=progress,
+                              lm_head_dtype=lm_head_dtype)
     under_test.model = reference.model
     a = under_test.engine
     if skipped and progress:

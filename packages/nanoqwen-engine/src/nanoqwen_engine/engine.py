@@ -39,6 +39,7 @@ from .errors import (
     QueueFullError,
 )
 from .kv_pages import pages_for
+from .lm_head import lm_head_dtype_arg
 from .model_source import resolve_model
 from .params import SamplingParams, check_generation_config
 from .request import Completion, GenerationEvent, Request, RequestHandle
@@ -95,7 +96,7 @@ class Engine:
              kv_pages: int | None = None, decode_mode: str = "graph", max_batch: int = DEFAULT_MAX_BATCH,
              prefill_chunk: int = DEFAULT_PREFILL_CHUNK, max_queue: int = DEFAULT_MAX_QUEUE,
              prefill_chunk_idle: int | None = None, prefill_weights: str | None = None,
-             decode_activations: str | None = None) -> Engine:
+             decode_activations: str | None = None, lm_head_dtype: str | None = None) -> Engine:
         """Open a .nanoqwen file (an HF folder or hub id is converted into the cache first).
 
         device: "cuda" (nanoqwen_engine.cuda.CudaBackend) or "cpu" (the numpy reference backend).
@@ -112,6 +113,13 @@ class Engine:
         multiply the INT4 weights with, "fp16" (default: $NANOQWEN_DECODE_ACTIVATIONS, else fp16) or "int8"
         (opt-in: the activation rounded to int8 per 32 values, products by dp4a, as llama.cpp's q8_1 GEMVs
         do; faster batch-1 decode, slightly different numbers; batches of 2 or more keep fp16).
+        lm_head_dtype (both devices, so the CPU reference multiplies what the GPU does): how the lm_head is
+        stored and multiplied, "int8" (default: $NANOQWEN_LM_HEAD_DTYPE, else int8) or "fp16". At batch 1
+        the lm_head is the largest single read of a decode step (7B: 1.09 GB of 4.46 GB); "int8" quantizes
+        it once at load to int8 with one fp16 scale per 128 values, finer than the Q6_K llama.cpp's Q4_K_M
+        files ship their output in: half the bytes, slightly different logits (the GPU's batch-1 GEMV
+        multiplies s * q with fp32 sums, its larger batches and score() fp16(s * q), the CPU reference
+        s * q in float32; nanoqwen_engine.lm_head). "fp16": the file's values as they are.
         Every argument is checked before the model is touched (InvalidRequestError). Format errors from
         nanoqwen_format are wrapped in ModelFormatError (original as __cause__); a config or
         generation_config value of the wrong type or range is a ConfigError (a ModelFormatError).
@@ -135,6 +143,7 @@ class Engine:
         if device == "cpu" and decode_activations not in (None, "fp16"):
             raise InvalidRequestError("decode_activations applies to device='cuda' only (the CPU reference computes "
                                       "in float32)")
+        head_dtype = lm_head_dtype_arg(lm_head_dtype)
         if max_context is not None:
             check_int("max_context", max_context, InvalidRequestError, lo=1)
         if kv_pages is not None:
@@ -158,9 +167,12 @@ class Engine:
             if device == "cpu":
                 from .reference import ReferenceBackend
 
-                backend = ReferenceBackend.create(nq, config, max_context=max_context, n_pages=kv_pages)
+                backend = ReferenceBackend.create(nq, config, max_context=max_context, n_pages=kv_pages,
+                                                  lm_head_dtype=head_dtype)
             else:
-                extra: dict[str, object] = {"n_pages": kv_pages} if kv_pages is not None else {}
+                extra: dict[str, object] = {"lm_head_dtype": head_dtype}
+                if kv_pages is not None:
+                    extra["n_pages"] = kv_pages
                 if prefill_weights is not None:
                     extra["prefill_weights"] = prefill_weights
                 if decode_activations is not None:

@@ -17,7 +17,12 @@ import click
 
 from nanoqwen_cli import session
 from nanoqwen_cli.errors import CliError
-from nanoqwen_cli.options import decode_activations_option, model_options, prefill_weights_option
+from nanoqwen_cli.options import (
+    decode_activations_option,
+    lm_head_dtype_option,
+    model_options,
+    prefill_weights_option,
+)
 
 API_KEY_ENV = "NANOQWEN_API_KEY"
 
@@ -45,6 +50,7 @@ API_KEY_ENV = "NANOQWEN_API_KEY"
               help="KV cache pages (16 tokens each) shared by all sequences. Default: the engine's choice.")
 @prefill_weights_option
 @decode_activations_option
+@lm_head_dtype_option
 @click.option("--max-body-bytes", type=click.IntRange(min=1024), default=8 * 2**20, show_default=True,
               help="Largest request body accepted (413 beyond).")
 @click.option("--drain-timeout", type=click.FloatRange(min=0), default=30.0, show_default=True,
@@ -53,7 +59,7 @@ API_KEY_ENV = "NANOQWEN_API_KEY"
               default="info", show_default=True)
 @click.option("--access-log/--no-access-log", default=True, show_default=True, help="One line per request.")
 def serve(model, device, max_context, host, port, served_model_name, api_key, max_batch, max_queue,
-          prefill_chunk, prefill_chunk_idle, kv_pages, prefill_weights, decode_activations, max_body_bytes, drain_timeout, log_level,
+          prefill_chunk, prefill_chunk_idle, kv_pages, prefill_weights, decode_activations, lm_head_dtype, max_body_bytes, drain_timeout, log_level,
           access_log):
     """Serve MODEL with OpenAI's HTTP API: /v1/chat/completions, /v1/completions (`suffix` for
     fill-in-the-middle), /v1/models, /health, /metrics (docs/SERVER.md).
@@ -83,6 +89,8 @@ def serve(model, device, max_context, host, port, served_model_name, api_key, ma
         engine_kwargs["prefill_weights"] = prefill_weights
     if decode_activations is not None:
         engine_kwargs["decode_activations"] = decode_activations
+    if lm_head_dtype is not None:
+        engine_kwargs["lm_head_dtype"] = lm_head_dtype
     if device == "cuda":
         session.require_gpu()
 

@@ -1,8 +1,10 @@
 """CudaBackend: the batched Backend protocol (docs/INTERFACES.md section 6) on an sm_90 GPU.
 
     create:  check the GPU -> build the KernelSet for the model's dims -> upload the weights (pinned,
-             chunked, q|k|v and gate|up stacked: plan.py; typed records: weights.py) -> size and allocate
-             the KV pool (plus one scratch page for idle rows) -> the decode step's buffers for max_batch
+             chunked, q|k|v and gate|up stacked: plan.py; typed records: weights.py) -> the lm_head in
+             int8 (unless lm_head_dtype="fp16": weights.with_int8_head) -> the prefill weights' copy ->
+             size and allocate the KV pool (plus one scratch page for idle rows) -> the decode step's
+             buffers for max_batch
     prefill: a prompt, or one chunk of it starting at seq.length, through the GEMM path (prefill.py);
              when a sampler is given, the last row -> lm_head -> the on-device sampler (its prefill row)
     decode:  one batched step of B sequences: rows assigned (rows.py), ctrl written where it changed,
@@ -33,6 +35,7 @@ from ..errors import (
     PromptTooLongError,
 )
 from ..kv_pages import PAGE_TOKENS, PagePool, SequenceState, kv_cache_shape
+from ..lm_head import lm_head_dtype_arg
 from ..sampler import SamplerState
 from .decode import DecodeStep
 from .device import CupyDevice, Timer
@@ -50,6 +53,8 @@ from .weights import (
     fp8_bytes,
     fp8_layers,
     gpu_weights,
+    int8_head_bytes,
+    with_int8_head,
 )
 
 DECODE_MODES = ("graph", "eager")
@@ -130,8 +135,10 @@ class CudaBackend:
         $NANOQWEN_PREFILL_WEIGHTS, else auto), "fp16", "int4" or "fp8" (opt-in: e4m3 activations;
         plan.choose_prefill_weights); decode_activations "fp16" (default: $NANOQWEN_DECODE_ACTIVATIONS, else
         fp16) or "int8" (opt-in: batch-1 decode GEMVs on the int8-activation loop, the kernels' GEMV variant
-        "a8"; a `kernels` stand-in must have been built for it). Test hooks: `device` (a
-        HostDevice) and `kernels` (a KernelSet stand-in) replace the GPU and the compiled kernels.
+        "a8"; a `kernels` stand-in must have been built for it); lm_head_dtype "int8" (default:
+        $NANOQWEN_LM_HEAD_DTYPE, else int8: the lm_head quantized at load, one fp16 scale per 128 values,
+        nanoqwen_engine.lm_head) or "fp16" (the file's values). Test hooks: `device` (a HostDevice) and
+        `kernels` (a KernelSet stand-in) replace the GPU and the compiled kernels.
         """
         decode_mode = kwargs.pop("decode_mode", None) or "graph"
         if decode_mode not in DECODE_MODES:
@@ -150,6 +157,7 @@ class CudaBackend:
         if decode_act not in DECODE_ACTIVATIONS:
             raise InvalidRequestError(f"decode_activations (NANOQWEN_DECODE_ACTIVATIONS) must be one of "
                                       f"{DECODE_ACTIVATIONS}, got {decode_act!r}")
+        head_dtype = lm_head_dtype_arg(kwargs.pop("lm_head_dtype", None))
         dev = kwargs.pop("device", None)
         ks = kwargs.pop("kernels", None)
         if kwargs:
@@ -158,7 +166,7 @@ class CudaBackend:
         if dev is None:
             _check_gpu()
             dev = CupyDevice()
-        info: dict = {"device": dev.name, "decode_mode": decode_mode}
+        info: dict = {"device": dev.name, "decode_mode": decode_mode, "lm_head_dtype": head_dtype}
         with Timer() as tk:
             if ks is None:  # int8: the GEMV variant "a8"; fp16: $NANOQWEN_GEMV_VARIANT or the default
                 ks = cls._build_kernels(config, "a8" if decode_act == "int8" else None)
@@ -174,14 +182,23 @@ class CudaBackend:
             plan = build_upload_plan(tensors, config.n_layers, config.tie_word_embeddings)
         except (KeyError, ValueError) as e:
             raise ModelFormatError(f"the file lacks what the GPU backend needs: {e}") from None
+        head_bytes = (int8_head_bytes(config.vocab, config.hidden, "lm_head" in plan.aliases)
+                      if head_dtype == "int8" else 0)
+        need = plan.total_bytes + head_bytes
         free, total = dev.mem_info()
-        if plan.total_bytes > free:
+        if need > free:
+            head = f" (the int8 lm_head's {head_bytes / 2**30:.2f} GiB included)" if head_bytes else ""
             raise GPUOutOfMemoryError(
-                f"the weights need {plan.total_bytes / 2**30:.2f} GiB of GPU memory, {free / 2**30:.2f} GiB free"
+                f"the weights need {need / 2**30:.2f} GiB of GPU memory{head}, {free / 2**30:.2f} GiB free"
             )
         try:
             with Timer() as tu:
                 weights = gpu_weights(dev.upload(plan, nqfile.tensor, progress), config.n_layers)
+            if head_dtype == "int8":
+                with Timer() as th, dev.use():
+                    weights = with_int8_head(dev.xp, ks, weights)
+                    dev.synchronize()
+                info["lm_head_i8_s"] = th.s
             free, total = dev.mem_info()
             nbytes = dense_bytes(weights)
             try:
@@ -223,6 +240,7 @@ class CudaBackend:
             raise
         info.update(
             weights_bytes=plan.total_bytes,
+            lm_head_i8_bytes=head_bytes,
             upload_s=tu.s,
             upload_GBps=plan.total_bytes / max(tu.s, 1e-9) / 1e9,
             kv_bytes=ps.kv_bytes,
@@ -416,7 +434,8 @@ class CudaBackend:
     def score(self, token_ids: np.ndarray) -> np.ndarray:
         """float32 [T, V]: the logits after each prefix, teacher-forced, in a temporary sequence freed
         afterwards. The layers are prefill's; the final norm and lm_head of every row run as fp32
-        matmuls (prefill's last row uses the decode path's fp16 GEMV: same weights, fp32 sums)."""
+        matmuls on the fp16 lm_head matrix (the int8 head's values rounded to fp16 unless lm_head_dtype is
+        "fp16"; prefill's last row goes through the decode path's launch_head: at one row the int8 GEMV)."""
         ids = self._check_ids(token_ids)
         seq = self.pool.new_sequence()
         try:

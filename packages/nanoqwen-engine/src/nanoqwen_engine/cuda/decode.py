@@ -30,7 +30,8 @@ Buffers (per backend, [R, ...] allocated once at load; H hidden, I intermediate,
     q, attn f16 [R, Q]  roped queries / attention outputs
     act     f16 [R, I]  silu(gate) * up
     xn      f16 [R, H]  final-normed hidden states
-    logits  f32 [R, V]  lm_head outputs (fp32 so the sampler and the ladder see unrounded logits)
+    logits  f32 [R, V]  lm_head outputs (fp32 so the sampler and the ladder see unrounded logits; at B = 1
+                        from the int8 head when there is one: launch_head)
 """
 
 from __future__ import annotations
@@ -188,9 +189,18 @@ class DecodeStep:
         ks.gemv_int4(lw.down.qweight, lw.down.scales, v.act, v.x, residual=v.y)
 
     def launch_head(self, ks, x_rows, xn_rows, logits_rows) -> None:
-        """Final RMSNorm + lm_head of hidden rows [B, H] into logits [B, V] (decode, and prefill's last row)."""
+        """Final RMSNorm + lm_head of hidden rows [B, H] into logits [B, V] (decode, and prefill's last row).
+
+        With the int8 head (weights.with_int8_head) a single row goes through its GEMV, which reads half the
+        bytes of the fp16 matrix; B >= 2 rows multiply the fp16 copy of the same values through gemv_fp16
+        (the int8 GEMV takes one row; a batch shares each weight read among its rows anyway). The choice is
+        per launch: a captured graph's batch is fixed, so it replays the launch it captured."""
         ks.rmsnorm(x_rows, self.w.final_norm, xn_rows, self.cfg.rms_eps)
-        ks.gemv_fp16(self.w.lm_head, xn_rows, logits_rows)
+        head = self.w.lm_head_i8
+        if head is not None and xn_rows.shape[0] == 1:
+            ks.gemv_head_i8(head.q, head.s, xn_rows, logits_rows)
+        else:
+            ks.gemv_fp16(self.w.lm_head, xn_rows, logits_rows)
 
     def count_launcher_calls(self) -> int:
         """Launcher calls of one greedy step, counted without launching anything (the same for every B)."""

@@ -16,7 +16,9 @@ from __future__ import annotations
 import functools
 
 import numpy as np
+from nanoqwen_kernels import head_i8 as h8
 from nanoqwen_kernels import prefill_fp8 as f8
+from nanoqwen_kernels.errors import KernelError
 
 from ..kv_pages import PAGE_TOKENS
 
@@ -60,7 +62,7 @@ class HostKernels:
         activation to int8 as the int8-activation loop does (nanoqwen_kernels.gemv.round_a8)."""
         self.cfg, self.dev = cfg, dev
         self.gemv_variant = gemv_variant
-        self._deq: dict[tuple[int, int], np.ndarray] = {}
+        self._deq: dict[tuple, np.ndarray] = {}
 
     def _gemv_x(self, xin: np.ndarray) -> np.ndarray:
         """The activation a decode GEMV multiplies: fp16 values, int8-rounded for one row under "a8"."""
@@ -196,6 +198,28 @@ class HostKernels:
         if wf is None:
             wf = self._deq[key] = w.astype(np.float32)
         _rows(out)[...] = _mm(_rows(x).astype(np.float32), wf)
+
+    # ---- the int8 lm_head (kernels' head_i8.py: these are its numpy twins) ----
+    @_launcher
+    def quantize_head_i8(self, w, q_out, s_out):
+        q_out[...], s_out[...] = h8.quantize_head_i8(w)
+
+    @_launcher
+    def dequantize_head_i8(self, q, s, out):
+        out[...] = h8.dequantize_head_i8(q, s, np.float16)
+
+    @_launcher
+    def gemv_head_i8(self, q, s, x, out):
+        # head_i8_logits's float32 s * q with fp32 sums; the dequantized matrix is cached per buffer (the
+        # head never changes after load) rather than rebuilt on every step
+        xr = _rows(x)
+        if xr.shape[0] != 1:
+            raise KernelError(f"gemv_head_i8 takes one row (batch 1), got x of {xr.shape[0]} rows")
+        key = (q.ctypes.data, q.shape[0], "i8")
+        wf = self._deq.get(key)
+        if wf is None:
+            wf = self._deq[key] = h8.dequantize_head_i8(q, s)
+        _rows(out)[...] = _mm(xr.astype(np.float32), wf)
 
     @_launcher
     def argmax(self, logits, token_out):

@@ -335,7 +335,8 @@ class PrefillPass:
                                  b["a"][r0:r1], **kw)
 
     def all_logits(self, x):
-        """f32 [T,V] logits of every row of x (final norm + lm_head in fp32), on the host."""
+        """f32 [T,V] logits of every row of x (final norm + lm_head in fp32), on the host. The lm_head is the
+        fp16 matrix of the batched decode (weights.GpuWeights.lm_head: with the int8 head, its values)."""
         xp, c = self.dev.xp, self.cfg
         T = int(x.shape[0])
         h = xp.empty((T, c.hidden), dtype=np.float16)

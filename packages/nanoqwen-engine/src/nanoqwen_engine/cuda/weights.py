@@ -4,8 +4,10 @@ The upload (plan.py, device.py) fills one device buffer per plan key; `gpu_weigh
 records, so the decode and prefill code names `layer.qkv.qweight` instead of `w[f"{i}.qkv.w"]`. The fused
 matrices are the reference's projections stacked by rows (plan.py): `qkv` = q|k|v, `gate_up` = gate|up.
 
-    GpuWeights: embed [V, H] f16, lm_head [V, H] f16 (the embed buffer itself when tied),
-                final_norm [H] f16, layers: list[GpuLayer]
+    GpuWeights: embed [V, H] f16, lm_head [V, H] f16 (the embed buffer itself when tied), final_norm [H]
+                f16, layers: list[GpuLayer], lm_head_i8: Int8Head | None (lm_head_dtype "int8"; `lm_head`
+                then holds its dequantized values: with_int8_head)
+    Int8Head:   q uint8 [V, H] (offset binary, q + 128), s f16 [V, H/128] (nanoqwen_kernels.head_i8)
     GpuLayer:   in_norm, post_norm [H] f16; qkv, o, gate_up, down: Int4Weight; qkv_bias [Nq + 2 Nkv] f16
     Int4Weight: qweight uint32 [N, K/8] (ValueShuffle words), scales f16 [N, K/128]
     DenseLayer: the same layer's four matrices dequantized to f16 [N, K] (prefill's resident copy,
@@ -17,10 +19,11 @@ matrices are the reference's projections stacked by rows (plan.py): `qkv` = q|k|
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
+from nanoqwen_kernels.head_i8 import GROUP
 
 
 @dataclass(frozen=True)
@@ -45,11 +48,21 @@ class GpuLayer:
 
 
 @dataclass(frozen=True)
+class Int8Head:
+    """The lm_head in int8 with one fp16 scale per 128 values along H: what the batch-1 GEMV gemv_head_i8
+    reads (half the bytes of the fp16 matrix)."""
+
+    q: Any  # uint8 [V, H], offset binary (q + 128)
+    s: Any  # f16 [V, H/128]
+
+
+@dataclass(frozen=True)
 class GpuWeights:
-    embed: Any  # f16 [V, H]
-    lm_head: Any  # f16 [V, H]
+    embed: Any  # f16 [V, H]: token lookups (always the file's values)
+    lm_head: Any  # f16 [V, H]: what batches of 2 or more rows and score() multiply
     final_norm: Any  # f16 [H]
     layers: list[GpuLayer]
+    lm_head_i8: Int8Head | None = None  # lm_head_dtype "int8": what a batch of one row multiplies
 
 
 def gpu_weights(bufs: dict[str, Any], n_layers: int) -> GpuWeights:
@@ -64,6 +77,29 @@ def gpu_weights(bufs: dict[str, Any], n_layers: int) -> GpuWeights:
         for i in range(n_layers)
     ]
     return GpuWeights(embed=bufs["embed"], lm_head=bufs["lm_head"], final_norm=bufs["norm"], layers=layers)
+
+
+def int8_head_bytes(vocab: int, hidden: int, tied: bool) -> int:
+    """Device bytes with_int8_head adds to the upload: q [V, H] u8 and s [V, H/128] f16, plus, for a head
+    tied to the embedding, the fp16 [V, H] buffer of its dequantized values (7B, untied: 0.55 GB)."""
+    return vocab * hidden + 2 * vocab * (hidden // GROUP) + (2 * vocab * hidden if tied else 0)
+
+
+def with_int8_head(xp, ks, weights: GpuWeights) -> GpuWeights:
+    """`weights` with the lm_head in int8: q and s quantized from the fp16 lm_head (ks.quantize_head_i8),
+    and `lm_head` replaced by their values rounded to fp16 (ks.dequantize_head_i8: fp16(s * q)), so that the
+    paths that multiply an fp16 matrix (batches of 2 or more, score()) multiply the int8 values too.
+
+    An untied head is dequantized in place, over the file's values (nothing reads them after q and s
+    exist); a tied one is the embed buffer, whose file values the token lookups need, so its dequantized
+    copy gets a buffer of its own."""
+    w = weights.lm_head
+    v, h = (int(n) for n in w.shape)
+    head = Int8Head(q=xp.empty((v, h), dtype=np.uint8), s=xp.empty((v, h // GROUP), dtype=np.float16))
+    ks.quantize_head_i8(w, head.q, head.s)
+    dense = xp.empty((v, h), dtype=np.float16) if w is weights.embed else w
+    ks.dequantize_head_i8(head.q, head.s, dense)
+    return replace(weights, lm_head=dense, lm_head_i8=head)
 
 
 @dataclass(frozen=True)

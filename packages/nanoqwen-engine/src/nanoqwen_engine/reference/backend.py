@@ -11,9 +11,9 @@ pages. Per layer, for T new tokens at positions start..start+T-1 of a sequence:
           -> GQA attention of q over the pages' keys 0..start+T-1 (causal) -> o_proj -> + x
           -> RMSNorm -> silu(gate) * up -> down_proj -> + x
 
-then the final RMSNorm and lm_head. The cache arrays have exactly the GPU layout of kv_pages.py
-(`[n_layers, n_pages, n_kv_heads, 16, head_dim]`), float32 by default so the oracle is not rounded to
-fp16; `kv_dtype=np.float16` stores what the GPU stores.
+then the final RMSNorm and lm_head (int8 by default, the values the GPU multiplies: weights.py). The
+cache arrays have exactly the GPU layout of kv_pages.py (`[n_layers, n_pages, n_kv_heads, 16, head_dim]`),
+float32 by default so the oracle is not rounded to fp16; `kv_dtype=np.float16` stores what the GPU stores.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import numpy as np
 from ..config import ModelConfig
 from ..errors import InvalidRequestError
 from ..kv_pages import PAGE_TOKENS, PagePool, SequenceState, kv_cache_shape, pages_for
+from ..lm_head import lm_head_dtype_arg
 from ..sampler import SamplerState
 from .weights import DEFAULT_BUDGET, ReferenceWeights
 
@@ -64,11 +65,12 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
 
 
 class ReferenceBackend:
-    def __init__(self, nqfile, config: ModelConfig, max_context: int, n_pages: int, kv_dtype, weight_budget: int):
+    def __init__(self, nqfile, config: ModelConfig, max_context: int, n_pages: int, kv_dtype, weight_budget: int,
+                 lm_head_dtype: str = "int8"):
         t0 = time.perf_counter()
         self.config = config
         self.max_context = max_context
-        self.weights = ReferenceWeights(nqfile, config, budget=weight_budget)
+        self.weights = ReferenceWeights(nqfile, config, budget=weight_budget, lm_head_dtype=lm_head_dtype)
         self.pool = PagePool(n_pages, pages_for(max_context))
         shape = kv_cache_shape(config.n_layers, n_pages, config.n_kv_heads, config.head_dim)
         # np.zeros maps untouched memory lazily, so a large pool costs only the pages written.
@@ -84,18 +86,24 @@ class ReferenceBackend:
             "kv_pages": n_pages,
             "workspace_bytes": 0,
             "max_context": max_context,
+            "lm_head_dtype": lm_head_dtype,
+            "lm_head_i8_bytes": self.weights.head_i8_bytes,
         }
 
     @classmethod
     def create(cls, nqfile, config: ModelConfig, max_context: int | None = None, n_pages: int | None = None,
-               kv_dtype=np.float32, weight_budget: int = DEFAULT_BUDGET, progress: bool = False) -> ReferenceBackend:
+               kv_dtype=np.float32, weight_budget: int = DEFAULT_BUDGET, progress: bool = False,
+               lm_head_dtype: str | None = None) -> ReferenceBackend:
         """max_context: tokens per sequence (default the model's max_position_embeddings, capped at 32768).
-        n_pages: pool size (default: one full-length sequence plus one spare full-length one for score)."""
+        n_pages: pool size (default: one full-length sequence plus one spare full-length one for score).
+        lm_head_dtype: "int8" (default: $NANOQWEN_LM_HEAD_DTYPE, else int8) or "fp16", as the GPU backend's
+        (nanoqwen_engine.lm_head); anything else is an InvalidRequestError."""
+        head = lm_head_dtype_arg(lm_head_dtype)
         if max_context is None:
             max_context = min(config.max_position, 32768)
         if n_pages is None:
             n_pages = 2 * pages_for(max_context)
-        return cls(nqfile, config, max_context, n_pages, kv_dtype, weight_budget)
+        return cls(nqfile, config, max_context, n_pages, kv_dtype, weight_budget, head)
 
     # -- the Backend protocol (docs/INTERFACES.md section 6) --
 

@@ -4,6 +4,10 @@ A small model is dequantized once at load. A model whose float32 projections exc
 is ~26 GiB of float32 projections, more than a 24 GiB machine holds) is dequantized one layer at a time
 when used: the first layers that fit in `budget` bytes stay, the others are dequantized again on every
 forward pass, so it stays loadable and scoreable, at minutes per forward pass (docs/ARCHITECTURE.md).
+
+The lm_head multiplies the values lm_head_dtype names (nanoqwen_engine.lm_head): the file's fp16 values,
+or ("int8", the default) s * q in float32 of the head quantized once at load (nanoqwen_kernels.head_i8),
+the values the GPU backend multiplies too.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from nanoqwen_kernels.head_i8 import dequantize_head_i8, quantize_head_i8
 
 from ..config import ModelConfig
 
@@ -63,7 +68,8 @@ def projection_bytes(cfg: ModelConfig) -> int:
 
 
 class ReferenceWeights:
-    def __init__(self, nqfile, cfg: ModelConfig, budget: int = DEFAULT_BUDGET):
+    def __init__(self, nqfile, cfg: ModelConfig, budget: int = DEFAULT_BUDGET, lm_head_dtype: str = "int8"):
+        """lm_head_dtype: "int8" or "fp16" (nanoqwen_engine.lm_head; the caller has checked it)."""
         self._f = nqfile
         self.cfg = cfg
         self.budget = budget
@@ -72,9 +78,11 @@ class ReferenceWeights:
         # converted to float32 where used.
         self.embed = nqfile.tensor("model.embed_tokens.weight")  # f16 [V, H]
         self.lm_head = self.embed if cfg.tie_word_embeddings else nqfile.tensor("lm_head.weight")  # f16 [V, H]
+        # int8: (q uint8 [V, H], s f16 [V, H/128]), quantized once here (7B: 0.55 GB, half the fp16 head)
+        self.head_i8 = quantize_head_i8(np.asarray(self.lm_head)) if lm_head_dtype == "int8" else None
         self.final_norm = self._f32("model.norm.weight")  # f32 [H]
-        # lm_head as float32 when small enough; a [V,H] f32 copy of a 7B head is 2 GiB, converted per chunk.
-        self._lm_head_f32 = self.lm_head.astype(np.float32) if self.lm_head.nbytes * 2 <= budget // 4 else None
+        self._head_f32: np.ndarray | None = None
+        self.fit_head_f32()
         self.lazy = projection_bytes(cfg) > budget
         if not self.lazy:
             for i in range(cfg.n_layers):
@@ -112,17 +120,37 @@ class ReferenceWeights:
         """ids int [T] -> float32 [T, H]."""
         return self.embed[ids].astype(np.float32)
 
+    def head_rows_f32(self, a: int, b: int) -> np.ndarray:
+        """float32 [b - a, H]: rows a..b-1 of the matrix the logits multiply (the file's fp16 values, or s * q
+        of the int8 head)."""
+        if self.head_i8 is None:
+            return self.lm_head[a:b].astype(np.float32)
+        q, s = self.head_i8
+        return dequantize_head_i8(q[a:b], s[a:b])
+
+    def fit_head_f32(self) -> None:
+        """Keep the head's float32 values resident when they take at most a quarter of `budget`, else none:
+        a [V, H] float32 copy of a 7B head is 2 GiB, so logits() then converts it chunk by chunk. Called at
+        load, and again by whoever changes `budget` afterwards."""
+        v = self.lm_head.shape[0]
+        self._head_f32 = self.head_rows_f32(0, v) if self.lm_head.nbytes * 2 <= self.budget // 4 else None
+
     def logits(self, h: np.ndarray) -> np.ndarray:
         """h float32 [T, H] (final-normed) -> float32 [T, V]."""
-        if self._lm_head_f32 is not None:
-            return h @ self._lm_head_f32.T if h.shape[0] > 1 else (self._lm_head_f32 @ h[0])[None, :]
+        if self._head_f32 is not None:
+            return h @ self._head_f32.T if h.shape[0] > 1 else (self._head_f32 @ h[0])[None, :]
         out = np.empty((h.shape[0], self.lm_head.shape[0]), dtype=np.float32)
         step = 16384
         for a in range(0, self.lm_head.shape[0], step):
-            out[:, a : a + step] = h @ self.lm_head[a : a + step].astype(np.float32).T
+            out[:, a : a + step] = h @ self.head_rows_f32(a, a + step).T
         return out
 
     @property
+    def head_i8_bytes(self) -> int:
+        """Bytes of the int8 head's q and s (0 for "fp16")."""
+        return 0 if self.head_i8 is None else sum(int(x.nbytes) for x in self.head_i8)
+
+    @property
     def resident_bytes(self) -> int:
-        b = sum(x.nbytes for x in self._layers.values()) + self.final_norm.nbytes
-        return b + (self._lm_head_f32.nbytes if self._lm_head_f32 is not None else 0)
+        b = sum(x.nbytes for x in self._layers.values()) + self.final_norm.nbytes + self.head_i8_bytes
+        return b + (self._head_f32.nbytes if self._head_f32 is not None else 0)
