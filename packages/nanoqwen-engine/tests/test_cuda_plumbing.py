@@ -224,6 +224,53 @@ def test_run_ahead_serves_the_same_tokens_across_pages(tied_path, kind, rng):
     assert be.pool.n_used == 0
 
 
+def test_run_ahead_keeps_two_steps_in_flight(tied_path, kind, rng, monkeypatch):
+    """With run_ahead, a call whose step was launched ahead queues the step after it before it waits for
+    its own ids: every wait but the first finds two steps in flight (the device never idles for the
+    host's wake-up and launch), page crossings included; ids come back in launch order, so the tokens
+    are those without run_ahead. A call without the hint leaves nothing in flight."""
+    be = make_backend(tied_path, kind, max_context=96, n_pages=32)
+    V = be.config.vocab
+    prompt = rng.integers(0, V, size=11)
+    want, _ = run_alone(be, [prompt], 41)[0]
+    seen = []
+    collect = be.step.collect
+    monkeypatch.setattr(be.step, "collect", lambda bucket: (seen.append(be.step.in_flight), collect(bucket))[1])
+    s, st = be.pool.new_sequence(), SamplerState(GREEDY, V)
+    toks = [be.prefill(s, prompt, st)]
+    for _ in range(40):
+        toks.append(be.decode([s], [toks[-1]], [st], run_ahead=True)[0])
+        assert be.step.in_flight == len(be._ahead) <= 2
+    assert toks == want
+    # the bucket's graph exists (run_alone captured it): the first call runs its step and launches one
+    # ahead; every later call finds its step in flight and queues the next before waiting
+    assert seen[0] == 1 and set(seen[1:]) == {2}, seen
+    assert be.info.get("ahead_discarded", 0) == 0 and be.info["ahead_steps"] == 40 - 1, be.info
+    assert pages_for(s.length) <= s.n_pages <= pages_for(s.length + 1)
+    toks.append(be.decode([s], [toks[-1]], [st])[0])  # served by the step ahead, none launched after it
+    assert be.step.in_flight == 0 and toks == run_alone(be, [prompt], 42)[0][0]
+    be.pool.free(s)
+
+
+def test_run_ahead_depth_one_on_request(tied_path, kind, rng, monkeypatch):
+    """$NANOQWEN_RUN_AHEAD_DEPTH=1 (the A/B knob): the step after is launched only once the ids are read,
+    so every wait finds one step in flight; a value other than 1 or 2 is refused at load."""
+    monkeypatch.setenv("NANOQWEN_RUN_AHEAD_DEPTH", "1")
+    be = make_backend(tied_path, kind, max_context=96, n_pages=32)
+    V = be.config.vocab
+    seen = []
+    collect = be.step.collect
+    monkeypatch.setattr(be.step, "collect", lambda bucket: (seen.append(be.step.in_flight), collect(bucket))[1])
+    s, st = be.pool.new_sequence(), SamplerState(GREEDY, V)
+    toks = [be.prefill(s, rng.integers(0, V, size=7), st)]
+    for _ in range(12):
+        toks.append(be.decode([s], [toks[-1]], [st], run_ahead=True)[0])
+    assert set(seen) == {1} and be.info["ahead_steps"] >= 12 - 3, (seen, be.info)
+    monkeypatch.setenv("NANOQWEN_RUN_AHEAD_DEPTH", "3")
+    with pytest.raises(InvalidRequestError, match="NANOQWEN_RUN_AHEAD_DEPTH"):
+        make_backend(tied_path, kind, max_context=96, n_pages=32)
+
+
 def test_run_ahead_serves_a_batch_whose_rows_open_pages_at_different_steps(tied_path, kind, rng):
     """Four sequences whose prompts (5, 9, 12, 16 tokens) put their page crossings on different steps, as
     the engine's staggered admissions do: some row opens a page on every fourth step, and still every

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import deque
 from collections.abc import Sequence
 
 import numpy as np
@@ -58,6 +59,21 @@ from .weights import (
 )
 
 DECODE_MODES = ("graph", "eager")
+# Steps in flight with run_ahead: 2 (a call queues the step after its own before waiting for its ids), or
+# 1 (the step after is launched once the ids are read: the device idles for the host's wake-up, read and
+# launch, 60-150 us a step on the H200, docs/PERF.md "eighteenth lease"). $NANOQWEN_RUN_AHEAD_DEPTH picks
+# (an A/B knob).
+RUN_AHEAD_DEPTH = 2
+
+
+def run_ahead_depth() -> int:
+    """RUN_AHEAD_DEPTH, or $NANOQWEN_RUN_AHEAD_DEPTH (1 or 2)."""
+    raw = os.environ.get("NANOQWEN_RUN_AHEAD_DEPTH", "")
+    if not raw:
+        return RUN_AHEAD_DEPTH
+    if raw not in ("1", "2"):
+        raise InvalidRequestError(f"NANOQWEN_RUN_AHEAD_DEPTH={raw!r}: expected 1 or 2")
+    return int(raw)
 DECODE_ACTIVATIONS = ("fp16", "int8")  # batch-1 decode GEMVs: fp16 activations, or int8 (GEMV variant "a8")
 MAX_BATCH = 64  # decode rows the buffers are sized for unless create() is given max_batch
 
@@ -118,7 +134,9 @@ class CudaBackend:
         self.pf_logits = xp.zeros((max_batch, config.vocab), dtype=np.float32)
         self.pf_token = xp.zeros(max_batch, dtype=np.int32)
         self._last: tuple = ()  # what last_logits() reads: ("prefill", n) or ("decode", bucket, rows)
-        self._ahead: _Ahead | None = None  # a step launched before its call (decode's run_ahead)
+        # steps launched before their calls (decode's run_ahead), oldest first: at most RUN_AHEAD_DEPTH
+        self._ahead: deque[_Ahead] = deque()
+        self._depth = run_ahead_depth()
         self.info = info
         self.info["max_batch"] = max_batch
         self.info["workspace_bytes"] = self.step.workspace_bytes
@@ -341,26 +359,35 @@ class CudaBackend:
         run_ahead: the caller expects its next call to feed these same sequences the ids returned now.
         The step after this one is then launched before returning (when it can be: see _may_run_ahead),
         so the host's work between two calls overlaps the device's next step instead of idling it
-        (H200, 7B: ~0.2 ms of host work per step at batch 1, ~0.4 ms at 32; docs/PERF.md). A next call
-        that differs (a sequence left or joined, another id fed) waits for that step and discards it:
-        greedy rows only, so it consumed no random draw, and its K/V write sits at a position past each
-        sequence's length, which nothing reads until a real step writes it again."""
+        (H200, 7B: ~0.2 ms of host work per step at batch 1, ~0.4 ms at 32; docs/PERF.md). And when this
+        call's own step already runs (launched ahead by the previous call), the step after it is queued
+        before this call waits for its ids: two steps in flight, so the device does not idle while the
+        host wakes, reads the ids and launches again either (60-150 us a step on the H200 with one step
+        in flight: docs/PERF.md "eighteenth lease"). A next call that differs (a sequence left or
+        joined, another id fed) discards the steps ahead: greedy rows only, so they consumed no random
+        draw, and their K/V writes sit at positions past each sequence's length, which nothing reads
+        until a real step writes them again."""
         toks_in = self._check_batch(seqs, token_ids, samplers)
         if not toks_in:
             self._settle_ahead()
             return []
         mode = batch_mode(samplers)
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None and ahead.serves(seqs, toks_in, mode, self.rows):
-            # the step was enqueued at the end of the previous call: only its ids are left to read
-            rows, bucket = ahead.rows, ahead.bucket
+        if self._ahead and self._ahead[0].serves(seqs, toks_in, mode, self.rows):
+            # the step was enqueued by the previous call: only its ids are left to read. Queue the one
+            # after it first (fed on the device with the ids this one draws, one position further), so
+            # the device has it in hand when this one ends
+            rows, bucket = self._ahead[0].rows, self._ahead[0].bucket
+            self._ahead.popleft()
+            second = (run_ahead and self._depth > 1 and not self._ahead and self._may_run_ahead(seqs, bucket, mode)
+                      and self._open_next_pages(seqs, rows, further=1))
             with self._guard():
+                if second:
+                    self.step.launch(bucket, mode, eager=False)
                 out = self.step.collect(bucket)
             self.info["ahead_steps"] = self.info.get("ahead_steps", 0) + 1
-            return self._finish(seqs, samplers, rows, bucket, mode, out, run_ahead)
-        if ahead is not None:  # it ran for nothing: the device's ctrl is one step past the host's copy
-            self.info["ahead_discarded"] = self.info.get("ahead_discarded", 0) + 1
-            self.step.invalidate()
+            return self._finish(seqs, samplers, rows, bucket, mode, out, run_ahead, launched=second)
+        if self._ahead:  # they ran for nothing: the device's ctrl is steps past the host's copy
+            self._settle_ahead()
         self._grow_all(seqs)
         rows, bucket, moved = self.rows.assign([s.seq_id for s in seqs])
         fresh = set(moved)
@@ -379,18 +406,22 @@ class CudaBackend:
         self._count_launches()
         return self._finish(seqs, samplers, rows, bucket, mode, out, run_ahead)
 
-    def _finish(self, seqs, samplers, rows, bucket, mode, out, run_ahead) -> list[int]:
-        """The step's ids back to the caller's order; lengths and seen-sets advanced; maybe run ahead."""
+    def _finish(self, seqs, samplers, rows, bucket, mode, out, run_ahead, launched: bool = False) -> list[int]:
+        """The step's ids back to the caller's order; lengths and seen-sets advanced; the step after it
+        recorded as ahead when `launched` (decode queued it before collecting this one), else maybe
+        launched now."""
         toks = out[rows].tolist()
         for s, samp, t in zip(seqs, samplers, toks, strict=True):
             s.length += 1
             samp.seen[t] = True  # what observe([t]) does, for an id the device drew (in range by construction)
         self._last = ("decode", bucket, rows)
-        if run_ahead and self._may_run_ahead(seqs, bucket, mode) and self._open_next_pages(seqs, rows):
+        if not launched and run_ahead and self._may_run_ahead(seqs, bucket, mode) and self._open_next_pages(seqs, rows):
             with self._guard():
                 self.step.launch(bucket, mode, eager=False)
-            self._ahead = _Ahead(bucket, rows, {s.seq_id: (r, s.length, t) for s, r, t in
-                                                zip(seqs, rows, toks, strict=True)}, mode)
+            launched = True
+        if launched:
+            self._ahead.append(_Ahead(bucket, rows, {s.seq_id: (r, s.length, t) for s, r, t in
+                                                     zip(seqs, rows, toks, strict=True)}, mode))
         return toks
 
     def _may_run_ahead(self, seqs, bucket: int, mode: str) -> bool:
@@ -399,10 +430,11 @@ class CudaBackend:
         on a step that may be discarded)."""
         return self.decode_mode == "graph" and mode == GREEDY and self.step.captured(bucket, mode)
 
-    def _open_next_pages(self, seqs, rows) -> bool:
-        """Give each sequence whose next position opens a page that page now, and tell the device, so
-        the step run ahead has somewhere to write its K/V; False (do not run ahead) when the pool or a
-        page table has no room for all of them, nothing changed then.
+    def _open_next_pages(self, seqs, rows, further: int = 0) -> bool:
+        """Give each sequence whose next position (`further` positions past it: the step after a step
+        still in flight) opens a page that page now, and tell the device, so the step run ahead has
+        somewhere to write its K/V; False (do not run ahead) when the pool or a page table has no room for
+        all of them, nothing changed then.
 
         Why: in a batch whose prompts were admitted in different steps the rows cross page boundaries
         at different steps, so at B = 32 or 64 some row opens a page on almost every step. Refusing to
@@ -410,25 +442,25 @@ class CudaBackend:
         step of a large batch. The page is the one the scheduler would reserve before the next step
         anyway (its _pages_to_grow is then 0); if the step ahead is discarded the sequence just holds
         it early, and it goes back with the others when the sequence is freed."""
-        opening = [(s, r) for s, r in zip(seqs, rows, strict=True) if s.length >= s.capacity]
+        opening = [(s, r) for s, r in zip(seqs, rows, strict=True) if s.length + further >= s.capacity]
         if not opening:
             return True
         if len(opening) > self.pool.n_free or any(s.n_pages >= self.pool.max_pages_per_seq for s, _ in opening):
             return False
         cells = []
         for s, r in opening:
-            self.pool.grow(s, s.length + 1)
-            page = s.length // PAGE_TOKENS
+            self.pool.grow(s, s.length + further + 1)
+            page = (s.length + further) // PAGE_TOKENS
             cells.append((r, page, int(s.page_table[page])))
         with self._guard(), self.dev.use():
             self.step.write_pages(cells)
         return True
 
     def _settle_ahead(self) -> None:
-        """Discard a step that ran ahead (its ids are never read; ctrl is rewritten at the next step)."""
-        if self._ahead is not None:
-            self._ahead = None
-            self.info["ahead_discarded"] = self.info.get("ahead_discarded", 0) + 1
+        """Discard the steps that ran ahead (their ids are never read; ctrl is rewritten at the next step)."""
+        if self._ahead:
+            self.info["ahead_discarded"] = self.info.get("ahead_discarded", 0) + len(self._ahead)
+            self._ahead.clear()
             self.step.invalidate()
 
     def score(self, token_ids: np.ndarray) -> np.ndarray:
@@ -450,7 +482,7 @@ class CudaBackend:
     def last_logits(self) -> np.ndarray:
         """float32 [B, V] of the last decode step (rows in the order its sequences were given), [1, V]
         after a prefill that sampled; a D2H copy, for debugging and the ladder."""
-        if self._ahead is not None:
+        if self._ahead:
             raise InvalidRequestError(
                 "last_logits: the next decode step already ran ahead (decode(..., run_ahead=True)) and "
                 "overwrote the logits; call decode without run_ahead to read them")
@@ -521,7 +553,7 @@ class CudaBackend:
 
     def close(self) -> None:
         """Drop every device buffer (the pool of cupy frees them) so another model can load."""
-        self._ahead = None
+        self._ahead.clear()
         for name in ("w", "k_cache", "v_cache", "step", "prefill_pass", "sampler_dev", "ks"):
             setattr(self, name, None)
         self.dev.release_cached()
@@ -540,7 +572,7 @@ class _RequestGuard:
         if e is None:
             return False
         be = self.be
-        be._ahead = None
+        be._ahead.clear()
         be.step.invalidate()
         be.rows.clear()  # every row's sampler state is uploaded again when next used
         be._last = ()

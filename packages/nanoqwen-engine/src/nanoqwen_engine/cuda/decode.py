@@ -36,6 +36,7 @@ Buffers (per backend, [R, ...] allocated once at load; H hidden, I intermediate,
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +47,7 @@ from .sampling import DeviceSampler
 from .weights import GpuWeights
 
 SPAN_GAP = 16384  # entries (64 KiB): changed entries closer than this go to the device in one copy
+ID_SLOTS = 3  # pinned slots for launched steps' ids: at most 2 steps are in flight (backend.decode)
 
 
 def _spans(cells: np.ndarray) -> list[tuple[int, int]]:
@@ -147,6 +149,13 @@ class DecodeStep:
         self.graph_nodes: dict[tuple[int, str], int | None] = {}
         self.launcher_calls: int | None = None  # per step, counted on the first eager step
         self.shadow: np.ndarray | None = None  # host copy of ctrl as it stands on the device
+        # Each launched step's sampled ids are copied out right behind it on the stream, into a pinned slot
+        # of its own, so a second step may be queued before the host reads the first one's ids (the next
+        # step overwrites ctrl's tokens): launch() appends (slot, bucket), collect() takes the oldest.
+        self._id_slots = dev.pinned((ID_SLOTS, R), np.int32)
+        self._id_events = [dev.event() for _ in range(ID_SLOTS)]
+        self._next_slot = 0
+        self._pending: deque[tuple[int, int]] = deque()
 
     @property
     def workspace_bytes(self) -> int:
@@ -279,8 +288,15 @@ class DecodeStep:
             self.dev.h2d(self.ctrl[lo:hi], sh[lo:hi])
 
     def invalidate(self) -> None:
-        """Forget what ctrl holds (after an error): the next step copies all of it."""
+        """Forget what ctrl holds (after an error, or steps launched ahead for nothing): the next step
+        copies all of it, and the ids of steps launched but not collected are never read."""
         self.shadow = None
+        self._pending.clear()
+
+    @property
+    def in_flight(self) -> int:
+        """Steps launched whose ids are not collected yet."""
+        return len(self._pending)
 
     def captured(self, bucket: int, mode: str) -> bool:
         """Whether (bucket, mode) has its graph: the next step of it is a plain replay."""
@@ -312,12 +328,19 @@ class DecodeStep:
                 dev.replay(graph)
             else:
                 dev.replay(self.graphs[key])
+            slot = self._next_slot
+            self._next_slot = (slot + 1) % ID_SLOTS
+            dev.d2h_async(self.ctrl[0:bucket], self._id_slots[slot], self._id_events[slot])
+            self._pending.append((slot, bucket))
 
     def collect(self, bucket: int) -> np.ndarray:
-        """Wait for the enqueued step and read its sampled ids, int32 [bucket]; the host's copy of ctrl
-        then mirrors what the step did on the device (each active row fed the id it drew, one position on)."""
-        with self.dev.use():
-            toks = self.dev.d2h(self.ctrl[0:bucket])
+        """Wait for the oldest step launched and not yet collected and read its sampled ids, int32
+        [bucket]; the host's copy of ctrl then mirrors what the step did on the device (each active row
+        fed the id it drew, one position on)."""
+        slot, launched = self._pending.popleft()
+        assert launched == bucket, f"collect({bucket}) of a step launched for bucket {launched}"
+        self.dev.wait(self._id_events[slot])
+        toks = self._id_slots[slot, :bucket].copy()
         s = self.shadow
         if s is not None:  # mirror what the step did on the device
             lay = self.layout

@@ -67,6 +67,27 @@ class CupyDevice:
     def d2h(self, src) -> np.ndarray:
         return src.get(stream=self.stream)  # blocks until the stream reaches it
 
+    def pinned(self, shape, dtype) -> np.ndarray:
+        """A host array in page-locked memory: the target of d2h_async (a copy to pageable memory would
+        make the host wait for it)."""
+        import cupyx
+
+        return cupyx.empty_pinned(shape, dtype=dtype)
+
+    def event(self):
+        """A reusable completion marker for d2h_async."""
+        return self.cp.cuda.Event(disable_timing=True)
+
+    def d2h_async(self, src, out: np.ndarray, event) -> None:
+        """Enqueue src -> out (pinned, as many bytes as src) on the stream and record `event` after it;
+        nothing waits. wait(event) then makes out's bytes readable."""
+        rt = self.cp.cuda.runtime
+        rt.memcpyAsync(out.ctypes.data, src.data.ptr, src.nbytes, rt.memcpyDeviceToHost, self.stream.ptr)
+        event.record(self.stream)
+
+    def wait(self, event) -> None:
+        event.synchronize()
+
     def synchronize(self) -> None:
         self.stream.synchronize()
 
@@ -167,6 +188,18 @@ class HostDevice:
 
     def d2h(self, src) -> np.ndarray:
         return np.array(src, copy=True)
+
+    def pinned(self, shape, dtype) -> np.ndarray:
+        return np.zeros(shape, dtype=dtype)
+
+    def event(self):
+        return None
+
+    def d2h_async(self, src, out: np.ndarray, event) -> None:
+        out.reshape(-1)[: src.size] = np.asarray(src).reshape(-1)  # the host "device" ran everything already
+
+    def wait(self, event) -> None:
+        pass
 
     def synchronize(self) -> None:
         pass
