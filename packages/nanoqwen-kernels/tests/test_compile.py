@@ -210,6 +210,34 @@ def test_only_the_int8_loop_releases_the_next_kernel_early():
         assert "PREEXIT" not in funcs[name], f"{name}: the half2 loop must not release its successor early"
 
 
+def test_attention_decode_copies_settled_pages_early(monkeypatch):
+    """Decode attention built with NQ_ATTN_EARLY_PAGES=1 (an A/B knob, attention_decode.cu) waits per role:
+    the producer copies the settled pages (UBLKCP) before its wait and the rest after; the consumers load
+    q (16-byte loads) only after theirs; nothing is stored before the first wait. The default build (knob
+    off): one wait precedes every load and copy."""
+
+    def ops(body):
+        return [m.group(0) for m in re.finditer(r"\bACQBULK\b|\bUBLKCP\b|\bLDG\.E\.128\b|\bSTG\b", body)]
+
+    monkeypatch.setenv("NANOQWEN_KERNEL_DEFINES", "NQ_ATTN_EARLY_PAGES=1")
+    body = _functions(_sass("attention_decode.cu", QWEN25_7B))["nq_attention_decode"]
+    seq = ops(body)
+    first_wait = seq.index("ACQBULK")
+    assert "STG" not in seq[:first_wait], "a store before the wait"
+    waits = [i for i, op in enumerate(seq) if op == "ACQBULK"]
+    assert len(waits) >= 3, "expected a wait per role (idle rows, consumers, producer)"
+    copies = [i for i, op in enumerate(seq) if op == "UBLKCP"]
+    assert any(i < waits[-1] for i in copies) and any(i > waits[-1] for i in copies), \
+        "expected page copies both before the producer's wait and after it"
+    q_loads = [i for i, op in enumerate(seq) if op == "LDG.E.128"]
+    assert q_loads and all(any(w < i for w in waits) for i in q_loads), "q loaded before any wait"
+    # the default build (the knob off): the single wait first
+    monkeypatch.delenv("NANOQWEN_KERNEL_DEFINES")
+    plain = _functions(_sass("attention_decode.cu", QWEN25_7B))["nq_attention_decode"]
+    assert plain.count("ACQBULK") == 1
+    assert not _GLOBAL_MEM.findall(plain[: plain.find("ACQBULK")])
+
+
 @pytest.mark.parametrize("source", SOURCES)
 def test_every_kernel_waits_for_its_predecessor_before_touching_memory(source):
     """Every kernel is launched with programmatic dependent launch (pdl.py), so its blocks may be placed

@@ -46,6 +46,14 @@
 // pages scattered, every unread slot NaN; SASS holds UBLKCP and SYNCS); measured: bench/bench_attention.py.
 #include "attention_decode_ring.cuh"
 
+#ifndef NQ_ATTN_EARLY_PAGES
+// 1: the settled pages' copies go out before the launch-overlap wait. An A/B knob, off: in isolation it cut
+// a call at 7B / 640 tokens from 6.73 to 5.38 us, but the protocol's rounds could not tell it from noise
+// (+-0.05 ms/token, docs/PERF.md fifteenth and seventeenth leases); to be measured again with two decode
+// steps in flight, whose rounds repeat to ~0.01 ms (eighteenth lease)
+#define NQ_ATTN_EARLY_PAGES 0
+#endif
+
 namespace nq_dec {
 
 // The block's shared memory after the ring (attention.py's decode_smem_bytes mirrors kSmemBytes)
@@ -110,9 +118,36 @@ __device__ __forceinline__ void stream_pages(const Smem& sm, const uint16_t* qb,
   // before their copies land). Every hand-off is an mbarrier (full/empty per slot); the only block
   // barriers are the one above and the one after both branches.
   if (warp == 0) {
+    int issued = 0;
+#if NQ_ATTN_EARLY_PAGES
+    // Pages before the launch-overlap wait: every page of the run but the sequence's newest is settled
+    // before this step began (the q/k/v kernel just before this one writes only the newest token's K/V,
+    // into the page of position seq_len - 1), so their copies go out now, overlapping that kernel's
+    // tail, up to one ring's worth (no slot is reused before the consumers start); the rest, the newest
+    // page included, after the wait. The consumers read q only after their own wait.
+    const int newest = (seq_len - 1) / nq::kPageTokens;
+    const int n_early = max(0, min(min(count, kStages), newest - p0));
+    if (n_early > 0) {
+      const int raw_page = lane < n_early ? table[p0 + lane] : 0;
+      const int my_page = static_cast<unsigned>(raw_page) < static_cast<unsigned>(n_pages) ? raw_page : 0;
+      for (int j = 0; j < n_early; ++j) {
+        const int page = __shfl_sync(0xffffffffu, my_page, j);
+        if (lane == 0) {
+          const size_t off = ((static_cast<size_t>(layer) * n_pages + page) * nq::kKvHeads + kvh) *
+                             static_cast<size_t>(kPageElems);
+          unsigned char* dst = sm.ring + j * kSlotBytes;  // slot j, its first use
+          mbar_arrive_expect_tx(&sm.full[j], kSlotBytes);
+          bulk_copy_g2s(dst, k_cache + off, kPageBytes, &sm.full[j]);
+          bulk_copy_g2s(dst + kPageBytes, v_cache + off, kPageBytes, &sm.full[j]);
+        }
+      }
+    }
+    issued = n_early;
+    nq::pdl_wait();
+#endif
     // producer: the warp reads the run's page ids 32 at a time (one coalesced load; read one by one, each
     // copy waited on its own L2 round trip for its page id first), lane 0 issues every copy
-    for (int base = 0; base < count; base += 32) {
+    for (int base = issued; base < count; base += 32) {
       const int n = min(32, count - base);
       // a page id outside the cache (a corrupt table) reads page 0 rather than faulting: garbage out, no
       // GPU fault, as the clamp of seq_len does for a corrupt length
@@ -135,6 +170,9 @@ __device__ __forceinline__ void stream_pages(const Smem& sm, const uint16_t* qb,
       }
     }
   } else {
+#if NQ_ATTN_EARLY_PAGES
+    nq::pdl_wait();  // q is the q/k/v kernel's output
+#endif
 #if NQ_DECODE_MMA
     consume_mma(warp - 1, lane, sm.ring, sm.full, sm.empty, qb, kvh, p0, count, seq_len, sm.merge_acc,
                 sm.merge_m, sm.merge_l);
@@ -211,7 +249,13 @@ extern "C" __global__ void __launch_bounds__(nq_dec::kThreads, 1)
                         int layer, int n_pages, int max_pages, int csize, int n_clusters,
                         float* __restrict__ workspace,               // tickets, ws_acc, ws_ml
                         nq::uint16_t* __restrict__ out) {            // [B, NQ_NHEADS*128]
+#if !NQ_ATTN_EARLY_PAGES
   nq::pdl_wait();  // launch overlap (common.cuh): nothing read or written before it
+#endif
+  // With NQ_ATTN_EARLY_PAGES the wait comes later, per role (stream_pages): what is read before it is
+  // settled before the step began: the lengths and page tables (written by the host or by the previous
+  // step's `advance`, kernels that completed before the q/k/v kernel passed its own wait) and every page
+  // but each sequence's newest. Nothing is written before it.
   using namespace nq_dec;
   extern __shared__ __align__(128) unsigned char smem[];
   const Smem sm = carve(smem);
@@ -231,6 +275,9 @@ extern "C" __global__ void __launch_bounds__(nq_dec::kThreads, 1)
   const int used = (n_seq_pages + per_cluster - 1) / per_cluster;  // clusters holding pages
   const int o_first = threadIdx.x + kThreads * rank, o_step = kThreads * csize;  // this block's outputs
   if (ci >= used) {  // uniform over the cluster: no cluster barrier is skipped by only some of its blocks
+#if NQ_ATTN_EARLY_PAGES
+    nq::pdl_wait();  // before writing `out` (and a block's exit lets the next kernel launch)
+#endif
     if (ci == 0) {   // an idle row (seq_len 0): defined output 0
       for (int o = o_first; o < kG * 128; o += o_step) outb[o] = nq::f2h(0.f);
     }
