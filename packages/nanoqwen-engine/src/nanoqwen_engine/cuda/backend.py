@@ -64,6 +64,8 @@ DECODE_MODES = ("graph", "eager")
 # launch, 60-150 us a step on the H200, docs/PERF.md "eighteenth lease"). $NANOQWEN_RUN_AHEAD_DEPTH picks
 # (an A/B knob).
 RUN_AHEAD_DEPTH = 2
+DECODE_ACTIVATIONS = ("fp16", "int8")  # batch-1 decode GEMVs: fp16 activations, or int8 (GEMV variant "a8")
+MAX_BATCH = 64  # decode rows the buffers are sized for unless create() is given max_batch
 
 
 def run_ahead_depth() -> int:
@@ -74,8 +76,6 @@ def run_ahead_depth() -> int:
     if raw not in ("1", "2"):
         raise InvalidRequestError(f"NANOQWEN_RUN_AHEAD_DEPTH={raw!r}: expected 1 or 2")
     return int(raw)
-DECODE_ACTIVATIONS = ("fp16", "int8")  # batch-1 decode GEMVs: fp16 activations, or int8 (GEMV variant "a8")
-MAX_BATCH = 64  # decode rows the buffers are sized for unless create() is given max_batch
 
 
 def _dims_of(config: ModelConfig):
