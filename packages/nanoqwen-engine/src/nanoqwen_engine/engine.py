@@ -55,7 +55,7 @@ DEFAULT_MAX_QUEUE = 256
 
 
 PREFILL_WEIGHTS = ("auto", "fp16", "int4", "fp8")  # cuda/plan.py's (kept here: the engine imports no CuPy)
-DECODE_ACTIVATIONS = ("fp16", "int8")  # cuda/backend.py's
+DECODE_ACTIVATIONS = ("fp16", "int8")  # cuda/load.py's
 
 
 class Engine:

@@ -1,10 +1,7 @@
 """CudaBackend: the batched Backend protocol (docs/INTERFACES.md section 6) on an sm_90 GPU.
 
-    create:  check the GPU -> build the KernelSet for the model's dims -> upload the weights (pinned,
-             chunked, q|k|v and gate|up stacked: plan.py; typed records: weights.py) -> the lm_head in
-             int8 (unless lm_head_dtype="fp16": weights.with_int8_head) -> the prefill weights' copy ->
-             size and allocate the KV pool (plus one scratch page for idle rows) -> the decode step's
-             buffers for max_batch
+    create:  the model onto the GPU (load.py: kernels, weights, the int8 lm_head, prefill's weight
+             copy, the KV pool) -> the decode step's buffers for max_batch
     prefill: a prompt, or one chunk of it starting at seq.length, through the GEMM path (prefill.py);
              when a sampler is given, the last row -> lm_head -> the on-device sampler (its prefill row)
     decode:  one batched step of B sequences: rows assigned (rows.py), ctrl written where it changed,
@@ -31,41 +28,23 @@ from ..config import ModelConfig
 from ..errors import (
     InvalidRequestError,
     KVPagesExhaustedError,
-    ModelFormatError,
-    NoGPUError,
     PromptTooLongError,
 )
-from ..kv_pages import PAGE_TOKENS, PagePool, SequenceState, kv_cache_shape
-from ..lm_head import lm_head_dtype_arg
+from ..kv_pages import PAGE_TOKENS, PagePool, SequenceState
 from ..sampler import SamplerState
 from .decode import DecodeStep
-from .device import CupyDevice, Timer
-from .errors import GPUBackendError, GPUOutOfMemoryError, WrongGPUError
-from .plan import PREFILL_WEIGHTS, build_upload_plan, choose_prefill_weights, size_pool
+from .errors import GPUOutOfMemoryError
+from .load import load
 from .prefill import PrefillPass
 from .rows import RowAssignment
 from .sampling import GREEDY, DeviceSampler, batch_mode, mode_of
-from .weights import (
-    DenseLayer,
-    Fp8Layer,
-    GpuWeights,
-    dense_bytes,
-    dense_layers,
-    fp8_bytes,
-    fp8_layers,
-    gpu_weights,
-    int8_head_bytes,
-    with_int8_head,
-)
+from .weights import DenseLayer, Fp8Layer, GpuWeights
 
-DECODE_MODES = ("graph", "eager")
 # Steps in flight with run_ahead: 2 (a call queues the step after its own before waiting for its ids), or
 # 1 (the step after is launched once the ids are read: the device idles for the host's wake-up, read and
 # launch, 60-150 us a step on the H200, docs/PERF.md "eighteenth lease"). $NANOQWEN_RUN_AHEAD_DEPTH picks
 # (an A/B knob).
 RUN_AHEAD_DEPTH = 2
-DECODE_ACTIVATIONS = ("fp16", "int8")  # batch-1 decode GEMVs: fp16 activations, or int8 (GEMV variant "a8")
-MAX_BATCH = 64  # decode rows the buffers are sized for unless create() is given max_batch
 
 
 def run_ahead_depth() -> int:
@@ -76,27 +55,6 @@ def run_ahead_depth() -> int:
     if raw not in ("1", "2"):
         raise InvalidRequestError(f"NANOQWEN_RUN_AHEAD_DEPTH={raw!r}: expected 1 or 2")
     return int(raw)
-
-
-def _dims_of(config: ModelConfig):
-    from nanoqwen_kernels.dims import ModelDims
-
-    return ModelDims(hidden=config.hidden, intermediate=config.intermediate, n_heads=config.n_heads,
-                     n_kv_heads=config.n_kv_heads, head_dim=config.head_dim, vocab=config.vocab,
-                     n_layers=config.n_layers, rope_theta=float(config.rope_theta))
-
-
-def _check_gpu() -> None:
-    try:
-        from nanoqwen_kernels import gpu_status
-    except Exception as e:
-        raise NoGPUError(f"the kernel package is unavailable: {e}") from None
-    ok, reason = gpu_status()
-    if ok:
-        return
-    if "compute capability" in reason:
-        raise WrongGPUError(f"unsupported GPU: {reason}; nanoqwen's kernels need an sm_90 (Hopper) GPU")
-    raise NoGPUError(f"no usable GPU: {reason}")
 
 
 class CudaBackend:
@@ -146,7 +104,7 @@ class CudaBackend:
     @classmethod
     def create(cls, nqfile, config, max_context: int | None = None, progress: bool = True,
                **kwargs) -> CudaBackend:
-        """Load nqfile (an open NanoqwenFile) onto the GPU.
+        """Load nqfile (an open NanoqwenFile) onto the GPU (load.py), then the backend over it.
 
         kwargs: decode_mode "graph" (default) or "eager"; n_pages (pool size, overriding the sizing from
         max_context / free memory); max_batch (decode rows, default 64); prefill_weights "auto" (default:
@@ -158,131 +116,14 @@ class CudaBackend:
         nanoqwen_engine.lm_head) or "fp16" (the file's values). Test hooks: `device` (a HostDevice) and
         `kernels` (a KernelSet stand-in) replace the GPU and the compiled kernels.
         """
-        decode_mode = kwargs.pop("decode_mode", None) or "graph"
-        if decode_mode not in DECODE_MODES:
-            raise InvalidRequestError(f"decode_mode must be one of {DECODE_MODES}, got {decode_mode!r}")
-        max_batch = kwargs.pop("max_batch", None)
-        max_batch = MAX_BATCH if max_batch is None else max_batch
-        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or not 1 <= max_batch <= 512:
-            raise InvalidRequestError(f"max_batch must be an int in 1..512, got {max_batch!r}")
-        n_pages = kwargs.pop("n_pages", None)
-        prefill_weights = kwargs.pop("prefill_weights", None) or os.environ.get("NANOQWEN_PREFILL_WEIGHTS") or "auto"
-        if prefill_weights not in PREFILL_WEIGHTS:
-            raise InvalidRequestError(
-                f"prefill_weights (NANOQWEN_PREFILL_WEIGHTS) must be one of {PREFILL_WEIGHTS}, got {prefill_weights!r}"
-            )
-        decode_act = kwargs.pop("decode_activations", None) or os.environ.get("NANOQWEN_DECODE_ACTIVATIONS") or "fp16"
-        if decode_act not in DECODE_ACTIVATIONS:
-            raise InvalidRequestError(f"decode_activations (NANOQWEN_DECODE_ACTIVATIONS) must be one of "
-                                      f"{DECODE_ACTIVATIONS}, got {decode_act!r}")
-        head_dtype = lm_head_dtype_arg(kwargs.pop("lm_head_dtype", None))
-        dev = kwargs.pop("device", None)
-        ks = kwargs.pop("kernels", None)
-        if kwargs:
-            raise InvalidRequestError(f"CudaBackend.create: unknown options {sorted(kwargs)}")
         t_all = time.perf_counter()
-        if dev is None:
-            _check_gpu()
-            dev = CupyDevice()
-        info: dict = {"device": dev.name, "decode_mode": decode_mode, "lm_head_dtype": head_dtype}
-        with Timer() as tk:
-            if ks is None:  # int8: the GEMV variant "a8"; fp16: $NANOQWEN_GEMV_VARIANT or the default
-                ks = cls._build_kernels(config, "a8" if decode_act == "int8" else None)
-        if decode_act == "int8" and getattr(ks, "gemv_variant", None) != "a8":
-            raise InvalidRequestError("decode_activations='int8' needs kernels built with GEMV variant 'a8', got "
-                                      f"{getattr(ks, 'gemv_variant', None)!r}")
-        # what runs (a user may also have picked the variant through $NANOQWEN_GEMV_VARIANT)
-        info["decode_activations"] = "int8" if getattr(ks, "gemv_variant", None) == "a8" else "fp16"
-        info["kernel_build_s"] = tk.s
-
-        tensors = {n: (nqfile.tensor(n).shape, nqfile.tensor(n).dtype) for n in nqfile.tensor_names}
-        try:
-            plan = build_upload_plan(tensors, config.n_layers, config.tie_word_embeddings)
-        except (KeyError, ValueError) as e:
-            raise ModelFormatError(f"the file lacks what the GPU backend needs: {e}") from None
-        head_bytes = (int8_head_bytes(config.vocab, config.hidden, "lm_head" in plan.aliases)
-                      if head_dtype == "int8" else 0)
-        need = plan.total_bytes + head_bytes
-        free, total = dev.mem_info()
-        if need > free:
-            head = f" (the int8 lm_head's {head_bytes / 2**30:.2f} GiB included)" if head_bytes else ""
-            raise GPUOutOfMemoryError(
-                f"the weights need {need / 2**30:.2f} GiB of GPU memory{head}, {free / 2**30:.2f} GiB free"
-            )
-        try:
-            with Timer() as tu:
-                weights = gpu_weights(dev.upload(plan, nqfile.tensor, progress), config.n_layers)
-            if head_dtype == "int8":
-                with Timer() as th, dev.use():
-                    weights = with_int8_head(dev.xp, ks, weights)
-                    dev.synchronize()
-                info["lm_head_i8_s"] = th.s
-            free, total = dev.mem_info()
-            nbytes = dense_bytes(weights)
-            try:
-                pw = choose_prefill_weights(prefill_weights, nbytes, free)
-            except ValueError as e:
-                raise GPUOutOfMemoryError(str(e)) from None
-            dense = fp8 = None
-            if pw == "fp16":
-                with Timer() as td, dev.use():
-                    dense = dense_layers(dev.xp, ks, weights)
-                    dev.synchronize()
-                info.update(prefill_dense_bytes=nbytes, prefill_dense_s=td.s)
-                free, total = dev.mem_info()
-            elif pw == "fp8":
-                with Timer() as td, dev.use():
-                    fp8 = fp8_layers(ks, weights)
-                    dev.synchronize()
-                info.update(prefill_fp8_bytes=fp8_bytes(weights), prefill_fp8_s=td.s)
-                free, total = dev.mem_info()
-            info["prefill_weights"] = pw
-            try:
-                ps = size_pool(n_layers=config.n_layers, n_kv_heads=config.n_kv_heads,
-                               head_dim=config.head_dim, max_position=config.max_position,
-                               max_context=max_context, free_bytes=free, total_bytes=total,
-                               n_pages=n_pages)
-            except ValueError as e:
-                raise GPUOutOfMemoryError(f"KV cache: {e}") from None
-            # one page more than the pool hands out: the scratch page of idle decode rows
-            shape = kv_cache_shape(config.n_layers, ps.n_pages + 1, config.n_kv_heads, config.head_dim)
-            # Zeroed, not empty: a never-written slot read by a buggy mask would then give 0, not NaN
-            # garbage that hides where it came from.
-            with dev.use():
-                k_cache = dev.xp.zeros(shape, dtype=np.float16)
-                v_cache = dev.xp.zeros(shape, dtype=np.float16)
-        except Exception as e:
-            if dev.is_oom(e):
-                dev.release_cached()
-                raise GPUOutOfMemoryError(f"out of GPU memory while loading the model: {e}") from None
-            raise
-        info.update(
-            weights_bytes=plan.total_bytes,
-            lm_head_i8_bytes=head_bytes,
-            upload_s=tu.s,
-            upload_GBps=plan.total_bytes / max(tu.s, 1e-9) / 1e9,
-            kv_bytes=ps.kv_bytes,
-            kv_pages=ps.n_pages,
-            max_context=ps.max_pages_per_seq * 16,
-        )
-        pool = PagePool(ps.n_pages, ps.max_pages_per_seq)
-        with dev.use():  # buffers zeroed on the backend's stream, ordered before its first launch
-            be = cls(dev, ks, weights, config, pool, k_cache, v_cache, decode_mode, max_batch, info, dense, fp8)
-        dev.synchronize()
-        info["load_s"] = time.perf_counter() - t_all
+        ld = load(nqfile, config, max_context, progress, **kwargs)
+        with ld.dev.use():  # buffers zeroed on the backend's stream, ordered before its first launch
+            be = cls(ld.dev, ld.ks, ld.weights, config, ld.pool, ld.k_cache, ld.v_cache, ld.decode_mode,
+                     ld.max_batch, ld.info, ld.dense, ld.fp8)
+        ld.dev.synchronize()
+        ld.info["load_s"] = time.perf_counter() - t_all
         return be
-
-    @staticmethod
-    def _build_kernels(config, gemv_variant: str | None = None):
-        try:
-            from nanoqwen_kernels import KernelSet
-            from nanoqwen_kernels.errors import KernelError
-        except Exception as e:
-            raise NoGPUError(f"the kernel package is unavailable: {e}") from None
-        try:
-            return KernelSet(_dims_of(config), gemv_variant=gemv_variant)
-        except KernelError as e:
-            raise GPUBackendError(f"cannot build the kernels for this model: {e}") from None
 
     # ------------------------------------------------------------------ protocol
     def prefill(self, seq: SequenceState, token_ids: np.ndarray, sampler: SamplerState | None) -> int | None:
