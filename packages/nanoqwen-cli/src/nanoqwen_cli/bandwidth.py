@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from nanoqwen_kernels.head_i8 import GROUP as HEAD_I8_GROUP  # values per fp16 scale of the int8 lm_head
+
 PROJECTION_SUFFIXES = (".qweight", ".scales")
 FP16_BYTES = 2
-HEAD_I8_GROUP = 128  # values per fp16 scale of the int8 lm_head (nanoqwen_kernels.head_i8.GROUP)
 
 
 @dataclass(frozen=True)
