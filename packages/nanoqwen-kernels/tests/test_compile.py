@@ -176,6 +176,11 @@ def _check_waits(funcs: dict[str, str]) -> None:
         wait = body.find("ACQBULK")
         assert wait >= 0, f"{name}: no griddepcontrol.wait"
         early = _GLOBAL_MEM.findall(body[:wait])
+        if name == "nq_attention_decode":
+            # early pages (attention_decode.cu NQ_ATTN_EARLY_PAGES, the default): the settled pages are
+            # copied before the producer's wait; its own check (_check_attention_early_pages) says what else
+            _check_attention_early_pages(body)
+            continue
         if "_tile" in name:
             # the tile GEMM's producer warps issue the cp.async copies of the first stage's weights before
             # the wait (gemm_tiles.cuh): weights are never written during a step. Only those: no plain load,
@@ -210,18 +215,15 @@ def test_only_the_int8_loop_releases_the_next_kernel_early():
         assert "PREEXIT" not in funcs[name], f"{name}: the half2 loop must not release its successor early"
 
 
-def test_attention_decode_copies_settled_pages_early(monkeypatch):
-    """Decode attention built with NQ_ATTN_EARLY_PAGES=1 (an A/B knob, attention_decode.cu) waits per role:
-    the producer copies the settled pages (UBLKCP) before its wait and the rest after; the consumers load
-    q (16-byte loads) only after theirs; nothing is stored before the first wait. The default build (knob
-    off): one wait precedes every load and copy."""
+def _attention_early_ops(body: str) -> list[str]:
+    return [m.group(0) for m in re.finditer(r"\bACQBULK\b|\bUBLKCP\b|\bLDG\.E\.128\b|\bSTG\b", body)]
 
-    def ops(body):
-        return [m.group(0) for m in re.finditer(r"\bACQBULK\b|\bUBLKCP\b|\bLDG\.E\.128\b|\bSTG\b", body)]
 
-    monkeypatch.setenv("NANOQWEN_KERNEL_DEFINES", "NQ_ATTN_EARLY_PAGES=1")
-    body = _functions(_sass("attention_decode.cu", QWEN25_7B))["nq_attention_decode"]
-    seq = ops(body)
+def _check_attention_early_pages(body: str) -> None:
+    """Decode attention with early pages (NQ_ATTN_EARLY_PAGES=1, the default) waits per role: the producer
+    copies the settled pages (UBLKCP) before its wait and the rest after; the consumers load q (16-byte
+    loads) only after theirs; nothing is stored before the first wait."""
+    seq = _attention_early_ops(body)
     first_wait = seq.index("ACQBULK")
     assert "STG" not in seq[:first_wait], "a store before the wait"
     waits = [i for i, op in enumerate(seq) if op == "ACQBULK"]
@@ -231,8 +233,18 @@ def test_attention_decode_copies_settled_pages_early(monkeypatch):
         "expected page copies both before the producer's wait and after it"
     q_loads = [i for i, op in enumerate(seq) if op == "LDG.E.128"]
     assert q_loads and all(any(w < i for w in waits) for i in q_loads), "q loaded before any wait"
-    # the default build (the knob off): the single wait first
-    monkeypatch.delenv("NANOQWEN_KERNEL_DEFINES")
+    # before the first wait: the length and page-table reads (plain 4-byte loads) and the page copies only
+    early = _GLOBAL_MEM.findall(body[: body.find("ACQBULK")])
+    assert set(early) <= {"LDG", "UBLKCP"}, f"unexpected global access before the wait: {sorted(set(early))}"
+
+
+def test_attention_decode_copies_settled_pages_early(monkeypatch):
+    """The default build copies the settled pages before its wait (_check_attention_early_pages, at every
+    model's dims); NQ_ATTN_EARLY_PAGES=0 (the A/B knob's other side): one wait precedes every load and
+    copy."""
+    for dims in (QWEN25_7B, PRESETS["1.5b"], PRESETS["tiny"]):
+        _check_attention_early_pages(_functions(_sass("attention_decode.cu", dims))["nq_attention_decode"])
+    monkeypatch.setenv("NANOQWEN_KERNEL_DEFINES", "NQ_ATTN_EARLY_PAGES=0")
     plain = _functions(_sass("attention_decode.cu", QWEN25_7B))["nq_attention_decode"]
     assert plain.count("ACQBULK") == 1
     assert not _GLOBAL_MEM.findall(plain[: plain.find("ACQBULK")])

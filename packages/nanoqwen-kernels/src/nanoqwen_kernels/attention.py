@@ -136,9 +136,9 @@ class AttentionKernels:
         [B] (device); workspace: float32, zeroed, of at least decode_workspace_floats(dims, B, sms) elements
         (new_workspace; its first TICKET_WORDS must be 0, as every call leaves them).
         seq_len is clamped to max_pages*16 on the device.
-        Launch overlap: built with NQ_ATTN_EARLY_PAGES=1 (an A/B knob through $NANOQWEN_KERNEL_DEFINES, off
-        by default) the lengths, the page tables and every page but each sequence's newest (the page of
-        position seq_len - 1) are read before the wait for the previous kernel, so only the newest token's
+        Launch overlap: the lengths, the page tables and every page but each sequence's newest (the page of
+        position seq_len - 1) are read before the wait for the previous kernel (NQ_ATTN_EARLY_PAGES, default
+        1; NQ_ATTN_EARLY_PAGES=0 in $NANOQWEN_KERNEL_DEFINES waits first), so only the newest token's
         K/V and q may come from the kernel just before this one (the decode step's q/k/v kernel); anything
         else must have been written earlier (a previous step, the host).
         """

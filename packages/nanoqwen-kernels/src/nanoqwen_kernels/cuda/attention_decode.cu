@@ -47,11 +47,14 @@
 #include "attention_decode_ring.cuh"
 
 #ifndef NQ_ATTN_EARLY_PAGES
-// 1: the settled pages' copies go out before the launch-overlap wait. An A/B knob, off: in isolation it cut
-// a call at 7B / 640 tokens from 6.73 to 5.38 us, but the protocol's rounds could not tell it from noise
-// (+-0.05 ms/token, docs/PERF.md fifteenth and seventeenth leases); to be measured again with two decode
-// steps in flight, whose rounds repeat to ~0.01 ms (eighteenth lease)
-#define NQ_ATTN_EARLY_PAGES 0
+// 1 (default): the settled pages' copies go out before the launch-overlap wait. In isolation it cuts a call
+// at 7B / 640 tokens from 6.70 to 5.34 us (1.5B dims 6.20 -> 5.06); in the step, with two decode steps in
+// flight, it won every interleaved pair (H200, 2026-12-02, docs/PERF.md nineteenth lease): 7B 1.834 ->
+// 1.832 / 1.835 -> 1.833 ms/token (int8 activations 1.532 -> 1.519 / 1.531 -> 1.520), 1.5B dims 0.837 ->
+// 0.835 / 0.838 -> 0.835 (int8 0.752 -> 0.735 / 0.753 -> 0.737). Two earlier leases found it neutral
+// within the protocol's noise of the time (+-0.05 ms/token), which two steps in flight brought to ~0.01.
+// 0: one wait before anything (the A/B's other side).
+#define NQ_ATTN_EARLY_PAGES 1
 #endif
 
 namespace nq_dec {
