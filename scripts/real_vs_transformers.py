@@ -15,6 +15,7 @@ Three checks, each against the same fp32 PyTorch model:
            (|x| < ~2000 for the normed/activated inputs: gemv_int4.cu's header says why).
 
     python3 scripts/real_vs_transformers.py MODEL.nanoqwen [--prompts 100 --tokens 48] --out OUT.json
+        [--one-at-a-time] [--decode-activations int8]   # batch-1 decode, its int8-activation GEMVs
 
 Needs torch + transformers (on the GPU machine; never a dependency of nanoqwen). Exit status 1 if a
 check fails.
@@ -81,15 +82,18 @@ def nll_of(logits: np.ndarray, ids: list[int]) -> np.ndarray:
     return lse - x[np.arange(len(ids) - 1), np.asarray(ids[1:])]
 
 
-def check_greedy(engine, model, n_prompts: int, n_tokens: int) -> dict:
+def check_greedy(engine, model, n_prompts: int, n_tokens: int, one_at_a_time: bool = False) -> dict:
     from nanoqwen_engine import SamplingParams
     from nanoqwen_engine.validation import build_prompts
 
     prompts = build_prompts(engine.tokenizer, n=n_prompts)  # the ladder's prompts (max 2000 tokens)
     params = SamplingParams(temperature=0, max_tokens=n_tokens, ignore_eos=True)
     t0 = time.perf_counter()
-    handles = [engine.submit(p.payload, params) for p in prompts]
-    ours = [h.result().token_ids for h in handles]
+    if one_at_a_time:  # each prompt alone: every step a batch of one (the batch-1 GEMVs' path)
+        ours = [engine.submit(p.payload, params).result().token_ids for p in prompts]
+    else:
+        handles = [engine.submit(p.payload, params) for p in prompts]
+        ours = [h.result().token_ids for h in handles]
     gen_s = time.perf_counter() - t0
     rows, positions, mismatches, worst = [], 0, 0, 0.0
     for p, toks in zip(prompts, ours, strict=True):
@@ -102,7 +106,8 @@ def check_greedy(engine, model, n_prompts: int, n_tokens: int) -> dict:
         mismatches += len(bad)
         worst = max([worst, *(g for _, g in bad)])
         rows.append({"name": p.name, "prompt_tokens": len(ids), "mismatch": bad})
-    return {"prompts": len(prompts), "tokens_per_prompt": n_tokens, "positions": positions,
+    return {"prompts": len(prompts), "tokens_per_prompt": n_tokens, "one_at_a_time": one_at_a_time,
+            "positions": positions,
             "mismatches": mismatches, "worst_gap": worst, "eps": EPS, "nanoqwen_generate_s": gen_s,
             "ok": worst <= EPS, "diverging": [r for r in rows if r["mismatch"]][:20]}
 
@@ -162,6 +167,10 @@ def main() -> int:
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--windows", type=int, default=8)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--one-at-a-time", action="store_true",
+                    help="greedy check with each prompt alone (batch-1 decode) instead of all at once")
+    ap.add_argument("--decode-activations", choices=("fp16", "int8"), default=None,
+                    help="Engine.load's decode_activations (the batch-1 GEMVs' activations)")
     args = ap.parse_args()
 
     import torch
@@ -170,13 +179,15 @@ def main() -> int:
     from nanoqwen_format import open_model
 
     t0 = time.perf_counter()
-    engine = Engine.load(args.model, device="cuda", max_context=4096, progress=False)
+    engine = Engine.load(args.model, device="cuda", max_context=4096, progress=False,
+                         decode_activations=args.decode_activations)
     model = hf_model(open_model(args.model), "cuda")
     rec = {"model": str(args.model), "date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(),
            "torch": torch.__version__, "transformers": __import__("transformers").__version__,
            "load_s": time.perf_counter() - t0}
     text = corpus()
-    rec["greedy"] = check_greedy(engine, model, args.prompts, args.tokens)
+    rec["decode_activations"] = engine.info.get("decode_activations")
+    rec["greedy"] = check_greedy(engine, model, args.prompts, args.tokens, args.one_at_a_time)
     rec["ppl"] = check_ppl(engine, model, text, args.window, args.windows)
     rec["activations"] = check_activations(engine, model, text, 1024)
     g, p, a = rec["greedy"], rec["ppl"], rec["activations"]
