@@ -230,6 +230,19 @@ __device__ __forceinline__ void stage_image(const uint16_t* __restrict__ img, ui
   __syncthreads();  // the image complete before any warp reads it
 }
 
+// Units prefetched (NQ_GEMV_UNIT_PREFETCH_NJ): where a row is at most that many pieces per lane, a unit is
+// a single chunk, and a warp that owns several units (the 1.5B's gate/up: 8,960 units on ~3,200 warps)
+// issues the next unit's loads before it multiplies the current one. Otherwise each unit is a dependent
+// DRAM round trip after the previous one's products and warp sums. Limited to short rows because the
+// prefetched chunk costs registers (8 per piece and row): at the 7B's K = 3584 (4 pieces a lane) it would
+// cost 32 and a block per SM.
+#ifndef NQ_GEMV_UNIT_PREFETCH_NJ
+#define NQ_GEMV_UNIT_PREFETCH_NJ 2
+#endif
+template <int K>
+constexpr bool kUnitPrefetch = ((K / 32 + 31) / 32) <= NQ_GEMV_UNIT_PREFETCH_NJ &&
+                               ((K / 32 + 31) / 32) <= kInFlight;
+
 template <int K, class Map, class Epi, int kX = kXHalf>
 __device__ __forceinline__ void gemv_units(const uint32_t* __restrict__ qw, const uint16_t* __restrict__ sc,
                                            const uint16_t* __restrict__ x, const uint16_t* __restrict__ norm_w,
@@ -257,6 +270,30 @@ __device__ __forceinline__ void gemv_units(const uint32_t* __restrict__ qw, cons
   // no barrier below: warps leave the loop independently
   int p = p_first;
 #if NQ_GEMV_PRELOAD
+  if constexpr (kUnitPrefetch<K>) {
+    // A unit is one chunk here (short K): the next unit's weights are issued before this unit's products,
+    // so a warp with several units pays one DRAM round trip, not one per unit (see kUnitPrefetch)
+    RowChunk cur = first;
+    int c0 = f0, c1 = f1;
+    while (p < units) {
+      const int pn = p + gridDim.x * kWarps;
+      RowChunk nxt;
+      int n0 = 0, n1 = 0;
+      if (pn < units) {
+        map(pn, n0, n1);
+        load_chunk<K>(qw, sc, n0, n1, 0, nxt);
+      }
+      float o0, o1;
+      dot_rows2<K, kX != kXHalf>(qw, sc, c0, c1, xs, o0, o1, &cur);
+      trigger_after_last_unit<kX>(pn >= units);
+      if (lane == 0) epi(0, p, c0, c1, o0, o1);
+      cur = nxt;
+      c0 = n0;
+      c1 = n1;
+      p = pn;
+    }
+    return;
+  }
   if (p < units) {
     float o0, o1;
     dot_rows2<K, kX != kXHalf>(qw, sc, f0, f1, xs, o0, o1, &first);
