@@ -1,7 +1,7 @@
 """Decode attention at batch 1 under other page splits: which (cluster size C, clusters n) grid is fastest at
 each context, on the 7B's and the 1.5B's dims (issue 15's attention line and its 32k line).
 
-    PYTHONPATH=packages/nanoqwen-kernels/src python scripts/attention_split_probe.py [--ctx 640,32768] [--variant mma8] [--stages 16]
+    PYTHONPATH=packages/nanoqwen-kernels/src python scripts/attention_split_probe.py [--ctx 640,32768] [--variant mma8] [--stages 16] [--grids 3]
 
 The launcher sizes the grid as n_kv x C x n blocks from the SM count (attention.py decode_clusters: 7B
 (8, 5) = 160 blocks on 132 SMs, the 1.5B (8, 9) = 144), so some SMs hold two blocks of equal work; this
@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "packages/nanoqw
 from bench_attention import COPY_TBS, L2_BYTES, time_graph  # noqa: E402
 
 GRIDS = {  # (C, n) per model; the first is the launcher's own choice on 132 SMs
-    "7B": [(8, 5), (8, 4), (8, 6), (4, 8), (3, 11), (6, 5), (8, 6), (4, 4)],
+    "7B": [(8, 5), (8, 4), (8, 6), (4, 8), (3, 11), (6, 5), (4, 4)],
     "1.5B": [(8, 9), (8, 8), (6, 11), (4, 16), (8, 16), (4, 8)],
 }
 
@@ -75,6 +75,7 @@ def main() -> int:
     if "--stages" in sys.argv:  # the ring's depth: the launcher's constant, so smem and defines agree
         attention_mod.DECODE_STAGES = int(sys.argv[sys.argv.index("--stages") + 1])
     variant = sys.argv[sys.argv.index("--variant") + 1] if "--variant" in sys.argv else "mma"
+    n_grids = int(sys.argv[sys.argv.index("--grids") + 1]) if "--grids" in sys.argv else None  # the first N
     print(
         f"variant {variant}, stages {attention_mod.DECODE_STAGES}, defines: {os.environ.get('NANOQWEN_KERNEL_DEFINES', '')!r}"
     )
@@ -82,7 +83,7 @@ def main() -> int:
     print("| --- | --- | --- | --- | --- | --- |")
     for dims, label in ((QWEN25_7B, "7B"), (QWEN25_1_5B, "1.5B")):
         for ctx in ctxs:
-            probe(dims, label, ctx, GRIDS[label][:3], variant)
+            probe(dims, label, ctx, GRIDS[label][:n_grids], variant)
     return 0
 
 

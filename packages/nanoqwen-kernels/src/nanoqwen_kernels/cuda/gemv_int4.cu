@@ -231,7 +231,7 @@ __device__ __forceinline__ void stage_image(const uint16_t* __restrict__ img, ui
 }
 
 // Units prefetched (NQ_GEMV_UNIT_PREFETCH_NJ): where a row is at most that many pieces per lane, a unit is
-// a single chunk, and a warp that owns several units (the 1.5B's gate/up: 8,960 units on ~3,200 warps)
+// a single chunk, and a warp that owns several units (the 1.5B's gate/up: 8,960 units, 2 for each of 4,480 warps)
 // issues the next unit's loads before it multiplies the current one. Otherwise each unit is a dependent
 // DRAM round trip after the previous one's products and warp sums. Limited to short rows because the
 // prefetched chunk costs registers (8 per piece and row): at the 7B's K = 3584 (4 pieces a lane) it would
