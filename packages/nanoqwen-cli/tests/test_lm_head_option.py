@@ -95,3 +95,17 @@ def test_bench_counts_the_head_as_stored(invoke):
 def test_an_unknown_value_is_a_usage_error(invoke, tiny_model):
     result = invoke(["run", "--model", tiny_model, "--device", "cpu", "--lm-head-dtype", "bf16", "hi"])
     assert result.exit_code == 2 and "int8" in result.output and "fp16" in result.output
+
+
+def test_the_flags_choices_are_the_engines():
+    """options.py restates the engine's choices (it does not import the engine, so --help stays fast): the
+    lists must not drift apart."""
+    from nanoqwen_cli.options import decode_activations_option, lm_head_dtype_option
+    from nanoqwen_engine.engine import DECODE_ACTIVATIONS
+    from nanoqwen_engine.lm_head import LM_HEAD_DTYPES
+
+    def choices(option):
+        return tuple(option(lambda: None).__click_params__[0].type.choices)
+
+    assert choices(lm_head_dtype_option) == LM_HEAD_DTYPES
+    assert choices(decode_activations_option) == DECODE_ACTIVATIONS
