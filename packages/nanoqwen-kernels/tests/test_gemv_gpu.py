@@ -16,12 +16,14 @@ import pytest
 from nanoqwen_kernels import loader
 from nanoqwen_kernels.dims import PRESETS
 from nanoqwen_kernels.gemv import (
+    A8_BLOCK,
     A8_VARIANTS,
     DEFAULT_LM_HEAD,
     GEMV_VARIANTS,
     LM_HEAD_BODIES,
     GemvKernels,
     a8_image,
+    a8_image_bytes,
     a8_image_values,
     round_a8,
 )
@@ -202,7 +204,7 @@ def test_gate_up_silu(kernels, dims, rng, b):
 def test_a8_image_pair(kernels, dims, rng):
     """The int8-activation loop's down_proj pair. gate/up with a8_image writes down_proj's input already
     rounded (gemv.a8_image's layout): its values are the numpy gate/up within the fp16 tolerance plus half an
-    int8 step, each 32-value group's largest on +-127, its stored sum that of its bytes. down_proj reading an
+    int8 step, each A8_BLOCK-value block's largest on +-127, its stored sum that of its bytes. down_proj reading an
     image made by numpy matches numpy on round_a8 of that x. And the fused pair gives the unfused a8 pair's
     output bit for bit (the same fp16 values rounded the same way, the same sums)."""
     import cupy as cp
@@ -227,19 +229,20 @@ def test_a8_image_pair(kernels, dims, rng):
     t = 1.1 * np.abs(up) * tol[0, :inter] + np.abs(silu) * tol[0, inter:] + 8 * 2.0**-11 * np.abs(ref) + 1e-6
     act = cp.full(inter, np.nan, dtype=np.float16)
     g.gate_up_silu(qg, scg, cp.asarray(x), cp.asarray(w), EPS, act, a8_image=True)
-    img = act.get().view(np.uint8)[: inter * 5 // 4].copy()
+    img = act.get().view(np.uint8)[: a8_image_bytes(inter)].copy()
     vals = a8_image_values(img, inter).astype(np.float64)
-    q = img[:inter].view(np.int8).reshape(2, inter // 32, 16).transpose(1, 0, 2).reshape(inter // 32, 32)
-    meta = img[inter:].view(np.int32).reshape(inter // 32, 2)
-    assert np.array_equal(meta[:, 1], -8 * q.astype(np.int64).sum(axis=1)), "a group's stored sum"
+    nb = inter // A8_BLOCK
+    q = img[:inter].view(np.int8).reshape(2, inter // 32, 16).transpose(1, 0, 2).reshape(nb, A8_BLOCK)
+    meta = img[inter:].view(np.int32).reshape(nb, 2)
+    assert np.array_equal(meta[:, 1], -8 * q.astype(np.int64).sum(axis=1)), "a block's stored sum"
     nonzero = np.abs(q).max(axis=1) > 0
-    assert np.all(np.abs(q).max(axis=1)[nonzero] == 127), "a group's largest value must land on +-127"
-    step = np.abs(vals.reshape(-1, 32)).max(axis=1) / 127
-    _check(vals, ref, t + 0.51 * np.repeat(step, 32) + 1e-6, "a8 image of gate/up")
+    assert np.all(np.abs(q).max(axis=1)[nonzero] == 127), "a block's largest value must land on +-127"
+    step = np.abs(vals.reshape(-1, A8_BLOCK)).max(axis=1) / 127
+    _check(vals, ref, t + 0.51 * np.repeat(step, A8_BLOCK) + 1e-6, "a8 image of gate/up")
     # down_proj reading a numpy image
     h = rng.standard_normal(inter).astype(np.float16)
     buf = cp.zeros(inter, dtype=np.float16)
-    buf.view(cp.uint8)[: inter * 5 // 4] = cp.asarray(a8_image(h))
+    buf.view(cp.uint8)[: a8_image_bytes(inter)] = cp.asarray(a8_image(h))
     wdd = dequant(ud, sd)
     hr = round_a8(h[None])
     ref_d = matvec(wdd, hr.T).T[0] + res.astype(np.float64)

@@ -89,23 +89,29 @@ def test_a8_runs_every_matrix_on_the_int8_activation_loop(monkeypatch):
 
 def test_a8_image_holds_round_a8_in_the_staged_layout():
     """gemv.a8_image (what nq_gate_up_silu_a8x writes, nq_gemv_int4_i_a8x stages): K bytes of int8 in the
-    [2][K/32][16] layout, then {scale / 16, -8 sum} per 32 values; read back it is round_a8 exactly."""
-    from nanoqwen_kernels.gemv import a8_image, a8_image_values, round_a8
+    [2][K/32][16] layout, then {scale / 16, -8 sum} per A8_BLOCK (16) values; read back it is round_a8
+    exactly."""
+    from nanoqwen_kernels.gemv import A8_BLOCK, a8_image, a8_image_bytes, a8_image_values, round_a8
 
     rng = np.random.default_rng()
     k = 8 * 128
     x = (rng.standard_normal(k) * rng.choice([1e-2, 1.0, 50.0])).astype(np.float16)
-    x[32:64] = 0
+    x[32:48] = 0  # one zero block (block 2: the first half of piece 1)
+    x[48:64] *= np.float16(100)  # its neighbour in the same piece much larger: the scales are per half-piece
     img = a8_image(x)
-    assert img.dtype == np.uint8 and img.shape == (k * 5 // 4,)
+    assert img.dtype == np.uint8 and img.shape == (a8_image_bytes(k),) == (k * 3 // 2,)
     assert np.array_equal(a8_image_values(img, k), round_a8(x))
-    q = np.rint(round_a8(x) / np.repeat(np.abs(x.astype(np.float32)).reshape(-1, 32).max(1) / 127, 32)
-                .clip(min=1e-30)).astype(np.int8)
+    amax = np.abs(x.astype(np.float32)).reshape(-1, A8_BLOCK).max(1)
+    q = np.rint(round_a8(x) / np.repeat(amax / 127, A8_BLOCK).clip(min=1e-30)).astype(np.int8)
+    assert np.all(np.abs(q.reshape(-1, A8_BLOCK)).max(1)[amax > 0] == 127)  # each block's largest on +-127
     u, h, i = 5, 1, 3  # byte i of half h of piece u is x_int[32u + 16h + i]
     assert img[(h * (k // 32) + u) * 16 + i].view(np.int8) == q[32 * u + 16 * h + i]
     meta = img[k:].view(np.int32).reshape(-1, 2)
-    assert meta[1, 0] == 0 and meta[1, 1] == 0  # the zero block
-    assert np.array_equal(meta[:, 1], -8 * q.astype(np.int64).reshape(-1, 32).sum(1))
+    assert meta.shape[0] == k // A8_BLOCK
+    assert meta[2, 0] == 0 and meta[2, 1] == 0  # the zero block
+    assert meta[3, 0] != 0
+    assert np.array_equal(meta[:, 1], -8 * q.astype(np.int64).reshape(-1, A8_BLOCK).sum(1))
+    assert np.allclose(meta[:, 0].view(np.float32) * 16, amax / 127)
 
 
 def test_a8_image_calls_need_the_a8_variant_and_one_sequence(monkeypatch):
@@ -129,9 +135,9 @@ def test_a8_image_calls_need_the_a8_variant_and_one_sequence(monkeypatch):
 
 
 def test_round_a8_is_the_int8_rounding_the_kernel_applies():
-    """gemv.round_a8 (the int8-activation loop's numpy twin): per 32 k, the largest |x| lands on +-127
+    """gemv.round_a8 (the int8-activation loop's numpy twin): per A8_BLOCK k, the largest |x| lands on +-127
     exactly, every value within half a step (amax / 254) of itself, a zero block stays zero, and K not a
-    multiple of 32 is refused."""
+    multiple of 32 (a piece) is refused."""
     from nanoqwen_kernels.errors import KernelError
     from nanoqwen_kernels.gemv import A8_BLOCK, round_a8
 

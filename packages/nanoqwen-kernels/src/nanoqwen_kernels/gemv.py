@@ -83,8 +83,11 @@ LM_HEAD_BODIES = ("blas", "mma")
 DEFAULT_LM_HEAD = "blas"
 
 
-A8_BLOCK = 32  # k per int8 scale of the int8-activation loop (one 16-byte piece of a weight row)
+A8_BLOCK = 16  # k per int8 scale of the int8-activation loop (half of a 16-byte piece of a weight row)
+A8_PIECE = 32  # k per piece: the image's layout unit (two scales)
 A8_IMAGE_GROUPS = 8  # groups of 32 outputs a block of nq_gate_up_silu_a8x takes at most (kA8ImageGroups)
+
+
 def round_a8(x: np.ndarray) -> np.ndarray:
     """What the int8-activation loop ("a8") multiplies the weights with, as float32 [..., K]: x (the staged
     fp16 activation, normed when the GEMV norms) rounded to int8 per A8_BLOCK k with one scale each,
@@ -93,8 +96,8 @@ def round_a8(x: np.ndarray) -> np.ndarray:
     times the weights' group scale in fp32."""
     xf = np.asarray(x, dtype=np.float16).astype(np.float32)
     k = xf.shape[-1]
-    if k % A8_BLOCK:
-        raise KernelError(f"round_a8: K = {k} is not a multiple of {A8_BLOCK}")
+    if k % A8_PIECE:
+        raise KernelError(f"round_a8: K = {k} is not a multiple of {A8_PIECE}")
     g = xf.reshape(*xf.shape[:-1], k // A8_BLOCK, A8_BLOCK)
     amax = np.abs(g).max(axis=-1, keepdims=True)
     safe = np.where(amax > 0, amax, np.float32(1))
@@ -104,20 +107,26 @@ def round_a8(x: np.ndarray) -> np.ndarray:
     return (q * scale).astype(np.float32).reshape(xf.shape)
 
 
+def a8_image_bytes(k: int) -> int:
+    """Bytes of the a8 image of an activation of K values: K of int8, then 8 per A8_BLOCK (K * 3 / 2)."""
+    return k + 8 * (k // A8_BLOCK)
+
+
 def a8_image(x: np.ndarray) -> np.ndarray:
     """The "a8 image" of one activation x [K] (fp16 values): what nq_gate_up_silu_a8x writes for down_proj
-    and nq_gemv_int4_i_a8x stages as it is, uint8 [K * 5 / 4]: K bytes of int8 x laid out [2][K/32][16]
-    (byte i of half h of piece u is x_int[32u + 16h + i]), then per piece u an int32 pair {float bits of
-    scale_u / 16, -8 sum x_int}, little-endian. The rounding is round_a8's."""
+    and nq_gemv_int4_i_a8x stages as it is, uint8 [a8_image_bytes(K)]: K bytes of int8 x laid out
+    [2][K/32][16] (byte i of half h of piece u is x_int[32u + 16h + i]), then per A8_BLOCK b = 2u + h (half
+    h of piece u) an int32 pair {float bits of scale_b / 16, -8 sum x_int}, little-endian. The rounding is
+    round_a8's."""
     xf = np.asarray(x, dtype=np.float16).astype(np.float32).reshape(-1)
     k = xf.shape[0]
-    if k % A8_BLOCK:
-        raise KernelError(f"a8_image: K = {k} is not a multiple of {A8_BLOCK}")
+    if k % A8_PIECE:
+        raise KernelError(f"a8_image: K = {k} is not a multiple of {A8_PIECE}")
     g = xf.reshape(k // A8_BLOCK, A8_BLOCK)
     amax = np.abs(g).max(axis=1)
     inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, np.float32(1)), np.float32(0)).astype(np.float32)
     q = np.rint((g * inv[:, None]).astype(np.float32)).astype(np.int32)
-    xq = q.astype(np.int8).reshape(k // A8_BLOCK, 2, 16).transpose(1, 0, 2).reshape(-1).view(np.uint8)
+    xq = q.astype(np.int8).reshape(k // A8_PIECE, 2, 16).transpose(1, 0, 2).reshape(-1).view(np.uint8)
     meta = np.empty((k // A8_BLOCK, 2), dtype=np.int32)
     meta[:, 0] = ((amax / np.float32(127)).astype(np.float32) * np.float32(0.0625)).astype(np.float32).view(np.int32)
     meta[:, 1] = -8 * q.sum(axis=1)
@@ -127,10 +136,10 @@ def a8_image(x: np.ndarray) -> np.ndarray:
 def a8_image_values(img: np.ndarray, k: int) -> np.ndarray:
     """The activation an a8 image stands for, float32 [K] (equal to round_a8 of the x it was made from)."""
     b = np.asarray(img, dtype=np.uint8).reshape(-1)
-    if b.shape[0] < k * 5 // 4 or k % A8_BLOCK:
+    if k % A8_PIECE or b.shape[0] < a8_image_bytes(k):
         raise KernelError(f"a8_image_values: {b.shape[0]} bytes cannot hold the image of K = {k}")
-    q = b[:k].view(np.int8).reshape(2, k // A8_BLOCK, 16).transpose(1, 0, 2).reshape(k // A8_BLOCK, A8_BLOCK)
-    meta = b[k:k * 5 // 4].view(np.int32).reshape(k // A8_BLOCK, 2)
+    q = b[:k].view(np.int8).reshape(2, k // A8_PIECE, 16).transpose(1, 0, 2).reshape(k // A8_BLOCK, A8_BLOCK)
+    meta = b[k:a8_image_bytes(k)].view(np.int32).reshape(k // A8_BLOCK, 2)
     scale = meta[:, 0].view(np.float32) * np.float32(16)
     return (q.astype(np.float32) * scale[:, None]).astype(np.float32).reshape(k)
 

@@ -9,20 +9,25 @@ namespace nq {
 
 // ---- the int8-activation loop (B = 1, the "a8" GEMV variant; opt-in: it rounds the activations) -------
 // The half2 loop spends ~19 instructions per word (8 weights) and is issue-bound (docs/PERF.md). Here the
-// activation is rounded to int8 in its prologue, one fp32 scale per 32 k (one 16-byte piece of a row,
-// llama.cpp's q8_1 block size), and a word costs 4 instructions: 2 LOP3 and 2 dp4a (4 byte products summed
-// into an int32 each):
+// activation is rounded to int8 in its prologue, one fp32 scale per 16 k (half of a 16-byte piece of a
+// row), and a word costs 4 instructions: 2 LOP3 and 2 dp4a (4 byte products summed into an int32 each):
 //     lo = w & 0x0F0F0F0F   bytes u[k+0..3]         dp4a(lo, x[k+0..3], acc_lo)
 //     hi = w & 0xF0F0F0F0   bytes 16 u[k+4..7]      dp4a(hi, x[k+4..7], acc_hi)
-//   a piece's integer sum is 16 (acc_lo) + acc_hi = 16 sum_k u x, exact in int32 (|.| < 2^20), and the
-//   zero point is folded in by starting acc_lo at -8 sum_k x (so the sum is 16 sum_k q x, q = u - 8);
-//   then one I2F and one FFMA per piece and row with the piece's scale / 16 times the group's scale.
-// Staged per block (every block rounds the whole x: K/8 chunks over 256 threads, the 4 chunks of a piece
-//   in 4 neighbouring lanes that share their max and sum by shuffles):
+//   a half-piece's integer sum is 16 (acc_lo) + acc_hi = 16 sum_k u x, exact in int32 (|.| < 2^19), and
+//   the zero point is folded in by starting acc_lo at -8 sum_k x (so the sum is 16 sum_k q x, q = u - 8);
+//   then per piece and row two I2F, one FMUL and two FFMA: (sum_a s_a + sum_b s_b) times the group's scale,
+//   s_a, s_b the two halves' scales / 16.
+// Why 16 and not 32 (llama.cpp's q8_1 block): against transformers fp32 on the real 1.5B at batch 1, one
+//   scale per 32 values put the worst logit gap where the argmaxes differ at 0.104, over the tier's
+//   near-tie bound of 0.1; per 16 the CPU study of the same criterion gave 0.097 and half the KL
+//   (docs/PERF.md, nineteenth and twentieth leases). The price is the second sum's IMAD, I2F and FFMA.
+// Staged per block (every block rounds the whole x: K/8 chunks over 256 threads, the 2 chunks of a
+//   half-piece in 2 neighbouring lanes that share their max and sum by a shuffle):
 //     xq (uint4) [2][K/32]:  xq[h][u] = the int8 x of words 2h, 2h+1 of piece u (k = 32u + 16h ..)
-//     xm (int2)  [K/32]:     {bits of scale_u / 16, -8 sum of the piece's int8 x}
-//   scale_u = amax_u / 127, x_int = rint(x * (127 / amax_u)) (ties to even; 0 when amax_u = 0), from the
-//   fp16 activation (normed and rounded as the half2 loop stages it). gemv.py's numpy twin (round_a8)
+//     xm (int4)  [K/32]:     per piece {bits of scale_a / 16, -8 sum_a, bits of scale_b / 16, -8 sum_b},
+//                            a / b its halves k = 32u .. 32u+15 / 32u+16 .. 32u+31
+//   scale = amax / 127, x_int = rint(x * (127 / amax)) (ties to even; 0 when amax = 0) per half-piece, from
+//   the fp16 activation (normed and rounded as the half2 loop stages it). gemv.py's numpy twin (round_a8)
 //   rounds the same way; the tests compare against it.
 #ifndef NQ_A8_PROBE
 #define NQ_A8_PROBE 0  // 1: skip rounding x in the prologue (a timing probe; results wrong)
@@ -33,13 +38,13 @@ namespace nq {
 
 struct A8Stage {  // the shared-memory views of the staged x (carved from the half2 loop's xs buffer)
   uint4* xq;
-  int2* xm;
+  int4* xm;
 };
 
 template <int K>
 __device__ __forceinline__ A8Stage a8_views(uint4* xs) {
-  // half2's xs is K * 2 bytes; the int8 x takes K bytes and its metadata K / 4
-  return A8Stage{xs, reinterpret_cast<int2*>(xs + K / 16)};
+  // half2's xs is K * 2 bytes; the int8 x takes K bytes and its metadata K / 2
+  return A8Stage{xs, reinterpret_cast<int4*>(xs + K / 16)};
 }
 
 template <int K>
@@ -49,6 +54,7 @@ __device__ __forceinline__ void stage_x_a8(const uint16_t* __restrict__ x, const
   constexpr int kNU = K / 32;
   constexpr int kIters = (kChunks + kThreads - 1) / kThreads;  // chunks per thread (K = 18944: 10)
   static_assert(kChunks % 4 == 0 && kThreads % 4 == 0, "a piece is 4 chunks of 4 neighbouring threads");
+  static_assert(kNU * 32 == K, "whole pieces");
   const uint4* x4 = reinterpret_cast<const uint4*>(x);
   const uint4* w4 = reinterpret_cast<const uint4*>(norm_w);
   // Loads first, then the arithmetic, kBatch chunks a thread at a time: the rounding below holds warp
@@ -91,8 +97,7 @@ __device__ __forceinline__ void stage_x_a8(const uint16_t* __restrict__ x, const
         f[2 * t + 1] = p.y;
         amax = fmaxf(amax, fmaxf(fabsf(p.x), fabsf(p.y)));
       }
-      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));  // the piece's 4 chunks: lanes 4m .. 4m+3
-      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));  // a half-piece's 2 chunks: lanes 2m, 2m+1
       const float inv = amax > 0.f ? 127.f / amax : 0.f;
       // rint(f * inv) without a conversion instruction (F2I issues at a quarter of the FMA rate): t = f * inv
       // is rounded to fp32 first (as numpy's twin rounds it), then t + 1.5 * 2^23 lands in the binade whose
@@ -106,13 +111,13 @@ __device__ __forceinline__ void stage_x_a8(const uint16_t* __restrict__ x, const
       }
       int sum = static_cast<int>(bsum - 8u * 0x4B400000u);
       sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
       if (i < kChunks) {
         const int u = i >> 2, c = i & 3;  // chunk i = word c of piece u
         const uint32_t lo = __byte_perm(__byte_perm(b[0], b[1], 0x0040u), __byte_perm(b[2], b[3], 0x0040u), 0x5410u);
         const uint32_t hi = __byte_perm(__byte_perm(b[4], b[5], 0x0040u), __byte_perm(b[6], b[7], 0x0040u), 0x5410u);
         reinterpret_cast<uint2*>(st.xq)[((c >> 1) * kNU + u) * 2 + (c & 1)] = make_uint2(lo, hi);
-        if (c == 0) st.xm[u] = make_int2(__float_as_int(amax / 127.f * 0.0625f), -8 * sum);
+        // half-piece i / 2 = 2u + c / 2: its pair is the .x, .y (c = 0) or .z, .w (c = 2) of xm[u]
+        if ((c & 1) == 0) reinterpret_cast<int2*>(st.xm)[i >> 1] = make_int2(__float_as_int(amax / 127.f * 0.0625f), -8 * sum);
       }
     }
   }
@@ -126,18 +131,19 @@ __device__ __forceinline__ int dp4a_us(uint32_t a, uint32_t b, int c) {
   return d;
 }
 
-// 16 sum_k q[k] x_int[k] over one piece (4 words) of a row: exact
-__device__ __forceinline__ int dot32_a8(const uint4& w, const uint4& xa, const uint4& xb, int bias) {
-  int lo = bias, hi = 0;
-  lo = dp4a_us(w.x & 0x0F0F0F0Fu, xa.x, lo);
-  hi = dp4a_us(w.x & 0xF0F0F0F0u, xa.y, hi);
-  lo = dp4a_us(w.y & 0x0F0F0F0Fu, xa.z, lo);
-  hi = dp4a_us(w.y & 0xF0F0F0F0u, xa.w, hi);
-  lo = dp4a_us(w.z & 0x0F0F0F0Fu, xb.x, lo);
-  hi = dp4a_us(w.z & 0xF0F0F0F0u, xb.y, hi);
-  lo = dp4a_us(w.w & 0x0F0F0F0Fu, xb.z, lo);
-  hi = dp4a_us(w.w & 0xF0F0F0F0u, xb.w, hi);
-  return lo * 16 + hi;
+// 16 sum_k q[k] x_int[k] over each half of one piece (4 words) of a row: exact. Four independent chains of
+// two dp4a (the per-32 form had two of four).
+__device__ __forceinline__ int2 dot16x2_a8(const uint4& w, const uint4& xa, const uint4& xb, int bias_a, int bias_b) {
+  int la = bias_a, ha = 0, lb = bias_b, hb = 0;
+  la = dp4a_us(w.x & 0x0F0F0F0Fu, xa.x, la);
+  ha = dp4a_us(w.x & 0xF0F0F0F0u, xa.y, ha);
+  la = dp4a_us(w.y & 0x0F0F0F0Fu, xa.z, la);
+  ha = dp4a_us(w.y & 0xF0F0F0F0u, xa.w, ha);
+  lb = dp4a_us(w.z & 0x0F0F0F0Fu, xb.x, lb);
+  hb = dp4a_us(w.z & 0xF0F0F0F0u, xb.y, hb);
+  lb = dp4a_us(w.w & 0x0F0F0F0Fu, xb.z, lb);
+  hb = dp4a_us(w.w & 0xF0F0F0F0u, xb.w, hb);
+  return make_int2(la * 16 + ha, lb * 16 + hb);
 }
 
 template <int K>
@@ -145,10 +151,12 @@ __device__ __forceinline__ void use_chunk_a8(const RowChunk& c, int j0, A8Stage 
   constexpr int kNU = K / 32;
   for_chunk_pieces<K>(j0, [&](int jj, int u) {
     const uint4 xa = st.xq[u], xb = st.xq[kNU + u];
-    const int2 m = st.xm[u];
-    const float s16 = __int_as_float(m.x);
-    a0 += static_cast<float>(dot32_a8(c.v0[jj], xa, xb, m.y)) * (s16 * h2f(c.g0[jj]));
-    a1 += static_cast<float>(dot32_a8(c.v1[jj], xa, xb, m.y)) * (s16 * h2f(c.g1[jj]));
+    const int4 m = st.xm[u];
+    const float sa = __int_as_float(m.x), sb = __int_as_float(m.z);
+    const int2 d0 = dot16x2_a8(c.v0[jj], xa, xb, m.y, m.w);
+    const int2 d1 = dot16x2_a8(c.v1[jj], xa, xb, m.y, m.w);
+    a0 = fmaf(fmaf(static_cast<float>(d0.x), sa, static_cast<float>(d0.y) * sb), h2f(c.g0[jj]), a0);
+    a1 = fmaf(fmaf(static_cast<float>(d1.x), sa, static_cast<float>(d1.y) * sb), h2f(c.g1[jj]), a1);
   });
 }
 

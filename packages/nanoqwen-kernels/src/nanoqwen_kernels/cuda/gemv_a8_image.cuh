@@ -12,19 +12,22 @@ namespace nq {
 // the same rows and epilogue arithmetic as GateUpEpi) and puts their fp16-rounded values in shared memory;
 // the last of the block's warps to finish a group (a shared-memory counter per group, no block barrier:
 // a barrier per group held the warps in step and lost, docs/PERF.md) rounds it as stage_x_a8 would (the
-// group is one of down_proj's 32-k pieces) and writes it in the layout down_proj stages: image = xq
-// [2][kInter/32] uint4, then xm [kInter/32] int2. A block takes at most kA8ImageGroups groups (the
+// group is one of down_proj's 32-k pieces, two scales of 16) and writes it in the layout down_proj stages:
+// image = xq [2][kInter/32] uint4, then xm [kInter/32] int4. A block takes at most kA8ImageGroups groups (the
 // launcher's grid), each its own slot, so no slot is reused.
 constexpr int kA8ImageGroups = 8;
 __device__ __forceinline__ void a8_round_group(float v, int g, uint16_t* img) {
   constexpr int kNU = kInter / 32;
   const int lane = threadIdx.x & 31;
-  const float amax = warp_max(fabsf(v));
+  // lanes 0-15 hold the group's first half-piece (k = 32g ..), 16-31 its second: each its own scale
+  float amax = fabsf(v);
+#pragma unroll
+  for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
   const float inv = amax > 0.f ? 127.f / amax : 0.f;
   const uint32_t b = __float_as_uint(__fadd_rn(__fmul_rn(v, inv), 12582912.f));  // as stage_x_a8
   int sum = static_cast<int>(b - 0x4B400000u);
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+  for (int o = 8; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
   // lane 4m gathers the bytes of lanes 4m .. 4m+3: word m of the group (k = 32g + 4m ..)
   const uint32_t b1 = __shfl_down_sync(0xffffffffu, b, 1), b2 = __shfl_down_sync(0xffffffffu, b, 2),
                  b3 = __shfl_down_sync(0xffffffffu, b, 3);
@@ -33,7 +36,10 @@ __device__ __forceinline__ void a8_round_group(float v, int g, uint16_t* img) {
     reinterpret_cast<uint32_t*>(img)[((m >> 2) * kNU + g) * 4 + (m & 3)] =
         __byte_perm(__byte_perm(b, b1, 0x0040u), __byte_perm(b2, b3, 0x0040u), 0x5410u);
   }
-  if (lane == 0) reinterpret_cast<int2*>(img + kInter / 2)[g] = make_int2(__float_as_int(amax / 127.f * 0.0625f), -8 * sum);
+  // half-piece 2g + lane / 16's {scale / 16, -8 sum}: xm[g]'s .x, .y (lane 0) or .z, .w (lane 16)
+  if ((lane & 15) == 0)
+    reinterpret_cast<int2*>(img + kInter / 2)[2 * g + (lane >> 4)] =
+        make_int2(__float_as_int(amax / 127.f * 0.0625f), -8 * sum);
 }
 
 template <int K>

@@ -221,10 +221,11 @@ __device__ __forceinline__ void trigger_after_last_unit(bool last) {
   if (kX != kXHalf && last) pdl_trigger();
 }
 
-// Stage an a8 image (K bytes of int8 x then K / 32 int2 {scale / 16, -8 sum}: the shared layout itself)
+// Stage an a8 image (K bytes of int8 x then K / 32 int4, two {scale / 16, -8 sum} per piece: the shared
+// layout itself)
 template <int K>
 __device__ __forceinline__ void stage_image(const uint16_t* __restrict__ img, uint4* xs) {
-  constexpr int kN = K / 16 + K / 64;  // uint4s: xq, then xm
+  constexpr int kN = K / 16 + K / 32;  // uint4s: xq, then xm
   const uint4* src = reinterpret_cast<const uint4*>(img);
   for (int i = threadIdx.x; i < kN; i += kThreads) xs[i] = src[i];
   __syncthreads();  // the image complete before any warp reads it
@@ -365,7 +366,7 @@ NQ_B1_ENTRIES(_a8, kXA8)
 
 // The int8-activation loop's down_proj pair (the engine's batch-1 decode under decode_activations="int8"):
 //   nq_gate_up_silu_a8x: as nq_gate_up_silu_a8, but its output is the intermediate already rounded for
-//     down_proj, an a8 image (gate_up_a8_image, gemv_a8_image.cuh) of kInter * 5 / 4 bytes, in `out` ([I] fp16 storage);
+//     down_proj, an a8 image (gate_up_a8_image, gemv_a8_image.cuh) of kInter * 3 / 2 bytes, in `out` ([I] fp16 storage);
 //   nq_gemv_int4_i_a8x: down_proj (K = I) reading such an image as its x (no norm): its prologue is a copy.
 extern "C" __global__ void __launch_bounds__(kThreads) nq_gate_up_silu_a8x(
     const uint32_t* __restrict__ qweight, const uint16_t* __restrict__ scales, const uint16_t* __restrict__ x,
