@@ -123,6 +123,28 @@ def test_int8_decode_activations_need_the_a8_kernels(tied_path):
         make_backend(tied_path, "host", decode_activations="int4")
 
 
+def test_decode_activations_default_to_int8_unless_a_variant_is_named():
+    """Who decides what batch-1 decode GEMVs multiply: an explicit setting (argument or
+    $NANOQWEN_DECODE_ACTIVATIONS) wins; else a kernel stand-in's or $NANOQWEN_GEMV_VARIANT's variant says;
+    else int8 (the GEMV variant "a8"). fp16 never builds "a8", even when $NANOQWEN_GEMV_VARIANT names it."""
+    from types import SimpleNamespace
+
+    from nanoqwen_engine.cuda.load import DEFAULT_DECODE_ACTIVATIONS, decode_activations_plan
+
+    assert DEFAULT_DECODE_ACTIVATIONS == "int8"
+    assert decode_activations_plan(None, None) == ("int8", "a8")
+    assert decode_activations_plan("int8", None) == ("int8", "a8")
+    assert decode_activations_plan("fp16", None) == ("fp16", None)
+    assert decode_activations_plan("fp16", "mma") == ("fp16", "mma")
+    assert decode_activations_plan("fp16", "a8") == ("fp16", None)
+    assert decode_activations_plan("int8", "mma") == ("int8", "a8")
+    assert decode_activations_plan(None, "mma") == ("fp16", "mma")
+    assert decode_activations_plan(None, "a8") == ("int8", "a8")
+    assert decode_activations_plan(None, None, SimpleNamespace(gemv_variant="tiles")) == ("fp16", "tiles")
+    assert decode_activations_plan(None, "mma", SimpleNamespace(gemv_variant="a8")) == ("int8", "a8")
+    assert decode_activations_plan(None, None, object()) == ("fp16", None)  # a stand-in with no variant
+
+
 def test_each_row_of_a_batch_gets_its_tokens_alone(model_path, kind, rng):
     """6 sequences of mixed prompt lengths decode together: page boundaries fall at different steps for
     different rows (steps 0, 1, 8, ...); each row's greedy tokens are the ones it gets alone. Both test

@@ -29,15 +29,26 @@ VARIANTS = ["fma", "mma", "mma8"]  # consumer bodies (nanoqwen_kernels.attention
 MIXED = [1, 15, 16, 17, 1000, 5000]  # lengths the batches cycle through (page boundaries and long rows)
 
 
+# the pull cluster fold (attention_decode.cu NQ_ATTN_PUSH_FOLD=0, the knob's other side; the default pushes),
+# passed as a build define: the loader keys its loaded modules on the defines it is given, not on
+# $NANOQWEN_KERNEL_DEFINES
+PULL = (("NQ_ATTN_PUSH_FOLD", 0),)
+
+
 class _Builds(dict):
-    """(dims name, variant) -> AttentionKernels, built on first use."""
+    """(dims name, variant) or (dims name, variant, extra defines) -> AttentionKernels, built on first use."""
 
     def __missing__(self, key):
         from nanoqwen_kernels.attention import AttentionKernels
         from nanoqwen_kernels.loader import load_module
 
-        name, variant = key
-        ak = AttentionKernels(DIMS[name], load_module, variant)
+        name, variant, *extra = key
+        added = dict(extra[0]) if extra else {}
+
+        def load(sources, defines):
+            return load_module(sources, {**defines, **added})
+
+        ak = AttentionKernels(DIMS[name], load, variant)
         self[key] = ak
         return ak
 
@@ -238,9 +249,14 @@ def test_replays_in_a_graph_as_lengths_change(kernels, rng):
     """One captured launch serves every step: lengths and page tables change on the device between replays,
     across the single-cluster / several-cluster line (1,024 tokens), and every replay leaves the ticket
     counters at 0 for the next."""
+    replay_in_a_graph(kernels["tiny", "fma"], rng)
+
+
+def replay_in_a_graph(ak, rng):
+    """test_replays_in_a_graph_as_lengths_change's body, for a build of the tiny dims."""
     import cupy as cp
 
-    dims, ak = TINY, kernels["tiny", "fma"]
+    dims = TINY
     c = make_batch(cp, dims, [3000, 37, 1100], rng)
     out = cp.empty((3, dims.n_heads * 128), dtype=cp.float16)
     ws = ak.new_workspace(max_batch=3)
@@ -262,6 +278,74 @@ def test_replays_in_a_graph_as_lengths_change(kernels, rng):
             ak.attention_decode(c["q"], c["k"], c["v"], c["table"], c["seq"], c["layer"], out2, ws)
             stream.synchronize()
         np.testing.assert_array_equal(got, cp.asnumpy(out2).astype(np.float64).reshape(3, dims.n_heads, 128))
+
+
+# ---- the pull cluster fold (NQ_ATTN_PUSH_FOLD=0): the same checks on its build ------------------------
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("name", ["7b", "tiny"])
+@pytest.mark.parametrize("seq_len", [1, 17, 640, 1024, 1025, 4095, 32768])
+def test_pull_fold_matches_reference(kernels, name, seq_len, variant, rng):
+    """Batch 1 with the pull fold: one cluster (C = 8 on 132 SMs) up to 1,024 tokens, several above."""
+    import cupy as cp
+
+    dims, ak = DIMS[name], kernels[name, variant, PULL]
+    assert ak.clusters(1)[0] > 1, "batch 1 should launch clusters (the fold under test)"
+    c = make_batch(cp, dims, [seq_len], rng)
+    check(run(cp, ak, dims, c, 1), c, variant, [seq_len])
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,variant", BUILDS)
+@pytest.mark.parametrize("B", [1, 2, 3, 8, 33, 64])
+def test_pull_fold_batch_of_mixed_lengths(kernels, name, B, variant, rng):
+    """test_batch_of_mixed_lengths on the pull build (B = 33, 64 at 7B: clusters of 1, the local path)."""
+    import cupy as cp
+
+    dims, ak = DIMS[name], kernels[name, variant, PULL]
+    off = int(rng.integers(len(MIXED)))
+    lengths = [MIXED[(off + b) % len(MIXED)] for b in range(B)]
+    if B > 1:
+        lengths[int(rng.integers(B))] = 0
+    c = make_batch(cp, dims, lengths, rng)
+    check(run(cp, ak, dims, c, B), c, variant, lengths)
+
+
+# batch -> lengths for the push / pull comparison (7B on 132 SMs: clusters (8, 5), (8, 2), (5, 1), (1, 1))
+PUSH_PULL = {
+    1: [640],
+    3: [1024, 0, 5000],
+    8: [1, 15, 16, 17, 640, 1000, 1025, 5000],
+    64: MIXED * 10 + [0, 3, 2048, 4095],
+}
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["fma", "mma"])
+@pytest.mark.parametrize("B", sorted(PUSH_PULL))
+def test_push_fold_equals_pull_fold(kernels, B, variant, rng):
+    """The push fold (the default) folds the same partials in the same order as the pull fold: bit-identical
+    outputs, 7B dims, mixed lengths (one cluster, several, clusters of 1 at B = 64)."""
+    import cupy as cp
+
+    dims, lengths = QWEN25_7B, PUSH_PULL[B]
+    c = make_batch(cp, dims, lengths, rng)
+    push = run(cp, kernels["7b", variant], dims, c, B)
+    pull = run(cp, kernels["7b", variant, PULL], dims, c, B)
+    check(push, c, variant, lengths)
+    np.testing.assert_array_equal(push, pull)
+
+
+@gpu
+@pytest.mark.gpu
+def test_pull_fold_replays_in_a_graph(kernels, rng):
+    """test_replays_in_a_graph_as_lengths_change on the pull build."""
+    replay_in_a_graph(kernels["tiny", "fma", PULL], rng)
 
 
 @gpu

@@ -252,6 +252,55 @@ def test_attention_decode_copies_settled_pages_early(monkeypatch):
     assert not _GLOBAL_MEM.findall(plain[: plain.find("ACQBULK")])
 
 
+# the cluster fold's SASS: barrier.cluster.arrive = UCGABAR_ARV (with .release: MEMBAR.ALL.GPU before it),
+# barrier.cluster.wait = UCGABAR_WAIT (+ CCTL.IVALL, the acquire), ld/st.shared::cluster on a mapa address
+# = LD.E / ST.E on a generic address (the kernel's own global accesses are LDG / STG)
+_CLUSTER_OPS = re.compile(r"\b(UCGABAR_ARV|UCGABAR_WAIT|MEMBAR\.ALL\.GPU|LD\.E|ST\.E)\b")
+
+
+def _cluster_ops(body: str) -> list[str]:
+    return [m.group(1) for m in _CLUSTER_OPS.finditer(body)]
+
+
+def _full_arrives(ops: list[str]) -> list[int]:
+    """Indices of the release arrivals (a full cluster barrier's half: UCGABAR_ARV right after the GPU-scope
+    fence of .release)."""
+    return [i for i, op in enumerate(ops) if op == "UCGABAR_ARV" and i and ops[i - 1] == "MEMBAR.ALL.GPU"]
+
+
+def test_attention_decode_push_fold(monkeypatch):
+    """The default build pushes its cluster fold (attention_decode.cu NQ_ATTN_PUSH_FOLD): one full cluster
+    barrier, no DSMEM load at all. It arrives (relaxed: no fence) before anything else, waits before its
+    first remote store (ST.E), issues every remote store before the one release arrival, and touches no
+    other block's shared memory after the last wait; the early-pages order still holds. The knob's other
+    side (=0, the pull fold) keeps two full barriers with the remote loads between them (at the 7B, 1.5B
+    and tiny dims)."""
+    for dims in (QWEN25_7B, PRESETS["1.5b"], PRESETS["tiny"]):
+        body = _functions(_sass("attention_decode.cu", dims))["nq_attention_decode"]
+        _check_attention_early_pages(body)
+        ops = _cluster_ops(body)
+        full = _full_arrives(ops)
+        assert len(full) == 1, f"{dims.hidden}: {len(full)} full cluster barriers (expected 1)"
+        assert "LD.E" not in ops, f"{dims.hidden}: a DSMEM load in the push build"
+        assert ops[0] == "UCGABAR_ARV", f"{dims.hidden}: the relaxed arrival is not the first cluster op"
+        assert body.find("UCGABAR_ARV") < body.find("ACQBULK"), f"{dims.hidden}: arrival after the pdl wait"
+        assert ops.count("UCGABAR_ARV") == 2, f"{dims.hidden}: expected the relaxed and the release arrival"
+        stores = [i for i, op in enumerate(ops) if op == "ST.E"]
+        waits = [i for i, op in enumerate(ops) if op == "UCGABAR_WAIT"]
+        assert stores, f"{dims.hidden}: no remote store"
+        assert all(i < full[0] for i in stores), f"{dims.hidden}: a remote store after the release arrival"
+        assert all(any(w < i for w in waits) for i in stores), f"{dims.hidden}: a remote store before a wait"
+        assert waits[-1] > full[0] and not {"LD.E", "ST.E"} & set(ops[waits[-1] :]), (
+            f"{dims.hidden}: shared memory of another block touched after the last cluster wait"
+        )
+    monkeypatch.setenv("NANOQWEN_KERNEL_DEFINES", "NQ_ATTN_PUSH_FOLD=0")
+    for dims in (QWEN25_7B, PRESETS["1.5b"], PRESETS["tiny"]):
+        pull = _cluster_ops(_functions(_sass("attention_decode.cu", dims))["nq_attention_decode"])
+        assert len(_full_arrives(pull)) == 2, f"{dims.hidden}: pull build: not 2 full cluster barriers"
+        first, second = _full_arrives(pull)
+        assert "LD.E" in pull[first:second] and "ST.E" not in pull, f"{dims.hidden}: not the pull fold"
+
+
 @pytest.mark.parametrize("source", SOURCES)
 def test_every_kernel_waits_for_its_predecessor_before_touching_memory(source):
     """Every kernel is launched with programmatic dependent launch (pdl.py), so its blocks may be placed

@@ -89,9 +89,16 @@ def test_a8_runs_every_matrix_on_the_int8_activation_loop(monkeypatch):
 
 def test_a8_image_holds_round_a8_in_the_staged_layout():
     """gemv.a8_image (what nq_gate_up_silu_a8x writes, nq_gemv_int4_i_a8x stages): K bytes of int8 in the
-    [2][K/32][16] layout, then {scale / 16, -8 sum} per A8_BLOCK (16) values; read back it is round_a8
-    exactly."""
-    from nanoqwen_kernels.gemv import A8_BLOCK, a8_image, a8_image_bytes, a8_image_values, round_a8
+    [2][K/32][16] layout, then {scale / 16, A8_ACC_START - 8 sum} per A8_BLOCK (16) values; read back it is
+    round_a8 exactly."""
+    from nanoqwen_kernels.gemv import (
+        A8_ACC_START,
+        A8_BLOCK,
+        a8_image,
+        a8_image_bytes,
+        a8_image_values,
+        round_a8,
+    )
 
     rng = np.random.default_rng()
     k = 8 * 128
@@ -108,9 +115,9 @@ def test_a8_image_holds_round_a8_in_the_staged_layout():
     assert img[(h * (k // 32) + u) * 16 + i].view(np.int8) == q[32 * u + 16 * h + i]
     meta = img[k:].view(np.int32).reshape(-1, 2)
     assert meta.shape[0] == k // A8_BLOCK
-    assert meta[2, 0] == 0 and meta[2, 1] == 0  # the zero block
+    assert meta[2, 0] == 0 and meta[2, 1] == A8_ACC_START  # the zero block
     assert meta[3, 0] != 0
-    assert np.array_equal(meta[:, 1], -8 * q.astype(np.int64).reshape(-1, A8_BLOCK).sum(1))
+    assert np.array_equal(meta[:, 1], A8_ACC_START - 8 * q.astype(np.int64).reshape(-1, A8_BLOCK).sum(1))
     assert np.allclose(meta[:, 0].view(np.float32) * 16, amax / 127)
 
 

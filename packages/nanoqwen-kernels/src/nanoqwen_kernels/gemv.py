@@ -86,6 +86,7 @@ DEFAULT_LM_HEAD = "blas"
 A8_BLOCK = 16  # k per int8 scale of the int8-activation loop (half of a 16-byte piece of a weight row)
 A8_PIECE = 32  # k per piece: the image's layout unit (two scales)
 A8_IMAGE_GROUPS = 8  # groups of 32 outputs a block of nq_gate_up_silu_a8x takes at most (kA8ImageGroups)
+A8_ACC_START = 0x04B40000  # kA8AccStart: a block's dp4a accumulator starts here (16 x it = the bits of 1.5 * 2^23)
 
 
 def round_a8(x: np.ndarray) -> np.ndarray:
@@ -116,8 +117,8 @@ def a8_image(x: np.ndarray) -> np.ndarray:
     """The "a8 image" of one activation x [K] (fp16 values): what nq_gate_up_silu_a8x writes for down_proj
     and nq_gemv_int4_i_a8x stages as it is, uint8 [a8_image_bytes(K)]: K bytes of int8 x laid out
     [2][K/32][16] (byte i of half h of piece u is x_int[32u + 16h + i]), then per A8_BLOCK b = 2u + h (half
-    h of piece u) an int32 pair {float bits of scale_b / 16, -8 sum x_int}, little-endian. The rounding is
-    round_a8's."""
+    h of piece u) an int32 pair {float bits of scale_b / 16, A8_ACC_START - 8 sum x_int} (the accumulator's
+    start), little-endian. The rounding is round_a8's."""
     xf = np.asarray(x, dtype=np.float16).astype(np.float32).reshape(-1)
     k = xf.shape[0]
     if k % A8_PIECE:
@@ -129,7 +130,7 @@ def a8_image(x: np.ndarray) -> np.ndarray:
     xq = q.astype(np.int8).reshape(k // A8_PIECE, 2, 16).transpose(1, 0, 2).reshape(-1).view(np.uint8)
     meta = np.empty((k // A8_BLOCK, 2), dtype=np.int32)
     meta[:, 0] = ((amax / np.float32(127)).astype(np.float32) * np.float32(0.0625)).astype(np.float32).view(np.int32)
-    meta[:, 1] = -8 * q.sum(axis=1)
+    meta[:, 1] = A8_ACC_START - 8 * q.sum(axis=1)
     return np.concatenate([xq, meta.reshape(-1).view(np.uint8)])
 
 

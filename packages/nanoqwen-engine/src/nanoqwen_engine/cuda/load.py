@@ -39,6 +39,10 @@ from .weights import (
 
 DECODE_MODES = ("graph", "eager")
 DECODE_ACTIVATIONS = ("fp16", "int8")  # batch-1 decode GEMVs: fp16 activations, or int8 (GEMV variant "a8")
+# int8 since the scales went to one per 16 values: on the real Qwen2.5-Coder-1.5B at batch 1 it passes the
+# tier against transformers fp32 as fp16 does (100 prompts x 48 tokens: 13 / 9 of 4,800 positions differ,
+# worst gap 0.044 for both, bound 0.1), and the 7B decodes 14% faster (docs/PERF.md, twentieth lease)
+DEFAULT_DECODE_ACTIVATIONS = "int8"
 MAX_BATCH = 64  # decode rows the buffers are sized for unless create() is given max_batch
 
 
@@ -74,10 +78,10 @@ def load(nqfile, config: ModelConfig, max_context: int | None, progress: bool, *
         raise InvalidRequestError(
             f"prefill_weights (NANOQWEN_PREFILL_WEIGHTS) must be one of {PREFILL_WEIGHTS}, got {prefill_weights!r}"
         )
-    decode_act = kwargs.pop("decode_activations", None) or os.environ.get("NANOQWEN_DECODE_ACTIVATIONS") or "fp16"
-    if decode_act not in DECODE_ACTIVATIONS:
+    asked = kwargs.pop("decode_activations", None) or os.environ.get("NANOQWEN_DECODE_ACTIVATIONS")
+    if asked is not None and asked not in DECODE_ACTIVATIONS:
         raise InvalidRequestError(f"decode_activations (NANOQWEN_DECODE_ACTIVATIONS) must be one of "
-                                  f"{DECODE_ACTIVATIONS}, got {decode_act!r}")
+                                  f"{DECODE_ACTIVATIONS}, got {asked!r}")
     head_dtype = lm_head_dtype_arg(kwargs.pop("lm_head_dtype", None))
     dev = kwargs.pop("device", None)
     ks = kwargs.pop("kernels", None)
@@ -87,9 +91,10 @@ def load(nqfile, config: ModelConfig, max_context: int | None, progress: bool, *
         _check_gpu()
         dev = CupyDevice()
     info: dict = {"device": dev.name, "decode_mode": decode_mode, "lm_head_dtype": head_dtype}
+    decode_act, variant = decode_activations_plan(asked, os.environ.get("NANOQWEN_GEMV_VARIANT"), ks)
     with Timer() as tk:
-        if ks is None:  # int8: the GEMV variant "a8"; fp16: $NANOQWEN_GEMV_VARIANT or the default
-            ks = build_kernels(config, "a8" if decode_act == "int8" else None)
+        if ks is None:
+            ks = build_kernels(config, variant)
     if decode_act == "int8" and getattr(ks, "gemv_variant", None) != "a8":
         raise InvalidRequestError("decode_activations='int8' needs kernels built with GEMV variant 'a8', got "
                                   f"{getattr(ks, 'gemv_variant', None)!r}")
@@ -169,6 +174,25 @@ def load(nqfile, config: ModelConfig, max_context: int | None, progress: bool, *
     )
     pool = PagePool(ps.n_pages, ps.max_pages_per_seq)
     return Loaded(dev, ks, weights, pool, k_cache, v_cache, decode_mode, max_batch, info, dense, fp8)
+
+
+def decode_activations_plan(asked: str | None, env_variant: str | None, given: Any = None
+                            ) -> tuple[str, str | None]:
+    """(decode activations, GEMV variant to build) from what was asked (decode_activations or
+    $NANOQWEN_DECODE_ACTIVATIONS; None: nothing), $NANOQWEN_GEMV_VARIANT and a `kernels` stand-in (None:
+    none given, the kernels are built).
+    - asked: that; int8 builds the variant "a8", fp16 $NANOQWEN_GEMV_VARIANT unless it names "a8", else
+      the kernels' default (the half2 loop at B = 1).
+    - not asked, a stand-in given: what its GEMV variant runs; not asked, $NANOQWEN_GEMV_VARIANT set: that
+      variant and what it runs (a user who picked a GEMV variant by name keeps it).
+    - not asked, nothing named: DEFAULT_DECODE_ACTIVATIONS."""
+    if asked is None and (given is not None or env_variant is not None):
+        variant = getattr(given, "gemv_variant", None) if given is not None else env_variant
+        return ("int8" if variant == "a8" else "fp16"), variant
+    act = asked or DEFAULT_DECODE_ACTIVATIONS
+    if act == "int8":
+        return act, "a8"
+    return act, env_variant if env_variant not in (None, "a8") else None
 
 
 def build_kernels(config: ModelConfig, gemv_variant: str | None = None):

@@ -24,10 +24,11 @@
 // Splits and clusters: a sequence's pages are dealt to clusters in contiguous runs of at least
 //   NQ_DECODE_MIN_CLUSTER_PAGES (64 pages, 1,024 tokens), and a cluster's run to its C blocks in
 //   contiguous sub-runs; the device-side seq_len decides the runs, so one graph serves every length.
-//   - <= 1,024 tokens: cluster 0 alone. Its blocks publish their partials in shared memory, the cluster
-//     synchronises, and block rank r folds outputs o = t + kThreads (r + C j) of the G heads x 128 dims
-//     from all C blocks' shared memory (mapa + ld.shared::cluster), then writes `out`. No workspace, no
-//     second kernel.
+//   - <= 1,024 tokens: cluster 0 alone. Block rank r folds outputs o = t + kThreads (r + C j) of the G
+//     heads x 128 dims: every block stores its partial of those outputs into rank r's shared memory
+//     (mapa + st.shared::cluster), the cluster synchronises once, and rank r folds from its own shared
+//     memory, then writes `out` (NQ_ATTN_PUSH_FOLD; =0: each rank loads the partials from the others'
+//     shared memory instead, between two cluster barriers). No workspace, no second kernel.
 //   - longer: every cluster folds its blocks the same way into the workspace; the last cluster to take a
 //     ticket (atomic, one counter per (sequence, KV head, rank)) folds the clusters' partials into `out`.
 //     Rank r of the last cluster reads only what rank r of each cluster wrote (acc for its outputs and its
@@ -55,6 +56,28 @@
 // within the protocol's noise of the time (+-0.05 ms/token), which two steps in flight brought to ~0.01.
 // 0: one wait before anything (the A/B's other side).
 #define NQ_ATTN_EARLY_PAGES 1
+#endif
+
+#ifndef NQ_ATTN_PUSH_FOLD
+// 1 (default): the fold pushes. Every block arrives (relaxed) on the cluster barrier at its start and waits
+// on that phase once its pages are consumed (by then free: it only says every block of the cluster has
+// started, before which no block may touch another's shared memory); it then stores each merged output
+// into the shared memory of the rank that folds it (mapa + st.shared::cluster, a receive area indexed by
+// the sender's rank, static __shared__, so the launcher's dynamic size is unchanged), one full cluster
+// barrier makes the stores visible, and each rank folds from its own shared memory: one full cluster
+// barrier, no remote load, no second barrier (nobody touches another block's shared memory after the one
+// barrier, and every store into a block precedes it).
+// 0 (the A/B's other side): the fold pulls. Each block leaves its partial in its own shared memory
+// (merge_acc, blk_m / blk_l), the cluster synchronises, rank r loads its outputs' C partials from every
+// block (mapa + ld.shared::cluster), and a second cluster barrier keeps every block resident until nobody
+// reads its shared memory any more: two full cluster barriers (each a GPU-scope release fence and an L1
+// invalidate in SASS) and a DSMEM round trip between them.
+// Measured (H200, 2026-12-02, docs/PERF.md twentieth lease, bench_attention.py, us per call, pull -> push):
+// batch 1 at 640 / 1,024 tokens 5.36 / 5.34 -> 5.31 / 5.43 (7B), 5.03 -> 4.95 (1.5B dims): within noise;
+// batched, where every cluster folds, 7B B = 8 / 32 / 64 at 384 tokens 7.83 / 12.87 / 20.14 -> 7.39 /
+// 12.12 / 18.99, 1.5B dims B = 32 8.94 -> 8.28. Decode protocol, 7B, two rounds: fp16 1.836 / 1.844 ->
+// 1.833 / 1.835, int8 1.580 / 1.581 -> 1.576 / 1.575 ms/token; 1.5B dims within +-0.003.
+#define NQ_ATTN_PUSH_FOLD 1
 #endif
 
 namespace nq_dec {
@@ -234,6 +257,51 @@ __device__ __forceinline__ float ld_cluster(const float* local, uint32_t rank) {
   return v;
 }
 
+#if NQ_ATTN_PUSH_FOLD
+// The split cluster barrier of the push fold (NQ_ATTN_PUSH_FOLD): every thread of every block arrives
+// once at its start (relaxed: it orders no memory, it only says the block runs) and waits once before its
+// first store into another block's shared memory. Both .aligned: every thread of a warp executes them
+// together (called only under the cluster-uniform csize > 1).
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.aligned;" ::: "memory"); }
+
+// v into block `rank`'s shared memory, at the address `local` has in this block's (a weak store: the
+// cluster_sync after the pushes makes it visible to the receiver)
+__device__ __forceinline__ void st_cluster(float* local, uint32_t rank, float v) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(nq::smem_u32(local)), "r"(rank));
+  asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(remote), "f"(v) : "memory");
+}
+// (a, b) likewise, as one 8-byte store (local 8-byte aligned)
+__device__ __forceinline__ void st_cluster2(float* local, uint32_t rank, float a, float b) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(nq::smem_u32(local)), "r"(rank));
+  asm volatile("st.shared::cluster.v2.f32 [%0], {%1, %2};" ::"r"(remote), "f"(a), "f"(b) : "memory");
+}
+
+// The receive area (static __shared__ in nq_attention_decode, outside the launcher's dynamic size).
+// Outputs o = 0 .. kOutputs-1 of the block's KV head go in runs of kThreads (run k = o / kThreads, the
+// merge loop's iteration k of thread o % kThreads); run k belongs to rank k % C, as slot
+// (k / C) * kThreads + o % kThreads of that rank's row for the sender: recv_acc[sender][slot], rows of
+// recv_slots(C) floats; recv_ml[sender][g] the sender's (m, l) of head g, pushed to every rank.
+constexpr int kOutputs = kG * 128;
+constexpr int kRuns = (kOutputs + kThreads - 1) / kThreads;
+// a sender's row at cluster size c
+__device__ constexpr int recv_slots(int c) { return (kRuns + c - 1) / c * kThreads; }
+__device__ constexpr int recv_floats() {
+  int n = 0;
+  for (int c = 1; c <= kClusterMax; ++c) n = c * recv_slots(c) > n ? c * recv_slots(c) : n;
+  return n;
+}
+constexpr int kRecvAccFloats = recv_floats();
+constexpr int kRecvMlFloats = kClusterMax * kGPad * 2;
+// static + dynamic shared memory within the 227 KiB a block may opt into on sm_90 (+ 16: `last`)
+static_assert(kSmemBytes + 4 * (kRecvAccFloats + kRecvMlFloats) + 16 <= 227 * 1024,
+              "the push fold's receive area does not fit beside the ring");
+#endif
+
 }  // namespace nq_dec
 
 #ifndef NQ_ATTN_ONE_TRIGGER
@@ -252,6 +320,11 @@ extern "C" __global__ void __launch_bounds__(nq_dec::kThreads, 1)
                         int layer, int n_pages, int max_pages, int csize, int n_clusters,
                         float* __restrict__ workspace,               // tickets, ws_acc, ws_ml
                         nq::uint16_t* __restrict__ out) {            // [B, NQ_NHEADS*128]
+#if NQ_ATTN_PUSH_FOLD
+  // the push fold's first cluster-barrier phase: arrive now, wait before the first remote store (every path
+  // below, the idle one included, waits on it exactly once)
+  if (csize > 1) nq_dec::cluster_arrive_relaxed();
+#endif
 #if !NQ_ATTN_EARLY_PAGES
   nq::pdl_wait();  // launch overlap (common.cuh): nothing read or written before it
 #endif
@@ -278,6 +351,9 @@ extern "C" __global__ void __launch_bounds__(nq_dec::kThreads, 1)
   const int used = (n_seq_pages + per_cluster - 1) / per_cluster;  // clusters holding pages
   const int o_first = threadIdx.x + kThreads * rank, o_step = kThreads * csize;  // this block's outputs
   if (ci >= used) {  // uniform over the cluster: no cluster barrier is skipped by only some of its blocks
+#if NQ_ATTN_PUSH_FOLD
+    if (csize > 1) cluster_wait();  // the start's phase, waited here too (no arrive left unwaited)
+#endif
 #if NQ_ATTN_EARLY_PAGES
     nq::pdl_wait();  // before writing `out` (and a block's exit lets the next kernel launch)
 #endif
@@ -301,6 +377,61 @@ extern "C" __global__ void __launch_bounds__(nq_dec::kThreads, 1)
   nq::pdl_trigger();
 #endif
 
+#if NQ_ATTN_PUSH_FOLD
+  // the push fold (NQ_ATTN_PUSH_FOLD); the receive area's layout: see kRecvAccFloats
+  __shared__ __align__(16) float recv_acc[kRecvAccFloats];  // [sender][recv_slots(csize)]
+  __shared__ __align__(16) float recv_ml[kRecvMlFloats];    // [sender][kGPad][m, l]
+  const int row = recv_slots(csize);
+  if (csize > 1) cluster_wait();  // every block of the cluster has started: its shared memory may be written
+  // the block's partial, pushed: run k of outputs (this thread's iteration k) to rank k % csize, slot
+  // (k / csize) * kThreads + threadIdx.x of its row for this rank; each head's (m, l) to every rank
+  {
+    int owner = 0, slot = threadIdx.x;
+    for (int idx = threadIdx.x; idx < kOutputs; idx += kThreads) {
+      const int g = idx >> 7, d = idx & 127;
+      const Partial pm = merge_consumers(sm, g, d);
+      float* acc_dst = recv_acc + rank * row + slot;
+      float* ml_dst = recv_ml + (rank * kGPad + g) * 2;
+      if (csize > 1) {
+        st_cluster(acc_dst, owner, pm.a);
+        if (d == 0) {
+          for (int r = 0; r < csize; ++r) st_cluster2(ml_dst, r, pm.m, pm.l);
+        }
+      } else {
+        *acc_dst = pm.a;
+        if (d == 0) {
+          ml_dst[0] = pm.m;
+          ml_dst[1] = pm.l;
+        }
+      }
+      if (++owner == csize) {
+        owner = 0;
+        slot += kThreads;
+      }
+    }
+  }
+  // the one full cluster barrier: every block's pushes (issued before its release-arrive) visible to their
+  // receivers (after the acquire-wait); after it no block touches another's shared memory
+  if (csize > 1) cluster_sync();
+  else __syncthreads();
+
+  // fold the cluster's C partials for this block's outputs, all from this block's receive area; one
+  // cluster: the result; several: this cluster's partial to the workspace
+  float* ws_acc = workspace + kTicketWords;
+  float* ws_ml = ws_acc + static_cast<size_t>(gridDim.z) * n_clusters * nq::kHeads * 128;
+  const size_t cpart = static_cast<size_t>(b) * n_clusters + ci;  // (sequence, cluster)
+  for (int o = o_first, slot = threadIdx.x; o < kOutputs; o += o_step, slot += kThreads) {
+    const int g = o >> 7, d = o & 127;
+    // a rank past csize weighs 0; a rank with no page pushed m = -inf, acc = l = 0
+    float ms[kClusterMax], as[kClusterMax], ls[kClusterMax];
+#pragma unroll
+    for (int s = 0; s < kClusterMax; ++s) {
+      const bool in = s < csize;
+      ms[s] = in ? recv_ml[(s * kGPad + g) * 2] : neg_inf();
+      as[s] = in ? recv_acc[s * row + slot] : 0.f;
+      ls[s] = in ? recv_ml[(s * kGPad + g) * 2 + 1] : 0.f;
+    }
+#else
   // the block's partial, in place: merge_acc[0][g][d] (this thread alone reads and writes (g, d))
   for (int idx = threadIdx.x; idx < kG * 128; idx += kThreads) {
     const int g = idx >> 7, d = idx & 127;
@@ -332,6 +463,7 @@ extern "C" __global__ void __launch_bounds__(nq_dec::kThreads, 1)
       as[s] = in ? (csize > 1 ? ld_cluster(sm.merge_acc + o, s) : sm.merge_acc[o]) : 0.f;
       ls[s] = in ? (csize > 1 ? ld_cluster(sm.blk_l + g, s) : sm.blk_l[g]) : 0.f;
     }
+#endif
     float mx = neg_inf();
 #pragma unroll
     for (int s = 0; s < kClusterMax; ++s) mx = fmaxf(mx, ms[s]);
@@ -357,7 +489,9 @@ extern "C" __global__ void __launch_bounds__(nq_dec::kThreads, 1)
       ml[1] = l;
     }
   }
+#if !NQ_ATTN_PUSH_FOLD
   if (csize > 1) cluster_sync();  // no block leaves (freeing its shared memory) while another reads it
+#endif
   if (used == 1) return;
 
   // several clusters: take a ticket; rank r of the last cluster to count folds every cluster's partial

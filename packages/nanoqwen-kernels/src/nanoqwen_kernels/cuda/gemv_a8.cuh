@@ -15,8 +15,13 @@ namespace nq {
 //     hi = w & 0xF0F0F0F0   bytes 16 u[k+4..7]      dp4a(hi, x[k+4..7], acc_hi)
 //   a half-piece's integer sum is 16 (acc_lo) + acc_hi = 16 sum_k u x, exact in int32 (|.| < 2^19), and
 //   the zero point is folded in by starting acc_lo at -8 sum_k x (so the sum is 16 sum_k q x, q = u - 8);
-//   then per piece and row two I2F, one FMUL and two FFMA: (sum_a s_a + sum_b s_b) times the group's scale,
-//   s_a, s_b the two halves' scales / 16.
+//   then per piece and row (sum_a s_a + sum_b s_b) times the group's scale, s_a, s_b the two halves'
+//   scales / 16.
+// The int -> float conversion of a sum costs no I2F: the accumulator starts at kA8AccStart more, so the
+//   int32 16 acc_lo + acc_hi is the bit pattern of the float 1.5 * 2^23 + sum (|sum| < 2^22: the binade
+//   [2^23, 2^24) whose ulp is 1), and one FADD of -1.5 * 2^23 gives the sum exactly. I2F issues at a
+//   quarter of the FMA rate, and with two per piece and row it held the loop: per-16 scales with I2F took
+//   the 7B from 1.519 to 1.581 ms/token (H200, docs/PERF.md twentieth lease).
 // Why 16 and not 32 (llama.cpp's q8_1 block): against transformers fp32 on the real 1.5B at batch 1, one
 //   scale per 32 values put the worst logit gap where the argmaxes differ at 0.104, over the tier's
 //   near-tie bound of 0.1; per 16 the CPU study of the same criterion gave 0.097 and half the KL
@@ -24,7 +29,7 @@ namespace nq {
 // Staged per block (every block rounds the whole x: K/8 chunks over 256 threads, the 2 chunks of a
 //   half-piece in 2 neighbouring lanes that share their max and sum by a shuffle):
 //     xq (uint4) [2][K/32]:  xq[h][u] = the int8 x of words 2h, 2h+1 of piece u (k = 32u + 16h ..)
-//     xm (int4)  [K/32]:     per piece {bits of scale_a / 16, -8 sum_a, bits of scale_b / 16, -8 sum_b},
+//     xm (int4)  [K/32]:     per piece {bits of scale_a / 16, kA8AccStart - 8 sum_a, the same for b},
 //                            a / b its halves k = 32u .. 32u+15 / 32u+16 .. 32u+31
 //   scale = amax / 127, x_int = rint(x * (127 / amax)) (ties to even; 0 when amax = 0) per half-piece, from
 //   the fp16 activation (normed and rounded as the half2 loop stages it). gemv.py's numpy twin (round_a8)
@@ -35,6 +40,9 @@ namespace nq {
 // Weights in flight: the half2 loop's kInFlight pieces per row and lane (RowChunk). Measured for this loop
 // (H200, 7B down_proj): 2 / 6 / 8 / 10 pieces 16.8 / 15.5 / 14.6 / 14.9 us against 14.8 at 4; gate/up,
 // o_proj and q/k/v within 0.3 us at 2 / 6 / 8 (docs/PERF.md "fourteenth lease").
+
+constexpr int kA8AccStart = 0x04B40000;  // 16 x this = 0x4B400000, the bits of the float 1.5 * 2^23
+constexpr float kA8FloatBase = 12582912.f;  // 1.5 * 2^23
 
 struct A8Stage {  // the shared-memory views of the staged x (carved from the half2 loop's xs buffer)
   uint4* xq;
@@ -117,7 +125,7 @@ __device__ __forceinline__ void stage_x_a8(const uint16_t* __restrict__ x, const
         const uint32_t hi = __byte_perm(__byte_perm(b[4], b[5], 0x0040u), __byte_perm(b[6], b[7], 0x0040u), 0x5410u);
         reinterpret_cast<uint2*>(st.xq)[((c >> 1) * kNU + u) * 2 + (c & 1)] = make_uint2(lo, hi);
         // half-piece i / 2 = 2u + c / 2: its pair is the .x, .y (c = 0) or .z, .w (c = 2) of xm[u]
-        if ((c & 1) == 0) reinterpret_cast<int2*>(st.xm)[i >> 1] = make_int2(__float_as_int(amax / 127.f * 0.0625f), -8 * sum);
+        if ((c & 1) == 0) reinterpret_cast<int2*>(st.xm)[i >> 1] = make_int2(__float_as_int(amax / 127.f * 0.0625f), kA8AccStart - 8 * sum);
       }
     }
   }
@@ -131,8 +139,8 @@ __device__ __forceinline__ int dp4a_us(uint32_t a, uint32_t b, int c) {
   return d;
 }
 
-// 16 sum_k q[k] x_int[k] over each half of one piece (4 words) of a row: exact. Four independent chains of
-// two dp4a (the per-32 form had two of four).
+// The bits of the floats 1.5 * 2^23 + 16 sum_k q[k] x_int[k] over each half of one piece (4 words) of a row
+// (exact; the biases hold kA8AccStart). Four independent chains of two dp4a.
 __device__ __forceinline__ int2 dot16x2_a8(const uint4& w, const uint4& xa, const uint4& xb, int bias_a, int bias_b) {
   int la = bias_a, ha = 0, lb = bias_b, hb = 0;
   la = dp4a_us(w.x & 0x0F0F0F0Fu, xa.x, la);
@@ -155,8 +163,11 @@ __device__ __forceinline__ void use_chunk_a8(const RowChunk& c, int j0, A8Stage 
     const float sa = __int_as_float(m.x), sb = __int_as_float(m.z);
     const int2 d0 = dot16x2_a8(c.v0[jj], xa, xb, m.y, m.w);
     const int2 d1 = dot16x2_a8(c.v1[jj], xa, xb, m.y, m.w);
-    a0 = fmaf(fmaf(static_cast<float>(d0.x), sa, static_cast<float>(d0.y) * sb), h2f(c.g0[jj]), a0);
-    a1 = fmaf(fmaf(static_cast<float>(d1.x), sa, static_cast<float>(d1.y) * sb), h2f(c.g1[jj]), a1);
+    // __int_as_float(d) - 1.5 * 2^23 is the sum itself, exactly (no I2F)
+    const float fa0 = __int_as_float(d0.x) - kA8FloatBase, fb0 = __int_as_float(d0.y) - kA8FloatBase;
+    const float fa1 = __int_as_float(d1.x) - kA8FloatBase, fb1 = __int_as_float(d1.y) - kA8FloatBase;
+    a0 = fmaf(fmaf(fa0, sa, fb0 * sb), h2f(c.g0[jj]), a0);
+    a1 = fmaf(fmaf(fa1, sa, fb1 * sb), h2f(c.g1[jj]), a1);
   });
 }
 

@@ -36,10 +36,10 @@ __device__ __forceinline__ void a8_round_group(float v, int g, uint16_t* img) {
     reinterpret_cast<uint32_t*>(img)[((m >> 2) * kNU + g) * 4 + (m & 3)] =
         __byte_perm(__byte_perm(b, b1, 0x0040u), __byte_perm(b2, b3, 0x0040u), 0x5410u);
   }
-  // half-piece 2g + lane / 16's {scale / 16, -8 sum}: xm[g]'s .x, .y (lane 0) or .z, .w (lane 16)
+  // half-piece 2g + lane / 16's {scale / 16, kA8AccStart - 8 sum}: xm[g]'s .x, .y (lane 0) or .z, .w (lane 16)
   if ((lane & 15) == 0)
     reinterpret_cast<int2*>(img + kInter / 2)[2 * g + (lane >> 4)] =
-        make_int2(__float_as_int(amax / 127.f * 0.0625f), -8 * sum);
+        make_int2(__float_as_int(amax / 127.f * 0.0625f), kA8AccStart - 8 * sum);
 }
 
 template <int K>

@@ -221,7 +221,7 @@ __device__ __forceinline__ void trigger_after_last_unit(bool last) {
   if (kX != kXHalf && last) pdl_trigger();
 }
 
-// Stage an a8 image (K bytes of int8 x then K / 32 int4, two {scale / 16, -8 sum} per piece: the shared
+// Stage an a8 image (K bytes of int8 x then K / 32 int4, two {scale / 16, accumulator start} per piece: the shared
 // layout itself)
 template <int K>
 __device__ __forceinline__ void stage_image(const uint16_t* __restrict__ img, uint4* xs) {
