@@ -123,20 +123,27 @@ def test_int8_decode_activations_need_the_a8_kernels(tied_path):
         make_backend(tied_path, "host", decode_activations="int4")
 
 
-def test_decode_activations_default_to_int8_unless_a_variant_is_named():
+def test_decode_activations_plan_honours_what_was_asked_then_a_named_variant():
     """Who decides what batch-1 decode GEMVs multiply: an explicit setting (argument or
     $NANOQWEN_DECODE_ACTIVATIONS) wins; else a kernel stand-in's or $NANOQWEN_GEMV_VARIANT's variant says;
-    else int8 (the GEMV variant "a8"). fp16 never builds "a8", even when $NANOQWEN_GEMV_VARIANT names it."""
+    else DEFAULT_DECODE_ACTIVATIONS (fp16). fp16 never builds "a8", even when $NANOQWEN_GEMV_VARIANT names
+    it, and names the kernels' default variant rather than leaving the choice to that variable."""
     from types import SimpleNamespace
 
-    from nanoqwen_engine.cuda.load import DEFAULT_DECODE_ACTIVATIONS, decode_activations_plan
+    from nanoqwen_engine.cuda.load import (
+        DEFAULT_DECODE_ACTIVATIONS,
+        FP16_GEMV_VARIANT,
+        decode_activations_plan,
+    )
+    from nanoqwen_kernels.gemv import A8_VARIANTS, DEFAULT_GEMV_VARIANT
 
-    assert DEFAULT_DECODE_ACTIVATIONS == "int8"
-    assert decode_activations_plan(None, None) == ("int8", "a8")
+    assert FP16_GEMV_VARIANT == DEFAULT_GEMV_VARIANT and FP16_GEMV_VARIANT not in A8_VARIANTS
+    assert DEFAULT_DECODE_ACTIVATIONS == "fp16"
+    assert decode_activations_plan(None, None) == ("fp16", "tiles")
     assert decode_activations_plan("int8", None) == ("int8", "a8")
-    assert decode_activations_plan("fp16", None) == ("fp16", None)
+    assert decode_activations_plan("fp16", None) == ("fp16", "tiles")
     assert decode_activations_plan("fp16", "mma") == ("fp16", "mma")
-    assert decode_activations_plan("fp16", "a8") == ("fp16", None)
+    assert decode_activations_plan("fp16", "a8") == ("fp16", "tiles")
     assert decode_activations_plan("int8", "mma") == ("int8", "a8")
     assert decode_activations_plan(None, "mma") == ("fp16", "mma")
     assert decode_activations_plan(None, "a8") == ("int8", "a8")
