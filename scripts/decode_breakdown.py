@@ -9,6 +9,11 @@ step, whatever B; the KV bytes of every sequence at the context) over the measur
 
     python3 scripts/decode_breakdown.py MODEL.nanoqwen [--context 640] [--batch 1] [--json out.json]
 
+--timeline N (kernels built with NANOQWEN_KERNEL_DEFINES=NQ_STAMPS=1): then N replays of the whole step with
+every block stamping itself (nanoqwen_kernels.stamps), and per kind of launch (the median over layers and
+replays) how long it holds the GPU inside the step, how early its blocks are placed, how long they wait in
+pdl_wait and what follows the hand-off: what the per-family graphs above cannot show.
+
 Needs a GPU (CuPy). Run by scripts/gpu_all.sh (section `breakdown`).
 """
 
@@ -31,6 +36,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--batch", type=int, default=1, help="sequences in the step, each at --context tokens")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--timeline", type=int, default=0, help="replays of the stamped step (needs NQ_STAMPS=1)")
     args = ap.parse_args()
     B = args.batch
 
@@ -160,14 +166,56 @@ def main() -> int:
           f"{100 * total_b / COPY_BW / t_step:6.1f}%")
     print(f"launcher calls per token: {be.info.get('launcher_calls_per_token')}, "
           f"graph kernel nodes: {be.info.get('graph_kernel_nodes_greedy')}")
+    timeline = step_timeline(dev, body, L, args.timeline) if args.timeline else None
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"gpu_name": gpu, "batch": B, "context": args.context, "families": recs, "sum_us": s * 1e6,
-                       "step_us": t_step * 1e6, "bytes_per_step": total_b,
+                       "step_us": t_step * 1e6, "bytes_per_step": total_b, "timeline": timeline,
                        "date": time.strftime("%Y-%m-%d")}, f, indent=2)
     for seq in seqs:
         be.pool.free(seq)
     return 0
+
+
+LAYER_LAUNCHES = ("qkv_rope_kv", "attention_decode", "o_proj+residual", "gate_up_silu", "down+residual")
+
+
+def step_timeline(dev, body, n_layers: int, replays: int) -> list[dict]:
+    """The stamped step (nanoqwen_kernels.stamps): per kind of launch, medians over layers and replays."""
+    import cupy as cp
+    from nanoqwen_kernels import stamps
+
+    with dev.use():
+        g = dev.capture(body)
+        buf = stamps.arm(1 << 20)
+        runs = []
+        for _ in range(replays + 1):  # the first replay warms up
+            stamps.reset(buf)
+            cp.cuda.Device().synchronize()
+            dev.replay(g)
+            cp.cuda.Device().synchronize()
+            runs.append(stamps.launches(*stamps.read(buf)))
+        stamps.disarm()
+    runs = runs[1:]
+    n = len(runs[0])
+    rest = n - 1 - len(LAYER_LAUNCHES) * n_layers
+    if rest < 0:
+        raise SystemExit(f"the stamped step has {n} launches, fewer than embed + {n_layers} layers")
+    names = ["embed"] + list(LAYER_LAUNCHES) * n_layers + [f"head/sampler {j}" for j in range(rest)]
+    per_position = stamps.step_table(runs, names)
+    keys = ("span_us", "placed_us", "waited_us", "after_us", "tail_us")
+    out = []
+    print(f"\nstep timeline ({replays} replays, stamped build; medians over layers and replays, us):")
+    print(f"{'launch':22s} {'blocks':>6s} {'span':>7s} {'placed':>7s} {'waited':>7s} {'after':>7s} {'tail':>7s} "
+          f"{'x step':>7s}")
+    for name in dict.fromkeys(names + ["step"]):
+        rows = [r for r in per_position if r["name"] == name]
+        agg = {k: float(np.nanmedian([r[k] for r in rows])) if any(r[k] == r[k] for r in rows) else float("nan")
+               for k in keys}
+        agg.update(name=name, count=len(rows), blocks=rows[0]["blocks"])
+        out.append(agg)
+        print(f"{name:22s} {agg['blocks']:6d} " + " ".join(f"{agg[k]:7.2f}" for k in keys) + f" {len(rows):7d}")
+    return out
 
 
 if __name__ == "__main__":

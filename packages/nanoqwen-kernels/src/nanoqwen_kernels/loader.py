@@ -219,6 +219,14 @@ def device_arch() -> str:
     return f"sm_{cc}a" if cc == "90" else f"sm_{cc}"
 
 
+_LOADED: list[LoadedModule] = []  # every module this process loaded (stamps.py points their stamp buffers)
+
+
+def loaded_modules() -> list[LoadedModule]:
+    """The modules loaded in this process so far, oldest first."""
+    return list(_LOADED)
+
+
 class LoadedModule:
     """A cubin loaded on the current device; get_function(name) for extern "C" kernels."""
 
@@ -229,6 +237,16 @@ class LoadedModule:
         self._module = cupy.cuda.function.Module()
         self._module.load(cubin)
         self._functions: dict[str, object] = {}
+        _LOADED.append(self)
+
+    def global_address(self, name: str) -> int | None:
+        """The device address of the module-scope variable `name` (C linkage), or None where it has none."""
+        try:
+            p = self._module.get_global_var(name)
+        except Exception:
+            return None
+        p = p[0] if isinstance(p, tuple) else p
+        return int(getattr(p, "ptr", p))
 
     def get_function(self, name: str, max_dynamic_smem: int = 0):
         fn = self._functions.get(name)

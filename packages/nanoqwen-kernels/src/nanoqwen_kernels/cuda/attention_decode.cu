@@ -320,6 +320,7 @@ extern "C" __global__ void __launch_bounds__(nq_dec::kThreads, 1)
                         int layer, int n_pages, int max_pages, int csize, int n_clusters,
                         float* __restrict__ workspace,               // tickets, ws_acc, ws_ml
                         nq::uint16_t* __restrict__ out) {            // [B, NQ_NHEADS*128]
+  NQ_STAMP();  // the step timeline (common.cuh, NQ_STAMPS): nothing in a real build
 #if NQ_ATTN_PUSH_FOLD
   // the push fold's first cluster-barrier phase: arrive now, wait before the first remote store (every path
   // below, the idle one included, waits on it exactly once)

@@ -154,6 +154,7 @@ __device__ __forceinline__ void wg_pv_issue(const nq::uint32_t (&pa)[4][4], cons
 }
 
 extern "C" __global__ void __launch_bounds__(128, 2) nq_attention_prefill_wg(NQ_ATTENTION_PREFILL_ARGS) {
+  NQ_STAMP();  // the step timeline (common.cuh, NQ_STAMPS): nothing in a real build
   using namespace nq_pre_wg;
   nq::pdl_wait();  // launch overlap (common.cuh): nothing read or written before it
   extern __shared__ __align__(16) unsigned char smem_wg[];

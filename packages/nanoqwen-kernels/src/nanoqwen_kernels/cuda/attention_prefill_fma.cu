@@ -25,6 +25,7 @@ using nq_pre_common::kv_offset;
 }  // namespace nq_pre
 
 extern "C" __global__ void __launch_bounds__(nq_pre::kThreads) nq_attention_prefill(NQ_ATTENTION_PREFILL_ARGS) {
+  NQ_STAMP();  // the step timeline (common.cuh, NQ_STAMPS): nothing in a real build
   nq::pdl_wait();  // launch overlap (common.cuh): nothing read or written before it
   using namespace nq_pre;
   __shared__ __align__(16) float qs[kBQ * kRowF];   // [32][132] fp32, pre-scaled to the log2 domain

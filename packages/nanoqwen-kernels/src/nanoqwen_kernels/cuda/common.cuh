@@ -119,6 +119,58 @@ __device__ __forceinline__ void cp_async16_l2_256(void* smem_dst, const void* gm
   asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"(smem_u32(smem_dst)), "l"(gmem_src)
                : "memory");
 }
+// ---- the step timeline (NQ_STAMPS=1, a diagnostic build; scripts/decode_breakdown.py --timeline) --------
+// Thread 0 of every block of an entry (NQ_STAMP() is every entry's first statement) takes a slot by an
+// atomic on a buffer the host points every module's nq_stamp_buf at (nanoqwen_kernels.stamps), and writes
+// the global nanosecond timer at the block's start and exit, with the grid's block count and the SM; when it
+// passes pdl_wait it appends the time to a second stream of records. Start slots order the blocks of the
+// whole step across modules, and a launch's blocks all start before the next launch's (that one launches
+// only once every block of this one has triggered or exited), so the host cuts the slots into launches by
+// grid size; the waits likewise (a launch's blocks pass pdl_wait only after the previous launch completed).
+// No shared memory (a kernel's shared-memory budget is the same as in a real build); 0 in every real
+// build: no code at all. Buffer (uint64): [0] start slots taken, [1] capacity, [2] wait slots taken, [3]
+// unused (counts in the low 32 bits); then `capacity` start records {start, exit, grid blocks | smid << 32,
+// 0}; then `capacity` wait records {time, grid blocks}. nullptr (the default): nothing recorded.
+#ifndef NQ_STAMPS
+#define NQ_STAMPS 0
+#endif
+#if NQ_STAMPS
+}  // namespace nq
+extern "C" {
+__device__ unsigned long long* nq_stamp_buf;  // C linkage: the host finds it by this name in every module
+}
+namespace nq {
+__device__ __forceinline__ unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ unsigned long long grid_blocks() {
+  return static_cast<unsigned long long>(gridDim.x) * gridDim.y * gridDim.z;
+}
+struct BlockStamp {
+  unsigned long long* rec = nullptr;  // thread 0's start record
+  __device__ BlockStamp() {
+    unsigned long long* b = nq_stamp_buf;
+    if (threadIdx.x != 0 || b == nullptr) return;
+    const unsigned long long t = global_ns();
+    const unsigned i = atomicAdd(reinterpret_cast<unsigned*>(b), 1u);
+    if (i >= b[1]) return;
+    unsigned sm;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    rec = b + 4 + 4ull * i;
+    rec[0] = t;
+    rec[2] = grid_blocks() | (static_cast<unsigned long long>(sm) << 32);
+  }
+  __device__ ~BlockStamp() {
+    if (rec != nullptr) rec[1] = global_ns();
+  }
+};
+#define NQ_STAMP() const nq::BlockStamp nq_block_stamp_
+#else
+#define NQ_STAMP() static_cast<void>(0)
+#endif
+
 // ---- programmatic dependent launch (docs/KERNELS.md "Launch overlap") ----------------------------------
 // Every kernel is launched with the programmatic-stream-serialization attribute (nanoqwen_kernels.pdl), so
 // the launch of a kernel is processed while the kernel before it in the stream drains, and its blocks are
@@ -131,7 +183,21 @@ __device__ __forceinline__ void cp_async16_l2_256(void* smem_dst, const void* gm
 // griddepcontrol.launch_dependents at each entry (the next kernel launched at once, its blocks waiting
 // beside the running ones) took 2.20 -> 2.55 ms/token, 2.43 without the weight prefetch; an L2 prefetch
 // of the first weights before the wait cost 0.06 ms on its own; the wait alone gave 2.12 ms.
-__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void pdl_wait() {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#if NQ_STAMPS
+  unsigned long long* b = nq_stamp_buf;
+  if (threadIdx.x == 0 && b != nullptr) {
+    const unsigned long long t = global_ns();
+    const unsigned i = atomicAdd(reinterpret_cast<unsigned*>(b + 2), 1u);
+    if (i < b[1]) {
+      unsigned long long* w = b + 4 + 4ull * b[1] + 2ull * i;
+      w[0] = t;
+      w[1] = grid_blocks();
+    }
+  }
+#endif
+}
 // Let the next kernel in the stream launch now rather than when this one's blocks exit. Used only by small
 // one-wave kernels whose successor can issue work that does not depend on them (the tile GEMM's weight
 // copies, gemm_tiles.cuh): the successor still waits in pdl_wait for this kernel's completion and flush.

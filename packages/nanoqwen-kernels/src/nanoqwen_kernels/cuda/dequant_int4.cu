@@ -23,6 +23,7 @@ extern "C" __global__ void __launch_bounds__(kDequantThreads)
                     const nq::uint16_t* __restrict__ scales,   // [N, K/128] fp16
                     nq::uint16_t* __restrict__ out,            // [N, K] fp16
                     int n_rows, int k) {
+  NQ_STAMP();  // the step timeline (common.cuh, NQ_STAMPS): nothing in a real build
   nq::pdl_wait();  // launch overlap (common.cuh): nothing read or written before it
   const int words_per_row = k >> 3;
   const long long n_words = static_cast<long long>(n_rows) * words_per_row;

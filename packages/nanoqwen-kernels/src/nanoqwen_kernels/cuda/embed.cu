@@ -15,6 +15,7 @@ extern "C" __global__ void __launch_bounds__(256) nq_embed(
     const uint16_t* __restrict__ table,     // [V, H] fp16
     const int32_t* __restrict__ token_dev,  // [B]
     uint16_t* __restrict__ out) {           // [B, H] fp16
+  NQ_STAMP();  // the step timeline (common.cuh, NQ_STAMPS): nothing in a real build
   nq::pdl_wait();  // launch overlap (common.cuh): nothing read or written before it
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= kHidden / 8) return;

@@ -235,6 +235,7 @@ __device__ __forceinline__ void gemm_fp8_wg(const TmaMap& xmap, const TmaMap& wm
       const __grid_constant__ nq::TmaMap xmap, const __grid_constant__ nq::TmaMap wmap,                         \
       const float* __restrict__ sw, const float* __restrict__ sx, nq::uint16_t* __restrict__ out, int T, int N, \
       int K, int n_pad, int accumulate, float* __restrict__ ws, int splits, int band) {                         \
+    NQ_STAMP();                                                                                                \
     nq::gf8::gemm_fp8_wg<NT / 8, SILU>(xmap, wmap, sw, sx, out, T, N, K, n_pad, accumulate, ws, splits, band); \
   }
 NQ_GF8_ENTRY(_n128, 128, false)

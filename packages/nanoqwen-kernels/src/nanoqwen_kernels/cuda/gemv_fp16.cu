@@ -44,6 +44,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) nq_gemv_fp16(
     const uint16_t* __restrict__ x,  // [H] fp16
     float* __restrict__ out,         // [N] fp32
     int n_rows) {
+  NQ_STAMP();  // the step timeline (common.cuh, NQ_STAMPS): nothing in a real build
   constexpr int kNU = kHidden / 8;           // 16-byte pieces per row
   constexpr int kNJ = (kNU + 31) / 32;       // pieces per lane
   __shared__ float4 xs[kHidden / 4];         // [H] fp32 = H * 4 bytes
@@ -106,6 +107,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) nq_gemv_fp16(
   extern "C" __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) nq_gemv_fp16_mma##COLS(                         \
       const uint16_t* __restrict__ w, const uint16_t* __restrict__ x, float* __restrict__ out, int n_rows,  \
       int n_cols, int pass_cols, int slice_groups) {                                                   \
+    NQ_STAMP();                                                                                         \
     gemv_mma<kHidden, COLS / 8>(Fp16Weights{w}, x, nullptr, 0.f, (n_rows + 1) / 2, n_cols, pass_cols,   \
                                 slice_groups, PlainRows{n_rows}, F32Epi{out, n_rows});                 \
   }

@@ -335,12 +335,14 @@ using namespace nq;
   extern "C" __global__ void __launch_bounds__(kThreads) nq_gemv_int4_h##SUFFIX(                            \
       const uint32_t* __restrict__ qweight, const uint16_t* __restrict__ scales, const uint16_t* __restrict__ x, \
       const uint16_t* __restrict__ norm_w, float eps, const uint16_t* residual, uint16_t* out, int n_rows) { \
+    NQ_STAMP();                                                                                             \
     gemv_units<kHidden, PlainRows, PlainEpi, KX>(qweight, scales, x, norm_w, eps, (n_rows + 1) / 2,         \
                                                  PlainRows{n_rows}, PlainEpi{residual, out, n_rows});       \
   }                                                                                                         \
   extern "C" __global__ void __launch_bounds__(kThreads) nq_gemv_int4_i##SUFFIX(                            \
       const uint32_t* __restrict__ qweight, const uint16_t* __restrict__ scales, const uint16_t* __restrict__ x, \
       const uint16_t* __restrict__ norm_w, float eps, const uint16_t* residual, uint16_t* out, int n_rows) { \
+    NQ_STAMP();                                                                                             \
     gemv_units<kInter, PlainRows, PlainEpi, KX>(qweight, scales, x, norm_w, eps, (n_rows + 1) / 2,          \
                                                 PlainRows{n_rows}, PlainEpi{residual, out, n_rows});        \
   }                                                                                                         \
@@ -350,6 +352,7 @@ using namespace nq;
       float eps, const int32_t* __restrict__ pos, const int32_t* __restrict__ page_table, int max_pages,     \
       uint16_t* __restrict__ k_cache, uint16_t* __restrict__ v_cache, int layer, int n_pages,                \
       uint16_t* __restrict__ q_out) {                                                                       \
+    NQ_STAMP();                                                                                             \
     gemv_units<kHidden, QkvRows, QkvEpi, KX>(                                                               \
         qweight, scales, x, norm_w, eps, kQkvRows / 2, QkvRows{},                                           \
         QkvEpi{bias, pos, page_table, max_pages, k_cache, v_cache, layer, n_pages, q_out});                 \
@@ -357,6 +360,7 @@ using namespace nq;
   extern "C" __global__ void __launch_bounds__(kThreads) nq_gate_up_silu##SUFFIX(                           \
       const uint32_t* __restrict__ qweight, const uint16_t* __restrict__ scales, const uint16_t* __restrict__ x, \
       const uint16_t* __restrict__ norm_w, float eps, uint16_t* __restrict__ out) {                         \
+    NQ_STAMP();                                                                                             \
     gemv_units<kHidden, GateUpRows, GateUpEpi, KX>(qweight, scales, x, norm_w, eps, kInter, GateUpRows{},   \
                                                    GateUpEpi{out});                                         \
   }
@@ -371,12 +375,14 @@ NQ_B1_ENTRIES(_a8, kXA8)
 extern "C" __global__ void __launch_bounds__(kThreads) nq_gate_up_silu_a8x(
     const uint32_t* __restrict__ qweight, const uint16_t* __restrict__ scales, const uint16_t* __restrict__ x,
     const uint16_t* __restrict__ norm_w, float eps, uint16_t* __restrict__ out) {
+  NQ_STAMP();  // the step timeline (common.cuh, NQ_STAMPS): nothing in a real build
   gate_up_a8_image<kHidden>(qweight, scales, x, norm_w, eps, out);
 }
 
 extern "C" __global__ void __launch_bounds__(kThreads) nq_gemv_int4_i_a8x(
     const uint32_t* __restrict__ qweight, const uint16_t* __restrict__ scales, const uint16_t* __restrict__ x,
     const uint16_t* residual, uint16_t* out, int n_rows) {
+  NQ_STAMP();  // the step timeline (common.cuh, NQ_STAMPS): nothing in a real build
   gemv_units<kInter, PlainRows, PlainEpi, kXImage>(qweight, scales, x, nullptr, 0.f, (n_rows + 1) / 2,
                                                    PlainRows{n_rows}, PlainEpi{residual, out, n_rows});
 }
@@ -389,6 +395,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) nq_gemv_int4_i_a8x(
       const uint32_t* __restrict__ qweight, const uint16_t* __restrict__ scales,                            \
       const uint16_t* __restrict__ x, const uint16_t* __restrict__ norm_w, float eps,                       \
       const uint16_t* residual, uint16_t* out, int n_rows, int n_cols, int pass_cols, int slice_groups) {  \
+    NQ_STAMP();                                                                                             \
     gemv_mma<kHidden, COLS / 8>(Int4Weights{qweight, scales}, x, norm_w, eps, (n_rows + 1) / 2, n_cols,     \
                                 pass_cols, slice_groups, PlainRows{n_rows},                                \
                                 PlainEpi{residual, out, n_rows});                                          \
@@ -397,6 +404,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) nq_gemv_int4_i_a8x(
       const uint32_t* __restrict__ qweight, const uint16_t* __restrict__ scales,                            \
       const uint16_t* __restrict__ x, const uint16_t* __restrict__ norm_w, float eps,                       \
       const uint16_t* residual, uint16_t* out, int n_rows, int n_cols, int pass_cols, int slice_groups) {  \
+    NQ_STAMP();                                                                                             \
     gemv_mma<kInter, COLS / 8>(Int4Weights{qweight, scales}, x, norm_w, eps, (n_rows + 1) / 2, n_cols,      \
                                pass_cols, slice_groups, PlainRows{n_rows}, PlainEpi{residual, out, n_rows}); \
   }                                                                                                        \
@@ -406,6 +414,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) nq_gemv_int4_i_a8x(
       float eps, const int32_t* __restrict__ pos, const int32_t* __restrict__ page_table, int max_pages,     \
       uint16_t* __restrict__ k_cache, uint16_t* __restrict__ v_cache, int layer, int n_pages,                \
       uint16_t* __restrict__ q_out, int n_cols, int pass_cols, int slice_groups) {                         \
+    NQ_STAMP();                                                                                            \
     gemv_mma<kHidden, COLS / 8>(                                                                           \
         Int4Weights{qweight, scales}, x, norm_w, eps, kQkvRows / 2, n_cols, pass_cols, slice_groups,        \
         QkvRows{}, QkvEpi{bias, pos, page_table, max_pages, k_cache, v_cache, layer, n_pages, q_out});      \
@@ -414,6 +423,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) nq_gemv_int4_i_a8x(
       const uint32_t* __restrict__ qweight, const uint16_t* __restrict__ scales,                            \
       const uint16_t* __restrict__ x, const uint16_t* __restrict__ norm_w, float eps,                       \
       uint16_t* __restrict__ out, int n_cols, int pass_cols, int slice_groups) {                           \
+    NQ_STAMP();                                                                                             \
     gemv_mma<kHidden, COLS / 8>(Int4Weights{qweight, scales}, x, norm_w, eps, kInter, n_cols, pass_cols,    \
                                 slice_groups, GateUpRows{}, GateUpEpi{out});                               \
   }
@@ -425,6 +435,7 @@ NQ_INT4_MMA_ENTRIES(32, 2)
 // before the tile entries when the GEMV has a norm (they read x already normalised).
 extern "C" __global__ void __launch_bounds__(kThreads) nq_norm_cols_h(
     const uint16_t* __restrict__ x, const uint16_t* __restrict__ norm_w, float eps, uint16_t* __restrict__ xn) {
+  NQ_STAMP();  // the step timeline (common.cuh, NQ_STAMPS): nothing in a real build
   norm_cols<kHidden>(x, norm_w, eps, xn);
 }
 
@@ -433,12 +444,14 @@ extern "C" __global__ void __launch_bounds__(kThreads) nq_norm_cols_h(
 extern "C" __global__ void __launch_bounds__(kThreads) nq_norm_cols_wg_h(
     const uint16_t* __restrict__ x, const uint16_t* __restrict__ norm_w, float eps, uint16_t* __restrict__ xn,
     int tile_cols) {
+  NQ_STAMP();  // the step timeline (common.cuh, NQ_STAMPS): nothing in a real build
   norm_cols<kHidden, true>(x, norm_w, eps, xn, tile_cols);
 }
 #endif
 
 extern "C" __global__ void __launch_bounds__(kThreads) nq_norm_cols_i(
     const uint16_t* __restrict__ x, const uint16_t* __restrict__ norm_w, float eps, uint16_t* __restrict__ xn) {
+  NQ_STAMP();  // the step timeline (common.cuh, NQ_STAMPS): nothing in a real build
   norm_cols<kInter>(x, norm_w, eps, xn);
 }
 
@@ -453,6 +466,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) nq_norm_cols_i(
       const uint32_t* __restrict__ qweight, const uint16_t* __restrict__ scales,                            \
       const uint16_t* __restrict__ x, const uint16_t* residual, uint16_t* out, int n_rows, int n_cols,      \
       float* __restrict__ ws, int* __restrict__ tickets) {                                                  \
+    NQ_STAMP();                                                                                            \
     gemm_tiles<K, COLS / 8>(qweight, scales, x, (n_rows + 1) / 2, n_cols, ws, tickets, PlainRows{n_rows},  \
                             PlainEpi{residual, out, n_rows});                                               \
   }
@@ -465,6 +479,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) nq_norm_cols_i(
       const int32_t* __restrict__ page_table, int max_pages, uint16_t* __restrict__ k_cache,                \
       uint16_t* __restrict__ v_cache, int layer, int n_pages, uint16_t* __restrict__ q_out, int n_cols,     \
       float* __restrict__ ws, int* __restrict__ tickets) {                                                  \
+    NQ_STAMP();                                                                                             \
     gemm_tiles<kHidden, COLS / 8, NQ_TILE_X_PREPERM>(qweight, scales, x, kQkvRows / 2, n_cols, ws, tickets, \
                                                      QkvRows{},                                               \
                                   QkvEpi{bias, pos, page_table, max_pages, k_cache, v_cache, layer,         \
@@ -474,6 +489,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) nq_norm_cols_i(
       const uint32_t* __restrict__ qweight, const uint16_t* __restrict__ scales,                            \
       const uint16_t* __restrict__ x, uint16_t* __restrict__ out, int n_cols, float* __restrict__ ws,       \
       int* __restrict__ tickets) {                                                                          \
+    NQ_STAMP();                                                                                             \
     gemm_tiles<kHidden, COLS / 8, NQ_TILE_X_PREPERM>(qweight, scales, x, kInter, n_cols, ws, tickets,       \
                                                      GateUpRows{},                                            \
                                   GateUpEpi{out});                                                          \

@@ -64,6 +64,7 @@ extern "C" __global__ void __launch_bounds__(kHeadThreads) nq_gemv_head_i8(
     const uint16_t* __restrict__ x,   // [H] fp16
     float* __restrict__ out,          // [N] fp32
     int n_rows) {
+  NQ_STAMP();  // the step timeline (common.cuh, NQ_STAMPS): nothing in a real build
   __shared__ float4 xs[kHidden / 4];  // [H] fp32, swizzled (head_xs_slot)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int units = (n_rows + 1) / 2;
@@ -124,6 +125,7 @@ extern "C" __global__ void __launch_bounds__(256) nq_quantize_head_i8(
     uint8_t* __restrict__ q,         // [N, H]
     uint16_t* __restrict__ s,        // [N, H/128]
     int n_rows) {
+  NQ_STAMP();  // the step timeline (common.cuh, NQ_STAMPS): nothing in a real build
   pdl_wait();
   constexpr int kGroups = kHidden / kGroup;
   const long long item = static_cast<long long>(blockIdx.x) * 8 + (threadIdx.x >> 5);  // (row, group)
@@ -152,6 +154,7 @@ extern "C" __global__ void __launch_bounds__(256) nq_dequantize_head_i8(
     const uint16_t* __restrict__ s,  // [N, H/128]
     uint16_t* __restrict__ out,      // [N, H] fp16
     int n_rows) {
+  NQ_STAMP();  // the step timeline (common.cuh, NQ_STAMPS): nothing in a real build
   pdl_wait();
   constexpr int kGroups = kHidden / kGroup;
   const long long item = static_cast<long long>(blockIdx.x) * 8 + (threadIdx.x >> 5);

@@ -15,6 +15,7 @@ static_assert(nq::kInter % 8 == 0, "silu_mul_rows moves 8 halves per thread");
 extern "C" __global__ void __launch_bounds__(256)
     nq_silu_mul_rows(const nq::uint16_t* __restrict__ gu,  // [T, 2 kInter] fp16
                      nq::uint16_t* __restrict__ out) {     // [T, kInter] fp16
+  NQ_STAMP();  // the step timeline (common.cuh, NQ_STAMPS): nothing in a real build
   nq::pdl_wait();  // launch overlap (common.cuh): nothing read or written before it
   const int c = blockIdx.x * blockDim.x + threadIdx.x;  // 16-byte chunk of the row
   if (c >= nq::kInter / 8) return;

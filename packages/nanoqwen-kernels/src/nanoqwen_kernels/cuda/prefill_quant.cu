@@ -29,6 +29,7 @@ __device__ __forceinline__ uint32_t e4m3x2(float lo, float hi) {
 extern "C" __global__ void __launch_bounds__(256)
     nq_quantize_e4m3_rows(const nq::uint16_t* __restrict__ x, nq::uint8_t* __restrict__ xq, float* __restrict__ sx,
                           int K) {
+  NQ_STAMP();  // the step timeline (common.cuh, NQ_STAMPS): nothing in a real build
   using namespace nq;
   extern __shared__ uint2 row_s[];  // the row, K / 4 pieces of 4 halves (K x 2 bytes: 37 KB at the 7B's 18,944)
   __shared__ float red[8];
@@ -62,6 +63,7 @@ extern "C" __global__ void __launch_bounds__(256)
                          nq::uint8_t* __restrict__ xq,        // [T, kHidden] e4m3
                          float* __restrict__ sx,              // [T]
                          float eps) {
+  NQ_STAMP();  // the step timeline (common.cuh, NQ_STAMPS): nothing in a real build
   using namespace nq;
   constexpr int kPieces = kHidden / 8;               // 16 B = 8 halves each
   constexpr int kPer = (kPieces + 255) / 256;        // pieces per thread
@@ -119,6 +121,7 @@ extern "C" __global__ void __launch_bounds__(256)
 extern "C" __global__ void __launch_bounds__(256)
     nq_int4_to_e4m3(const nq::uint32_t* __restrict__ qw, const int* __restrict__ rowmap, nq::uint8_t* __restrict__ w8,
                     int n_out, int K) {
+  NQ_STAMP();  // the step timeline (common.cuh, NQ_STAMPS): nothing in a real build
   using namespace nq;
   // e4m3 of q = u - 8, u = 0 .. 15 (sign bit 7, biased exponent bits 6-3, mantissa 2-0), 8 bytes each
   // packed in two 64-bit constants (no table in memory): byte u & 7 of kLo (u < 8) or kHi

@@ -60,6 +60,7 @@ extern "C" __global__ void __launch_bounds__(64)
                     nq::uint16_t* __restrict__ v_cache,       // same
                     int layer, int n_pages,
                     nq::uint16_t* __restrict__ q_out) {       // [T, kQDim] fp16
+  NQ_STAMP();  // the step timeline (common.cuh, NQ_STAMPS): nothing in a real build
   nq::pdl_wait();  // launch overlap (common.cuh): nothing read or written before it
   int valid = gridDim.x;  // rows with a real token
   if (ctl != nullptr) {    // a captured prefill graph: its bucket's rows past ctl[1] are padding
@@ -95,6 +96,7 @@ extern "C" __global__ void __launch_bounds__(256)
                            int start_pos, const int* __restrict__ ctl, const int* __restrict__ page_table,
                            nq::uint16_t* __restrict__ k_cache, nq::uint16_t* __restrict__ v_cache, int layer,
                            int n_pages, nq::uint16_t* __restrict__ q_out, int rows) {
+  NQ_STAMP();  // the step timeline (common.cuh, NQ_STAMPS): nothing in a real build
   nq::pdl_wait();  // launch overlap (common.cuh): nothing read or written before it
   constexpr int kHeadsAll = nq::kHeads + 2 * nq::kKvHeads;
   constexpr int kPerRow = kHeadsAll * 16;  // work items per token: 16 groups of 4 pairs per head

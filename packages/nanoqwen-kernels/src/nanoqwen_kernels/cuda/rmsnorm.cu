@@ -21,6 +21,7 @@ extern "C" __global__ void __launch_bounds__(kNormThreads) nq_rmsnorm_rows(
     const uint16_t* __restrict__ w,       // [H] fp16
     uint16_t* out,                        // [T, H] fp16, may alias x
     float eps) {
+  NQ_STAMP();  // the step timeline (common.cuh, NQ_STAMPS): nothing in a real build
   nq::pdl_wait();  // launch overlap (common.cuh): nothing read or written before it
   constexpr int kPieces = kHidden / 8;                                  // 16 B = 8 halves each
   constexpr int kPer = (kPieces + kNormThreads - 1) / kNormThreads;     // pieces per thread

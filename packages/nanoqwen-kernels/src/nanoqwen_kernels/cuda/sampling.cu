@@ -114,6 +114,7 @@ extern "C" __global__ void __launch_bounds__(kArgThreads) nq_argmax(
     float* part_v, int* part_i,        // [B, gridDim.x] workspace: per-block winners
     unsigned int* ticket,              // [B] workspace, 0 between launches
     int32_t* __restrict__ token_out) { // [B]
+  NQ_STAMP();  // the step timeline (common.cuh, NQ_STAMPS): nothing in a real build
   nq::pdl_wait();  // launch overlap (common.cuh): nothing read or written before it
   __shared__ float sv[32];
   __shared__ int si[32];
@@ -154,6 +155,7 @@ extern "C" __global__ void __launch_bounds__(kSampThreads) nq_sample(
     uint64_t* __restrict__ rng_all,         // [B, 2] seed, step (step += 1 here)
     uint8_t* __restrict__ history_all,      // [B, n] presence masks; the drawn id is marked
     int32_t* __restrict__ token_all) {      // [B]
+  NQ_STAMP();  // the step timeline (common.cuh, NQ_STAMPS): nothing in a real build
   nq::pdl_wait();  // launch overlap (common.cuh): nothing read or written before it
   // one block per row: everything below is row b's
   const int row = blockIdx.x;
@@ -349,6 +351,7 @@ extern "C" __global__ void __launch_bounds__(kSampThreads) nq_sample(
 }
 
 extern "C" __global__ void nq_advance(int32_t* pos_dev, int32_t* seq_len_dev, int rows) {
+  NQ_STAMP();  // the step timeline (common.cuh, NQ_STAMPS): nothing in a real build
   nq::pdl_wait();  // launch overlap (common.cuh): nothing read or written before it
   const int b = blockIdx.x * blockDim.x + threadIdx.x;
   if (b < rows && seq_len_dev[b] > 0) {  // idle rows (seq_len 0) stay idle
