@@ -17,7 +17,7 @@
 # through `nanoqwen-cli bench --concurrency`), breakdown
 # pdl (NANOQWEN_PDL=0/1 A/B), prefill (prefill graphs A/B, 7B and the 1.5B's dims),
 # (scripts/decode_breakdown.py: the decode step's time per kernel family vs its byte floor, batch 1 at
-# context 640, then batch 32 at context 384), peer (scripts/peer_transformers.py: HF transformers bf16
+# context 640, then batch 32 at context 384, then the step timeline of a stamped build), peer (scripts/peer_transformers.py: HF transformers bf16
 # eager, same shape and protocol, then its prefill at 512 / 2k / 8k / 32k tokens; needs torch), real (the real 1.5B: conversion, tier, bench), serve,
 # llamacpp (llama.cpp on the real 1.5B only), and, not in the default set, peers (issue 18: nanoqwen beside
 # llama.cpp and transformers on the 7B-shaped model and the real 1.5B, the same shapes on both sides, and
@@ -204,6 +204,9 @@ if want breakdown; then
   run breakdown 120 $PY scripts/decode_breakdown.py "$NANOQWEN_LADDER_7B" --json "$OUT/breakdown_7b.json"
   run breakdown_b32 180 $PY scripts/decode_breakdown.py "$NANOQWEN_LADDER_7B" --batch 32 --context 384 \
     --json "$WORK/logs/breakdown_7b_b32.json"
+  # the step timeline (a stamped build, NQ_STAMPS=1: each launch's span, placement and hand-off inside the step)
+  run timeline 120 env NANOQWEN_KERNEL_DEFINES=NQ_STAMPS=1 $PY scripts/decode_breakdown.py "$NANOQWEN_LADDER_7B" \
+    --reps 10 --timeline 5 --json "$WORK/logs/timeline_7b.json"
 fi
 # Hardware counters of the batch-1 GEMVs (not in the default set: GPU_ALL_SECTIONS="info ncu"): Nsight
 # Compute on each half2-loop entry at the 7B's shapes, one launch each after warm-up, the lines that say
