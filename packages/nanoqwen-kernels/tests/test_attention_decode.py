@@ -184,14 +184,16 @@ BUILDS = [("7b", "fma"), ("7b", "mma"), ("tiny", "fma")]
 
 @gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("fold", ["push", "pull"])
 @pytest.mark.parametrize("name,variant", BUILDS)
 @pytest.mark.parametrize("B", [1, 2, 3, 8, 33, 64])
-def test_batch_of_mixed_lengths(kernels, name, B, variant, rng):
+def test_batch_of_mixed_lengths(kernels, name, B, variant, fold, rng):
     """B sequences of mixed lengths (cycling through MIXED from a random offset, one idle row of length 0
-    when B > 1) in one launch: every row matches its own float64 reference."""
+    when B > 1) in one launch: every row matches its own float64 reference. Both cluster folds (the default
+    push, and the pull build: NQ_ATTN_PUSH_FOLD=0); B = 33, 64 at 7B launch clusters of 1, the local path."""
     import cupy as cp
 
-    dims, ak = DIMS[name], kernels[name, variant]
+    dims, ak = DIMS[name], kernels[(name, variant) if fold == "push" else (name, variant, PULL)]
     off = int(rng.integers(len(MIXED)))
     lengths = [MIXED[(off + b) % len(MIXED)] for b in range(B)]
     if B > 1:
@@ -296,23 +298,6 @@ def test_pull_fold_matches_reference(kernels, name, seq_len, variant, rng):
     assert ak.clusters(1)[0] > 1, "batch 1 should launch clusters (the fold under test)"
     c = make_batch(cp, dims, [seq_len], rng)
     check(run(cp, ak, dims, c, 1), c, variant, [seq_len])
-
-
-@gpu
-@pytest.mark.gpu
-@pytest.mark.parametrize("name,variant", BUILDS)
-@pytest.mark.parametrize("B", [1, 2, 3, 8, 33, 64])
-def test_pull_fold_batch_of_mixed_lengths(kernels, name, B, variant, rng):
-    """test_batch_of_mixed_lengths on the pull build (B = 33, 64 at 7B: clusters of 1, the local path)."""
-    import cupy as cp
-
-    dims, ak = DIMS[name], kernels[name, variant, PULL]
-    off = int(rng.integers(len(MIXED)))
-    lengths = [MIXED[(off + b) % len(MIXED)] for b in range(B)]
-    if B > 1:
-        lengths[int(rng.integers(B))] = 0
-    c = make_batch(cp, dims, lengths, rng)
-    check(run(cp, ak, dims, c, B), c, variant, lengths)
 
 
 # batch -> lengths for the push / pull comparison (7B on 132 SMs: clusters (8, 5), (8, 2), (5, 1), (1, 1))
