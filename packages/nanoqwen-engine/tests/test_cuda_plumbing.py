@@ -88,7 +88,7 @@ def test_graph_and_eager_give_the_same_tokens(tied_path, kind, rng):
 
 def test_int8_decode_activations_round_only_batch1_decode(tied_path, kind, rng):
     """decode_activations="int8" (opt-in; the GEMV variant "a8"): a single sequence's decode GEMVs multiply
-    the activation rounded to int8 per 32 values. Teacher-forced on the fp16 run's tokens: the prefill's
+    the activation rounded to int8 per 16 values. Teacher-forced on the fp16 run's tokens: the prefill's
     logits are the same bits (prefill is not touched), every decode step's logits differ (the rounding is
     there) by a small part of the logits' range."""
     ref = make_backend(tied_path, kind, max_context=96)
