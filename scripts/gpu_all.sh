@@ -235,6 +235,10 @@ if want real && [ -n "${NQ_REAL_GGUF:-}" ]; then
   [ -f "$REAL_NQ" ] || run real_convert 240 $PY -c "import sys; from nanoqwen_format import convert; \
 print(convert(sys.argv[1], sys.argv[2], progress=False))" "$NQ_REAL_GGUF" "$REAL_NQ"
   run real_tier 420 $PY scripts/real_vs_transformers.py "$REAL_NQ" --out "$OUT/real_vs_transformers.json"
+  # each prompt alone (batch-1 decode) with the opt-in int8 activations: the tier int8 must pass to stay
+  # offered (twentieth lease: 13 of 4,800 positions, worst gap 0.044, as fp16)
+  run real_tier_b1_int8 420 $PY scripts/real_vs_transformers.py "$REAL_NQ" --one-at-a-time --decode-activations int8 \
+    --windows 2 --out "$WORK/logs/real_vs_transformers_b1_int8.json"
   # the same tier with the opt-in FP8 prefill: its numbers, not a gate (e4m3 activations move the prompt
   # positions' logits past the tier's bounds by design; docs/VALIDATION.md)
   run real_tier_fp8 420 env NANOQWEN_PREFILL_WEIGHTS=fp8 $PY scripts/real_vs_transformers.py "$REAL_NQ" \
