@@ -89,23 +89,28 @@ A8_IMAGE_GROUPS = 8  # groups of 32 outputs a block of nq_gate_up_silu_a8x takes
 A8_ACC_START = 0x04B40000  # kA8AccStart: a block's dp4a accumulator starts here (16 x it = the bits of 1.5 * 2^23)
 
 
+def _round_blocks(x: np.ndarray, what: str) -> tuple[np.ndarray, np.ndarray]:
+    """x (fp16 values) rounded as the int8 loop rounds it, per A8_BLOCK k: (x_int float32 [..., K/A8_BLOCK,
+    A8_BLOCK], amax float32 [..., K/A8_BLOCK, 1]); x_int = rint(x * (127 / amax)) in float32 (ties to even,
+    as the kernel's magic-number rounding), 0 where amax is 0."""
+    xf = np.asarray(x, dtype=np.float16).astype(np.float32)
+    k = xf.shape[-1]
+    if k % A8_PIECE:
+        raise KernelError(f"{what}: K = {k} is not a multiple of {A8_PIECE}")
+    g = xf.reshape(*xf.shape[:-1], k // A8_BLOCK, A8_BLOCK)
+    amax = np.abs(g).max(axis=-1, keepdims=True)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, np.float32(1)), np.float32(0))
+    return np.rint((g * inv.astype(np.float32)).astype(np.float32)), amax
+
+
 def round_a8(x: np.ndarray) -> np.ndarray:
     """What the int8-activation loop ("a8") multiplies the weights with, as float32 [..., K]: x (the staged
     fp16 activation, normed when the GEMV norms) rounded to int8 per A8_BLOCK k with one scale each,
     scale = amax / 127 and x_int = rint(x * (127 / amax)) in float32 (ties to even, as the kernel's
     __float2int_rn), 0 where amax is 0. The kernel then sums q * x_int exactly and multiplies by scale
     times the weights' group scale in fp32."""
-    xf = np.asarray(x, dtype=np.float16).astype(np.float32)
-    k = xf.shape[-1]
-    if k % A8_PIECE:
-        raise KernelError(f"round_a8: K = {k} is not a multiple of {A8_PIECE}")
-    g = xf.reshape(*xf.shape[:-1], k // A8_BLOCK, A8_BLOCK)
-    amax = np.abs(g).max(axis=-1, keepdims=True)
-    safe = np.where(amax > 0, amax, np.float32(1))
-    inv = np.where(amax > 0, np.float32(127) / safe, np.float32(0)).astype(np.float32)
-    q = np.rint((g * inv).astype(np.float32))
-    scale = (amax / np.float32(127)).astype(np.float32)
-    return (q * scale).astype(np.float32).reshape(xf.shape)
+    q, amax = _round_blocks(x, "round_a8")
+    return (q * (amax / np.float32(127)).astype(np.float32)).astype(np.float32).reshape(np.shape(x))
 
 
 def a8_image_bytes(k: int) -> int:
@@ -119,14 +124,9 @@ def a8_image(x: np.ndarray) -> np.ndarray:
     [2][K/32][16] (byte i of half h of piece u is x_int[32u + 16h + i]), then per A8_BLOCK b = 2u + h (half
     h of piece u) an int32 pair {float bits of scale_b / 16, A8_ACC_START - 8 sum x_int} (the accumulator's
     start), little-endian. The rounding is round_a8's."""
-    xf = np.asarray(x, dtype=np.float16).astype(np.float32).reshape(-1)
-    k = xf.shape[0]
-    if k % A8_PIECE:
-        raise KernelError(f"a8_image: K = {k} is not a multiple of {A8_PIECE}")
-    g = xf.reshape(k // A8_BLOCK, A8_BLOCK)
-    amax = np.abs(g).max(axis=1)
-    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, np.float32(1)), np.float32(0)).astype(np.float32)
-    q = np.rint((g * inv[:, None]).astype(np.float32)).astype(np.int32)
+    qf, amax = _round_blocks(np.reshape(x, -1), "a8_image")
+    q, amax = qf.astype(np.int32), amax[:, 0]
+    k = q.size
     xq = q.astype(np.int8).reshape(k // A8_PIECE, 2, 16).transpose(1, 0, 2).reshape(-1).view(np.uint8)
     meta = np.empty((k // A8_BLOCK, 2), dtype=np.int32)
     meta[:, 0] = ((amax / np.float32(127)).astype(np.float32) * np.float32(0.0625)).astype(np.float32).view(np.int32)

@@ -51,24 +51,30 @@ class Launch:
         return (self.last_exit - self.first_start) / 1e3
 
 
+def _point_modules(address: int) -> int:
+    """Write `address` into every loaded module's stamp-buffer pointer; how many modules have one."""
+    import cupy as cp
+
+    from .loader import loaded_modules
+
+    value = np.array([address], dtype=np.uint64)
+    n = 0
+    for m in loaded_modules():
+        addr = m.global_address(SYMBOL)
+        if addr is not None:
+            cp.cuda.runtime.memcpy(addr, value.ctypes.data, 8, cp.cuda.runtime.memcpyHostToDevice)
+            n += 1
+    return n
+
+
 def arm(capacity: int):
     """A zeroed stamp buffer for `capacity` block records, pointed at by every loaded module that has the
     symbol (those built with NQ_STAMPS=1). KernelError when none has it."""
     import cupy as cp
 
-    from .loader import loaded_modules
-
     buf = cp.zeros(HEADER_WORDS + (RECORD_WORDS + WAIT_WORDS) * capacity, dtype=cp.uint64)
     buf[1] = capacity
-    ptr = np.array([buf.data.ptr], dtype=np.uint64)
-    armed = 0
-    for m in loaded_modules():
-        addr = m.global_address(SYMBOL)
-        if addr is None:
-            continue
-        cp.cuda.runtime.memcpy(addr, ptr.ctypes.data, 8, cp.cuda.runtime.memcpyHostToDevice)
-        armed += 1
-    if not armed:
+    if not _point_modules(buf.data.ptr):
         raise KernelError(
             f"no loaded module has {SYMBOL}: build the kernels with NANOQWEN_KERNEL_DEFINES=NQ_STAMPS=1"
         )
@@ -77,15 +83,7 @@ def arm(capacity: int):
 
 def disarm() -> None:
     """Point every module's stamp buffer back at nothing (the kernels then record nothing)."""
-    import cupy as cp
-
-    from .loader import loaded_modules
-
-    null = np.zeros(1, dtype=np.uint64)
-    for m in loaded_modules():
-        addr = m.global_address(SYMBOL)
-        if addr is not None:
-            cp.cuda.runtime.memcpy(addr, null.ctypes.data, 8, cp.cuda.runtime.memcpyHostToDevice)
+    _point_modules(0)
 
 
 def reset(buf) -> None:
