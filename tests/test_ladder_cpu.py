@@ -179,3 +179,18 @@ def test_report_of_empty_and_mixed():
     assert rep.ok and rep.match_fraction == 0.0
     rep.results.append(PromptResult("p", "raw", 3, [1, 2], [1, 3], 1, 1, 0.05, 0.05, True))
     assert "near-tie" in format_report(rep) and rep.n_near_tie == 1
+
+
+def test_eps_follows_the_engines_decode_activations(ladder_tiny_path, monkeypatch):
+    """The near-tie bound is the decode activations' own: the CPU reference (and fp16 GPU decode) at
+    DEFAULT_EPS, int8 at INT8_EPS (wider: its rounding moves a random model's gap ~10x more); on the GPU
+    path's host stand-ins, which report what they multiply as the GPU backend does."""
+    from ladder.engines import gpu_engine
+    from nanoqwen_engine.validation import DEFAULT_EPS, EPS, INT8_EPS, eps_for
+
+    assert EPS == {"fp16": DEFAULT_EPS, "int8": INT8_EPS} and DEFAULT_EPS < INT8_EPS < 1.0
+    cpu = Engine.load(str(ladder_tiny_path), device="cpu", max_context=64, progress=False)
+    assert eps_for(cpu) == DEFAULT_EPS
+    monkeypatch.setenv("NANOQWEN_LADDER_HOST", "1")
+    assert eps_for(gpu_engine(ladder_tiny_path, max_context=64)) == INT8_EPS  # the default
+    assert eps_for(gpu_engine(ladder_tiny_path, max_context=64, decode_activations="fp16")) == DEFAULT_EPS

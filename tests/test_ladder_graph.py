@@ -7,7 +7,9 @@ chat and raw, 1..2000 tokens, page-boundary lengths 15/16/17/31/32/33), greedy, 
 short prompts x NANOQWEN_LADDER_7B_TOKENS (default 8) tokens, and score() on 33 tokens.
 
 A divergence passes only at a near-tie: the reference's logit gap between its token and the GPU's token
-there <= eps (nanoqwen_engine.validation.DEFAULT_EPS, why in its module doc). Reports are written as JSON
+there <= eps (nanoqwen_engine.validation.EPS of the engine's decode activations, why in its module doc).
+The tiny tier runs both decode activations against the same reference tokens: int8 (the default) at its
+eps, fp16 at the tighter 0.1, so the plumbing both share is still judged at fp16's resolution. Reports are written as JSON
 under $NANOQWEN_LADDER_OUT when set (scripts/gpu_all.sh sets it).
 """
 
@@ -22,9 +24,9 @@ import pytest
 from ladder.engines import cpu_engine, gpu_engine
 from nanoqwen_engine import Engine, SamplingParams
 from nanoqwen_engine.validation import (
-    DEFAULT_EPS,
     build_prompts,
     compare_greedy,
+    eps_for,
     format_report,
     logit_error,
     reference_tokens_parallel,
@@ -56,7 +58,7 @@ def _check_tier(name, g, c, prompts, max_tokens, score_prompt, score_len, tokens
     """Greedy tokens of `g` against the reference `c` on `prompts`, then score() logits of both on
     score_prompt + the first prompt's reference tokens (the first score_len ids); recorded under `name`
     before the asserts, so a failure's figures are kept."""
-    rep = compare_greedy(g, c, prompts, max_tokens=max_tokens, eps=DEFAULT_EPS, progress=_progress,
+    rep = compare_greedy(g, c, prompts, max_tokens=max_tokens, eps=eps_for(g), progress=_progress,
                          tokens_b=tokens_b)
     ids = np.asarray(g.encode_prompt(score_prompt.payload) + rep.results[0].tokens_b)[:score_len]
     score = logit_error(g.score(ids), c.score(ids))
@@ -67,16 +69,24 @@ def _check_tier(name, g, c, prompts, max_tokens, score_prompt, score_len, tokens
     assert score["finite"] and score["rel"] < SCORE_BOUND
 
 
-def test_graph_tier_tiny(gpu, ladder_tiny_path):
+_REF_TOKENS: dict = {}  # (path, prompts, tokens) -> the reference's generations, shared by both activations
+
+
+@pytest.mark.parametrize("activations", ["int8", "fp16"])
+def test_graph_tier_tiny(gpu, ladder_tiny_path, activations):
     n, m = _env("NANOQWEN_LADDER_PROMPTS", 100), _env("NANOQWEN_LADDER_TOKENS", 64)
     ctx = 2048 + m + 64
-    g = gpu_engine(ladder_tiny_path, max_context=ctx)
+    g = gpu_engine(ladder_tiny_path, max_context=ctx, decode_activations=activations)
+    assert g.backend.info["decode_activations"] == activations
     c = cpu_engine(ladder_tiny_path, max_context=ctx)
     prompts = build_prompts(g.tokenizer, n=n)
-    # the reference's generations from one process per core (it is the slow side)
+    # the reference's generations from one process per core (it is the slow side), once for both
     workers = _env("NANOQWEN_LADDER_WORKERS", min(16, os.cpu_count() or 1))
-    ref = reference_tokens_parallel(ladder_tiny_path, prompts, m, ctx, workers) if workers > 1 else None
-    _check_tier("graph_tiny", g, c, prompts, m, prompts[min(8, n - 1)], 300, tokens_b=ref)
+    key = (str(ladder_tiny_path), n, m)
+    if key not in _REF_TOKENS and workers > 1:
+        _REF_TOKENS[key] = reference_tokens_parallel(ladder_tiny_path, prompts, m, ctx, workers)
+    name = "graph_tiny" if activations == "int8" else "graph_tiny_fp16"
+    _check_tier(name, g, c, prompts, m, prompts[min(8, n - 1)], 300, tokens_b=_REF_TOKENS.get(key))
 
 
 def test_graph_and_eager_agree_tiny(gpu, ladder_tiny_path):

@@ -10,6 +10,11 @@ Relative error ||gpu - ref|| / ||ref|| is reported and bounded:
   (rounding 2^-11 ~ 4.9e-4 relative per store, a handful of stores per block, accumulation in fp32),
   so ~1e-3 is expected; 1e-2 leaves room for the accumulation order without hiding a real bug (a wrong
   RoPE pair, head or page gives errors of order 1).
+  INT8_DECODE_BOUND = 2.5e-2, the decode row under int8 decode activations (the GPU's default at batch 1):
+  each of the block's four GEMV inputs is rounded to int8 with a scale per 16 values, an error of up to
+  1/254 of its group's largest value, ~0.5% of the input's norm for Gaussian-like groups and more for the
+  heavier-tailed SiLU product; measured on the H200 0.0079 (tiny) and 0.0111 (7B) on this tier (docs/
+  VALIDATION.md). 2.5e-2 is ~2x that and still far below a real bug's order-1 errors. Both activations run.
   HEAD_BOUND = 5e-3: final norm in fp32 on fp16 input, fp16 weights, fp32 accumulation.
 Outputs are poisoned with NaN before every launch, so an unwritten element fails the test.
 """
@@ -27,6 +32,7 @@ from ladder.engines import cpu_engine, gpu_engine, reference_block, reference_he
 pytestmark = pytest.mark.gpu
 
 BLOCK_BOUND = 1e-2
+INT8_DECODE_BOUND = 2.5e-2
 HEAD_BOUND = 5e-3
 
 
@@ -44,8 +50,9 @@ def _record(name: str, figures: dict) -> None:
                                                for k, v in figures.items()))
 
 
-def _layer_tier(path, name, T, rng):
-    g = gpu_engine(path, max_context=max(64, T + 16))
+def _layer_tier(path, name, T, rng, activations):
+    g = gpu_engine(path, max_context=max(64, T + 16), decode_activations=activations)
+    assert g.backend.info["decode_activations"] == activations
     r = cpu_engine(path, max_context=max(64, T + 16), budget=4 << 30)  # lazy: only layer 0 dequantized
     be, ref, cfg = g.backend, r.backend, g.config
     xp, d2h = be.dev.xp, be.dev.d2h  # CuPy on the GPU (numpy with the host stand-in, for debugging)
@@ -95,25 +102,30 @@ def _layer_tier(path, name, T, rng):
         got_logits = d2h(v.logits)[0]
     want_logits = reference_head(ref, h)
 
+    decode_bound = INT8_DECODE_BOUND if activations == "int8" else BLOCK_BOUND
     figures = {
         "T": T,
         "block_prefill_rel": _rel(got_prefill, want),
         "block_decode_rel": _rel(got_decode, want[-1]),
         "head_rel": _rel(got_logits, want_logits),
         "head_argmax_agree": bool(np.argmax(got_logits) == np.argmax(want_logits)),
+        "decode_activations": activations,
         "block_bound": BLOCK_BOUND,
+        "decode_bound": decode_bound,
         "head_bound": HEAD_BOUND,
     }
     _record(name, figures)
     assert np.isfinite(got_prefill).all() and np.isfinite(got_decode).all() and np.isfinite(got_logits).all()
     assert figures["block_prefill_rel"] < BLOCK_BOUND
-    assert figures["block_decode_rel"] < BLOCK_BOUND
+    assert figures["block_decode_rel"] < decode_bound
     assert figures["head_rel"] < HEAD_BOUND
 
 
-def test_layer_tier_tiny(gpu, ladder_tiny_path, rng):
-    _layer_tier(ladder_tiny_path, "tiny", T=45, rng=rng)  # 3 pages, the last one partial
+@pytest.mark.parametrize("activations", ["int8", "fp16"])
+def test_layer_tier_tiny(gpu, ladder_tiny_path, rng, activations):
+    _layer_tier(ladder_tiny_path, f"tiny_{activations}", T=45, rng=rng, activations=activations)  # 3 pages
 
 
-def test_layer_tier_7b(gpu, ladder_7b_path, rng):
-    _layer_tier(ladder_7b_path, "7b", T=33, rng=rng)
+@pytest.mark.parametrize("activations", ["int8", "fp16"])
+def test_layer_tier_7b(gpu, ladder_7b_path, rng, activations):
+    _layer_tier(ladder_7b_path, f"7b_{activations}", T=33, rng=rng, activations=activations)

@@ -25,7 +25,7 @@ def _open(path):
                                                                                  nq.tokenizer_config)
 
 
-def gpu_engine(path, max_context: int, decode_mode: str = "graph") -> Engine:
+def gpu_engine(path, max_context: int, decode_mode: str = "graph", decode_activations: str | None = None) -> Engine:
     """The engine under test. NANOQWEN_LADDER_HOST=1 swaps the GPU for the numpy stand-ins of
     nanoqwen_engine.cuda (device.HostDevice, host_kernels.HostKernels): a dry run of the ladder's own
     code on a machine without a GPU (the tests still need the gpu fixture; call them directly)."""
@@ -37,9 +37,12 @@ def gpu_engine(path, max_context: int, decode_mode: str = "graph") -> Engine:
     if os.environ.get("NANOQWEN_LADDER_HOST") == "1":
         from nanoqwen_engine.cuda.device import HostDevice
         from nanoqwen_engine.cuda.host_kernels import HostKernels
+        from nanoqwen_engine.cuda.load import decode_activations_plan
 
-        dev = HostDevice()
-        kw = dict(device=dev, kernels=HostKernels(cfg, dev))
+        dev = HostDevice()  # the stand-in of the kernel variant the GPU would build
+        kw = dict(device=dev, kernels=HostKernels(cfg, dev, decode_activations_plan(decode_activations, None)[1]))
+    if decode_activations is not None:
+        kw["decode_activations"] = decode_activations
     be = CudaBackend.create(nq, cfg, max_context=max_context, progress=False, decode_mode=decode_mode, **kw)
     return Engine(be, tok, nq, path, time.perf_counter() - t0)
 

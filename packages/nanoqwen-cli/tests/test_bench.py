@@ -191,9 +191,9 @@ def test_prefill_chunk_idle_reaches_the_engine(invoke):
 ])
 def test_gpu_numerics_choices_are_checked(invoke, flag, gpu_only, anywhere, bad, choices):
     """--prefill-weights (what the GPU's prefill GEMMs multiply; fp8 opt-in) and --decode-activations (the
-    GPU's batch-1 decode GEMVs; int8 opt-in): the CPU reference has no such choice, so asking it for the
-    GPU-only value is one clear error, not a traceback; the default value is accepted anywhere; an unknown
-    value is a usage error naming the choices."""
+    GPU's batch-1 decode GEMVs; int8 by default there): the CPU reference has no such choice, so asking it
+    for the GPU-only value is one clear error, not a traceback; the value closest to what the reference
+    computes (auto / fp16) is accepted anywhere; an unknown value is a usage error naming the choices."""
     cpu = invoke(["bench", "--synthetic", "tiny", *SMALL, flag, gpu_only])
     assert cpu.exit_code != 0 and "Traceback" not in cpu.output
     assert f"{flag[2:].replace('-', '_')} applies to device='cuda' only" in cpu.output

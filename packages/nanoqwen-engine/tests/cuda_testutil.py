@@ -14,11 +14,18 @@ from nanoqwen_engine.config import ModelConfig
 from nanoqwen_engine.cuda import CudaBackend
 from nanoqwen_engine.cuda.device import HostDevice
 from nanoqwen_engine.cuda.host_kernels import HostKernels
+from nanoqwen_engine.cuda.load import decode_activations_plan
 from nanoqwen_engine.params import SamplingParams
 from nanoqwen_engine.sampler import SamplerState
 from nanoqwen_format import open_model
 
 GREEDY = SamplingParams(temperature=0).resolve({})
+# Batch invariance (a sequence gets the same greedy tokens alone as in a batch, but for near-ties) is a
+# property of fp16 decode activations: with int8 (the default) a lone sequence's GEMVs multiply its
+# activation rounded to int8 while a batch's tile GEMM multiplies fp16, so the two may part wherever a
+# logit gap is within int8's rounding noise (docs/INTERFACES.md). Tests of row bookkeeping against
+# sequences run alone ask for fp16; the int8 path has its own tests (test_int8_decode_activations_*).
+BATCH_INVARIANT = {"decode_activations": "fp16"}
 NEAR_TIE = 2e-3  # relative gap between the two largest logits below which a greedy flip is a near-tie
 
 
@@ -31,7 +38,8 @@ def make_backend(path, kind="host", decode_mode="graph", **kw):
     nq, cfg = open_file(path)
     if kind == "host":
         dev = HostDevice()
-        variant = "a8" if kw.get("decode_activations") == "int8" else "tiles"  # the variant KernelSet would get
+        # the variant KernelSet would get: int8 activations (the default) -> "a8", fp16 -> the half2 loop
+        variant = decode_activations_plan(kw.get("decode_activations"), None)[1]
         kw.update(device=dev, kernels=HostKernels(cfg, dev, variant))
     be = CudaBackend.create(nq, cfg, progress=False, decode_mode=decode_mode, **kw)
     be._nq = nq  # keep the mmap alive

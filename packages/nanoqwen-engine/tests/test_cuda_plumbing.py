@@ -17,7 +17,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from cuda_testutil import GREEDY, NEAR_TIE, generate, make_backend, open_file, run_alone, same_or_near_tie
+from cuda_testutil import (
+    BATCH_INVARIANT,
+    GREEDY,
+    NEAR_TIE,
+    generate,
+    make_backend,
+    open_file,
+    run_alone,
+    same_or_near_tie,
+)
 from nanoqwen_engine.cuda import CudaBackend
 from nanoqwen_engine.errors import InvalidRequestError, KVPagesExhaustedError
 from nanoqwen_engine.kv_pages import pages_for
@@ -87,12 +96,12 @@ def test_graph_and_eager_give_the_same_tokens(tied_path, kind, rng):
 
 
 def test_int8_decode_activations_round_only_batch1_decode(tied_path, kind, rng):
-    """decode_activations="int8" (opt-in; the GEMV variant "a8"): a single sequence's decode GEMVs multiply
-    the activation rounded to int8 per 16 values. Teacher-forced on the fp16 run's tokens: the prefill's
+    """decode_activations="int8" (the default; the GEMV variant "a8"): a single sequence's decode GEMVs
+    multiply the activation rounded to int8 per 16 values. Teacher-forced on the fp16 run's tokens: the prefill's
     logits are the same bits (prefill is not touched), every decode step's logits differ (the rounding is
     there) by a small part of the logits' range."""
-    ref = make_backend(tied_path, kind, max_context=96)
-    a8 = make_backend(tied_path, kind, max_context=96, decode_activations="int8")
+    ref = make_backend(tied_path, kind, max_context=96, decode_activations="fp16")
+    a8 = make_backend(tied_path, kind, max_context=96)
     assert ref.info["decode_activations"] == "fp16" and a8.info["decode_activations"] == "int8"
     ids = rng.integers(0, ref.config.vocab, size=21)
     want_logits: list[np.ndarray] = []
@@ -123,11 +132,12 @@ def test_int8_decode_activations_need_the_a8_kernels(tied_path):
         make_backend(tied_path, "host", decode_activations="int4")
 
 
-def test_decode_activations_plan_honours_what_was_asked_then_a_named_variant():
+def test_decode_activations_default_to_int8_unless_a_variant_is_named():
     """Who decides what batch-1 decode GEMVs multiply: an explicit setting (argument or
     $NANOQWEN_DECODE_ACTIVATIONS) wins; else a kernel stand-in's or $NANOQWEN_GEMV_VARIANT's variant says;
-    else DEFAULT_DECODE_ACTIVATIONS (fp16). fp16 never builds "a8", even when $NANOQWEN_GEMV_VARIANT names
-    it, and names the kernels' default variant rather than leaving the choice to that variable."""
+    else DEFAULT_DECODE_ACTIVATIONS (int8: the GEMV variant "a8"). fp16 never builds "a8", even when
+    $NANOQWEN_GEMV_VARIANT names it, and names the kernels' default variant rather than leaving the choice
+    to that variable."""
     from types import SimpleNamespace
 
     from nanoqwen_engine.cuda.load import (
@@ -138,8 +148,8 @@ def test_decode_activations_plan_honours_what_was_asked_then_a_named_variant():
     from nanoqwen_kernels.gemv import A8_VARIANTS, DEFAULT_GEMV_VARIANT
 
     assert FP16_GEMV_VARIANT == DEFAULT_GEMV_VARIANT and FP16_GEMV_VARIANT not in A8_VARIANTS
-    assert DEFAULT_DECODE_ACTIVATIONS == "fp16"
-    assert decode_activations_plan(None, None) == ("fp16", "tiles")
+    assert DEFAULT_DECODE_ACTIVATIONS == "int8"
+    assert decode_activations_plan(None, None) == ("int8", "a8")
     assert decode_activations_plan("int8", None) == ("int8", "a8")
     assert decode_activations_plan("fp16", None) == ("fp16", "tiles")
     assert decode_activations_plan("fp16", "mma") == ("fp16", "mma")
@@ -156,7 +166,7 @@ def test_each_row_of_a_batch_gets_its_tokens_alone(model_path, kind, rng):
     """6 sequences of mixed prompt lengths decode together: page boundaries fall at different steps for
     different rows (steps 0, 1, 8, ...); each row's greedy tokens are the ones it gets alone. Both test
     models: the tied one (4 heads / 2 KV heads, vocab 4096) and the tiny one (GQA 2, vocab 152064)."""
-    be = make_backend(model_path, kind, max_context=96, n_pages=64)
+    be = make_backend(model_path, kind, max_context=96, n_pages=64, **BATCH_INVARIANT)
     lengths = [1, 15, 16, 17, 31, 40]
     prompts = [rng.integers(0, be.config.vocab, size=n) for n in lengths]
     n = 12
@@ -182,7 +192,7 @@ def test_buckets_replay_as_the_batch_changes(tied_path, kind, rng, run_ahead):
     tokens alone, and the pool gets all its pages back. With run_ahead on every call (the hint wrong
     whenever the batch changes, new prompts prefilled while a step runs ahead), the same tokens: a step
     run ahead serves the next call when it is the same batch and is discarded otherwise."""
-    be = make_backend(tied_path, kind, max_context=96, max_batch=8, n_pages=64)
+    be = make_backend(tied_path, kind, max_context=96, max_batch=8, n_pages=64, **BATCH_INVARIANT)
     V = be.config.vocab
     # (start step, number of tokens) per sequence
     plan = [(0, 14), (1, 6), (1, 9), (3, 10), (3, 3), (3, 8), (6, 7), (7, 5)]
@@ -306,7 +316,7 @@ def test_run_ahead_serves_a_batch_whose_rows_open_pages_at_different_steps(tied_
     step after the bucket's first three is served by the step that ran ahead, with each row's tokens
     what it gets alone, its pages exactly what its length needs plus at most the one opened early, and
     the pool whole at the end."""
-    be = make_backend(tied_path, kind, max_context=96, max_batch=4, n_pages=32)
+    be = make_backend(tied_path, kind, max_context=96, max_batch=4, n_pages=32, **BATCH_INVARIANT)
     V = be.config.vocab
     prompts = [rng.integers(0, V, size=n) for n in (5, 9, 12, 16)]
     n_steps = 40
@@ -338,7 +348,7 @@ def test_mixed_greedy_and_sampled_rows(tied_path, kind, rng):
     token may flip where the uniform draw falls within that noise of a boundary of the distribution. A
     flip is accepted only where the row's logits at that step equal its alone-logits to 1e-2 relative:
     the row had its own sequence's state and history (a row mix-up gives logits of order-1 difference)."""
-    be = make_backend(tied_path, kind, max_context=64)
+    be = make_backend(tied_path, kind, max_context=64, **BATCH_INVARIANT)
     V = be.config.vocab
     hot = SamplingParams(temperature=0.9, top_k=40, seed=int(rng.integers(2**31))).resolve({})
     pen = SamplingParams(temperature=0.7, top_p=0.9, repetition_penalty=1.3, seed=7).resolve({})

@@ -203,16 +203,20 @@ def _check_waits(funcs: dict[str, str]) -> None:
 
 
 def test_only_the_int8_loop_releases_the_next_kernel_early():
-    """The B = 1 int8-activation entries let the next kernel launch once a warp of each block has its last
-    unit's sums (griddepcontrol.launch_dependents = PREEXIT; gemv_int4.cu trigger_after_last_unit); the
-    half2 entries leave it to their blocks' exits: on the H200 the trigger won every pair on the int8 loop
-    and lost every pair on the 7B's half2 loop (docs/PERF.md, sixteenth lease)."""
+    """The B = 1 int8-activation entries let the next kernel launch early (griddepcontrol.launch_dependents
+    = PREEXIT; gemv_int4.cu gemv_trigger_mode): gate/up at its entry, before its wait (ACQBULK), the others
+    right after it; the half2 entries leave it to their blocks' exits. On the H200 the after-the-wait
+    trigger won on the int8 loop and lost on the 1.5B's half2 loop (docs/PERF.md, twenty-first lease)."""
     funcs = _functions(_sass("gemv_int4.cu", QWEN25_7B))
     int8 = sorted(n for n in _PRELOADING_GEMV if n.endswith(("_a8", "_a8x")))
     half2 = sorted(n for n in _PRELOADING_GEMV if n not in int8)
     assert len(int8) == 6 and len(half2) == 4
     for name in int8:
-        assert "PREEXIT" in funcs[name], f"{name}: no griddepcontrol.launch_dependents"
+        body = funcs[name]
+        assert body.count("PREEXIT") == 1, f"{name}: expected one griddepcontrol.launch_dependents"
+        before_wait = body.index("PREEXIT") < body.index("ACQBULK")
+        assert before_wait == name.startswith("nq_gate_up_silu"), \
+            f"{name}: the trigger is {'before' if before_wait else 'after'} the wait"
     for name in half2:
         assert "PREEXIT" not in funcs[name], f"{name}: the half2 loop must not release its successor early"
 

@@ -200,10 +200,11 @@ def decode_activations_option(func):
         "--decode-activations",
         type=click.Choice(["fp16", "int8"]),
         default=None,
-        help="GPU batch-1 decode GEMVs: fp16 (default: $NANOQWEN_DECODE_ACTIVATIONS, else fp16) or int8 (opt-in: "
-        "the activation rounded to int8 with a scale per 16 values and multiplied by dp4a, like llama.cpp's "
-        "q8_1 GEMVs; the 7B decodes ~15% faster, and on the real 1.5B its greedy tokens agree with "
-        "transformers fp32 as fp16's do). Batches of 2 or more always multiply fp16.",
+        help="GPU batch-1 decode GEMVs: int8 (default: $NANOQWEN_DECODE_ACTIVATIONS, else int8: the activation "
+        "rounded to int8 with a scale per 16 values and multiplied by dp4a, like llama.cpp's q8_1 GEMVs; the "
+        "7B decodes ~15% faster, and on the real 1.5B its greedy tokens agree with transformers fp32 as "
+        "fp16's do) or fp16 (the activation as it is: a sequence alone then gets the greedy tokens it gets "
+        "in a batch). Batches of 2 or more always multiply fp16.",
     )(func)
 
 

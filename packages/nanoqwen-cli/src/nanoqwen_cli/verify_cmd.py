@@ -13,18 +13,20 @@ import json
 import click
 
 from nanoqwen_cli import session
-from nanoqwen_cli.options import count_option, lm_head_dtype_option, model_options
+from nanoqwen_cli.options import count_option, decode_activations_option, lm_head_dtype_option, model_options
 
 
-def _default_eps() -> float:
-    from nanoqwen_engine.validation import DEFAULT_EPS
+def _default_eps(engine) -> float:
+    """The near-tie bound of the engine under test: its decode activations' (validation.EPS)."""
+    from nanoqwen_engine.validation import eps_for
 
-    return DEFAULT_EPS
+    return eps_for(engine)
 
 
 @click.command(short_help="Greedy tokens vs the CPU reference.")
 @model_options
 @lm_head_dtype_option
+@decode_activations_option
 @count_option(
     "--prompts",
     "n_prompts",
@@ -39,7 +41,8 @@ def _default_eps() -> float:
     default=None,
     help="A divergence passes as a near-tie when the reference prefers its own token over the other "
     "engine's by at most EPS logits (rounding can flip that); more fails. Default: "
-    "nanoqwen_engine.validation.DEFAULT_EPS (0.1, ~6 sigma of fp16-vs-fp32 rounding noise).",
+    "nanoqwen_engine.validation.EPS of the device's decode activations, ~6 sigma of its rounding noise "
+    "on random-weight models: 0.1 for fp16 (and --device cpu), 0.7 for int8 (the GPU's default).",
 )
 @count_option(
     "--score-prompts",
@@ -53,6 +56,7 @@ def verify(
     device,
     max_context,
     lm_head_dtype,
+    decode_activations,
     n_prompts,
     max_tokens,
     max_prompt_tokens,
@@ -75,7 +79,6 @@ def verify(
     """
     from nanoqwen_engine.validation import build_prompts, compare_greedy, format_report, logit_error
 
-    eps = _default_eps() if eps is None else eps
     if device == "cuda":
         session.require_gpu()  # before minutes of loading the reference
     progress = not as_json
@@ -94,10 +97,12 @@ def verify(
     if not prompts:
         raise click.UsageError(f"no prompt of the set fits a context of {b.max_context} tokens")
     needed = max(n for n in lengths if n <= limit) + max_tokens
+    extra = {} if decode_activations is None else {"decode_activations": decode_activations}
     under_test = session.load(str(reference.path), device, max_context or needed, progress=progress,
-                              lm_head_dtype=lm_head_dtype)
+                              lm_head_dtype=lm_head_dtype, **extra)
     under_test.model = reference.model
     a = under_test.engine
+    eps = _default_eps(a) if eps is None else eps
     if skipped and progress:
         click.echo(
             f"skipped {len(skipped)} prompts longer than {limit} tokens: {', '.join(skipped)}", err=True

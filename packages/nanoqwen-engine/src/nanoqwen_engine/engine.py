@@ -110,11 +110,12 @@ class Engine:
         "auto" (default: $NANOQWEN_PREFILL_WEIGHTS, else a resident fp16 copy where it fits, else the INT4
         matrices as stored), "fp16", "int4", or "fp8" (opt-in: e4m3 activations on the FP8 tensor cores, a
         numerics change; docs/PERF.md). decode_activations (GPU only): what a single sequence's decode GEMVs
-        multiply the INT4 weights with, "fp16" (default: $NANOQWEN_DECODE_ACTIVATIONS, else fp16 unless
-        $NANOQWEN_GEMV_VARIANT names a variant) or "int8" (opt-in: the activation rounded to int8 with one
-        scale per 16 values, products by dp4a, like llama.cpp's q8_1 GEMVs; faster batch-1 decode, and on
-        the real 1.5B the same agreement with transformers fp32 as fp16); batches of 2 or more multiply
-        fp16 either way.
+        multiply the INT4 weights with, "int8" (default: $NANOQWEN_DECODE_ACTIVATIONS, else int8 unless
+        $NANOQWEN_GEMV_VARIANT names a variant: the activation rounded to int8 with one scale per 16 values,
+        products by dp4a, like llama.cpp's q8_1 GEMVs; ~15% faster batch-1 decode on the 7B, and on the real
+        1.5B the same agreement with transformers fp32 as fp16) or "fp16" (the activation as it is; a
+        sequence then gets the same greedy tokens alone as in a batch); batches of 2 or more multiply fp16
+        either way.
         lm_head_dtype (both devices, so the CPU reference multiplies what the GPU does): how the lm_head is
         stored and multiplied, "int8" (default: $NANOQWEN_LM_HEAD_DTYPE, else int8) or "fp16". At batch 1
         the lm_head is the largest single read of a decode step (7B: 1.09 GB of 4.46 GB); "int8" quantizes

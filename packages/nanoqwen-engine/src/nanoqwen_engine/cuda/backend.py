@@ -109,10 +109,9 @@ class CudaBackend:
         kwargs: decode_mode "graph" (default) or "eager"; n_pages (pool size, overriding the sizing from
         max_context / free memory); max_batch (decode rows, default 64); prefill_weights "auto" (default:
         $NANOQWEN_PREFILL_WEIGHTS, else auto), "fp16", "int4" or "fp8" (opt-in: e4m3 activations;
-        plan.choose_prefill_weights); decode_activations "fp16" (default: $NANOQWEN_DECODE_ACTIVATIONS, else
-        fp16) or "int8" (opt-in: batch-1 decode GEMVs on the int8-activation loop, the kernels' GEMV variant
-        "a8"; a `kernels` stand-in must have been built for it; load.decode_activations_plan says who
-        decides); lm_head_dtype "int8" (default:
+        plan.choose_prefill_weights); decode_activations "int8" (default: $NANOQWEN_DECODE_ACTIVATIONS, else
+        int8: batch-1 decode GEMVs on the int8-activation loop, the kernels' GEMV variant "a8"; a `kernels`
+        stand-in must have been built for it) or "fp16" (load.decode_activations_plan says who decides); lm_head_dtype "int8" (default:
         $NANOQWEN_LM_HEAD_DTYPE, else int8: the lm_head quantized at load, one fp16 scale per 128 values,
         nanoqwen_engine.lm_head) or "fp16" (the file's values). Test hooks: `device` (a HostDevice) and
         `kernels` (a KernelSet stand-in) replace the GPU and the compiled kernels.

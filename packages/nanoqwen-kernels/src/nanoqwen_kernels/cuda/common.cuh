@@ -198,11 +198,12 @@ __device__ __forceinline__ void pdl_wait() {
   }
 #endif
 }
-// Let the next kernel in the stream launch now rather than when this one's blocks exit. Used only by small
-// one-wave kernels whose successor can issue work that does not depend on them (the tile GEMM's weight
-// copies, gemm_tiles.cuh): the successor still waits in pdl_wait for this kernel's completion and flush.
-// Every kernel doing it was the 2.20 -> 2.55 ms/token above (the successors' blocks then wait beside
-// kernels that still had blocks to place).
+// Let the next kernel in the stream launch now rather than when this one's blocks exit: its blocks are then
+// placed early and issue work that does not depend on this one (weight loads, the tile GEMM's copies); the
+// successor still waits in pdl_wait for this kernel's completion and flush. Used by one-wave kernels only
+// (the tile GEMM, decode attention, the int8-activation GEMVs: gemv_int4.cu gemv_trigger_mode, with the
+// measurements). Every kernel doing it at its entry was the 2.20 -> 2.55 ms/token above (then the
+// successors' blocks waited beside kernels that still had blocks to place).
 __device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 
 // 4 bytes global -> shared (cp.async.ca: .cg takes only 16-byte copies)

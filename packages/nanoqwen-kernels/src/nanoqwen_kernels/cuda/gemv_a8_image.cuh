@@ -54,6 +54,7 @@ __device__ __forceinline__ void gate_up_a8_image(const uint32_t* __restrict__ qw
   __shared__ int done[kA8ImageGroups];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const GateUpRows map{};
+  gemv_trigger_at<2, NQ_TRIG_GU>();
 #if NQ_GEMV_PRELOAD
   RowChunk first;  // the first unit's first chunk, before the wait (as gemv_units)
   if (blockIdx.x < kGroups) {
@@ -64,6 +65,7 @@ __device__ __forceinline__ void gate_up_a8_image(const uint32_t* __restrict__ qw
 #endif
   if (threadIdx.x < kA8ImageGroups) done[threadIdx.x] = 0;  // published by stage_x_a8's barrier
   pdl_wait();
+  gemv_trigger_at<3, NQ_TRIG_GU>();
   stage_x_a8<K>(x, norm_w, eps, a8_views<K>(xs), red);
   // unit j of group g (slot s): warp w's output 4w + j of the group; after its 4th, the warp counts itself
   // done with the group, and the last of the kWarps rounds and writes it
@@ -83,7 +85,7 @@ __device__ __forceinline__ void gate_up_a8_image(const uint32_t* __restrict__ qw
     map(32 * g + 4 * warp + j, r0, r1);
     float o0, o1;
     dot_rows2<K, true>(qw, sc, r0, r1, xs, o0, o1);
-    trigger_after_last_unit<kXA8>(j == 3 && g + static_cast<int>(gridDim.x) >= kGroups);
+    trigger_after_last_unit<NQ_TRIG_GU>(j == 3 && g + static_cast<int>(gridDim.x) >= kGroups);
     if (lane == 0) hs[s][4 * warp + j] = h2f(f2h(o0 / (1.f + __expf(-o0)) * o1));  // GateUpEpi's value
     if (++j == 4) {
       int last = 0;

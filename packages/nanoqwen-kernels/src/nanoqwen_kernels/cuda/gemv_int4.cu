@@ -208,17 +208,54 @@ constexpr int kXHalf = 0;   // fp16 x (normed or not) for the half2 loop
 constexpr int kXA8 = 1;     // fp16 x rounded to int8 in the prologue, for the int8-activation loop
 constexpr int kXImage = 2;  // x already rounded: an a8 image (gate_up_a8_image's output), copied as it is
 
-// Launch overlap, the int8-activation loop only: the next kernel may launch (griddepcontrol.launch_dependents,
-// which takes effect for a block at its first warp's call) once a warp of every block has the sums of its
-// last unit, so the next kernel's blocks are placed and load their first weights during this one's last
-// epilogues and exits; it still waits for this kernel's completion before reading what it wrote. H200,
-// decode protocol, ms/token, pairs in the same call (docs/PERF.md "sixteenth lease"): 7B int8 1.753 / 1.744
-// / 1.829 -> 1.723 / 1.721 / 1.791, 1.5B dims int8 0.885 / 0.912 / 0.904 -> 0.859 / 0.871 / 0.868; on the
-// half2 loop it lost on the 7B (2.007 / 2.060 / 2.005 -> 2.123 / 2.108 / 2.109), so that loop leaves it to
-// its blocks' exits as before.
-template <int kX>
+// Launch overlap, the int8-activation loop only: when each block lets the next kernel launch
+// (griddepcontrol.launch_dependents, which takes effect for a block at its first warp's call, and for the
+// grid once every block has called it or exited). The next kernel's launch is then processed while this
+// one streams, and its blocks are placed as this one's exit (or beside them where registers allow) and issue
+// their first weights before their own wait, instead of after this kernel's last exit plus a launch
+// latency. Per matrix kind (NQ_TRIG_QKV / _O / _GU / _DOWN): 3 right after pdl_wait, 2 at the entry (before
+// the weights preload), 1 once a warp of every block has its last unit's sums, 0 never (the blocks' exits).
+// After the wait, not at the entry: a trigger at the entry lets the successor trigger at its own entry in
+// turn, so two kernels' blocks wait beside a running one and their preloads slow it. The half2 loop never
+// triggers. H200, decode protocol, ms/token, two rounds each (docs/PERF.md, twenty-first lease):
+//   int8 loop            last unit (1) | after the wait (3) | entry (2) | 3, gate/up 2 (kept) | 3, o_proj 2
+//   7B                   1.570 / 1.571 | 1.511 / 1.508      | 1.529 / 1.529 | 1.509 / 1.512    | 1.521 / 1.524
+//   the 1.5B's dims      0.763 / 0.764 | 0.754 / 0.757      | 0.740 / 0.740 | 0.750 / 0.750    | 0.743 / 0.741
+//   half2 loop           none          | after the wait: 7B 1.828 -> 1.805, 1.5B's dims 0.811 -> 0.828
+// The step timeline (7B int8, us per launch, none -> after the wait): the hand-off after down_proj 1.65 ->
+// 0.66, after q/k/v 1.06 -> 0.80, after gate/up 1.57 -> 1.09; each running kernel's own tail grows 0.5-0.9
+// (its successor's preloads share the DRAM), the step 1,641 -> 1,575 (stamped build).
+#ifndef NQ_TRIG_QKV
+#define NQ_TRIG_QKV 3
+#endif
+#ifndef NQ_TRIG_O
+#define NQ_TRIG_O 3
+#endif
+#ifndef NQ_TRIG_GU
+#define NQ_TRIG_GU 2
+#endif
+#ifndef NQ_TRIG_DOWN
+#define NQ_TRIG_DOWN 3
+#endif
+struct QkvRows;     // gemv_epilogues.cuh
+struct GateUpRows;  // gemv_epilogues.cuh
+template <class A, class B> struct SameType { static constexpr bool value = false; };
+template <class A> struct SameType<A, A> { static constexpr bool value = true; };
+// the trigger mode of a B = 1 loop: its kind from its row map and K (o_proj K = hidden, down_proj K = inter)
+template <int K, class Map, int kX>
+__device__ constexpr int gemv_trigger_mode() {
+  return kX == kXHalf ? 0
+         : SameType<Map, QkvRows>::value ? NQ_TRIG_QKV
+         : SameType<Map, GateUpRows>::value ? NQ_TRIG_GU
+         : K == kHidden ? NQ_TRIG_O : NQ_TRIG_DOWN;
+}
+template <int kMode>
 __device__ __forceinline__ void trigger_after_last_unit(bool last) {
-  if (kX != kXHalf && last) pdl_trigger();
+  if (kMode == 1 && last) pdl_trigger();
+}
+template <int kAt, int kMode>  // kAt 2: at the entry, 3: after the wait
+__device__ __forceinline__ void gemv_trigger_at() {
+  if (kMode == kAt) pdl_trigger();
 }
 
 // Stage an a8 image (K bytes of int8 x then K / 32 int4, two {scale / 16, accumulator start} per piece: the shared
@@ -252,6 +289,8 @@ __device__ __forceinline__ void gemv_units(const uint32_t* __restrict__ qw, cons
   __shared__ float red[32];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int p_first = blockIdx.x * kWarps + warp;
+  constexpr int kTrig = gemv_trigger_mode<K, Map, kX>();
+  gemv_trigger_at<2, kTrig>();
 #if NQ_GEMV_PRELOAD
   RowChunk first;
   int f0 = 0, f1 = 0;
@@ -261,6 +300,7 @@ __device__ __forceinline__ void gemv_units(const uint32_t* __restrict__ qw, cons
   }
 #endif
   pdl_wait();  // launch overlap (common.cuh): x is the previous kernel's output
+  gemv_trigger_at<3, kTrig>();
   if constexpr (kX == kXImage) {
     stage_image<K>(x, xs);
   } else if constexpr (kX == kXA8) {
@@ -286,7 +326,7 @@ __device__ __forceinline__ void gemv_units(const uint32_t* __restrict__ qw, cons
       }
       float o0, o1;
       dot_rows2<K, kX != kXHalf>(qw, sc, c0, c1, xs, o0, o1, &cur);
-      trigger_after_last_unit<kX>(pn >= units);
+      trigger_after_last_unit<kTrig>(pn >= units);
       if (lane == 0) epi(0, p, c0, c1, o0, o1);
       cur = nxt;
       c0 = n0;
@@ -298,7 +338,7 @@ __device__ __forceinline__ void gemv_units(const uint32_t* __restrict__ qw, cons
   if (p < units) {
     float o0, o1;
     dot_rows2<K, kX != kXHalf>(qw, sc, f0, f1, xs, o0, o1, &first);
-    trigger_after_last_unit<kX>(p + gridDim.x * kWarps >= units);
+    trigger_after_last_unit<kTrig>(p + gridDim.x * kWarps >= units);
     if (lane == 0) epi(0, p, f0, f1, o0, o1);
   }
   p += gridDim.x * kWarps;
@@ -308,7 +348,7 @@ __device__ __forceinline__ void gemv_units(const uint32_t* __restrict__ qw, cons
     map(p, r0, r1);
     float o0, o1;
     dot_rows2<K, kX != kXHalf>(qw, sc, r0, r1, xs, o0, o1);
-    trigger_after_last_unit<kX>(p + gridDim.x * kWarps >= units);
+    trigger_after_last_unit<kTrig>(p + gridDim.x * kWarps >= units);
     if (lane == 0) epi(0, p, r0, r1, o0, o1);
   }
 }
