@@ -12,7 +12,7 @@
 # info, model7b (writes the 7B-shaped synthetic file once, shared by the ladder and the bench),
 # kernels / engine / ladder / cli (pytest -m gpu of each suite; cli = tests/test_cli_gpu.py), kbench (packages/nanoqwen-kernels/bench/*.py),
 # gemvvariants (bench_gemv.py: the GEMV variants "tiles" (the default), "default" and "a8" at B = 1 .. 64),
-# clibench (nanoqwen-cli bench --synthetic 7b --json, graph, eager, then --decode-activations int8), batchbench (scripts/bench_batch.py:
+# clibench (nanoqwen-cli bench --synthetic 7b --json, graph, eager, then --decode-activations fp16), batchbench (scripts/bench_batch.py:
 # batched decode throughput, B = 1, 8, 32, 64 requests of 128 + 256 tokens at once, then the same levels
 # through `nanoqwen-cli bench --concurrency`), breakdown
 # pdl (NANOQWEN_PDL=0/1 A/B), prefill (prefill graphs A/B, 7B and the 1.5B's dims),
@@ -124,8 +124,8 @@ if want clibench || want clibench_graph; then
       rc=\$?; cat '$OUT/bench_7b_graph.json'; exit \$rc"
     want clibench && run clibench_eager 120 bash -c "$PY -m nanoqwen_cli bench --synthetic 7b --eager --json > '$OUT/bench_7b_eager.json'; \
       rc=\$?; cat '$OUT/bench_7b_eager.json'; exit \$rc"
-    # the opt-in int8 decode activations (recorded, not a gate: its numbers differ by design)
-    want clibench && run clibench_int8 120 $PY -m nanoqwen_cli bench --synthetic 7b --decode-activations int8
+    # fp16 decode activations (int8 is the default since the twenty-first lease; recorded beside it)
+    want clibench && run clibench_fp16 120 $PY -m nanoqwen_cli bench --synthetic 7b --decode-activations fp16
   else
     echo "no nanoqwen_cli package: clibench skipped" | tee -a "$LOG"
   fi
@@ -235,8 +235,8 @@ if want real && [ -n "${NQ_REAL_GGUF:-}" ]; then
   [ -f "$REAL_NQ" ] || run real_convert 240 $PY -c "import sys; from nanoqwen_format import convert; \
 print(convert(sys.argv[1], sys.argv[2], progress=False))" "$NQ_REAL_GGUF" "$REAL_NQ"
   run real_tier 420 $PY scripts/real_vs_transformers.py "$REAL_NQ" --out "$OUT/real_vs_transformers.json"
-  # each prompt alone (batch-1 decode) with the opt-in int8 activations: the tier int8 must pass to stay
-  # offered (twentieth lease: 13 of 4,800 positions, worst gap 0.044, as fp16)
+  # each prompt alone (batch-1 decode, int8 activations: the default): the tier the default must pass
+  # (twentieth and twenty-first leases: 13 of 4,800 positions, worst gap 0.044, as fp16's)
   run real_tier_b1_int8 420 $PY scripts/real_vs_transformers.py "$REAL_NQ" --one-at-a-time --decode-activations int8 \
     --windows 2 --out "$WORK/logs/real_vs_transformers_b1_int8.json"
   # the same tier with the opt-in FP8 prefill: its numbers, not a gate (e4m3 activations move the prompt
