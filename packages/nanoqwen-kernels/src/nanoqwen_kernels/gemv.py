@@ -50,10 +50,11 @@ X_SMEM_FEW_TILES = 90 * 1024
 # batches of loads in flight per warp); at B = 1 it keeps too few bytes in flight (docs/PERF.md).
 # KernelSet picks one (argument, or $NANOQWEN_GEMV_VARIANT); all pass the same GPU tests.
 #   tiles   : B = 1 as "default"; B > 1 on the tile GEMM (gemm_tiles.cuh, planned by `plan_tiles`).
-#   a8      : B = 1 on the int8-activation loop (gemv_int4.cu "_a8" entries: x rounded to int8 per 32 k,
+#   a8      : B = 1 on the int8-activation loop (gemv_int4.cu "_a8" entries: x rounded to int8 per 16 k,
 #             products by dp4a; ~4 instructions per 8 weights against the half2 loop's ~19), B > 1 as
 #             "tiles". It changes the numbers (the activation's rounding, as llama.cpp's q8_1 GEMVs do),
-#             so it is opt-in and A8_VARIANTS says which variants do it.
+#             so a KernelSet builds it only when asked (A8_VARIANTS says which variants do it); the
+#             engine asks by default (decode_activations="int8", nanoqwen_engine.cuda.load).
 # Removed after measuring: "packed" / "packed1", the tile GEMM reading a tile-major copy of each matrix
 # at B <= 16 (twice the INT4 weight memory). H200, 2026-11-30, commit 226e4e9, bench_gemv.py 7B, us per
 # layer of the four INT4 GEMVs, tiles / packed1: B = 8 96.3 / 93.3, B = 16 108.1 / 114.5, B = 32

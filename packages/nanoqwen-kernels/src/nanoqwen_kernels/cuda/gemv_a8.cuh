@@ -1,4 +1,4 @@
-// gemv_a8.cuh: the int8-activation loop's own parts (B = 1, the "a8" GEMV variant, opt-in), included by
+// gemv_a8.cuh: the int8-activation loop's own parts (B = 1, the "a8" GEMV variant: the engine's default), included by
 // gemv_int4.cu after the half2 loop's pieces it shares (RowChunk, load_chunk, for_chunk_pieces): the
 // prologue that rounds x to int8 into shared memory (stage_x_a8) and the dp4a multiply of a chunk
 // (use_chunk_a8). gemv_int4.cu's dot_rows2 / gemv_units run it with kA8 / kXA8, and its a8 image pair
@@ -7,7 +7,7 @@
 
 namespace nq {
 
-// ---- the int8-activation loop (B = 1, the "a8" GEMV variant; opt-in: it rounds the activations) -------
+// ---- the int8-activation loop (B = 1, the "a8" GEMV variant; it rounds the activations) ----------------
 // The half2 loop spends ~19 instructions per word (8 weights) and is issue-bound (docs/PERF.md). Here the
 // activation is rounded to int8 in its prologue, one fp32 scale per 16 k (half of a 16-byte piece of a
 // row), and a word costs 4 instructions: 2 LOP3 and 2 dp4a (4 byte products summed into an int32 each):

@@ -1,7 +1,7 @@
 // gemv_int4.cu: the INT4 x FP16 GEMVs of decode over ValueShuffle-v1 words, for B sequences at once,
 // with their fused variants. Four bodies share the row maps and epilogues (gemv_epilogues.cuh):
 //   the half2 loop (this file)      B = 1; products in half2 FMAs
-//   the int8-activation loop        B = 1, opt-in (suffix _a8, _a8x); gemv_a8.cuh: x rounded to int8, dp4a
+//   the int8-activation loop        B = 1, the engine's default (suffix _a8, _a8x); gemv_a8.cuh: x to int8, dp4a
 //   the tensor-core core            any B; gemv_mma.cuh (mma.sync, one column per sequence)
 //   the tile GEMM                   B <= 64; gemm_tiles.cuh (entries at the end of this file)
 //
