@@ -18,6 +18,7 @@ from nanoqwen_cli.conversation import Conversation
 from nanoqwen_cli.errors import CliError, describe
 from nanoqwen_cli.options import (
     SETTINGS,
+    decode_activations_option,
     lm_head_dtype_option,
     model_options,
     sampling_options,
@@ -42,12 +43,13 @@ QUIT = ("/bye", "/exit", "/quit")
 @click.command(short_help="Interactive multi-turn chat.")
 @model_options
 @lm_head_dtype_option
+@decode_activations_option
 @sampling_options
 @click.option(
     "--system", default=None, help="System message for the chat template (default: the model's own)."
 )
 @click.option("--quiet", "-q", is_flag=True, help="No banner, notes, or timing lines on stderr.")
-def chat(model, device, max_context, lm_head_dtype, system, quiet, **sampling):
+def chat(model, device, max_context, lm_head_dtype, decode_activations, system, quiet, **sampling):
     """Talk with the model; each message is answered with the whole conversation in context.
 
     On a terminal, lines that arrive together (a paste) are one message, and \"\"\" ... \"\"\" spans
@@ -64,7 +66,8 @@ def chat(model, device, max_context, lm_head_dtype, system, quiet, **sampling):
     """
     overrides = sampling_overrides(sampling)
     session.make_params(overrides)  # bad values fail before a load
-    loaded = session.load(model, device, max_context, progress=not quiet, lm_head_dtype=lm_head_dtype)
+    extra = {} if decode_activations is None else {"decode_activations": decode_activations}
+    loaded = session.load(model, device, max_context, progress=not quiet, lm_head_dtype=lm_head_dtype, **extra)
     _Chat(loaded, Conversation(system, overrides), TurnReader(), quiet).loop()
 
 

@@ -9,13 +9,20 @@ import click
 
 from nanoqwen_cli import session
 from nanoqwen_cli.errors import CliError
-from nanoqwen_cli.options import lm_head_dtype_option, model_options, sampling_options, sampling_overrides
+from nanoqwen_cli.options import (
+    decode_activations_option,
+    lm_head_dtype_option,
+    model_options,
+    sampling_options,
+    sampling_overrides,
+)
 
 
 @click.command(short_help="Generate an answer to a prompt, streamed.")
 @click.argument("prompt", required=False)
 @model_options
 @lm_head_dtype_option
+@decode_activations_option
 @sampling_options
 @click.option(
     "--system", default=None, help="System message for the chat template (default: the model's own)."
@@ -31,7 +38,8 @@ from nanoqwen_cli.options import lm_head_dtype_option, model_options, sampling_o
     help="Print one JSON record (text, token counts, timings, finish_reason, model, device) at the end "
     "instead of streaming.",
 )
-def run(prompt, model, device, max_context, lm_head_dtype, system, raw, quiet, as_json, **sampling):
+def run(prompt, model, device, max_context, lm_head_dtype, decode_activations, system, raw, quiet, as_json,
+        **sampling):
     """Generate an answer to PROMPT (an argument, or stdin when absent or `-`, less one trailing newline),
     streamed to stdout.
 
@@ -52,8 +60,9 @@ def run(prompt, model, device, max_context, lm_head_dtype, system, raw, quiet, a
         raise click.UsageError("--system applies to the chat template; it has no meaning with --raw")
     request = text if raw else session.messages_for(text, system)
 
+    extra = {} if decode_activations is None else {"decode_activations": decode_activations}
     loaded = session.load(model, device, max_context, progress=not (quiet or as_json),
-                          lm_head_dtype=lm_head_dtype)
+                          lm_head_dtype=lm_head_dtype, **extra)
     engine = loaded.engine
     n_prompt = len(engine.encode_prompt(request))
     params, note = session.fit_max_tokens(engine, n_prompt, params)
