@@ -211,8 +211,8 @@ constexpr int kXImage = 2;  // x already rounded: an a8 image (gate_up_a8_image'
 // Launch overlap, the int8-activation loop only: when each block lets the next kernel launch
 // (griddepcontrol.launch_dependents, which takes effect for a block at its first warp's call, and for the
 // grid once every block has called it or exited). The next kernel's launch is then processed while this
-// one streams, and its blocks are placed as this one's exit (or beside them where registers allow) and issue
-// their first weights before their own wait, instead of after this kernel's last exit plus a launch
+// one streams: its blocks are placed as this one's blocks exit (or beside them where registers allow) and
+// issue their first weights before their own wait, instead of after this kernel's last exit plus a launch
 // latency. Per matrix kind (NQ_TRIG_QKV / _O / _GU / _DOWN): 3 right after pdl_wait, 2 at the entry (before
 // the weights preload), 1 once a warp of every block has its last unit's sums, 0 never (the blocks' exits).
 // After the wait, not at the entry: a trigger at the entry lets the successor trigger at its own entry in
