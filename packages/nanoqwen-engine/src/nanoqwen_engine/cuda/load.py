@@ -41,9 +41,9 @@ DECODE_MODES = ("graph", "eager")
 DECODE_ACTIVATIONS = ("fp16", "int8")  # batch-1 decode GEMVs: fp16 activations, or int8 (GEMV variant "a8")
 # int8, as llama.cpp's q8_1 GEMVs do: one scale per 16 values, products by dp4a. On the real
 # Qwen2.5-Coder-1.5B at batch 1 it agrees with transformers fp32 as fp16 does (100 prompts x 48 tokens each
-# alone: 13 / 9 of 4,800 positions differ, worst gap 0.044 for both, bound 0.1), and the 7B decodes ~15%
-# faster (docs/PERF.md, twentieth lease). What it changes: on random-weight models its rounding moves a
-# logit gap by ~0.13 rms (fp16: ~0.01), so the synthetic tiers judge it with its own eps and bounds
+# alone: 13 / 9 of 4,800 positions differ, worst gap 0.044 for both, bound 0.1), and the 7B decodes in
+# 1.51 ms/token instead of 1.83 (docs/PERF.md, twentieth and twenty-first leases). What it changes: on
+# random-weight models its rounding moves a logit gap by ~0.11 rms (fp16: ~0.01), so the synthetic tiers judge it with its own eps and bounds
 # (nanoqwen_engine.validation.EPS, docs/VALIDATION.md); and a sequence alone (int8) and the same sequence in
 # a batch (fp16 tile GEMM) round differently, so their greedy tokens may part at a near-tie: the batch
 # invariance tests hold fp16, which keeps it (docs/INTERFACES.md).
