@@ -94,3 +94,26 @@ def invoke():
         return runner.invoke(cli, [str(a) for a in args], input=input)
 
     return _invoke
+
+
+@pytest.fixture
+def engine_loads(monkeypatch):
+    """The keyword arguments of every Engine.load, in order (the loads themselves go on: the session's cached
+    ones). With `.stop` set, the load raises instead (serve would otherwise serve)."""
+    from nanoqwen_engine import Engine
+    from nanoqwen_engine.errors import InvalidRequestError
+
+    class Calls(list):
+        stop = False
+
+    calls = Calls()
+    load = Engine.load
+
+    def spy(path, *args, **kwargs):
+        calls.append(kwargs)
+        if calls.stop:
+            raise InvalidRequestError("stopped by the test after Engine.load was called")
+        return load(path, *args, **kwargs)
+
+    monkeypatch.setattr(Engine, "load", spy)
+    return calls

@@ -1,48 +1,39 @@
 """--lm-head-dtype: on every command that loads a model for inference, documented in --help, passed to
-Engine.load (verify: to both of its engines), and counted by bench's bytes per token."""
+Engine.load (verify: to both of its engines), and counted by bench's bytes per token. The numerics flags'
+--help (this one and --decode-activations) and their choices against the engine's are checked here for
+both (test_decode_activations_option.py has the rest of --decode-activations)."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
-from nanoqwen_engine import Engine
-from nanoqwen_engine.errors import InvalidRequestError
 from nanoqwen_format import open_model
 
 LOADING_COMMANDS = ("run", "chat", "perplexity", "verify", "serve", "bench")
 
 
-@pytest.fixture
-def load_calls(monkeypatch):
-    """Every Engine.load's lm_head_dtype, in order (the loads themselves go on: the session's cached ones).
-    With `.stop` set, the load raises instead (serve would otherwise serve)."""
-
-    class Calls(list):
-        stop = False
-
-    calls = Calls()
-    load = Engine.load
-
-    def spy(path, *args, **kwargs):
-        calls.append(kwargs.get("lm_head_dtype"))
-        if calls.stop:
-            raise InvalidRequestError("stopped by the test after Engine.load was called")
-        return load(path, *args, **kwargs)
-
-    monkeypatch.setattr(Engine, "load", spy)
-    return calls
+def heads(engine_loads) -> list:
+    """Each Engine.load's lm_head_dtype, in order (conftest.engine_loads records their keyword arguments)."""
+    return [k.get("lm_head_dtype") for k in engine_loads]
 
 
-@pytest.mark.parametrize("command", LOADING_COMMANDS)
-def test_help_explains_the_option(invoke, command):
+# flag as --help shows it, the commands that take it, what its help must say
+NUMERICS_FLAGS = [
+    ("--lm-head-dtype [int8|fp16]", LOADING_COMMANDS,
+     ("default: $NANOQWEN_LM_HEAD_DTYPE, else int8", "one fp16 scale per 128 values", "the file's values")),
+    ("--decode-activations [fp16|int8]", ("run", "chat", "verify", "serve", "bench"),
+     ("default: $NANOQWEN_DECODE_ACTIVATIONS, else int8", "a scale per 16 values", "fp16 (the activation as it is")),
+]
+
+
+@pytest.mark.parametrize("flag, command, words", [(f, c, w) for f, cs, w in NUMERICS_FLAGS for c in cs])
+def test_help_explains_the_option(invoke, flag, command, words):
     """Each command lists the flag with its choices, its default and where the default comes from."""
     result = invoke([command, "--help"])
     assert result.exit_code == 0, result.output
     text = " ".join(result.output.split())
-    assert "--lm-head-dtype [int8|fp16]" in text
-    for words in ("default: $NANOQWEN_LM_HEAD_DTYPE, else int8", "one fp16 scale per 128 values", "the file's values"):
-        assert words in text, (command, words)
+    assert flag in text and all(w in text for w in words), (command, flag)
 
 
 @pytest.mark.parametrize("command, args", [
@@ -50,7 +41,7 @@ def test_help_explains_the_option(invoke, command):
     ("perplexity", ["--window", "16", "--json"]),
     ("chat", ["-t", "0", "-n", "2"]),
 ])
-def test_the_option_reaches_engine_load(invoke, tiny_model, tmp_path, load_calls, command, args):
+def test_the_option_reaches_engine_load(invoke, tiny_model, tmp_path, engine_loads, command, args):
     """--lm-head-dtype fp16 is what Engine.load gets; without the flag it gets None (the engine's default,
     $NANOQWEN_LM_HEAD_DTYPE else int8)."""
     text = tmp_path / "a.txt"
@@ -60,24 +51,24 @@ def test_the_option_reaches_engine_load(invoke, tiny_model, tmp_path, load_calls
     for flag, want in ((["--lm-head-dtype", "fp16"], "fp16"), ([], None)):
         result = invoke([command, "--model", tiny_model, "--device", "cpu", *flag, *args, *extra], input=stdin)
         assert result.exit_code == 0, result.output
-        assert load_calls == [want], load_calls
-        load_calls.clear()
+        assert heads(engine_loads) == [want], heads(engine_loads)
+        engine_loads.clear()
 
 
-def test_verify_gives_both_engines_the_same_head(invoke, tiny_model, load_calls):
+def test_verify_gives_both_engines_the_same_head(invoke, tiny_model, engine_loads):
     """verify loads the CPU reference and the engine under test: both get --lm-head-dtype (the reference
     must multiply the values the device does)."""
     result = invoke(["verify", "--model", tiny_model, "--device", "cpu", "--max-tokens", 2, "--max-prompt-tokens",
                      30, "--prompts", 1, "--score-prompts", 0, "--json", "--lm-head-dtype", "fp16"])
     assert result.exit_code == 0, result.output
-    assert load_calls == ["fp16", "fp16"]
+    assert heads(engine_loads) == ["fp16", "fp16"]
 
 
-def test_serve_passes_the_option(invoke, tiny_model, load_calls):
-    load_calls.stop = True
+def test_serve_passes_the_option(invoke, tiny_model, engine_loads):
+    engine_loads.stop = True
     result = invoke(["serve", "--model", tiny_model, "--device", "cpu", "--port", 0, "--lm-head-dtype", "int8"])
     assert result.exit_code != 0 and "stopped by the test" in result.output
-    assert load_calls == ["int8"]
+    assert heads(engine_loads) == ["int8"]
 
 
 def test_bench_counts_the_head_as_stored(invoke):
