@@ -60,6 +60,7 @@ def main() -> None:
     from ladder.models import tiny_model
     from nanoqwen_engine.config import ModelConfig
     from nanoqwen_engine.cuda import CudaBackend
+    from nanoqwen_engine.cuda.load import decode_activations_plan
     from nanoqwen_engine.params import SamplingParams
     from nanoqwen_engine.reference import ReferenceBackend
     from nanoqwen_engine.sampler import SamplerState
@@ -82,7 +83,8 @@ def main() -> None:
             from nanoqwen_engine.cuda.host_kernels import HostKernels
 
             dev = HostDevice()
-            kw.update(device=dev, kernels=HostKernels(cfg, dev, "a8" if activations == "int8" else "tiles"))
+            variant = decode_activations_plan(activations, None)[1]  # the variant the GPU would build
+            kw.update(device=dev, kernels=HostKernels(cfg, dev, variant))
         return CudaBackend.create(nq, cfg, max_context=ctx, progress=False, **kw)
 
     modes = {"int8": backend("int8")}

@@ -8,7 +8,7 @@ import pytest
 
 
 def activations(engine_loads) -> list:
-    """Each Engine.load's decode_activations, "absent" where none was passed (conftest.engine_loads)."""
+    """Each Engine.load's decode_activations, "absent" where the keyword was not passed (conftest.engine_loads)."""
     return [k.get("decode_activations", "absent") for k in engine_loads]
 
 
@@ -17,9 +17,9 @@ def activations(engine_loads) -> list:
     ("chat", ["-t", "0", "-n", "2"], "hi\n/bye\n"),
 ])
 def test_the_option_reaches_engine_load_only_when_given(invoke, tiny_model, engine_loads, command, args, stdin):
-    """fp16 (what the reference computes, so accepted on the CPU) reaches Engine.load; without the flag
-    nothing is passed and the engine's default applies."""
-    for flag, want in ((["--decode-activations", "fp16"], "fp16"), ([], "absent")):
+    """fp16 (what the reference computes, so accepted on the CPU) reaches Engine.load; without the flag it
+    gets None (the engine's default: $NANOQWEN_DECODE_ACTIVATIONS, else int8 on the GPU)."""
+    for flag, want in ((["--decode-activations", "fp16"], "fp16"), ([], None)):
         result = invoke([command, "--model", tiny_model, "--device", "cpu", *flag, *args], input=stdin)
         assert result.exit_code == 0, result.output
         assert activations(engine_loads) == [want], activations(engine_loads)

@@ -66,8 +66,8 @@ def chat(model, device, max_context, lm_head_dtype, decode_activations, system, 
     """
     overrides = sampling_overrides(sampling)
     session.make_params(overrides)  # bad values fail before a load
-    extra = {} if decode_activations is None else {"decode_activations": decode_activations}
-    loaded = session.load(model, device, max_context, progress=not quiet, lm_head_dtype=lm_head_dtype, **extra)
+    loaded = session.load(model, device, max_context, progress=not quiet, lm_head_dtype=lm_head_dtype,
+                          decode_activations=decode_activations)
     _Chat(loaded, Conversation(system, overrides), TurnReader(), quiet).loop()
 
 

@@ -60,9 +60,8 @@ def run(prompt, model, device, max_context, lm_head_dtype, decode_activations, s
         raise click.UsageError("--system applies to the chat template; it has no meaning with --raw")
     request = text if raw else session.messages_for(text, system)
 
-    extra = {} if decode_activations is None else {"decode_activations": decode_activations}
     loaded = session.load(model, device, max_context, progress=not (quiet or as_json),
-                          lm_head_dtype=lm_head_dtype, **extra)
+                          lm_head_dtype=lm_head_dtype, decode_activations=decode_activations)
     engine = loaded.engine
     n_prompt = len(engine.encode_prompt(request))
     params, note = session.fit_max_tokens(engine, n_prompt, params)

@@ -97,9 +97,8 @@ def verify(
     if not prompts:
         raise click.UsageError(f"no prompt of the set fits a context of {b.max_context} tokens")
     needed = max(n for n in lengths if n <= limit) + max_tokens
-    extra = {} if decode_activations is None else {"decode_activations": decode_activations}
     under_test = session.load(str(reference.path), device, max_context or needed, progress=progress,
-                              lm_head_dtype=lm_head_dtype, **extra)
+                              lm_head_dtype=lm_head_dtype, decode_activations=decode_activations)
     under_test.model = reference.model
     a = under_test.engine
     eps = _default_eps(a) if eps is None else eps
