@@ -11,6 +11,8 @@ their own magnitude plus that bound; the fp16 lm_head accumulates in fp32 on eit
 sqrt(sum (w x)^2) plus 1e-5 |ref|).
 """
 
+import os
+
 import numpy as np
 import pytest
 from nanoqwen_kernels import loader
@@ -19,6 +21,7 @@ from nanoqwen_kernels.gemv import (
     A8_ACC_START,
     A8_BLOCK,
     A8_VARIANTS,
+    B1_SPLIT,
     DEFAULT_LM_HEAD,
     GEMV_VARIANTS,
     LM_HEAD_BODIES,
@@ -44,22 +47,45 @@ def dims(request):
     return PRESETS[request.param]
 
 
+# The int8 loop with its units split over several warps (gemv_int4.cu gemv_split), each kind at a split
+# other than the build's default, down_proj under the 4-blocks register cap as well: its own build
+A8_SPLIT = "a8/split"
+A8_SPLIT_DEFINES = "NQ_SPLIT_QKV=2,NQ_SPLIT_O=2,NQ_SPLIT_DOWN=4,NQ_MINB_DOWN=4"
+
+
+def _a8_split_kernels(dims):
+    """GemvKernels("a8") compiled with A8_SPLIT_DEFINES added to $NANOQWEN_KERNEL_DEFINES (the build and
+    its launch plan read them at construction; the variable is restored after)."""
+    old = os.environ.get("NANOQWEN_KERNEL_DEFINES")
+    os.environ["NANOQWEN_KERNEL_DEFINES"] = ",".join(filter(None, [old, A8_SPLIT_DEFINES]))
+    try:
+        g = GemvKernels(dims, _load, "a8")
+    finally:
+        if old is None:
+            del os.environ["NANOQWEN_KERNEL_DEFINES"]
+        else:
+            os.environ["NANOQWEN_KERNEL_DEFINES"] = old
+    assert all(g._split[k] != s for k, s in B1_SPLIT.items()), "the split build must differ from the default"
+    return g
+
+
 @pytest.fixture(scope="module")
 def kernels(dims, gpu):
-    """GemvKernels per variant (B > 1 runs the same tensor-core entries in every variant)."""
-    return {v: GemvKernels(dims, _load, v) for v in GEMV_VARIANTS}
+    """GemvKernels per variant (B > 1 runs the same tensor-core entries in every variant), and the int8
+    loop's split build (A8_SPLIT)."""
+    return {**{v: GemvKernels(dims, _load, v) for v in GEMV_VARIANTS}, A8_SPLIT: _a8_split_kernels(dims)}
 
 
 def _runs(b):
-    """Variants to run at batch b: every variant at B = 1; beyond, one per batched build (gemv_mma's
-    passes: "default"; the tile GEMM: "tiles")."""
-    return sorted(GEMV_VARIANTS) if b == 1 else ["default", "tiles"]
+    """Variants to run at batch b: every variant and the split int8 build at B = 1; beyond, one per
+    batched build (gemv_mma's passes: "default"; the tile GEMM: "tiles")."""
+    return [*sorted(GEMV_VARIANTS), A8_SPLIT] if b == 1 else ["default", "tiles"]
 
 
 def _xin(variant, b, xin):
     """The activation a variant multiplies at batch b: the int8-activation loop ("a8", B = 1) rounds it
     (round_a8, the kernel's numpy twin); the others take the fp16 values as they are."""
-    return round_a8(xin) if b == 1 and variant in A8_VARIANTS else xin
+    return round_a8(xin) if b == 1 and (variant in A8_VARIANTS or variant == A8_SPLIT) else xin
 
 
 def _check(got, ref, tol, what):
@@ -202,7 +228,8 @@ def test_gate_up_silu(kernels, dims, rng, b):
         _check(out.get(), ref, t, f"{variant} gate_up_silu B={b}")
 
 
-def test_a8_image_pair(kernels, dims, rng):
+@pytest.mark.parametrize("variant", ["a8", A8_SPLIT])
+def test_a8_image_pair(kernels, dims, rng, variant):
     """The int8-activation loop's down_proj pair. gate/up with a8_image writes down_proj's input already
     rounded (gemv.a8_image's layout): its values are the numpy gate/up within the fp16 tolerance plus half an
     int8 step, each A8_BLOCK-value block's largest on +-127, its stored sum that of its bytes. down_proj reading an
@@ -210,7 +237,7 @@ def test_a8_image_pair(kernels, dims, rng):
     output bit for bit (the same fp16 values rounded the same way, the same sums)."""
     import cupy as cp
 
-    g = kernels["a8"]
+    g = kernels[variant]
     H, inter = dims.hidden, dims.intermediate
     ug, sg = random_int4(rng, 2 * inter, H)
     ud, sd = random_int4(rng, H, inter)

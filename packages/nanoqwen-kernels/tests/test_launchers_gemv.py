@@ -333,3 +333,37 @@ def test_small_batches_of_o_proj_run_on_the_core(launches, monkeypatch, env, b, 
     monkeypatch.setenv("NANOQWEN_TILE_CORE_KINDS", "h,lm_head")
     with pytest.raises(KernelError, match="NANOQWEN_TILE_CORE_KINDS"):
         GemvKernels(d, load)
+
+
+@pytest.mark.parametrize("defines, per_block", [("", {"h": 8, "i": 8, "qkv": 8}),
+                                                ("NQ_SPLIT_O=2,NQ_SPLIT_DOWN=4,NQ_SPLIT_QKV=8",
+                                                 {"h": 4, "i": 2, "qkv": 1})])
+def test_int8_loop_split_sizes_the_grid(launches, monkeypatch, defines, per_block):
+    """The int8 loop's split units (NQ_SPLIT_*): a block of 8 warps runs 8 / split units at once, so the
+    grid is the units over that (even_grid's cap aside); read when the kernels are built, not per launch;
+    gate/up is never split."""
+    from nanoqwen_kernels.gemv import b1_split
+
+    d = QWEN25_7B
+    monkeypatch.setenv("NANOQWEN_KERNEL_DEFINES", defines)
+    g = GemvKernels(d, load, "a8")
+    monkeypatch.setenv("NANOQWEN_KERNEL_DEFINES", "")  # the launches below keep the build's plan
+    assert b1_split("gu") == 1
+    units = {"h": d.hidden // 2, "i": d.hidden // 2}
+    for kind, k in (("h", d.hidden), ("i", d.intermediate)):
+        g.gemv_int4(dev((d.hidden, k // 8), np.uint32), dev((d.hidden, k // 128), np.float16),
+                    dev((k,), np.float16), dev((d.hidden,), np.float16))
+        fn, grid, _ = launches[-1]
+        assert fn == f"nq_gemv_int4_{kind}_a8" and grid == min(132 * 4, -(-units[kind] // per_block[kind]))
+    # down_proj on an a8 image: the same plan as its plain entry
+    g.gemv_int4(dev((d.hidden, d.intermediate // 8), np.uint32), dev((d.hidden, d.intermediate // 128), np.float16),
+                dev((d.intermediate,), np.float16), dev((d.hidden,), np.float16), x_a8_image=True)
+    fn, grid, _ = launches[-1]
+    assert fn == "nq_gemv_int4_i_a8x" and grid == min(132 * 4, -(-units["i"] // per_block["i"]))
+
+
+@pytest.mark.parametrize("value", ["3", "16", "0"])
+def test_int8_loop_split_must_divide_the_block(monkeypatch, value):
+    monkeypatch.setenv("NANOQWEN_KERNEL_DEFINES", f"NQ_SPLIT_DOWN={value}")
+    with pytest.raises(KernelError, match="NQ_SPLIT_DOWN"):
+        GemvKernels(QWEN25_7B, load, "a8")

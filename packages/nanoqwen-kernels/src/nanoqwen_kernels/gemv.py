@@ -238,6 +238,23 @@ def tile_threads() -> int:
     return TILE_THREADS + 32 * extra_defines().get("NQ_TILE_PRODUCERS", TILE_PRODUCERS)
 
 
+# The int8 loop's split-K (gemv_int4.cu gemv_split): warps per 2-row unit of each matrix kind, the
+# NQ_SPLIT_* defines (a $NANOQWEN_KERNEL_DEFINES knob each). The launcher sizes its grid by it.
+# gate/up ("gu") is never split.
+B1_SPLIT_DEFINES = {"qkv": "NQ_SPLIT_QKV", "h": "NQ_SPLIT_O", "i": "NQ_SPLIT_DOWN"}
+B1_SPLIT = {"qkv": 1, "h": 1, "i": 1}
+
+
+def b1_split(kind: str) -> int:
+    """Warps per unit of the int8 loop for a matrix kind ("qkv", "h", "i"; "gu": always 1): 1, 2, 4 or 8."""
+    if kind not in B1_SPLIT:
+        return 1
+    split = extra_defines().get(B1_SPLIT_DEFINES[kind], B1_SPLIT[kind])
+    if split not in (1, 2, 4, 8):
+        raise KernelError(f"{B1_SPLIT_DEFINES[kind]}={split}: the warps of a unit must be 1, 2, 4 or 8")
+    return split
+
+
 def tile_x_preperm() -> bool:
     """Whether the q/k/v and gate/up tile entries read x pre-permuted into the tile layout (gemm_tiles.cuh
     NQ_TILE_X_PREPERM, a $NANOQWEN_KERNEL_DEFINES knob, default on), written by nq_norm_cols_wg_h."""
@@ -314,6 +331,8 @@ class GemvKernels:
         smem = X_SMEM_BUDGET
         names = {"h": "nq_gemv_int4_h", "i": "nq_gemv_int4_i", "qkv": "nq_qkv_rope_kv", "gu": "nq_gate_up_silu"}
         self._a8 = variant in A8_VARIANTS
+        # warps per unit of each kind's B = 1 loop, read with the build's defines (never again at a launch)
+        self._split = {kind: (b1_split(kind) if self._a8 else 1) for kind in GEMV_KINDS}
         suffix = "_a8" if self._a8 else ""  # the B = 1 loop: half2, or int8 activations
         self._half2 = {kind: m.get_function(name + suffix) for kind, name in names.items()}
         # the a8 image pair: gate/up writing down_proj's x already rounded, and down_proj reading it
@@ -421,10 +440,13 @@ class GemvKernels:
 
     # ---- launches -----------------------------------------------------------------------------------
 
-    def _launch_b1(self, kind: str, block_units: int, args: tuple) -> None:
-        """The B = 1 loop (half2, or int8 activations) of one matrix kind: a grid-stride grid of even blocks."""
-        fn = self._half2[kind]
-        ck.launch(fn, ck.even_grid(fn, block_units, THREADS), THREADS, args)
+    def _launch_b1(self, kind: str, units: int, args: tuple, fn=None) -> None:
+        """The B = 1 loop (half2, or int8 activations) of one matrix kind over `units` 2-row units: a
+        grid-stride grid of even blocks, each running WARPS / split units at once (b1_split: the int8
+        loop's warps per unit)."""
+        fn = self._half2[kind] if fn is None else fn
+        per_block = WARPS // self._split[kind]
+        ck.launch(fn, ck.even_grid(fn, -(-units // per_block), THREADS), THREADS, args)
 
     def _launch_mma(self, fn_of, n_units: int, k: int, b: int, args: tuple) -> None:
         """The tensor-core core over n_units units for B columns: plan, grid, launch."""
@@ -460,9 +482,9 @@ class GemvKernels:
             if residual is not None:
                 ck.check_array("residual", residual, np.float16, (*lead, n))
             ck.check_distinct(x=x, out=out)
-            fn = self._down_image
-            ck.launch(fn, ck.even_grid(fn, -(-((n + 1) // 2) // WARPS), THREADS), THREADS,
-                      (qweight, scales, x, residual if residual is not None else ck.NULL, out, np.int32(n)))
+            self._launch_b1("i", (n + 1) // 2,
+                            (qweight, scales, x, residual if residual is not None else ck.NULL, out, np.int32(n)),
+                            fn=self._down_image)
             return
         ck.check_array("out", out, np.float16, (*lead, n))
         if residual is not None:
@@ -489,7 +511,7 @@ class GemvKernels:
             epi = (residual if residual is not None else ck.NULL, out, np.int32(n))
             self._launch_tiles(kind, units, k, b, (qweight, scales), x, norm_w, e, epi)
         elif b == 1 and kind not in self._mma_at_b1:
-            self._launch_b1(kind, -(-units // WARPS), args)
+            self._launch_b1(kind, units, args)
         else:
             self._launch_mma(lambda c: self._mma[(kind, c)], units, k, b, args)
 
@@ -536,7 +558,7 @@ class GemvKernels:
             self._launch_tiles("qkv", rows // 2, d.hidden, b, (qweight, scales), x, norm_w, e,
                                (bias, *args[6:]))
         elif b == 1 and "qkv" not in self._mma_at_b1:
-            self._launch_b1("qkv", -(-(rows // 2) // WARPS), args)
+            self._launch_b1("qkv", rows // 2, args)
         else:
             self._launch_mma(lambda c: self._mma[("qkv", c)], rows // 2, d.hidden, b, args)
 
@@ -565,7 +587,7 @@ class GemvKernels:
         if self._on_tiles("gu", b):
             self._launch_tiles("gu", d.intermediate, d.hidden, b, (qweight, scales), x, norm_w, e, (out,))
         elif b == 1 and "gu" not in self._mma_at_b1:
-            self._launch_b1("gu", -(-d.intermediate // WARPS), args)
+            self._launch_b1("gu", d.intermediate, args)
         else:
             self._launch_mma(lambda c: self._mma[("gu", c)], d.intermediate, d.hidden, b, args)
 

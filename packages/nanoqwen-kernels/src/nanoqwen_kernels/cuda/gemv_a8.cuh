@@ -154,10 +154,11 @@ __device__ __forceinline__ int2 dot16x2_a8(const uint4& w, const uint4& xa, cons
   return make_int2(la * 16 + ha, lb * 16 + hb);
 }
 
-template <int K>
-__device__ __forceinline__ void use_chunk_a8(const RowChunk& c, int j0, A8Stage st, float& a0, float& a1) {
+template <int K, int kSplit = 1>
+__device__ __forceinline__ void use_chunk_a8(const RowChunk& c, int j0, A8Stage st, float& a0, float& a1,
+                                             int part = 0) {
   constexpr int kNU = K / 32;
-  for_chunk_pieces<K>(j0, [&](int jj, int u) {
+  for_chunk_pieces<K, kSplit>(j0, part, [&](int jj, int u) {
     const uint4 xa = st.xq[u], xb = st.xq[kNU + u];
     const int4 m = st.xm[u];
     const float sa = __int_as_float(m.x), sb = __int_as_float(m.z);

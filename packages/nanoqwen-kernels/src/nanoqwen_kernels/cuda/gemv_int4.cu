@@ -116,30 +116,36 @@ struct RowChunk {
 };
 
 // f(jj, u) for each piece jj of chunk j0 this lane holds that exists: u = the piece's index in its row
-// (K / 32 pieces of 16 bytes; lane l holds pieces l, l + 32, ...). The loads and both loops' multiplies
-// walk a chunk this way.
-template <int K, class F>
-__device__ __forceinline__ void for_chunk_pieces(int j0, F&& f) {
-  constexpr int kNU = K / 32;                 // 16-byte pieces per row
-  constexpr int kNJ = (kNU + 31) / 32;        // pieces per lane
-  const int lane = threadIdx.x & 31;
+// (K / 32 pieces of 16 bytes). Without a split (kSplit = 1) lane l holds pieces l, l + 32, ...; split over
+// kSplit warps, the warps of a unit act as 32 kSplit lanes of one wide warp: the lane l of part s holds
+// pieces 32 s + l, 32 s + l + 32 kSplit, ... (each chunk step still a contiguous 512 bytes per warp). The
+// loads and both loops' multiplies walk a chunk this way.
+template <int K, int kSplit = 1>
+__host__ __device__ constexpr int pieces_per_lane() {
+  return (K / 32 + 32 * kSplit - 1) / (32 * kSplit);
+}
+template <int K, int kSplit = 1, class F>
+__device__ __forceinline__ void for_chunk_pieces(int j0, int part, F&& f) {
+  constexpr int kNU = K / 32;                         // 16-byte pieces per row
+  constexpr int kNJ = pieces_per_lane<K, kSplit>();   // pieces per lane
+  const int vl = 32 * part + (threadIdx.x & 31);
 #pragma unroll
   for (int jj = 0; jj < kInFlight; ++jj) {
-    const int u = (j0 + jj) * 32 + lane;
+    const int u = (j0 + jj) * 32 * kSplit + vl;
     if (j0 + jj < kNJ && u < kNU) f(jj, u);
   }
 }
 
 // Issue the loads of chunk j0 (pieces j0 .. j0+kInFlight-1 of each lane) of rows r0 and r1.
-template <int K>
+template <int K, int kSplit = 1>
 __device__ __forceinline__ void load_chunk(const uint32_t* __restrict__ qw, const uint16_t* __restrict__ sc,
-                                           int r0, int r1, int j0, RowChunk& c) {
+                                           int r0, int r1, int j0, RowChunk& c, int part = 0) {
   constexpr int kGroups = K / kGroup;         // scales per row
   const uint4* w0 = reinterpret_cast<const uint4*>(qw + static_cast<size_t>(r0) * (K / 8));
   const uint4* w1 = reinterpret_cast<const uint4*>(qw + static_cast<size_t>(r1) * (K / 8));
   const uint16_t* s0 = sc + static_cast<size_t>(r0) * kGroups;
   const uint16_t* s1 = sc + static_cast<size_t>(r1) * kGroups;
-  for_chunk_pieces<K>(j0, [&](int jj, int u) {  // issue every load of the chunk first
+  for_chunk_pieces<K, kSplit>(j0, part, [&](int jj, int u) {  // issue every load of the chunk first
     c.v0[jj] = ld_stream_v4(w0 + u);
     c.v1[jj] = ld_stream_v4(w1 + u);
     c.g0[jj] = s0[u >> 2];  // 4 pieces per group: lanes 4m..4m+3 share a scale
@@ -151,7 +157,7 @@ __device__ __forceinline__ void load_chunk(const uint32_t* __restrict__ qw, cons
 template <int K>
 __device__ __forceinline__ void use_chunk(const RowChunk& c, int j0, const uint4* xs, float& a0, float& a1) {
   constexpr int kNU = K / 32;
-  for_chunk_pieces<K>(j0, [&](int jj, int u) {
+  for_chunk_pieces<K>(j0, 0, [&](int jj, int u) {
     const uint4 x0 = xs[u], x1 = xs[kNU + u], x2 = xs[2 * kNU + u], x3 = xs[3 * kNU + u];
     a0 += h2f(c.g0[jj]) * (dot8(c.v0[jj].x, x0) + dot8(c.v0[jj].y, x1) + dot8(c.v0[jj].z, x2) + dot8(c.v0[jj].w, x3));
     a1 += h2f(c.g1[jj]) * (dot8(c.v1[jj].x, x0) + dot8(c.v1[jj].y, x1) + dot8(c.v1[jj].z, x2) + dot8(c.v1[jj].w, x3));
@@ -165,13 +171,14 @@ __device__ __forceinline__ void use_chunk(const RowChunk& c, int j0, const uint4
 namespace nq {
 
 // One warp: dot products of rows r0 and r1 with xs; the full sums end in every lane. `first`, when
-// given, is chunk 0 already loaded (gemv_units issues it before the launch-overlap wait).
-template <int K, bool kA8 = false>
+// given, is chunk 0 already loaded (gemv_units issues it before the launch-overlap wait). Split over
+// kSplit warps (the int8 loop only), this warp's share, part `part` of the row (for_chunk_pieces).
+template <int K, bool kA8 = false, int kSplit = 1>
 __device__ __forceinline__ void dot_rows2(const uint32_t* __restrict__ qw, const uint16_t* __restrict__ sc,
                                           int r0, int r1, uint4* xs, float& o0, float& o1,
-                                          const RowChunk* first = nullptr) {
-  constexpr int kNU = K / 32;
-  constexpr int kNJ = (kNU + 31) / 32;
+                                          const RowChunk* first = nullptr, int part = 0) {
+  static_assert(kSplit == 1 || kA8, "the half2 loop is not split");
+  constexpr int kNJ = pieces_per_lane<K, kSplit>();
   float a0 = 0.f, a1 = 0.f;
 #pragma unroll
   for (int j0 = 0; j0 < kNJ; j0 += kInFlight) {
@@ -179,10 +186,10 @@ __device__ __forceinline__ void dot_rows2(const uint32_t* __restrict__ qw, const
     if (j0 == 0 && first != nullptr) {
       c = *first;
     } else {
-      load_chunk<K>(qw, sc, r0, r1, j0, c);
+      load_chunk<K, kSplit>(qw, sc, r0, r1, j0, c, part);
     }
     if constexpr (kA8) {
-      use_chunk_a8<K>(c, j0, a8_views<K>(xs), a0, a1);
+      use_chunk_a8<K, kSplit>(c, j0, a8_views<K>(xs), a0, a1, part);
     } else {
       use_chunk<K>(c, j0, xs, a0, a1);
     }
@@ -277,18 +284,76 @@ __device__ __forceinline__ void stage_image(const uint16_t* __restrict__ img, ui
 #ifndef NQ_GEMV_UNIT_PREFETCH_NJ
 #define NQ_GEMV_UNIT_PREFETCH_NJ 2
 #endif
-template <int K>
-constexpr bool kUnitPrefetch = ((K / 32 + 31) / 32) <= NQ_GEMV_UNIT_PREFETCH_NJ &&
-                               ((K / 32 + 31) / 32) <= kInFlight;
+template <int K, int kSplit = 1>
+constexpr bool kUnitPrefetch = pieces_per_lane<K, kSplit>() <= NQ_GEMV_UNIT_PREFETCH_NJ &&
+                               pieces_per_lane<K, kSplit>() <= kInFlight;
+
+// Split-K, the int8 loop only (NQ_SPLIT_QKV / _O / _DOWN: warps per unit, 1, 2, 4 or 8; gate/up, whose
+// 2-row units are short and many, is never split): a unit's
+// row pair is shared by kSplit neighbouring warps of a block, each taking every kSplit-th 512-byte step
+// of the rows (for_chunk_pieces), and the first of them adds the others' sums (through shared memory, in
+// part order: the same sum at every run) and runs the epilogue. What it buys: a warp's chunks are a chain
+// of dependent DRAM round trips (it multiplies one before it loads the next), so a long row held by one
+// warp is latency, not bandwidth: the 7B's down_proj (K = 18,944, 19 pieces a lane) is five chunks of 4
+// in a row, and its 1,792 units fill only 224 blocks (1-2 on each of 132 SMs). Split in 2 the chain is
+// 3 chunks and there are twice the warps (and blocks) to spread. Measured: docs/PERF.md ("twenty-second
+// lease").
+#ifndef NQ_SPLIT_QKV
+#define NQ_SPLIT_QKV 1
+#endif
+#ifndef NQ_SPLIT_O
+#define NQ_SPLIT_O 1
+#endif
+#ifndef NQ_SPLIT_DOWN
+#define NQ_SPLIT_DOWN 1
+#endif
+template <int K, class Map, int kX>
+__device__ constexpr int gemv_split() {
+  return kX == kXHalf ? 1
+         : SameType<Map, QkvRows>::value ? NQ_SPLIT_QKV
+         : SameType<Map, GateUpRows>::value ? 1
+         : K == kHidden ? NQ_SPLIT_O : NQ_SPLIT_DOWN;
+}
+
+// The parts of a split unit meet here: part 0 gets the sum over every part (in part order) in o0, o1.
+// Named barrier 1 + slot over the unit's kSplit warps only (the other units of the block run on); the
+// sums are double-buffered by the unit's iteration parity, so a part that runs ahead into its next unit
+// cannot overwrite sums part 0 has not read (it would first have to pass the next barrier, which part 0
+// reaches only after reading).
+template <int kSplit>
+__device__ __forceinline__ void join_split(float& o0, float& o1, int slot, int part, int it, float2 (*sums)[kWarps]) {
+  if constexpr (kSplit > 1) {
+    const int lane = threadIdx.x & 31;
+    if (lane == 0) sums[it & 1][threadIdx.x >> 5] = make_float2(o0, o1);
+    asm volatile("bar.sync %0, %1;" ::"r"(1 + slot), "r"(32 * kSplit) : "memory");
+    if (part == 0) {
+      const float2* mine = &sums[it & 1][slot * kSplit];
+      o0 = mine[0].x;
+      o1 = mine[0].y;
+#pragma unroll
+      for (int s = 1; s < kSplit; ++s) {
+        o0 += mine[s].x;
+        o1 += mine[s].y;
+      }
+    }
+  }
+}
 
 template <int K, class Map, class Epi, int kX = kXHalf>
 __device__ __forceinline__ void gemv_units(const uint32_t* __restrict__ qw, const uint16_t* __restrict__ sc,
                                            const uint16_t* __restrict__ x, const uint16_t* __restrict__ norm_w,
                                            float eps, int units, const Map& map, const Epi& epi) {
+  constexpr int kSplit = gemv_split<K, Map, kX>();
+  static_assert(kSplit == 1 || kSplit == 2 || kSplit == 4 || kSplit == 8, "warps per unit: 1, 2, 4 or 8");
+  constexpr int kSlots = kWarps / kSplit;  // units a block runs at once
+  constexpr bool kA8 = kX != kXHalf;
   __shared__ uint4 xs[K / 8];  // [4][K/32] x 16 B: K * 2 bytes (37.9 KB at K = 18944)
   __shared__ float red[32];
+  __shared__ float2 sums[kSplit > 1 ? 2 : 1][kWarps];  // split units' partial sums (join_split)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int p_first = blockIdx.x * kWarps + warp;
+  const int slot = warp / kSplit, part = warp % kSplit;
+  const int p_first = blockIdx.x * kSlots + slot;
+  const int stride = gridDim.x * kSlots;
   constexpr int kTrig = gemv_trigger_mode<K, Map, kX>();
   gemv_trigger_at<2, kTrig>();
 #if NQ_GEMV_PRELOAD
@@ -296,7 +361,7 @@ __device__ __forceinline__ void gemv_units(const uint32_t* __restrict__ qw, cons
   int f0 = 0, f1 = 0;
   if (p_first < units) {
     map(p_first, f0, f1);
-    load_chunk<K>(qw, sc, f0, f1, 0, first);
+    load_chunk<K, kSplit>(qw, sc, f0, f1, 0, first, part);
   }
 #endif
   pdl_wait();  // launch overlap (common.cuh): x is the previous kernel's output
@@ -308,26 +373,27 @@ __device__ __forceinline__ void gemv_units(const uint32_t* __restrict__ qw, cons
   } else {
     stage_x<K>(x, norm_w, eps, xs, red);
   }
-  // no barrier below: warps leave the loop independently
-  int p = p_first;
+  // no block barrier below: units (a warp, or a split unit's warps) leave the loop independently
+  int p = p_first, it = 0;
 #if NQ_GEMV_PRELOAD
-  if constexpr (kUnitPrefetch<K>) {
+  if constexpr (kUnitPrefetch<K, kSplit>) {
     // A unit is one chunk here (short K): the next unit's weights are issued before this unit's products,
     // so a warp with several units pays one DRAM round trip, not one per unit (see kUnitPrefetch)
     RowChunk cur = first;
     int c0 = f0, c1 = f1;
     while (p < units) {
-      const int pn = p + gridDim.x * kWarps;
+      const int pn = p + stride;
       RowChunk nxt;
       int n0 = 0, n1 = 0;
       if (pn < units) {
         map(pn, n0, n1);
-        load_chunk<K>(qw, sc, n0, n1, 0, nxt);
+        load_chunk<K, kSplit>(qw, sc, n0, n1, 0, nxt, part);
       }
       float o0, o1;
-      dot_rows2<K, kX != kXHalf>(qw, sc, c0, c1, xs, o0, o1, &cur);
+      dot_rows2<K, kA8, kSplit>(qw, sc, c0, c1, xs, o0, o1, &cur, part);
       trigger_after_last_unit<kTrig>(pn >= units);
-      if (lane == 0) epi(0, p, c0, c1, o0, o1);
+      join_split<kSplit>(o0, o1, slot, part, it++, sums);
+      if (lane == 0 && part == 0) epi(0, p, c0, c1, o0, o1);
       cur = nxt;
       c0 = n0;
       c1 = n1;
@@ -337,19 +403,21 @@ __device__ __forceinline__ void gemv_units(const uint32_t* __restrict__ qw, cons
   }
   if (p < units) {
     float o0, o1;
-    dot_rows2<K, kX != kXHalf>(qw, sc, f0, f1, xs, o0, o1, &first);
-    trigger_after_last_unit<kTrig>(p + gridDim.x * kWarps >= units);
-    if (lane == 0) epi(0, p, f0, f1, o0, o1);
+    dot_rows2<K, kA8, kSplit>(qw, sc, f0, f1, xs, o0, o1, &first, part);
+    trigger_after_last_unit<kTrig>(p + stride >= units);
+    join_split<kSplit>(o0, o1, slot, part, it++, sums);
+    if (lane == 0 && part == 0) epi(0, p, f0, f1, o0, o1);
   }
-  p += gridDim.x * kWarps;
+  p += stride;
 #endif
-  for (; p < units; p += gridDim.x * kWarps) {
+  for (; p < units; p += stride) {
     int r0, r1;
     map(p, r0, r1);
     float o0, o1;
-    dot_rows2<K, kX != kXHalf>(qw, sc, r0, r1, xs, o0, o1);
-    trigger_after_last_unit<kTrig>(p + gridDim.x * kWarps >= units);
-    if (lane == 0) epi(0, p, r0, r1, o0, o1);
+    dot_rows2<K, kA8, kSplit>(qw, sc, r0, r1, xs, o0, o1, nullptr, part);
+    trigger_after_last_unit<kTrig>(p + stride >= units);
+    join_split<kSplit>(o0, o1, slot, part, it++, sums);
+    if (lane == 0 && part == 0) epi(0, p, r0, r1, o0, o1);
   }
 }
 
@@ -371,22 +439,22 @@ using namespace nq;
 //     v_cache [L, n_pages, kKvHeads, 16, 128] fp16, layer, n_pages, q_out [kQDim] fp16 (roped).
 //   nq_gate_up_silu: fused post-attention RMSNorm + gate/up + SiLU(gate) * up (units kInter): qweight
 //     [2I, H/8] rows gate | up, scales, x [H], norm_w or null, eps, out [I] fp16.
-#define NQ_B1_ENTRIES(SUFFIX, KX)                                                                            \
-  extern "C" __global__ void __launch_bounds__(kThreads) nq_gemv_int4_h##SUFFIX(                            \
+#define NQ_B1_ENTRIES(SUFFIX, KX, LB_H, LB_I, LB_QKV)                                                                                \
+  extern "C" __global__ void LB_H nq_gemv_int4_h##SUFFIX(                                              \
       const uint32_t* __restrict__ qweight, const uint16_t* __restrict__ scales, const uint16_t* __restrict__ x, \
       const uint16_t* __restrict__ norm_w, float eps, const uint16_t* residual, uint16_t* out, int n_rows) { \
     NQ_STAMP();                                                                                             \
     gemv_units<kHidden, PlainRows, PlainEpi, KX>(qweight, scales, x, norm_w, eps, (n_rows + 1) / 2,         \
                                                  PlainRows{n_rows}, PlainEpi{residual, out, n_rows});       \
   }                                                                                                         \
-  extern "C" __global__ void __launch_bounds__(kThreads) nq_gemv_int4_i##SUFFIX(                            \
+  extern "C" __global__ void LB_I nq_gemv_int4_i##SUFFIX(                                              \
       const uint32_t* __restrict__ qweight, const uint16_t* __restrict__ scales, const uint16_t* __restrict__ x, \
       const uint16_t* __restrict__ norm_w, float eps, const uint16_t* residual, uint16_t* out, int n_rows) { \
     NQ_STAMP();                                                                                             \
     gemv_units<kInter, PlainRows, PlainEpi, KX>(qweight, scales, x, norm_w, eps, (n_rows + 1) / 2,          \
                                                 PlainRows{n_rows}, PlainEpi{residual, out, n_rows});        \
   }                                                                                                         \
-  extern "C" __global__ void __launch_bounds__(kThreads) nq_qkv_rope_kv##SUFFIX(                            \
+  extern "C" __global__ void LB_QKV nq_qkv_rope_kv##SUFFIX(                                              \
       const uint32_t* __restrict__ qweight, const uint16_t* __restrict__ scales,                            \
       const uint16_t* __restrict__ bias, const uint16_t* __restrict__ x, const uint16_t* __restrict__ norm_w, \
       float eps, const int32_t* __restrict__ pos, const int32_t* __restrict__ page_table, int max_pages,     \
@@ -405,8 +473,38 @@ using namespace nq;
                                                    GateUpEpi{out});                                         \
   }
 
-NQ_B1_ENTRIES(, kXHalf)
-NQ_B1_ENTRIES(_a8, kXA8)
+// Blocks an SM must hold at once (__launch_bounds__'s second argument, so a register cap) of the int8
+// loop's o_proj, down_proj and q/k/v entries (NQ_MINB_O / _DOWN / _QKV; 0: none given): a split unit
+// (NQ_SPLIT_*) doubles the blocks, and at ~76-80 registers only 3 blocks of 256 threads fit an SM, so
+// even_grid would fold the grid back into two rounds a block; at 4 (64 registers) 528 blocks fit the H200.
+// (0 is not 1: with a minimum of 1 given, ptxas takes up to 255 registers, ~200 here, and 1 block an SM.)
+#ifndef NQ_MINB_O
+#define NQ_MINB_O 0
+#endif
+#ifndef NQ_MINB_DOWN
+#define NQ_MINB_DOWN 0
+#endif
+#ifndef NQ_MINB_QKV
+#define NQ_MINB_QKV 0
+#endif
+#define NQ_LB0 __launch_bounds__(kThreads)
+#if NQ_MINB_O
+#define NQ_LB_O __launch_bounds__(kThreads, NQ_MINB_O)
+#else
+#define NQ_LB_O NQ_LB0
+#endif
+#if NQ_MINB_DOWN
+#define NQ_LB_DOWN __launch_bounds__(kThreads, NQ_MINB_DOWN)
+#else
+#define NQ_LB_DOWN NQ_LB0
+#endif
+#if NQ_MINB_QKV
+#define NQ_LB_QKV __launch_bounds__(kThreads, NQ_MINB_QKV)
+#else
+#define NQ_LB_QKV NQ_LB0
+#endif
+NQ_B1_ENTRIES(, kXHalf, NQ_LB0, NQ_LB0, NQ_LB0)
+NQ_B1_ENTRIES(_a8, kXA8, NQ_LB_O, NQ_LB_DOWN, NQ_LB_QKV)
 
 // The int8-activation loop's down_proj pair (the engine's batch-1 decode under decode_activations="int8"):
 //   nq_gate_up_silu_a8x: as nq_gate_up_silu_a8, but its output is the intermediate already rounded for
@@ -419,7 +517,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) nq_gate_up_silu_a8x(
   gate_up_a8_image<kHidden>(qweight, scales, x, norm_w, eps, out);
 }
 
-extern "C" __global__ void __launch_bounds__(kThreads) nq_gemv_int4_i_a8x(
+extern "C" __global__ void NQ_LB_DOWN nq_gemv_int4_i_a8x(
     const uint32_t* __restrict__ qweight, const uint16_t* __restrict__ scales, const uint16_t* __restrict__ x,
     const uint16_t* residual, uint16_t* out, int n_rows) {
   NQ_STAMP();  // the step timeline (common.cuh, NQ_STAMPS): nothing in a real build
