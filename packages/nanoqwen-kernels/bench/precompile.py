@@ -51,7 +51,7 @@ def builds(dims_names: list[str]) -> list[tuple[tuple[str, ...], tuple]]:
     from nanoqwen_kernels.attention import AttentionKernels
     from nanoqwen_kernels.dims import PRESETS
     from nanoqwen_kernels.embed import EmbedKernels
-    from nanoqwen_kernels.gemv import GemvKernels
+    from nanoqwen_kernels.gemv import GEMV_VARIANTS, GemvKernels
     from nanoqwen_kernels.head_i8 import HeadI8Kernels
     from nanoqwen_kernels.norm import NormKernels
     from nanoqwen_kernels.prefill import ATTENTION_VARIANTS, PrefillKernels
@@ -66,7 +66,8 @@ def builds(dims_names: list[str]) -> list[tuple[tuple[str, ...], tuple]]:
     with _without_gpu():
         for name in dims_names:
             d = PRESETS[name]
-            GemvKernels(d, record)
+            for v in GEMV_VARIANTS:  # the int8 loop's build may add its split defines (gemv.b1_split_defines)
+                GemvKernels(d, record, v)
             HeadI8Kernels(d, record)
             NormKernels(d, record)
             EmbedKernels(d, record)

@@ -21,7 +21,7 @@ from nanoqwen_kernels.gemv import (
     A8_ACC_START,
     A8_BLOCK,
     A8_VARIANTS,
-    B1_SPLIT,
+    B1_SPLIT_DEFINES,
     DEFAULT_LM_HEAD,
     GEMV_VARIANTS,
     LM_HEAD_BODIES,
@@ -48,12 +48,13 @@ def dims(request):
 
 
 # The int8 loop with its units split over several warps (gemv_int4.cu gemv_split), each kind at a split
-# other than the build's default, down_proj under the 4-blocks register cap as well: its own build
+# other than its default build's (gemv.b1_split_defines: down_proj in 4 where its unsplit grid
+# leaves SMs empty, as on the 1.5B's and the tiny dims): its own build
 A8_SPLIT = "a8/split"
-A8_SPLIT_DEFINES = "NQ_SPLIT_QKV=2,NQ_SPLIT_O=2,NQ_SPLIT_DOWN=4,NQ_MINB_DOWN=4"
+A8_SPLIT_DEFINES = "NQ_SPLIT_QKV=2,NQ_SPLIT_O=2,NQ_SPLIT_DOWN=2"
 
 
-def _a8_split_kernels(dims):
+def _a8_split_kernels(dims, default):
     """GemvKernels("a8") compiled with A8_SPLIT_DEFINES added to $NANOQWEN_KERNEL_DEFINES (the build and
     its launch plan read them at construction; the variable is restored after)."""
     old = os.environ.get("NANOQWEN_KERNEL_DEFINES")
@@ -65,7 +66,7 @@ def _a8_split_kernels(dims):
             del os.environ["NANOQWEN_KERNEL_DEFINES"]
         else:
             os.environ["NANOQWEN_KERNEL_DEFINES"] = old
-    assert all(g._split[k] != s for k, s in B1_SPLIT.items()), "the split build must differ from the default"
+    assert all(g._split[k] != default._split[k] for k in B1_SPLIT_DEFINES), "the split build must differ"
     return g
 
 
@@ -73,7 +74,8 @@ def _a8_split_kernels(dims):
 def kernels(dims, gpu):
     """GemvKernels per variant (B > 1 runs the same tensor-core entries in every variant), and the int8
     loop's split build (A8_SPLIT)."""
-    return {**{v: GemvKernels(dims, _load, v) for v in GEMV_VARIANTS}, A8_SPLIT: _a8_split_kernels(dims)}
+    built = {v: GemvKernels(dims, _load, v) for v in GEMV_VARIANTS}
+    return {**built, A8_SPLIT: _a8_split_kernels(dims, built["a8"])}
 
 
 def _runs(b):

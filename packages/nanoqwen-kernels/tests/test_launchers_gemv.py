@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from fakes import Dev, assert_each_refused, dev, load
 from nanoqwen_kernels import KernelError, checks
-from nanoqwen_kernels.dims import QWEN25_7B, TINY
+from nanoqwen_kernels.dims import QWEN25_1_5B, QWEN25_7B, TINY
 from nanoqwen_kernels.gemv import GemvKernels
 
 
@@ -335,35 +335,43 @@ def test_small_batches_of_o_proj_run_on_the_core(launches, monkeypatch, env, b, 
         GemvKernels(d, load)
 
 
-@pytest.mark.parametrize("defines, per_block", [("", {"h": 8, "i": 8, "qkv": 8}),
-                                                ("NQ_SPLIT_O=2,NQ_SPLIT_DOWN=4,NQ_SPLIT_QKV=8",
-                                                 {"h": 4, "i": 2, "qkv": 1})])
-def test_int8_loop_split_sizes_the_grid(launches, monkeypatch, defines, per_block):
+@pytest.mark.parametrize("dims, defines, per_block", [
+    (QWEN25_7B, "", {"h": 8, "i": 8}),  # 224 blocks for down_proj unsplit: every SM has one
+    (QWEN25_1_5B, "", {"h": 8, "i": 2}),  # 96 blocks unsplit on 132 SMs: down_proj split in 4
+    (QWEN25_7B, "NQ_SPLIT_O=2,NQ_SPLIT_DOWN=4,NQ_SPLIT_QKV=8", {"h": 4, "i": 2}),
+    (QWEN25_1_5B, "NQ_SPLIT_DOWN=1", {"h": 8, "i": 8}),
+])
+def test_int8_loop_split_sizes_the_grid(launches, monkeypatch, dims, defines, per_block):
     """The int8 loop's split units (NQ_SPLIT_*): a block of 8 warps runs 8 / split units at once, so the
-    grid is the units over that (even_grid's cap aside); read when the kernels are built, not per launch;
-    gate/up is never split."""
-    from nanoqwen_kernels.gemv import b1_split
+    grid is the units over that (even_grid's cap aside). The split is the build's: b1_split_defines (down_proj
+    split in 4 where its unsplit grid leaves SMs empty), a knob in $NANOQWEN_KERNEL_DEFINES over it, both
+    read when the kernels are built, not per launch; gate/up is never split."""
+    from nanoqwen_kernels.gemv import b1_split, b1_split_defines
 
-    d = QWEN25_7B
+    d = dims
+    built = []
     monkeypatch.setenv("NANOQWEN_KERNEL_DEFINES", defines)
-    g = GemvKernels(d, load, "a8")
+    g = GemvKernels(d, lambda sources, defs: built.append(defs) or load(sources, defs), "a8")
     monkeypatch.setenv("NANOQWEN_KERNEL_DEFINES", "")  # the launches below keep the build's plan
+    int4 = next(defs for defs in built if defs.get("NQ_HIDDEN") == d.hidden and "NQ_SPLIT_DOWN" in defs) \
+        if b1_split_defines(d, 132) else None
+    assert (int4 is not None) == (d is QWEN25_1_5B)  # the defines reach the int4 build
     assert b1_split("gu") == 1
-    units = {"h": d.hidden // 2, "i": d.hidden // 2}
+    units = d.hidden // 2
     for kind, k in (("h", d.hidden), ("i", d.intermediate)):
         g.gemv_int4(dev((d.hidden, k // 8), np.uint32), dev((d.hidden, k // 128), np.float16),
                     dev((k,), np.float16), dev((d.hidden,), np.float16))
         fn, grid, _ = launches[-1]
-        assert fn == f"nq_gemv_int4_{kind}_a8" and grid == min(132 * 4, -(-units[kind] // per_block[kind]))
+        assert fn == f"nq_gemv_int4_{kind}_a8" and grid == min(132 * 4, -(-units // per_block[kind]))
     # down_proj on an a8 image: the same plan as its plain entry
     g.gemv_int4(dev((d.hidden, d.intermediate // 8), np.uint32), dev((d.hidden, d.intermediate // 128), np.float16),
                 dev((d.intermediate,), np.float16), dev((d.hidden,), np.float16), x_a8_image=True)
     fn, grid, _ = launches[-1]
-    assert fn == "nq_gemv_int4_i_a8x" and grid == min(132 * 4, -(-units["i"] // per_block["i"]))
+    assert fn == "nq_gemv_int4_i_a8x" and grid == min(132 * 4, -(-units // per_block["i"]))
 
 
 @pytest.mark.parametrize("value", ["3", "16", "0"])
-def test_int8_loop_split_must_divide_the_block(monkeypatch, value):
+def test_int8_loop_split_must_divide_the_block(launches, monkeypatch, value):
     monkeypatch.setenv("NANOQWEN_KERNEL_DEFINES", f"NQ_SPLIT_DOWN={value}")
     with pytest.raises(KernelError, match="NQ_SPLIT_DOWN"):
         GemvKernels(QWEN25_7B, load, "a8")

@@ -239,19 +239,40 @@ def tile_threads() -> int:
 
 
 # The int8 loop's split-K (gemv_int4.cu gemv_split): warps per 2-row unit of each matrix kind, the
-# NQ_SPLIT_* defines (a $NANOQWEN_KERNEL_DEFINES knob each). The launcher sizes its grid by it.
-# gate/up ("gu") is never split.
+# NQ_SPLIT_* defines; gate/up ("gu") is never split. The build's value comes from b1_split_defines (the
+# dims and the GPU's SM count), a $NANOQWEN_KERNEL_DEFINES knob overrides it; the launcher sizes its grid by
+# the value its build was compiled with.
 B1_SPLIT_DEFINES = {"qkv": "NQ_SPLIT_QKV", "h": "NQ_SPLIT_O", "i": "NQ_SPLIT_DOWN"}
-B1_SPLIT = {"qkv": 1, "h": 1, "i": 1}
+# down_proj's split where its unsplit grid leaves SMs without a block, and the register cap that lets the
+# split grid's 4x blocks be resident at once (NQ_MINB_DOWN: 4 blocks of 256 threads an SM, 64 registers).
+# H200, decode protocol, int8, ms/token, two rounds (docs/PERF.md "twenty-second lease"):
+#                      unsplit        split 2        split 2, cap 4   split 4, cap 4   q/k/v 2        o_proj 2
+#   1.5B's dims (96)   0.756 / 0.757  0.709 / 0.711  0.743 / 0.742    0.683 / 0.681    0.758 / 0.758  0.804 / 0.803
+#   7B (224 blocks)    1.516 / 1.515  1.532 / 1.532  1.521 / 1.513    1.532 / 1.528    1.549 / 1.553  1.562 / 1.564
+# (blocks: down_proj's unsplit grid, hidden / 16, on the H200's 132 SMs). Where every SM has a block already
+# the split only lengthens the join: the 7B keeps one warp a unit everywhere.
+DOWN_SPLIT = 4
+DOWN_SPLIT_MIN_BLOCKS = 4
 
 
-def b1_split(kind: str) -> int:
-    """Warps per unit of the int8 loop for a matrix kind ("qkv", "h", "i"; "gu": always 1): 1, 2, 4 or 8."""
-    if kind not in B1_SPLIT:
+def b1_split_defines(dims: ModelDims, sm_count: int) -> dict[str, int]:
+    """The int8 loop's split defines for these dims on a GPU of sm_count SMs: down_proj split in
+    DOWN_SPLIT (with its register cap) where its unsplit grid, a block per 8 units of hidden / 2, is
+    smaller than the SM count; none otherwise."""
+    if -(-(dims.hidden // 2) // WARPS) < sm_count:
+        return {"NQ_SPLIT_DOWN": DOWN_SPLIT, "NQ_MINB_DOWN": DOWN_SPLIT_MIN_BLOCKS}
+    return {}
+
+
+def b1_split(kind: str, build: dict[str, int] | None = None) -> int:
+    """Warps per unit of the int8 loop for a matrix kind ("qkv", "h", "i"; "gu": always 1) in a build
+    given b1_split_defines' `build` (and $NANOQWEN_KERNEL_DEFINES over it): 1, 2, 4 or 8."""
+    if kind not in B1_SPLIT_DEFINES:
         return 1
-    split = extra_defines().get(B1_SPLIT_DEFINES[kind], B1_SPLIT[kind])
+    name = B1_SPLIT_DEFINES[kind]
+    split = extra_defines().get(name, (build or {}).get(name, 1))
     if split not in (1, 2, 4, 8):
-        raise KernelError(f"{B1_SPLIT_DEFINES[kind]}={split}: the warps of a unit must be 1, 2, 4 or 8")
+        raise KernelError(f"{name}={split}: the warps of a unit must be 1, 2, 4 or 8")
     return split
 
 
@@ -326,13 +347,15 @@ class GemvKernels:
         self.lm_head = lm_head
         self._blas = Blas()
         self._mma_at_b1 = GEMV_VARIANTS[variant]
-        m = load_module(INT4_SOURCES, dims.defines())
+        self._a8 = variant in A8_VARIANTS
+        # the int8 loop's split units (b1_split_defines), in its build; the grid of each kind's B = 1 loop
+        # follows the build (never $NANOQWEN_KERNEL_DEFINES at a launch)
+        split_defs = b1_split_defines(dims, ck.sm_count()) if self._a8 else {}
+        self._split = {kind: (b1_split(kind, split_defs) if self._a8 else 1) for kind in GEMV_KINDS}
+        m = load_module(INT4_SOURCES, {**dims.defines(), **split_defs})
         f = load_module(FP16_SOURCES, dims.defines())
         smem = X_SMEM_BUDGET
         names = {"h": "nq_gemv_int4_h", "i": "nq_gemv_int4_i", "qkv": "nq_qkv_rope_kv", "gu": "nq_gate_up_silu"}
-        self._a8 = variant in A8_VARIANTS
-        # warps per unit of each kind's B = 1 loop, read with the build's defines (never again at a launch)
-        self._split = {kind: (b1_split(kind) if self._a8 else 1) for kind in GEMV_KINDS}
         suffix = "_a8" if self._a8 else ""  # the B = 1 loop: half2, or int8 activations
         self._half2 = {kind: m.get_function(name + suffix) for kind, name in names.items()}
         # the a8 image pair: gate/up writing down_proj's x already rounded, and down_proj reading it

@@ -289,15 +289,16 @@ constexpr bool kUnitPrefetch = pieces_per_lane<K, kSplit>() <= NQ_GEMV_UNIT_PREF
                                pieces_per_lane<K, kSplit>() <= kInFlight;
 
 // Split-K, the int8 loop only (NQ_SPLIT_QKV / _O / _DOWN: warps per unit, 1, 2, 4 or 8; gate/up, whose
-// 2-row units are short and many, is never split): a unit's
-// row pair is shared by kSplit neighbouring warps of a block, each taking every kSplit-th 512-byte step
-// of the rows (for_chunk_pieces), and the first of them adds the others' sums (through shared memory, in
-// part order: the same sum at every run) and runs the epilogue. What it buys: a warp's chunks are a chain
-// of dependent DRAM round trips (it multiplies one before it loads the next), so a long row held by one
-// warp is latency, not bandwidth: the 7B's down_proj (K = 18,944, 19 pieces a lane) is five chunks of 4
-// in a row, and its 1,792 units fill only 224 blocks (1-2 on each of 132 SMs). Split in 2 the chain is
-// 3 chunks and there are twice the warps (and blocks) to spread. Measured: docs/PERF.md ("twenty-second
-// lease").
+// 2-row units are short and many, is never split): a unit's row pair is shared by kSplit neighbouring
+// warps of a block, each taking every kSplit-th 512-byte step of the rows (for_chunk_pieces), and the
+// first of them adds the others' sums (through shared memory, in part order: the same sum at every run)
+// and runs the epilogue. What it buys: blocks. A grid of one warp a unit is units / 8 blocks, and where
+// that is fewer than the SMs (the 1.5B's down_proj: 768 units, 96 blocks on 132 SMs) a third of the SMs
+// stream nothing, and each warp's row is a chain of dependent chunks (the 1.5B's 9 pieces a lane: 3 chunks
+// of <= 4). Split in 4 it is 384 blocks and one chunk a warp: 1.5B's dims 0.756 -> 0.682 ms/token. Where
+// every SM has a block already the split only adds the join (the 7B's down_proj in 2: 1.515 -> 1.532).
+// The build's split comes from the launcher (gemv.py b1_split_defines: per dims and SM count, figures
+// there and in docs/PERF.md "twenty-second lease"); the default here, 1, is no split.
 #ifndef NQ_SPLIT_QKV
 #define NQ_SPLIT_QKV 1
 #endif
