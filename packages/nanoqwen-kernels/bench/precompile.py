@@ -66,7 +66,7 @@ def builds(dims_names: list[str]) -> list[tuple[tuple[str, ...], tuple]]:
     with _without_gpu():
         for name in dims_names:
             d = PRESETS[name]
-            for v in GEMV_VARIANTS:  # the int8 loop's build may add its split defines (gemv.b1_split_defines)
+            for v in GEMV_VARIANTS:  # the int8 loop's build may add its split defines (gemv.b1_build_defines)
                 GemvKernels(d, record, v)
             HeadI8Kernels(d, record)
             NormKernels(d, record)

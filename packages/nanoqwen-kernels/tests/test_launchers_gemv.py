@@ -343,10 +343,10 @@ def test_small_batches_of_o_proj_run_on_the_core(launches, monkeypatch, env, b, 
 ])
 def test_int8_loop_split_sizes_the_grid(launches, monkeypatch, dims, defines, per_block):
     """The int8 loop's split units (NQ_SPLIT_*): a block of 8 warps runs 8 / split units at once, so the
-    grid is the units over that (even_grid's cap aside). The split is the build's: b1_split_defines (down_proj
+    grid is the units over that (even_grid's cap aside). The split is the build's: b1_build_defines (down_proj
     split in 4 where its unsplit grid leaves SMs empty), a knob in $NANOQWEN_KERNEL_DEFINES over it, both
     read when the kernels are built, not per launch; gate/up is never split."""
-    from nanoqwen_kernels.gemv import b1_split, b1_split_defines
+    from nanoqwen_kernels.gemv import b1_split, b1_build_defines
 
     d = dims
     built = []
@@ -354,8 +354,10 @@ def test_int8_loop_split_sizes_the_grid(launches, monkeypatch, dims, defines, pe
     g = GemvKernels(d, lambda sources, defs: built.append(defs) or load(sources, defs), "a8")
     monkeypatch.setenv("NANOQWEN_KERNEL_DEFINES", "")  # the launches below keep the build's plan
     int4 = next(defs for defs in built if defs.get("NQ_HIDDEN") == d.hidden and "NQ_SPLIT_DOWN" in defs) \
-        if b1_split_defines(d, 132) else None
+        if b1_build_defines(d, 132) else None
     assert (int4 is not None) == (d is QWEN25_1_5B)  # the defines reach the int4 build
+    if int4 is not None:  # with o_proj's trigger at its entry
+        assert int4["NQ_TRIG_O"] == 2 and int4["NQ_MINB_DOWN"] == 4
     assert b1_split("gu") == 1
     units = d.hidden // 2
     for kind, k in (("h", d.hidden), ("i", d.intermediate)):

@@ -239,34 +239,40 @@ def tile_threads() -> int:
 
 
 # The int8 loop's split-K (gemv_int4.cu gemv_split): warps per 2-row unit of each matrix kind, the
-# NQ_SPLIT_* defines; gate/up ("gu") is never split. The build's value comes from b1_split_defines (the
+# NQ_SPLIT_* defines; gate/up ("gu") is never split. The build's value comes from b1_build_defines (the
 # dims and the GPU's SM count), a $NANOQWEN_KERNEL_DEFINES knob overrides it; the launcher sizes its grid by
 # the value its build was compiled with.
 B1_SPLIT_DEFINES = {"qkv": "NQ_SPLIT_QKV", "h": "NQ_SPLIT_O", "i": "NQ_SPLIT_DOWN"}
-# down_proj's split where its unsplit grid leaves SMs without a block, and the register cap that lets the
-# split grid's 4x blocks be resident at once (NQ_MINB_DOWN: 4 blocks of 256 threads an SM, 64 registers).
-# H200, decode protocol, int8, ms/token, two rounds (docs/PERF.md "twenty-second lease"):
+# Where o_proj's and down_proj's grids (a block per 8 of their hidden / 2 units) leave SMs without a block,
+# the int8 loop's build (b1_build_defines) splits down_proj's units over DOWN_SPLIT warps, with a register
+# cap (NQ_MINB_DOWN: 4 blocks of 256 threads an SM, 64 registers) so the split grid's 4x blocks are
+# resident at once, and lets o_proj release its successor at its entry (NQ_TRIG_O=2, not after its wait):
+# gate/up's blocks then take the SMs o_proj leaves empty and load their first weights there.
+# H200, decode protocol, int8, ms/token, two rounds each (docs/PERF.md "twenty-second lease"):
 #                      unsplit        split 2        split 2, cap 4   split 4, cap 4   q/k/v 2        o_proj 2
 #   1.5B's dims (96)   0.756 / 0.757  0.709 / 0.711  0.743 / 0.742    0.683 / 0.681    0.758 / 0.758  0.804 / 0.803
 #   7B (224 blocks)    1.516 / 1.515  1.532 / 1.532  1.521 / 1.513    1.532 / 1.528    1.549 / 1.553  1.562 / 1.564
-# (blocks: down_proj's unsplit grid, hidden / 16, on the H200's 132 SMs). Where every SM has a block already
-# the split only lengthens the join: the 7B keeps one warp a unit everywhere.
+#   then on the 1.5B's dims, down_proj split in 4 (a later call): 0.696 / 0.697; o_proj at its entry 0.678 /
+#   0.679; split in 8 0.713 / 0.713; in 4 without the cap 0.699 / 0.699; unsplit 0.756 / 0.755
+# (blocks: the unsplit grid on the H200's 132 SMs). Where every SM has a block already the split only adds
+# the join, and o_proj's entry trigger lost on the 7B (1.509 -> 1.521, twenty-first lease): the 7B keeps
+# one warp a unit and the trigger after the wait.
 DOWN_SPLIT = 4
 DOWN_SPLIT_MIN_BLOCKS = 4
 
 
-def b1_split_defines(dims: ModelDims, sm_count: int) -> dict[str, int]:
-    """The int8 loop's split defines for these dims on a GPU of sm_count SMs: down_proj split in
-    DOWN_SPLIT (with its register cap) where its unsplit grid, a block per 8 units of hidden / 2, is
-    smaller than the SM count; none otherwise."""
+def b1_build_defines(dims: ModelDims, sm_count: int) -> dict[str, int]:
+    """The int8 loop's defines for these dims on a GPU of sm_count SMs: where o_proj's and down_proj's
+    unsplit grid (a block per 8 units of hidden / 2) is smaller than the SM count, down_proj split in
+    DOWN_SPLIT with its register cap and o_proj's trigger at its entry; none otherwise."""
     if -(-(dims.hidden // 2) // WARPS) < sm_count:
-        return {"NQ_SPLIT_DOWN": DOWN_SPLIT, "NQ_MINB_DOWN": DOWN_SPLIT_MIN_BLOCKS}
+        return {"NQ_SPLIT_DOWN": DOWN_SPLIT, "NQ_MINB_DOWN": DOWN_SPLIT_MIN_BLOCKS, "NQ_TRIG_O": 2}
     return {}
 
 
 def b1_split(kind: str, build: dict[str, int] | None = None) -> int:
     """Warps per unit of the int8 loop for a matrix kind ("qkv", "h", "i"; "gu": always 1) in a build
-    given b1_split_defines' `build` (and $NANOQWEN_KERNEL_DEFINES over it): 1, 2, 4 or 8."""
+    given b1_build_defines' `build` (and $NANOQWEN_KERNEL_DEFINES over it): 1, 2, 4 or 8."""
     if kind not in B1_SPLIT_DEFINES:
         return 1
     name = B1_SPLIT_DEFINES[kind]
@@ -348,9 +354,9 @@ class GemvKernels:
         self._blas = Blas()
         self._mma_at_b1 = GEMV_VARIANTS[variant]
         self._a8 = variant in A8_VARIANTS
-        # the int8 loop's split units (b1_split_defines), in its build; the grid of each kind's B = 1 loop
+        # the int8 loop's split units (b1_build_defines), in its build; the grid of each kind's B = 1 loop
         # follows the build (never $NANOQWEN_KERNEL_DEFINES at a launch)
-        split_defs = b1_split_defines(dims, ck.sm_count()) if self._a8 else {}
+        split_defs = b1_build_defines(dims, ck.sm_count()) if self._a8 else {}
         self._split = {kind: (b1_split(kind, split_defs) if self._a8 else 1) for kind in GEMV_KINDS}
         m = load_module(INT4_SOURCES, {**dims.defines(), **split_defs})
         f = load_module(FP16_SOURCES, dims.defines())

@@ -231,7 +231,10 @@ constexpr int kXImage = 2;  // x already rounded: an a8 image (gate_up_a8_image'
 //   half2 loop           none          | after the wait: 7B 1.828 -> 1.805, 1.5B's dims 0.811 -> 0.828
 // The step timeline (7B int8, us per launch, none -> after the wait): the hand-off after down_proj 1.65 ->
 // 0.66, after q/k/v 1.06 -> 0.80, after gate/up 1.57 -> 1.09; each running kernel's own tail grows 0.5-0.9
-// (its successor's preloads share the DRAM), the step 1,641 -> 1,575 (stamped build).
+// (its successor's preloads share the DRAM), the step 1,641 -> 1,575 (stamped build). Per dims: where
+// o_proj's grid leaves SMs without a block (the 1.5B's 96 blocks on 132 SMs), the launcher's build sets
+// NQ_TRIG_O=2 (gemv.py b1_build_defines): gate/up's blocks fill the empty SMs early, 1.5B's dims 0.697 ->
+// 0.678 ms/token (docs/PERF.md "twenty-second lease").
 #ifndef NQ_TRIG_QKV
 #define NQ_TRIG_QKV 3
 #endif
@@ -297,7 +300,7 @@ constexpr bool kUnitPrefetch = pieces_per_lane<K, kSplit>() <= NQ_GEMV_UNIT_PREF
 // stream nothing, and each warp's row is a chain of dependent chunks (the 1.5B's 9 pieces a lane: 3 chunks
 // of <= 4). Split in 4 it is 384 blocks and one chunk a warp: 1.5B's dims 0.756 -> 0.682 ms/token. Where
 // every SM has a block already the split only adds the join (the 7B's down_proj in 2: 1.515 -> 1.532).
-// The build's split comes from the launcher (gemv.py b1_split_defines: per dims and SM count, figures
+// The build's split comes from the launcher (gemv.py b1_build_defines: per dims and SM count, figures
 // there and in docs/PERF.md "twenty-second lease"); the default here, 1, is no split.
 #ifndef NQ_SPLIT_QKV
 #define NQ_SPLIT_QKV 1
