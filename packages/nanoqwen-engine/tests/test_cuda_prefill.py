@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from cuda_testutil import GREEDY, generate, make_backend, same_or_near_tie
+from cuda_testutil import BATCH_INVARIANT, GREEDY, generate, make_backend, same_or_near_tie
 from nanoqwen_engine.errors import InvalidRequestError, KVPagesExhaustedError
 from nanoqwen_engine.sampler import SamplerState
 
@@ -17,8 +17,12 @@ def test_chunked_prefill_gives_the_whole_prefill(tied_path, kind, rng):
     """A prompt prefilled in chunks (each starting at seq.length, the sampler only with the last) gives
     the K/V and the logits of the one-piece prefill: the last chunk's logits equal the whole prefill's to
     rounding, and the continuation's tokens are the same (or first differ at a near-tie of the one-piece
-    run's logits: the chunks sum in another order), with its last logits equal to rounding when they are."""
-    be = make_backend(tied_path, kind, max_context=128)
+    run's logits: the chunks sum in another order), with its last logits equal to rounding when they are.
+    fp16 decode activations (BATCH_INVARIANT): the one-token chunk runs the B = 1 GEMVs, which with int8
+    activations (the default) write its K/V from activations rounded to int8, and the one-piece prefill's
+    GEMMs do not, so "equal to rounding" is fp16's property (with int8 the logits parted by 0.24 where the
+    bound is 0.22, about one run in ten on the host stand-in, 2026-12-02)."""
+    be = make_backend(tied_path, kind, max_context=128, **BATCH_INVARIANT)
     ids = rng.integers(0, be.config.vocab, size=53)
     whole_lg: list[np.ndarray] = []
     whole, s = generate(be, ids, 6, logits=whole_lg)
@@ -33,7 +37,7 @@ def test_chunked_prefill_gives_the_whole_prefill(tied_path, kind, rng):
     np.testing.assert_allclose(be.last_logits()[0], whole_lg[0], rtol=0, atol=tol)
     for _ in range(5):
         toks.append(be.decode([seq], [toks[-1]], [st])[0])
-    same_or_near_tie(toks, whole, whole_lg, "chunked prefill")
+    same_or_near_tie(toks, whole, whole_lg, "chunked prefill", be)
     if toks == whole:
         np.testing.assert_allclose(be.last_logits()[0], whole_lg[-1], rtol=0, atol=1e-2 * np.abs(whole_lg[-1]).max())
 
@@ -44,11 +48,14 @@ def test_prefill_many_is_the_separate_prefills(tied_path, kind, rng, monkeypatch
     an earlier chunk; two sampled) gives what 4 separate prefill calls give: the same first ids, logits
     of the sampled rows equal to rounding (the rows share GEMMs of another M), and K/V that decode the
     same continuations. chunk = 24 makes the pass split segments into pieces and group pieces into
-    passes (prefill.PREFILL_CHUNK)."""
+    passes (prefill.PREFILL_CHUNK). fp16 decode activations (BATCH_INVARIANT): separately, the 1-token
+    prompt runs the B = 1 GEMVs, with int8 activations (the default) rounded to int8, and inside
+    prefill_many the GEMMs, so with int8 its continuation may part at a gap within int8's noise (it did,
+    on the host stand-in, 2026-12-02)."""
     from nanoqwen_engine.cuda import prefill as prefill_mod
 
     monkeypatch.setattr(prefill_mod, "PREFILL_CHUNK", chunk)
-    be = make_backend(tied_path, kind, max_context=128, n_pages=64)
+    be = make_backend(tied_path, kind, max_context=128, n_pages=64, **BATCH_INVARIANT)
     V = be.config.vocab
     heads = [0, 0, 11, 7]  # tokens prefilled before (no sampler) in a separate call
     lengths = [1, 17, 30, 45]
@@ -76,22 +83,28 @@ def test_prefill_many_is_the_separate_prefills(tied_path, kind, rng, monkeypatch
         # 6 greedy steps of all four together, from their own first ids (the unsampled: their last prompt id)
         dec_st = [st or SamplerState(GREEDY, V) for st in sts]
         toks = [[f if f is not None else int(p[-1])] for f, p in zip(firsts, prompts, strict=True)]
+        step_lg: list[list[np.ndarray]] = [[] for _ in prompts]  # each decoded token's logits, per row
         for _ in range(6):
             out = be.decode(seqs, [t[-1] for t in toks], dec_st)
-            for t, o in zip(toks, out, strict=True):
+            for b, (t, o) in enumerate(zip(toks, out, strict=True)):
                 t.append(o)
+                step_lg[b].append(be.last_logits()[b].copy())
         for s in seqs:
             be.pool.free(s)
-        return firsts, logits, toks
+        return firsts, logits, (toks, step_lg)
 
-    f1, l1, t1 = run(False)
-    f2, l2, t2 = run(True)
+    f1, l1, (t1, lg1) = run(False)
+    f2, l2, (t2, _) = run(True)
     assert [f is None for f in f2] == [not smp for smp in sampled]
     assert f1 == f2
     assert l2.shape == (2, V)
     np.testing.assert_allclose(l2, l1, rtol=0, atol=1e-2 * np.abs(l1).max())
-    for a, b in zip(t1, t2, strict=True):
-        assert a == b
+    # the continuations: the same, or parted first at a near-tie of the separate run's logits (the rows'
+    # prefill GEMMs of another M sum in another order; exact equality failed about one run in 40 on the
+    # host stand-in, 2026-12-02)
+    for row, (a, b, lg) in enumerate(zip(t1, t2, lg1, strict=True)):
+        assert a[0] == b[0]
+        same_or_near_tie(b[1:], a[1:], lg, f"prefill_many row {row}")
     assert be.pool.n_used == 0
 
 
@@ -208,7 +221,7 @@ def test_prefill_graphs_replay_the_eager_pass(tied_path, kind, rng, weights):
             got.append((toks, logits))
         (gt, gl), (et, el) = got
         np.testing.assert_allclose(gl[0], el[0], rtol=0, atol=2e-2 * np.abs(el[0]).max())
-        same_or_near_tie(gt, et, el, f"prompt of {n}")
+        same_or_near_tie(gt, et, el, f"prompt of {n}", graph)
     shapes = {k[0] for k, g in graph.prefill_pass._graphs.items() if g.graph is not None}
     assert {(16,), (32,)} <= shapes <= {(16,), (32,), (64,)}  # the chunks: 1..13 and 2..27 tokens
 
@@ -244,7 +257,7 @@ def test_prefill_many_graphs_replay_the_eager_pass(tied_path, kind, rng):
         (gt, gl), (et, el) = got
         np.testing.assert_allclose(gl, el, rtol=0, atol=2e-2 * np.abs(el).max())
         for j in range(len(lengths)):
-            same_or_near_tie([gt[j]], [et[j]], [el[j]], f"round {lengths}, sequence {j}")
+            same_or_near_tie([gt[j]], [et[j]], [el[j]], f"round {lengths}, sequence {j}", graph)
     shapes = {k[0] for k, g in graph.prefill_pass._graphs.items() if g.graph is not None}
     assert shapes == {(16, 32, 32), (16, 64)} | (shapes & {(16,), (32,)})  # + the lead prompts' shapes
     assert all(g.uses == 3 for k, g in graph.prefill_pass._graphs.items() if len(k[0]) > 1)
@@ -286,4 +299,4 @@ def test_a_short_call_goes_in_graph_sized_passes(tied_path, kind, rng, monkeypat
             got.append((toks, logits, sizes))
         (gt, _, gsizes), (et, el, esizes) = got
         assert gsizes == want and esizes == [n], (n, gsizes, esizes)
-        same_or_near_tie(gt, et, el, f"prompt of {n}")
+        same_or_near_tie(gt, et, el, f"prompt of {n}", graph)

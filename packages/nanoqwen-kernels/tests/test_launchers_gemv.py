@@ -346,7 +346,7 @@ def test_int8_loop_split_sizes_the_grid(launches, monkeypatch, dims, defines, pe
     grid is the units over that (even_grid's cap aside). The split is the build's: b1_build_defines (down_proj
     split in 4 where its unsplit grid leaves SMs empty), a knob in $NANOQWEN_KERNEL_DEFINES over it, both
     read when the kernels are built, not per launch; gate/up is never split."""
-    from nanoqwen_kernels.gemv import b1_split, b1_build_defines
+    from nanoqwen_kernels.gemv import b1_build_defines, b1_split
 
     d = dims
     built = []

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from nanoqwen_kernels import checks
 from nanoqwen_kernels.dims import PRESETS
+from nanoqwen_kernels.gemv import b1_build_defines
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "precompile.py"
 
@@ -28,5 +29,12 @@ def test_builds_are_listed_without_a_gpu():
         assert name in sources, name
     hidden = {dict(defines)["NQ_HIDDEN"] for _, defines in found}
     assert hidden == {PRESETS["tiny"].hidden, PRESETS["1.5b"].hidden}
-    # one gemv_int4 build per shape: the launchers pick variants by entry name, not by define
-    assert sum(1 for srcs, _ in found if srcs == ("gemv_int4.cu",)) == 2
+    # gemv_int4: one build per shape (the launchers pick variants by entry name), and beside it the int8
+    # loop's build where gemv.b1_build_defines adds its split and trigger defines (both these dims: their
+    # o_proj / down_proj grids leave an H200's SMs empty)
+    int4 = [dict(defines) for srcs, defines in found if srcs == ("gemv_int4.cu",)]
+    assert len(int4) == 4
+    for name in ("tiny", "1.5b"):
+        mine = [d for d in int4 if d["NQ_HIDDEN"] == PRESETS[name].hidden]
+        assert sorted("NQ_SPLIT_DOWN" in d for d in mine) == [False, True], name
+        assert {d.get("NQ_SPLIT_DOWN") for d in mine} == {None, b1_build_defines(PRESETS[name], 132)["NQ_SPLIT_DOWN"]}
