@@ -443,8 +443,8 @@ using namespace nq;
 //     v_cache [L, n_pages, kKvHeads, 16, 128] fp16, layer, n_pages, q_out [kQDim] fp16 (roped).
 //   nq_gate_up_silu: fused post-attention RMSNorm + gate/up + SiLU(gate) * up (units kInter): qweight
 //     [2I, H/8] rows gate | up, scales, x [H], norm_w or null, eps, out [I] fp16.
-#define NQ_B1_ENTRIES(SUFFIX, KX, LB_H, LB_I, LB_QKV)                                                                                \
-  extern "C" __global__ void LB_H nq_gemv_int4_h##SUFFIX(                                              \
+#define NQ_B1_ENTRIES(SUFFIX, KX, LB_I)                                                                                              \
+  extern "C" __global__ void NQ_LB0 nq_gemv_int4_h##SUFFIX(                                              \
       const uint32_t* __restrict__ qweight, const uint16_t* __restrict__ scales, const uint16_t* __restrict__ x, \
       const uint16_t* __restrict__ norm_w, float eps, const uint16_t* residual, uint16_t* out, int n_rows) { \
     NQ_STAMP();                                                                                             \
@@ -458,7 +458,7 @@ using namespace nq;
     gemv_units<kInter, PlainRows, PlainEpi, KX>(qweight, scales, x, norm_w, eps, (n_rows + 1) / 2,          \
                                                 PlainRows{n_rows}, PlainEpi{residual, out, n_rows});        \
   }                                                                                                         \
-  extern "C" __global__ void LB_QKV nq_qkv_rope_kv##SUFFIX(                                              \
+  extern "C" __global__ void NQ_LB0 nq_qkv_rope_kv##SUFFIX(                                              \
       const uint32_t* __restrict__ qweight, const uint16_t* __restrict__ scales,                            \
       const uint16_t* __restrict__ bias, const uint16_t* __restrict__ x, const uint16_t* __restrict__ norm_w, \
       float eps, const int32_t* __restrict__ pos, const int32_t* __restrict__ page_table, int max_pages,     \
@@ -477,38 +477,22 @@ using namespace nq;
                                                    GateUpEpi{out});                                         \
   }
 
-// Blocks an SM must hold at once (__launch_bounds__'s second argument, so a register cap) of the int8
-// loop's o_proj, down_proj and q/k/v entries (NQ_MINB_O / _DOWN / _QKV; 0: none given): a split unit
-// (NQ_SPLIT_*) doubles the blocks, and at ~76-80 registers only 3 blocks of 256 threads fit an SM, so
-// even_grid would fold the grid back into two rounds a block; at 4 (64 registers) 528 blocks fit the H200.
-// (0 is not 1: with a minimum of 1 given, ptxas takes up to 255 registers, ~200 here, and 1 block an SM.)
-#ifndef NQ_MINB_O
-#define NQ_MINB_O 0
-#endif
+// down_proj's blocks an SM must hold at once (NQ_MINB_DOWN, __launch_bounds__'s second argument, so a
+// register cap; 0: none given): split in 4 (gemv.py b1_build_defines) it has 4x the blocks, and at ~76-80
+// registers only 3 blocks of 256 threads fit an SM, so even_grid would fold the grid back into two rounds a
+// block; at 4 (64 registers) 528 blocks fit the H200. (0 is not 1: with a minimum of 1 given, ptxas takes
+// up to 255 registers, ~200 here, and 1 block an SM.)
 #ifndef NQ_MINB_DOWN
 #define NQ_MINB_DOWN 0
 #endif
-#ifndef NQ_MINB_QKV
-#define NQ_MINB_QKV 0
-#endif
 #define NQ_LB0 __launch_bounds__(kThreads)
-#if NQ_MINB_O
-#define NQ_LB_O __launch_bounds__(kThreads, NQ_MINB_O)
-#else
-#define NQ_LB_O NQ_LB0
-#endif
 #if NQ_MINB_DOWN
 #define NQ_LB_DOWN __launch_bounds__(kThreads, NQ_MINB_DOWN)
 #else
 #define NQ_LB_DOWN NQ_LB0
 #endif
-#if NQ_MINB_QKV
-#define NQ_LB_QKV __launch_bounds__(kThreads, NQ_MINB_QKV)
-#else
-#define NQ_LB_QKV NQ_LB0
-#endif
-NQ_B1_ENTRIES(, kXHalf, NQ_LB0, NQ_LB0, NQ_LB0)
-NQ_B1_ENTRIES(_a8, kXA8, NQ_LB_O, NQ_LB_DOWN, NQ_LB_QKV)
+NQ_B1_ENTRIES(, kXHalf, NQ_LB0)
+NQ_B1_ENTRIES(_a8, kXA8, NQ_LB_DOWN)
 
 // The int8-activation loop's down_proj pair (the engine's batch-1 decode under decode_activations="int8"):
 //   nq_gate_up_silu_a8x: as nq_gate_up_silu_a8, but its output is the intermediate already rounded for
