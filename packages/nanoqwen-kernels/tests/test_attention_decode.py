@@ -33,6 +33,9 @@ MIXED = [1, 15, 16, 17, 1000, 5000]  # lengths the batches cycle through (page b
 # passed as a build define: the loader keys its loaded modules on the defines it is given, not on
 # $NANOQWEN_KERNEL_DEFINES
 PULL = (("NQ_ATTN_PUSH_FOLD", 0),)
+# the push fold with plain remote stores and a full cluster barrier (NQ_ATTN_TX_FOLD=0; the default pushes
+# with st.async, counted on the receiver's mbarrier)
+STORE_PUSH = (("NQ_ATTN_TX_FOLD", 0),)
 
 
 class _Builds(dict):
@@ -290,11 +293,13 @@ def replay_in_a_graph(ak, rng):
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("name", ["7b", "tiny"])
 @pytest.mark.parametrize("seq_len", [1, 17, 640, 1024, 1025, 4095, 32768])
-def test_pull_fold_matches_reference(kernels, name, seq_len, variant, rng):
-    """Batch 1 with the pull fold: one cluster (C = 8 on 132 SMs) up to 1,024 tokens, several above."""
+@pytest.mark.parametrize("fold", ["push", "pull"])
+def test_batch_one_matches_reference(kernels, fold, name, seq_len, variant, rng):
+    """Batch 1 with the default (push) fold and the pull fold: one cluster (C = 8 on 132 SMs) up to 1,024
+    tokens, several above."""
     import cupy as cp
 
-    dims, ak = DIMS[name], kernels[name, variant, PULL]
+    dims, ak = DIMS[name], kernels[(name, variant) if fold == "push" else (name, variant, PULL)]
     assert ak.clusters(1)[0] > 1, "batch 1 should launch clusters (the fold under test)"
     c = make_batch(cp, dims, [seq_len], rng)
     check(run(cp, ak, dims, c, 1), c, variant, [seq_len])
@@ -314,15 +319,18 @@ PUSH_PULL = {
 @pytest.mark.parametrize("variant", ["fma", "mma"])
 @pytest.mark.parametrize("B", sorted(PUSH_PULL))
 def test_push_fold_equals_pull_fold(kernels, B, variant, rng):
-    """The push fold (the default) folds the same partials in the same order as the pull fold: bit-identical
-    outputs, 7B dims, mixed lengths (one cluster, several, clusters of 1 at B = 64)."""
+    """The push fold (the default, st.async counted on the receiver's mbarrier) folds the same partials in
+    the same order as the push fold with plain stores and a cluster barrier (NQ_ATTN_TX_FOLD=0) and the pull
+    fold: bit-identical outputs, 7B dims, mixed lengths (one cluster, several, clusters of 1 at B = 64)."""
     import cupy as cp
 
     dims, lengths = QWEN25_7B, PUSH_PULL[B]
     c = make_batch(cp, dims, lengths, rng)
     push = run(cp, kernels["7b", variant], dims, c, B)
+    stored = run(cp, kernels["7b", variant, STORE_PUSH], dims, c, B)
     pull = run(cp, kernels["7b", variant, PULL], dims, c, B)
     check(push, c, variant, lengths)
+    np.testing.assert_array_equal(push, stored)
     np.testing.assert_array_equal(push, pull)
 
 

@@ -58,6 +58,21 @@
 #define NQ_ATTN_EARLY_PAGES 1
 #endif
 
+#ifndef NQ_ATTN_EARLY_TABLE
+// 1 (default): the producer reads the run's first 32 page ids before the launch-overlap wait (stream_pages).
+// 0: after it (the A/B's other side).
+#define NQ_ATTN_EARLY_TABLE 1
+#endif
+
+#ifndef NQ_ATTN_TX_FOLD
+// With the push fold (NQ_ATTN_PUSH_FOLD): 1 (default) the pushes are st.async stores that count their bytes
+// on an mbarrier in the receiving block (mbarrier::complete_tx), and each block waits on its own mbarrier for
+// the bytes it folds, instead of the full cluster barrier after the pushes (whose .release arrival is a
+// GPU-scope fence, MEMBAR.ALL.GPU, that waits for the block's remote stores to land first). 0: the cluster
+// barrier (the A/B's other side).
+#define NQ_ATTN_TX_FOLD 1
+#endif
+
 #ifndef NQ_ATTN_PUSH_FOLD
 // 1 (default): the fold pushes. Every block arrives (relaxed) on the cluster barrier at its start and waits
 // on that phase once its pages are consumed (by then free: it only says every block of the cluster has
@@ -78,6 +93,38 @@
 // 12.12 / 18.99, 1.5B dims B = 32 8.94 -> 8.28. Decode protocol, 7B, two rounds: fp16 1.836 / 1.844 ->
 // 1.833 / 1.835, int8 1.580 / 1.581 -> 1.576 / 1.575 ms/token; 1.5B dims within +-0.003.
 #define NQ_ATTN_PUSH_FOLD 1
+#endif
+
+#ifndef NQ_ATTN_PHASES
+#define NQ_ATTN_PHASES 0
+#endif
+#if NQ_ATTN_PHASES
+// A diagnostic build (scripts/attention_phase_probe.py; never a real build): where a block's time goes.
+// Per block (linear index < 1,024) 16 words: [0] the global timer at its start, [1 + k] the SM's clock64 when
+// it passed phase k (0 start, 1 the producer's wait, 2 the producer's last copy issued, 3 consumer 0's
+// wait, 4 consumer 0's last page done, 5 both roles done, 6 the fold's inputs landed, 7 the end), [9] the SM,
+// [10] the global timer at phase 7.
+extern "C" __device__ unsigned long long nq_attn_phases[1024 * 16];
+#define NQ_PHASE(k, tid)                                                                                   \
+  do {                                                                                                     \
+    if (threadIdx.x == (tid)) {                                                                            \
+      const unsigned blk = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);                \
+      if (blk < 1024) {                                                                                    \
+        unsigned long long* rec = nq_attn_phases + 16ull * blk;                                            \
+        if ((k) == 0 || (k) == 7) {                                                                        \
+          unsigned long long g;                                                                            \
+          unsigned sm;                                                                                     \
+          asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g));                                           \
+          asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));                                                  \
+          rec[(k) == 0 ? 0 : 10] = g;                                                                      \
+          rec[9] = sm;                                                                                     \
+        }                                                                                                  \
+        rec[1 + (k)] = clock64();                                                                          \
+      }                                                                                                    \
+    }                                                                                                      \
+  } while (0)
+#else
+#define NQ_PHASE(k, tid) static_cast<void>(0)
 #endif
 
 namespace nq_dec {
@@ -145,6 +192,17 @@ __device__ __forceinline__ void stream_pages(const Smem& sm, const uint16_t* qb,
   // barriers are the one above and the one after both branches.
   if (warp == 0) {
     int issued = 0;
+    // The run's first 32 page ids, one per lane (one coalesced load), read here, before the launch-overlap
+    // wait: the page table is settled before the step (the host or the previous step's `advance` wrote it),
+    // so the copy of the newest page after the wait starts without an L2 round trip for its id
+    // (NQ_ATTN_EARLY_TABLE; 0: read after the wait, the A/B's other side). A page id outside the cache (a
+    // corrupt table) reads page 0 rather than faulting: garbage out, no GPU fault, as the clamp of seq_len
+    // does for a corrupt length.
+#if NQ_ATTN_EARLY_TABLE
+    const int n_first = min(count, 32);
+    const int raw_first = lane < n_first ? table[p0 + lane] : 0;
+    const int first_page = static_cast<unsigned>(raw_first) < static_cast<unsigned>(n_pages) ? raw_first : 0;
+#endif
 #if NQ_ATTN_EARLY_PAGES
     // Pages before the launch-overlap wait: every page of the run but the sequence's newest is settled
     // before this step began (the q/k/v kernel just before this one writes only the newest token's K/V,
@@ -154,8 +212,12 @@ __device__ __forceinline__ void stream_pages(const Smem& sm, const uint16_t* qb,
     const int newest = (seq_len - 1) / nq::kPageTokens;
     const int n_early = max(0, min(min(count, kStages), newest - p0));
     if (n_early > 0) {
+#if NQ_ATTN_EARLY_TABLE
+      const int my_page = first_page;
+#else
       const int raw_page = lane < n_early ? table[p0 + lane] : 0;
       const int my_page = static_cast<unsigned>(raw_page) < static_cast<unsigned>(n_pages) ? raw_page : 0;
+#endif
       for (int j = 0; j < n_early; ++j) {
         const int page = __shfl_sync(0xffffffffu, my_page, j);
         if (lane == 0) {
@@ -170,16 +232,24 @@ __device__ __forceinline__ void stream_pages(const Smem& sm, const uint16_t* qb,
     }
     issued = n_early;
     nq::pdl_wait();
+    NQ_PHASE(1, 0);
 #endif
     // producer: the warp reads the run's page ids 32 at a time (one coalesced load; read one by one, each
-    // copy waited on its own L2 round trip for its page id first), lane 0 issues every copy
-    for (int base = issued; base < count; base += 32) {
+    // copy waited on its own L2 round trip for its page id first), lane 0 issues every copy not issued yet
+    for (int base = 0; base < count; base += 32) {
       const int n = min(32, count - base);
-      // a page id outside the cache (a corrupt table) reads page 0 rather than faulting: garbage out, no
-      // GPU fault, as the clamp of seq_len does for a corrupt length
-      const int raw_page = lane < n ? table[p0 + base + lane] : 0;
-      const int my_page = static_cast<unsigned>(raw_page) < static_cast<unsigned>(n_pages) ? raw_page : 0;
-      for (int j = 0; j < n; ++j) {
+      if (issued >= base + n) continue;  // every page of this batch went out before the wait
+#if NQ_ATTN_EARLY_TABLE
+      int my_page = first_page;
+      if (base > 0) {
+#else
+      int my_page;
+      {
+#endif
+        const int raw_page = lane < n ? table[p0 + base + lane] : 0;
+        my_page = static_cast<unsigned>(raw_page) < static_cast<unsigned>(n_pages) ? raw_page : 0;
+      }
+      for (int j = max(0, issued - base); j < n; ++j) {
         const int page = __shfl_sync(0xffffffffu, my_page, j);
         if (lane == 0) {
           const int i = base + j;
@@ -195,10 +265,12 @@ __device__ __forceinline__ void stream_pages(const Smem& sm, const uint16_t* qb,
         }
       }
     }
+    NQ_PHASE(2, 0);
   } else {
 #if NQ_ATTN_EARLY_PAGES
     nq::pdl_wait();  // q is the q/k/v kernel's output
 #endif
+    NQ_PHASE(3, 32);
 #if NQ_DECODE_MMA
     consume_mma(warp - 1, lane, sm.ring, sm.full, sm.empty, qb, kvh, p0, count, seq_len, sm.merge_acc,
                 sm.merge_m, sm.merge_l);
@@ -206,8 +278,10 @@ __device__ __forceinline__ void stream_pages(const Smem& sm, const uint16_t* qb,
     consume_fma(warp - 1, lane, sm.ring, sm.full, sm.empty, qb, kvh, p0, count, seq_len, sm.merge_acc,
                 sm.merge_m, sm.merge_l, sm.pbuf_all);
 #endif
+    NQ_PHASE(4, 32);
   }
   __syncthreads();  // both roles done; the one block-wide barrier after the role branches
+  NQ_PHASE(5, 0);
 }
 
 // The consumer warps' states merged for head g, dim d: (max, unnormalised acc, sum). A warp that saw no
@@ -281,6 +355,43 @@ __device__ __forceinline__ void st_cluster2(float* local, uint32_t rank, float a
   asm volatile("st.shared::cluster.v2.f32 [%0], {%1, %2};" ::"r"(remote), "f"(a), "f"(b) : "memory");
 }
 
+#if NQ_ATTN_TX_FOLD
+// v into block `rank`'s shared memory at `local`'s offset, its 4 bytes counted on that block's mbarrier at
+// `bar`'s offset (st.async ... mbarrier::complete_tx::bytes: the receiver's wait on the phase sees the value)
+__device__ __forceinline__ void st_async(float* local, uint32_t rank, float v, uint64_t* bar) {
+  uint32_t remote, rbar;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(nq::smem_u32(local)), "r"(rank));
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(rbar) : "r"(nq::smem_u32(bar)), "r"(rank));
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" ::"r"(remote),
+               "r"(__float_as_uint(v)), "r"(rbar)
+               : "memory");
+}
+// (a, b) likewise, as one 8-byte store (local 8-byte aligned)
+__device__ __forceinline__ void st_async2(float* local, uint32_t rank, float a, float b, uint64_t* bar) {
+  uint32_t remote, rbar;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(nq::smem_u32(local)), "r"(rank));
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(rbar) : "r"(nq::smem_u32(bar)), "r"(rank));
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.b32 [%0], {%1, %2}, [%3];" ::"r"(
+                   remote),
+               "r"(__float_as_uint(a)), "r"(__float_as_uint(b)), "r"(rbar)
+               : "memory");
+}
+// until the phase of parity 0 of this block's receive barrier completes: every byte pushed to it landed
+// (acquire at cluster scope: the stores came from other blocks of the cluster)
+__device__ __forceinline__ void recv_wait(uint64_t* bar) {
+  uint32_t done;
+  do {
+    asm volatile(
+        "{\n\t.reg .pred p;\n\t"
+        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], 0;\n\t"
+        "selp.u32 %0, 1, 0, p;\n\t}"
+        : "=r"(done)
+        : "r"(nq::smem_u32(bar))
+        : "memory");
+  } while (!done);
+}
+#endif
+
 // The receive area (static __shared__ in nq_attention_decode, outside the launcher's dynamic size).
 // Outputs o = 0 .. kOutputs-1 of the block's KV head go in runs of kThreads (run k = o / kThreads, the
 // merge loop's iteration k of thread o % kThreads); run k belongs to rank k % C, as slot
@@ -296,6 +407,13 @@ __device__ constexpr int recv_floats() {
   return n;
 }
 constexpr int kRecvAccFloats = recv_floats();
+// bytes rank `rank` of a cluster of c receives in the fold: from each of the c senders, the outputs of its
+// runs (run k of kThreads outputs, the last one short, goes to rank k % c) and every head's (m, l)
+__device__ __forceinline__ uint32_t recv_bytes(int rank, int c) {
+  int floats = 0;
+  for (int k = rank; k < kRuns; k += c) floats += min(kThreads, kOutputs - k * kThreads);
+  return static_cast<uint32_t>(c * (floats + 2 * kG) * 4);
+}
 constexpr int kRecvMlFloats = kClusterMax * kGPad * 2;
 // static + dynamic shared memory within the 227 KiB a block may opt into on sm_90 (+ 16: `last`)
 static_assert(kSmemBytes + 4 * (kRecvAccFloats + kRecvMlFloats) + 16 <= 227 * 1024,
@@ -321,7 +439,19 @@ extern "C" __global__ void __launch_bounds__(nq_dec::kThreads, 1)
                         float* __restrict__ workspace,               // tickets, ws_acc, ws_ml
                         nq::uint16_t* __restrict__ out) {            // [B, NQ_NHEADS*128]
   NQ_STAMP();  // the step timeline (common.cuh, NQ_STAMPS): nothing in a real build
+  NQ_PHASE(0, 0);
 #if NQ_ATTN_PUSH_FOLD
+#if NQ_ATTN_TX_FOLD
+  // the receive barrier of the fold: one arrival (this block's own, with the bytes it will receive) plus the
+  // senders' st.async bytes; initialised and armed before this block's first cluster arrival, so every sender
+  // (which pushes only after that phase) finds it ready
+  __shared__ __align__(8) nq::uint64_t recv_bar;
+  if (csize > 1 && threadIdx.x == 0) {
+    nq_dec::mbar_init(&recv_bar, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    nq_dec::mbar_arrive_expect_tx(&recv_bar, nq_dec::recv_bytes(static_cast<int>(nq_dec::cluster_rank()), csize));
+  }
+#endif
   // the push fold's first cluster-barrier phase: arrive now, wait before the first remote store (every path
   // below, the idle one included, waits on it exactly once)
   if (csize > 1) nq_dec::cluster_arrive_relaxed();
@@ -394,10 +524,17 @@ extern "C" __global__ void __launch_bounds__(nq_dec::kThreads, 1)
       float* acc_dst = recv_acc + rank * row + slot;
       float* ml_dst = recv_ml + (rank * kGPad + g) * 2;
       if (csize > 1) {
+#if NQ_ATTN_TX_FOLD
+        st_async(acc_dst, owner, pm.a, &recv_bar);
+        if (d == 0) {
+          for (int r = 0; r < csize; ++r) st_async2(ml_dst, r, pm.m, pm.l, &recv_bar);
+        }
+#else
         st_cluster(acc_dst, owner, pm.a);
         if (d == 0) {
           for (int r = 0; r < csize; ++r) st_cluster2(ml_dst, r, pm.m, pm.l);
         }
+#endif
       } else {
         *acc_dst = pm.a;
         if (d == 0) {
@@ -411,10 +548,19 @@ extern "C" __global__ void __launch_bounds__(nq_dec::kThreads, 1)
       }
     }
   }
+#if NQ_ATTN_TX_FOLD
+  // every byte pushed to this block landed (each sender's stores count on recv_bar); a block leaves only
+  // after its own wait, so no store lands in a block that has gone
+  if (csize > 1) recv_wait(&recv_bar);
+  else __syncthreads();
+  NQ_PHASE(6, 0);
+#else
   // the one full cluster barrier: every block's pushes (issued before its release-arrive) visible to their
   // receivers (after the acquire-wait); after it no block touches another's shared memory
   if (csize > 1) cluster_sync();
   else __syncthreads();
+  NQ_PHASE(6, 0);
+#endif
 
   // fold the cluster's C partials for this block's outputs, all from this block's receive area; one
   // cluster: the result; several: this cluster's partial to the workspace
@@ -493,6 +639,7 @@ extern "C" __global__ void __launch_bounds__(nq_dec::kThreads, 1)
 #if !NQ_ATTN_PUSH_FOLD
   if (csize > 1) cluster_sync();  // no block leaves (freeing its shared memory) while another reads it
 #endif
+  NQ_PHASE(7, 0);
   if (used == 1) return;
 
   // several clusters: take a ticket; rank r of the last cluster to count folds every cluster's partial

@@ -1,0 +1,108 @@
+"""Where a decode-attention block's time goes: the phases of nq_attention_decode, stamped on the device.
+
+    PYTHONPATH=packages/nanoqwen-kernels/src python scripts/attention_phase_probe.py [--ctx 640,32768] [--dims 7b,1.5b]
+
+A diagnostic, not a benchmark. It builds the kernel with NQ_ATTN_PHASES=1 (attention_decode.cu: thread 0 or
+consumer 0's lane 0 of every block writes the SM's clock64 at each phase into the module's nq_attn_phases),
+replays a CUDA graph of calls over layers larger than twice the L2 (bench_attention.py's method, so each call
+follows another as in the step), and reads the last call's records. Per phase, over the blocks that hold
+pages: the median and the latest time since the block's start (us, at the device's clock rate), and the call
+time of the stamped build. $NANOQWEN_KERNEL_DEFINES adds defines (the phases build is always one of them), so
+run each variant in its own process. A timing is a measurement, never an assertion.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+os.environ["NANOQWEN_KERNEL_DEFINES"] = ",".join(
+    x for x in (os.environ.get("NANOQWEN_KERNEL_DEFINES", ""), "NQ_ATTN_PHASES=1") if x
+)
+
+import cupy as cp  # noqa: E402
+import numpy as np  # noqa: E402
+from nanoqwen_kernels.attention import AttentionKernels  # noqa: E402
+from nanoqwen_kernels.dims import PRESETS  # noqa: E402
+from nanoqwen_kernels.loader import load_module, loaded_modules  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "packages/nanoqwen-kernels/bench"))
+from bench_attention import L2_BYTES, time_graph  # noqa: E402
+
+PHASES = ["producer waited", "last copy issued", "consumer 0 waited", "consumer 0 done", "roles done",
+          "fold inputs in", "end"]
+WORDS = 16
+
+
+def phase_buffer():
+    for m in loaded_modules():
+        addr = m.global_address("nq_attn_phases")
+        if addr is not None:
+            return addr
+    raise SystemExit("no loaded module has nq_attn_phases (the NQ_ATTN_PHASES=1 build)")
+
+
+def probe(name: str, ctx: int) -> None:
+    d = PRESETS[name]
+    ak = AttentionKernels(d, load_module)
+    kv_bytes = ctx * d.n_kv_heads * 128 * 2 * 2
+    n_layers = max(2, -(-2 * L2_BYTES // kv_bytes))
+    per_seq = (ctx + 15) // 16
+    shape = (n_layers, per_seq, d.n_kv_heads, 16, 128)
+    k = cp.random.standard_normal(shape, dtype=cp.float32).astype(cp.float16)
+    v = cp.random.standard_normal(shape, dtype=cp.float32).astype(cp.float16)
+    table = cp.asarray(np.random.default_rng(0).permutation(per_seq).astype(np.int32))
+    seq = cp.asarray(np.array([ctx], np.int32))
+    q = cp.random.standard_normal((1, d.n_heads * 128), dtype=cp.float32).astype(cp.float16)
+    out = cp.full((1, d.n_heads * 128), np.nan, cp.float16)
+    ws = ak.new_workspace(1)
+    t = time_graph(lambda i: ak.attention_decode(q, k, v, table, seq, i % n_layers, out, ws), 4 * n_layers)
+    addr = phase_buffer()
+    c, n = ak.clusters(1)
+    blocks = d.n_kv_heads * c * n
+    host = np.zeros(1024 * WORDS, np.uint64)
+    cp.cuda.runtime.memcpy(addr, host.ctypes.data, host.nbytes, cp.cuda.runtime.memcpyHostToDevice)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:  # one more call alone after a call, as in the graph: its records are the ones read
+        ak.attention_decode(q, k, v, table, seq, 0, out, ws)
+        ak.attention_decode(q, k, v, table, seq, 1, out, ws)
+    stream.synchronize()
+    cp.cuda.runtime.memcpy(host.ctypes.data, addr, host.nbytes, cp.cuda.runtime.memcpyDeviceToHost)
+    rec = host.reshape(1024, WORDS)[:blocks].astype(np.int64)
+    active = rec[:, 1 + 5] != 0
+    mhz = cp.cuda.runtime.getDeviceProperties(0)["clockRate"] / 1e3
+    start_ns = rec[active, 0] - rec[active, 0].min()
+    print(f"\n{name} ctx {ctx}: grid C={c} n={n} ({blocks} blocks, {int(active.sum())} with pages), stamped call "
+          f"{t * 1e6:.2f} us, clock {mhz:.0f} MHz; block starts spread {start_ns.max() / 1e3:.2f} us")
+    g = rec[active, 10] - rec[active, 0]
+    cyc = rec[active, 8] - rec[active, 1]
+    ok = g > 0
+    if ok.any():
+        print(f"  clock check: {np.median(cyc[ok] / g[ok]) * 1e3:.0f} MHz from the global timer over start -> end")
+    print("| phase | median us since start | latest |")
+    print("| --- | --- | --- |")
+    for i, label in enumerate(PHASES, start=1):
+        x = rec[active, 1 + i]
+        have = x != 0
+        dt = (x[have] - rec[active, 1][have]) / mhz
+        if dt.size:
+            print(f"| {i} {label} | {np.median(dt):.2f} | {dt.max():.2f} |")
+
+
+def main() -> int:
+    ctxs = [640, 1024, 16384, 32768]
+    names = ["7b", "1.5b"]
+    if "--ctx" in sys.argv:
+        ctxs = [int(x) for x in sys.argv[sys.argv.index("--ctx") + 1].split(",")]
+    if "--dims" in sys.argv:
+        names = sys.argv[sys.argv.index("--dims") + 1].split(",")
+    print(f"defines: {os.environ['NANOQWEN_KERNEL_DEFINES']}")
+    for name in names:
+        for ctx in ctxs:
+            probe(name, ctx)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
