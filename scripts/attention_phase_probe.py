@@ -25,27 +25,32 @@ import cupy as cp  # noqa: E402
 import numpy as np  # noqa: E402
 from nanoqwen_kernels.attention import AttentionKernels  # noqa: E402
 from nanoqwen_kernels.dims import PRESETS  # noqa: E402
-from nanoqwen_kernels.loader import load_module, loaded_modules  # noqa: E402
+from nanoqwen_kernels.loader import load_module  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "packages/nanoqwen-kernels/bench"))
 from bench_attention import L2_BYTES, time_graph  # noqa: E402
 
-PHASES = ["producer waited", "last copy issued", "consumer 0 waited", "consumer 0 done", "roles done",
-          "fold inputs in", "end"]
-WORDS = 16
+PHASES = {1: "producer waited", 2: "last copy issued", 3: "consumer 0 waited", 4: "consumer 0 done",
+          5: "roles done", 8: "fold's cluster wait passed", 9: "pushes issued", 6: "fold inputs in", 7: "end"}
+WORDS = 16  # per block: attention_decode.cu NQ_PHASE's record
 
 
-def phase_buffer():
-    for m in loaded_modules():
-        addr = m.global_address("nq_attn_phases")
-        if addr is not None:
-            return addr
-    raise SystemExit("no loaded module has nq_attn_phases (the NQ_ATTN_PHASES=1 build)")
+def phase_buffer(module) -> int:
+    addr = module.global_address("nq_attn_phases")
+    if addr is None:
+        raise SystemExit("the module has no nq_attn_phases (not the NQ_ATTN_PHASES=1 build)")
+    return addr
 
 
 def probe(name: str, ctx: int) -> None:
     d = PRESETS[name]
-    ak = AttentionKernels(d, load_module)
+    modules = []
+
+    def load(sources, defines):
+        modules.append(load_module(sources, defines))
+        return modules[-1]
+
+    ak = AttentionKernels(d, load)
     kv_bytes = ctx * d.n_kv_heads * 128 * 2 * 2
     n_layers = max(2, -(-2 * L2_BYTES // kv_bytes))
     per_seq = (ctx + 15) // 16
@@ -58,7 +63,7 @@ def probe(name: str, ctx: int) -> None:
     out = cp.full((1, d.n_heads * 128), np.nan, cp.float16)
     ws = ak.new_workspace(1)
     t = time_graph(lambda i: ak.attention_decode(q, k, v, table, seq, i % n_layers, out, ws), 4 * n_layers)
-    addr = phase_buffer()
+    addr = phase_buffer(modules[0])
     c, n = ak.clusters(1)
     blocks = d.n_kv_heads * c * n
     host = np.zeros(1024 * WORDS, np.uint64)
@@ -70,22 +75,23 @@ def probe(name: str, ctx: int) -> None:
     stream.synchronize()
     cp.cuda.runtime.memcpy(host.ctypes.data, addr, host.nbytes, cp.cuda.runtime.memcpyDeviceToHost)
     rec = host.reshape(1024, WORDS)[:blocks].astype(np.int64)
-    active = rec[:, 1 + 5] != 0
+    active = rec[:, 3 + 5] != 0
     mhz = cp.cuda.runtime.getDeviceProperties(0)["clockRate"] / 1e3
     start_ns = rec[active, 0] - rec[active, 0].min()
     print(f"\n{name} ctx {ctx}: grid C={c} n={n} ({blocks} blocks, {int(active.sum())} with pages), stamped call "
-          f"{t * 1e6:.2f} us, clock {mhz:.0f} MHz; block starts spread {start_ns.max() / 1e3:.2f} us")
-    g = rec[active, 10] - rec[active, 0]
-    cyc = rec[active, 8] - rec[active, 1]
+          f"{t * 1e6:.2f} us; block starts spread {start_ns.max() / 1e3:.2f} us")
+    g = rec[active, 1] - rec[active, 0]
+    cyc = rec[active, 3 + 7] - rec[active, 3]
     ok = g > 0
-    if ok.any():
-        print(f"  clock check: {np.median(cyc[ok] / g[ok]) * 1e3:.0f} MHz from the global timer over start -> end")
+    if ok.any():  # the SM clock under load is below the rated one: convert at the measured rate
+        mhz = float(np.median(cyc[ok] / g[ok]) * 1e3)
+        print(f"  clock {mhz:.0f} MHz, measured against the global timer over start -> end")
     print("| phase | median us since start | latest |")
     print("| --- | --- | --- |")
-    for i, label in enumerate(PHASES, start=1):
-        x = rec[active, 1 + i]
+    for i, label in PHASES.items():
+        x = rec[active, 3 + i]
         have = x != 0
-        dt = (x[have] - rec[active, 1][have]) / mhz
+        dt = (x[have] - rec[active, 3][have]) / mhz
         if dt.size:
             print(f"| {i} {label} | {np.median(dt):.2f} | {dt.max():.2f} |")
 

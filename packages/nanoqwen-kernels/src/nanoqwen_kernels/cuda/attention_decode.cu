@@ -100,10 +100,11 @@
 #endif
 #if NQ_ATTN_PHASES
 // A diagnostic build (scripts/attention_phase_probe.py; never a real build): where a block's time goes.
-// Per block (linear index < 1,024) 16 words: [0] the global timer at its start, [1 + k] the SM's clock64 when
-// it passed phase k (0 start, 1 the producer's wait, 2 the producer's last copy issued, 3 consumer 0's
-// wait, 4 consumer 0's last page done, 5 both roles done, 6 the fold's inputs landed, 7 the end), [9] the SM,
-// [10] the global timer at phase 7.
+// Per block (linear index < 1,024) 16 words: [0] / [1] the global timer at phases 0 / 7, [2] the SM, [3 + k]
+// the SM's clock64 when it passed phase k: 0 start, 1 the producer's wait, 2 the producer's last copy
+// issued, 3 consumer 0's wait, 4 consumer 0's last page done, 5 both roles done, 6 the fold's inputs landed,
+// 7 the end, 8 the fold's cluster wait passed, 9 the block's pushes issued, 10 consumer 0's first page
+// landed, 11 consumer 0's first page done.
 extern "C" __device__ unsigned long long nq_attn_phases[1024 * 16];
 #define NQ_PHASE(k, tid)                                                                                   \
   do {                                                                                                     \
@@ -116,10 +117,10 @@ extern "C" __device__ unsigned long long nq_attn_phases[1024 * 16];
           unsigned sm;                                                                                     \
           asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g));                                           \
           asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));                                                  \
-          rec[(k) == 0 ? 0 : 10] = g;                                                                      \
-          rec[9] = sm;                                                                                     \
+          rec[(k) == 0 ? 0 : 1] = g;                                                                       \
+          rec[2] = sm;                                                                                     \
         }                                                                                                  \
-        rec[1 + (k)] = clock64();                                                                          \
+        rec[3 + (k)] = clock64();                                                                          \
       }                                                                                                    \
     }                                                                                                      \
   } while (0)
@@ -514,6 +515,7 @@ extern "C" __global__ void __launch_bounds__(nq_dec::kThreads, 1)
   __shared__ __align__(16) float recv_ml[kRecvMlFloats];    // [sender][kGPad][m, l]
   const int row = recv_slots(csize);
   if (csize > 1) cluster_wait();  // every block of the cluster has started: its shared memory may be written
+  NQ_PHASE(8, 0);
   // the block's partial, pushed: run k of outputs (this thread's iteration k) to rank k % csize, slot
   // (k / csize) * kThreads + threadIdx.x of its row for this rank; each head's (m, l) to every rank
   {
@@ -548,6 +550,7 @@ extern "C" __global__ void __launch_bounds__(nq_dec::kThreads, 1)
       }
     }
   }
+  NQ_PHASE(9, 0);
 #if NQ_ATTN_TX_FOLD
   // every byte pushed to this block landed (each sender's stores count on recv_bar); a block leaves only
   // after its own wait, so no store lands in a block that has gone
