@@ -29,15 +29,6 @@ VARIANTS = ["fma", "mma", "mma8"]  # consumer bodies (nanoqwen_kernels.attention
 MIXED = [1, 15, 16, 17, 1000, 5000]  # lengths the batches cycle through (page boundaries and long rows)
 
 
-# the pull cluster fold (attention_decode.cu NQ_ATTN_PUSH_FOLD=0, the knob's other side; the default pushes),
-# passed as a build define: the loader keys its loaded modules on the defines it is given, not on
-# $NANOQWEN_KERNEL_DEFINES
-PULL = (("NQ_ATTN_PUSH_FOLD", 0),)
-# the push fold with plain remote stores and a full cluster barrier (NQ_ATTN_TX_FOLD=0; the default pushes
-# with st.async, counted on the receiver's mbarrier)
-STORE_PUSH = (("NQ_ATTN_TX_FOLD", 0),)
-
-
 class _Builds(dict):
     """(dims name, variant) or (dims name, variant, extra defines) -> AttentionKernels, built on first use."""
 
@@ -187,16 +178,15 @@ BUILDS = [("7b", "fma"), ("7b", "mma"), ("tiny", "fma")]
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("fold", ["push", "pull"])
 @pytest.mark.parametrize("name,variant", BUILDS)
 @pytest.mark.parametrize("B", [1, 2, 3, 8, 33, 64])
-def test_batch_of_mixed_lengths(kernels, name, B, variant, fold, rng):
+def test_batch_of_mixed_lengths(kernels, name, B, variant, rng):
     """B sequences of mixed lengths (cycling through MIXED from a random offset, one idle row of length 0
-    when B > 1) in one launch: every row matches its own float64 reference. Both cluster folds (the default
-    push, and the pull build: NQ_ATTN_PUSH_FOLD=0); B = 33, 64 at 7B launch clusters of 1, the local path."""
+    when B > 1) in one launch: every row matches its own float64 reference. B <= 8 at 7B fold in clusters
+    (one, or several through the workspace); B = 33, 64 launch clusters of 1, the local path."""
     import cupy as cp
 
-    dims, ak = DIMS[name], kernels[(name, variant) if fold == "push" else (name, variant, PULL)]
+    dims, ak = DIMS[name], kernels[name, variant]
     off = int(rng.integers(len(MIXED)))
     lengths = [MIXED[(off + b) % len(MIXED)] for b in range(B)]
     if B > 1:
@@ -285,7 +275,7 @@ def replay_in_a_graph(ak, rng):
         np.testing.assert_array_equal(got, cp.asnumpy(out2).astype(np.float64).reshape(3, dims.n_heads, 128))
 
 
-# ---- the pull cluster fold (NQ_ATTN_PUSH_FOLD=0): the same checks on its build ------------------------
+# ---- batch 1 across the single-cluster / several-cluster line ------------------------------------------
 
 
 @gpu
@@ -293,52 +283,29 @@ def replay_in_a_graph(ak, rng):
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("name", ["7b", "tiny"])
 @pytest.mark.parametrize("seq_len", [1, 17, 640, 1024, 1025, 4095, 32768])
-@pytest.mark.parametrize("fold", ["push", "pull"])
-def test_batch_one_matches_reference(kernels, fold, name, seq_len, variant, rng):
-    """Batch 1 with the default (push) fold and the pull fold: one cluster (C = 8 on 132 SMs) up to 1,024
-    tokens, several above."""
+def test_batch_one_matches_reference(kernels, name, seq_len, variant, rng):
+    """Batch 1: one cluster (C = 8 on 132 SMs) up to 1,024 tokens, several above (the workspace fold)."""
     import cupy as cp
 
-    dims, ak = DIMS[name], kernels[(name, variant) if fold == "push" else (name, variant, PULL)]
+    dims, ak = DIMS[name], kernels[name, variant]
     assert ak.clusters(1)[0] > 1, "batch 1 should launch clusters (the fold under test)"
     c = make_batch(cp, dims, [seq_len], rng)
     check(run(cp, ak, dims, c, 1), c, variant, [seq_len])
 
 
-# batch -> lengths for the push / pull comparison (7B on 132 SMs: clusters (8, 5), (8, 2), (5, 1), (1, 1))
-PUSH_PULL = {
-    1: [640],
-    3: [1024, 0, 5000],
-    8: [1, 15, 16, 17, 640, 1000, 1025, 5000],
-    64: MIXED * 10 + [0, 3, 2048, 4095],
-}
-
-
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["fma", "mma"])
-@pytest.mark.parametrize("B", sorted(PUSH_PULL))
-def test_push_fold_equals_pull_fold(kernels, B, variant, rng):
-    """The push fold (the default, st.async counted on the receiver's mbarrier) folds the same partials in
-    the same order as the push fold with plain stores and a cluster barrier (NQ_ATTN_TX_FOLD=0) and the pull
-    fold: bit-identical outputs, 7B dims, mixed lengths (one cluster, several, clusters of 1 at B = 64)."""
+def test_same_inputs_same_bits(kernels, variant, rng):
+    """The fold adds the cluster's partials in rank order whichever block's pushes land first: two launches
+    on the same inputs give the same bits (7B, a batch of 8 mixed lengths: one cluster, several, idle)."""
     import cupy as cp
 
-    dims, lengths = QWEN25_7B, PUSH_PULL[B]
+    dims, lengths = QWEN25_7B, [1, 15, 16, 17, 640, 1000, 1025, 5000]
     c = make_batch(cp, dims, lengths, rng)
-    push = run(cp, kernels["7b", variant], dims, c, B)
-    stored = run(cp, kernels["7b", variant, STORE_PUSH], dims, c, B)
-    pull = run(cp, kernels["7b", variant, PULL], dims, c, B)
-    check(push, c, variant, lengths)
-    np.testing.assert_array_equal(push, stored)
-    np.testing.assert_array_equal(push, pull)
-
-
-@gpu
-@pytest.mark.gpu
-def test_pull_fold_replays_in_a_graph(kernels, rng):
-    """test_replays_in_a_graph_as_lengths_change on the pull build."""
-    replay_in_a_graph(kernels["tiny", "fma", PULL], rng)
+    first = run(cp, kernels["7b", variant], dims, c, 8)
+    check(first, c, variant, lengths)
+    np.testing.assert_array_equal(first, run(cp, kernels["7b", variant], dims, c, 8))
 
 
 @gpu

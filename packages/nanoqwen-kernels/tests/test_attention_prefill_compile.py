@@ -44,10 +44,11 @@ def sass(cubin: bytes, tmp_path: Path) -> str:
 def test_decode_compiles_with_bulk_copy_and_mbarriers(dims, variant, tmp_path):
     text = sass(loader.compile_cubin(DECODE_SOURCES, decode_defines(dims, variant), "sm_90a"), tmp_path)
     assert "Function : nq_attention_decode\n" in text
-    # the cluster fold (pushed, NQ_ATTN_PUSH_FOLD): a relaxed arrival at the start and a full barrier after
-    # the remote stores (2 arrivals); a wait before the first remote store, the full barrier's, and the idle
-    # path's (3 waits); one ticket atomic, fences around it. tests/test_compile.py checks their order.
-    assert text.count("UCGABAR_ARV") == 2 and text.count("UCGABAR_WAIT") == 3, "the push fold's cluster barriers"
+    # the cluster fold: one relaxed arrival at the start, its wait before the first remote store and on the
+    # idle path (2 waits), the pushes st.async (STAS) counted on the receiver's mbarrier; one ticket atomic,
+    # fences around it. tests/test_compile.py checks their order.
+    assert text.count("UCGABAR_ARV") == 1 and text.count("UCGABAR_WAIT") == 2, "the fold's cluster barrier"
+    assert "STAS.128" in text, "the fold's pushes are not 16-byte st.async"
     assert text.count("ATOMG.E.ADD") == 1 and "MEMBAR.SC.GPU" in text
     # cp.async.bulk global->shared assembles to UBLKCP; mbarrier init/arrive/try_wait to SYNCS.*
     assert "UBLKCP" in text, "the K/V ring is not filled by the bulk copy engine"

@@ -275,7 +275,7 @@ def test_attention_decode_copies_settled_pages_early(monkeypatch):
 # = LD.E / ST.E on a generic address (the kernel's own global accesses are LDG / STG), st.async = STAS (.64),
 # mbarrier.init = SYNCS.EXCH.64, arrive(.expect_tx) = SYNCS.ARRIVE.TRANS64, try_wait = SYNCS.PHASECHK
 _CLUSTER_OPS = re.compile(
-    r"\b(UCGABAR_ARV|UCGABAR_WAIT|MEMBAR\.ALL\.GPU|LD\.E|ST\.E|STAS(?:\.64)?|SYNCS\.EXCH\.64|"
+    r"\b(UCGABAR_ARV|UCGABAR_WAIT|MEMBAR\.ALL\.GPU|LD\.E|ST\.E|STAS(?:\.64|\.128)?|SYNCS\.EXCH\.64|"
     r"SYNCS\.ARRIVE\.TRANS64|SYNCS\.PHASECHK)\b"
 )
 
@@ -290,17 +290,17 @@ def _full_arrives(ops: list[str]) -> list[int]:
     return [i for i, op in enumerate(ops) if op == "UCGABAR_ARV" and i and ops[i - 1] == "MEMBAR.ALL.GPU"]
 
 
-def test_attention_decode_tx_fold():
-    """The default build's cluster fold pushes with st.async (attention_decode.cu NQ_ATTN_TX_FOLD): no full
-    cluster barrier at all. Each block initialises and arms its receive mbarrier, then arrives (relaxed: no
-    fence) before anything else and before the pdl wait; every remote store is an st.async (STAS), issued
-    after a cluster wait (every block has started, its mbarrier ready); after the last one the block waits
-    on its own receive mbarrier; no DSMEM load or plain remote store (at the 7B, 1.5B and tiny dims)."""
+def test_attention_decode_fold():
+    """Decode attention's cluster fold pushes with st.async (attention_decode.cu): no full cluster barrier.
+    Each block initialises and arms its receive mbarrier, then arrives (relaxed: no fence) before anything
+    else and before the pdl wait; every remote store is a 16- or 8-byte st.async (STAS.128 / .64), issued
+    after a cluster wait (every block has started, its mbarrier armed); after the last one the block waits on
+    its own receive mbarrier; no DSMEM load or plain remote store (at the 7B, 1.5B and tiny dims)."""
     for dims in (QWEN25_7B, PRESETS["1.5b"], PRESETS["tiny"]):
         body = _functions(_sass("attention_decode.cu", dims))["nq_attention_decode"]
         _check_attention_early_pages(body)
         ops = _cluster_ops(body)
-        assert not _full_arrives(ops), f"{dims.hidden}: a full cluster barrier in the tx fold"
+        assert not _full_arrives(ops), f"{dims.hidden}: a full cluster barrier in the fold"
         assert not {"LD.E", "ST.E"} & set(ops), f"{dims.hidden}: a DSMEM load or plain remote store"
         assert ops.count("UCGABAR_ARV") == 1, f"{dims.hidden}: expected the one relaxed arrival"
         arv = ops.index("UCGABAR_ARV")
@@ -310,42 +310,9 @@ def test_attention_decode_tx_fold():
         assert body.find("UCGABAR_ARV") < body.find("ACQBULK"), f"{dims.hidden}: arrival after the pdl wait"
         stores = [i for i, op in enumerate(ops) if op.startswith("STAS")]
         waits = [i for i, op in enumerate(ops) if op == "UCGABAR_WAIT"]
-        assert stores, f"{dims.hidden}: no st.async"
+        assert {ops[i] for i in stores} == {"STAS.128", "STAS.64"}, f"{dims.hidden}: pushes not 16 / 8 bytes"
         assert all(any(w < i for w in waits) for i in stores), f"{dims.hidden}: an st.async before a wait"
         assert "SYNCS.PHASECHK" in ops[stores[-1] :], f"{dims.hidden}: no receive wait after the pushes"
-
-
-def test_attention_decode_cluster_barrier_folds(monkeypatch):
-    """The knobs' other sides. NQ_ATTN_TX_FOLD=0: the push fold with plain remote stores (ST.E) and one full
-    cluster barrier after them: the relaxed arrival first, every remote store between a wait and the release
-    arrival, no other block's shared memory touched after the last wait. NQ_ATTN_PUSH_FOLD=0 (the pull fold):
-    two full barriers with the remote loads between them (at the 7B, 1.5B and tiny dims)."""
-    monkeypatch.setenv("NANOQWEN_KERNEL_DEFINES", "NQ_ATTN_TX_FOLD=0")
-    for dims in (QWEN25_7B, PRESETS["1.5b"], PRESETS["tiny"]):
-        body = _functions(_sass("attention_decode.cu", dims))["nq_attention_decode"]
-        _check_attention_early_pages(body)
-        ops = [op for op in _cluster_ops(body) if not op.startswith("SYNCS")]
-        full = _full_arrives(ops)
-        assert len(full) == 1, f"{dims.hidden}: {len(full)} full cluster barriers (expected 1)"
-        assert "LD.E" not in ops and not any(op.startswith("STAS") for op in ops), f"{dims.hidden}: not ST.E"
-        assert ops[0] == "UCGABAR_ARV", f"{dims.hidden}: the relaxed arrival is not the first cluster op"
-        assert body.find("UCGABAR_ARV") < body.find("ACQBULK"), f"{dims.hidden}: arrival after the pdl wait"
-        assert ops.count("UCGABAR_ARV") == 2, f"{dims.hidden}: expected the relaxed and the release arrival"
-        stores = [i for i, op in enumerate(ops) if op == "ST.E"]
-        waits = [i for i, op in enumerate(ops) if op == "UCGABAR_WAIT"]
-        assert stores, f"{dims.hidden}: no remote store"
-        assert all(i < full[0] for i in stores), f"{dims.hidden}: a remote store after the release arrival"
-        assert all(any(w < i for w in waits) for i in stores), f"{dims.hidden}: a remote store before a wait"
-        assert waits[-1] > full[0] and not {"LD.E", "ST.E"} & set(ops[waits[-1] :]), (
-            f"{dims.hidden}: shared memory of another block touched after the last cluster wait"
-        )
-    monkeypatch.setenv("NANOQWEN_KERNEL_DEFINES", "NQ_ATTN_PUSH_FOLD=0")
-    for dims in (QWEN25_7B, PRESETS["1.5b"], PRESETS["tiny"]):
-        pull = _cluster_ops(_functions(_sass("attention_decode.cu", dims))["nq_attention_decode"])
-        pull = [op for op in pull if not op.startswith("SYNCS")]
-        assert len(_full_arrives(pull)) == 2, f"{dims.hidden}: pull build: not 2 full cluster barriers"
-        first, second = _full_arrives(pull)
-        assert "LD.E" in pull[first:second] and "ST.E" not in pull, f"{dims.hidden}: not the pull fold"
 
 
 @pytest.mark.parametrize("source", SOURCES)

@@ -77,8 +77,7 @@ def decode_smem_bytes(dims: ModelDims, variant: str = DEFAULT_VARIANT) -> int:
     ring = DECODE_STAGES * 2 * PAGE_TOKENS * HEAD_DIM * 2  # [stages][K|V][16][128] fp16
     merge = consumers * g * HEAD_DIM * 4 + 2 * consumers * 8 * 4  # acc + (m, l)
     pbuf = consumers * 16 * 8 * 4
-    blk_ml = 2 * 8 * 4  # the block's merged (m, l) per head
-    return ring + merge + pbuf + blk_ml + 2 * DECODE_STAGES * 8  # + full/empty mbarriers
+    return ring + merge + pbuf + 2 * DECODE_STAGES * 8  # + full/empty mbarriers
 
 
 def decode_workspace_floats(dims: ModelDims, batch: int, sms: int) -> int:

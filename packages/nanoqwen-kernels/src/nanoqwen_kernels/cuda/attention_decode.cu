@@ -24,15 +24,15 @@
 // Splits and clusters: a sequence's pages are dealt to clusters in contiguous runs of at least
 //   NQ_DECODE_MIN_CLUSTER_PAGES (64 pages, 1,024 tokens), and a cluster's run to its C blocks in
 //   contiguous sub-runs; the device-side seq_len decides the runs, so one graph serves every length.
-//   - <= 1,024 tokens: cluster 0 alone. Block rank r folds outputs o = t + kThreads (r + C j) of the G
-//     heads x 128 dims: every block stores its partial of those outputs into rank r's shared memory
-//     (mapa + st.shared::cluster), the cluster synchronises once, and rank r folds from its own shared
-//     memory, then writes `out` (NQ_ATTN_PUSH_FOLD; =0: each rank loads the partials from the others'
-//     shared memory instead, between two cluster barriers). No workspace, no second kernel.
+//   - <= 1,024 tokens: cluster 0 alone. Head g of the block's KV head is folded by block rank g % C: every
+//     block pushes its partial of head g (4 dims a thread, st.async) into that rank's shared memory and
+//     each head's (m, l) into every rank's; the bytes count on the receiver's mbarrier, so each rank waits on
+//     its own barrier, folds from its own shared memory and writes `out`. No workspace, no second kernel, no
+//     cluster barrier after the pushes.
 //   - longer: every cluster folds its blocks the same way into the workspace; the last cluster to take a
 //     ticket (atomic, one counter per (sequence, KV head, rank)) folds the clusters' partials into `out`.
-//     Rank r of the last cluster reads only what rank r of each cluster wrote (acc for its outputs and its
-//     own copy of each head's (m, l)), so one ticket chain per rank orders every read after its write.
+//     Rank r of the last cluster reads only what rank r of each cluster wrote (acc and (m, l) of its heads),
+//     so one ticket chain per rank orders every read after its write.
 //   A block with no page contributes a neutral partial (m = -inf, acc = l = 0).
 // Why one kernel (H200, docs/PERF.md "2026-12-01"): the split kernel + a combine kernel took 8.56 us per
 //   call at 7B, batch 1, context 640, 3.8 us of it the combine's launch and its L2 round trips; this
@@ -58,43 +58,6 @@
 #define NQ_ATTN_EARLY_PAGES 1
 #endif
 
-#ifndef NQ_ATTN_EARLY_TABLE
-// 1 (default): the producer reads the run's first 32 page ids before the launch-overlap wait (stream_pages).
-// 0: after it (the A/B's other side).
-#define NQ_ATTN_EARLY_TABLE 1
-#endif
-
-#ifndef NQ_ATTN_TX_FOLD
-// With the push fold (NQ_ATTN_PUSH_FOLD): 1 (default) the pushes are st.async stores that count their bytes
-// on an mbarrier in the receiving block (mbarrier::complete_tx), and each block waits on its own mbarrier for
-// the bytes it folds, instead of the full cluster barrier after the pushes (whose .release arrival is a
-// GPU-scope fence, MEMBAR.ALL.GPU, that waits for the block's remote stores to land first). 0: the cluster
-// barrier (the A/B's other side).
-#define NQ_ATTN_TX_FOLD 1
-#endif
-
-#ifndef NQ_ATTN_PUSH_FOLD
-// 1 (default): the fold pushes. Every block arrives (relaxed) on the cluster barrier at its start and waits
-// on that phase once its pages are consumed (by then free: it only says every block of the cluster has
-// started, before which no block may touch another's shared memory); it then stores each merged output
-// into the shared memory of the rank that folds it (mapa + st.shared::cluster, a receive area indexed by
-// the sender's rank, static __shared__, so the launcher's dynamic size is unchanged), one full cluster
-// barrier makes the stores visible, and each rank folds from its own shared memory: one full cluster
-// barrier, no remote load, no second barrier (nobody touches another block's shared memory after the one
-// barrier, and every store into a block precedes it).
-// 0 (the A/B's other side): the fold pulls. Each block leaves its partial in its own shared memory
-// (merge_acc, blk_m / blk_l), the cluster synchronises, rank r loads its outputs' C partials from every
-// block (mapa + ld.shared::cluster), and a second cluster barrier keeps every block resident until nobody
-// reads its shared memory any more: two full cluster barriers (each a GPU-scope release fence and an L1
-// invalidate in SASS) and a DSMEM round trip between them.
-// Measured (H200, 2026-12-02, docs/PERF.md twentieth lease, bench_attention.py, us per call, pull -> push):
-// batch 1 at 640 / 1,024 tokens 5.36 / 5.34 -> 5.31 / 5.43 (7B), 5.03 -> 4.95 (1.5B dims): within noise;
-// batched, where every cluster folds, 7B B = 8 / 32 / 64 at 384 tokens 7.83 / 12.87 / 20.14 -> 7.39 /
-// 12.12 / 18.99, 1.5B dims B = 32 8.94 -> 8.28. Decode protocol, 7B, two rounds: fp16 1.836 / 1.844 ->
-// 1.833 / 1.835, int8 1.580 / 1.581 -> 1.576 / 1.575 ms/token; 1.5B dims within +-0.003.
-#define NQ_ATTN_PUSH_FOLD 1
-#endif
-
 #ifndef NQ_ATTN_PHASES
 #define NQ_ATTN_PHASES 0
 #endif
@@ -103,8 +66,7 @@
 // Per block (linear index < 1,024) 16 words: [0] / [1] the global timer at phases 0 / 7, [2] the SM, [3 + k]
 // the SM's clock64 when it passed phase k: 0 start, 1 the producer's wait, 2 the producer's last copy
 // issued, 3 consumer 0's wait, 4 consumer 0's last page done, 5 both roles done, 6 the fold's inputs landed,
-// 7 the end, 8 the fold's cluster wait passed, 9 the block's pushes issued, 10 consumer 0's first page
-// landed, 11 consumer 0's first page done.
+// 7 the end, 8 the fold's cluster wait passed, 9 the block's pushes issued.
 extern "C" __device__ unsigned long long nq_attn_phases[1024 * 16];
 #define NQ_PHASE(k, tid)                                                                                   \
   do {                                                                                                     \
@@ -134,8 +96,7 @@ namespace nq_dec {
 constexpr int kMergeAccBytes = kConsumers * kG * 128 * 4;
 constexpr int kMergeMlBytes = 2 * kConsumers * kGPad * 4;
 constexpr int kPBufBytes = kConsumers * 16 * kGPad * 4;
-constexpr int kBlkMlBytes = 2 * kGPad * 4;  // the block's merged (m, l) per head (nq_attention_decode)
-constexpr int kBarOffset = kRingBytes + kMergeAccBytes + kMergeMlBytes + kPBufBytes + kBlkMlBytes;
+constexpr int kBarOffset = kRingBytes + kMergeAccBytes + kMergeMlBytes + kPBufBytes;
 
 constexpr int kSmemBytes = kBarOffset + 2 * kStages * 8;
 static_assert(kBarOffset % 8 == 0, "mbarriers need 8-byte alignment");
@@ -148,8 +109,6 @@ struct Smem {
   float* merge_m;       // [kConsumers][kGPad]
   float* merge_l;       // [kConsumers][kGPad]
   float* pbuf_all;      // [kConsumers][16][kGPad]
-  float* blk_m;         // [kGPad]  the block's merged (m, l) per head (nq_attention_decode)
-  float* blk_l;         // [kGPad]
   uint64_t* full;       // [kStages]
   uint64_t* empty;      // [kStages]
 };
@@ -161,8 +120,6 @@ __device__ __forceinline__ Smem carve(unsigned char* smem) {
   m.merge_m = m.merge_acc + kConsumers * kG * 128;
   m.merge_l = m.merge_m + kConsumers * kGPad;
   m.pbuf_all = m.merge_l + kConsumers * kGPad;
-  m.blk_m = m.pbuf_all + kConsumers * 16 * kGPad;
-  m.blk_l = m.blk_m + kGPad;
   m.full = reinterpret_cast<uint64_t*>(smem + kBarOffset);
   m.empty = m.full + kStages;
   return m;
@@ -193,17 +150,6 @@ __device__ __forceinline__ void stream_pages(const Smem& sm, const uint16_t* qb,
   // barriers are the one above and the one after both branches.
   if (warp == 0) {
     int issued = 0;
-    // The run's first 32 page ids, one per lane (one coalesced load), read here, before the launch-overlap
-    // wait: the page table is settled before the step (the host or the previous step's `advance` wrote it),
-    // so the copy of the newest page after the wait starts without an L2 round trip for its id
-    // (NQ_ATTN_EARLY_TABLE; 0: read after the wait, the A/B's other side). A page id outside the cache (a
-    // corrupt table) reads page 0 rather than faulting: garbage out, no GPU fault, as the clamp of seq_len
-    // does for a corrupt length.
-#if NQ_ATTN_EARLY_TABLE
-    const int n_first = min(count, 32);
-    const int raw_first = lane < n_first ? table[p0 + lane] : 0;
-    const int first_page = static_cast<unsigned>(raw_first) < static_cast<unsigned>(n_pages) ? raw_first : 0;
-#endif
 #if NQ_ATTN_EARLY_PAGES
     // Pages before the launch-overlap wait: every page of the run but the sequence's newest is settled
     // before this step began (the q/k/v kernel just before this one writes only the newest token's K/V,
@@ -213,12 +159,8 @@ __device__ __forceinline__ void stream_pages(const Smem& sm, const uint16_t* qb,
     const int newest = (seq_len - 1) / nq::kPageTokens;
     const int n_early = max(0, min(min(count, kStages), newest - p0));
     if (n_early > 0) {
-#if NQ_ATTN_EARLY_TABLE
-      const int my_page = first_page;
-#else
       const int raw_page = lane < n_early ? table[p0 + lane] : 0;
       const int my_page = static_cast<unsigned>(raw_page) < static_cast<unsigned>(n_pages) ? raw_page : 0;
-#endif
       for (int j = 0; j < n_early; ++j) {
         const int page = __shfl_sync(0xffffffffu, my_page, j);
         if (lane == 0) {
@@ -236,21 +178,14 @@ __device__ __forceinline__ void stream_pages(const Smem& sm, const uint16_t* qb,
     NQ_PHASE(1, 0);
 #endif
     // producer: the warp reads the run's page ids 32 at a time (one coalesced load; read one by one, each
-    // copy waited on its own L2 round trip for its page id first), lane 0 issues every copy not issued yet
-    for (int base = 0; base < count; base += 32) {
+    // copy waited on its own L2 round trip for its page id first), lane 0 issues every copy
+    for (int base = issued; base < count; base += 32) {
       const int n = min(32, count - base);
-      if (issued >= base + n) continue;  // every page of this batch went out before the wait
-#if NQ_ATTN_EARLY_TABLE
-      int my_page = first_page;
-      if (base > 0) {
-#else
-      int my_page;
-      {
-#endif
-        const int raw_page = lane < n ? table[p0 + base + lane] : 0;
-        my_page = static_cast<unsigned>(raw_page) < static_cast<unsigned>(n_pages) ? raw_page : 0;
-      }
-      for (int j = max(0, issued - base); j < n; ++j) {
+      // a page id outside the cache (a corrupt table) reads page 0 rather than faulting: garbage out, no
+      // GPU fault, as the clamp of seq_len does for a corrupt length
+      const int raw_page = lane < n ? table[p0 + base + lane] : 0;
+      const int my_page = static_cast<unsigned>(raw_page) < static_cast<unsigned>(n_pages) ? raw_page : 0;
+      for (int j = 0; j < n; ++j) {
         const int page = __shfl_sync(0xffffffffu, my_page, j);
         if (lane == 0) {
           const int i = base + j;
@@ -287,29 +222,46 @@ __device__ __forceinline__ void stream_pages(const Smem& sm, const uint16_t* qb,
 
 // The consumer warps' states merged for head g, dim d: (max, unnormalised acc, sum). A warp that saw no
 // page (m = -inf) contributes nothing (and no inf - inf).
-struct Partial {
-  float m, a, l;
+// The consumer warps' states merged for head g: (max, sum) and the unnormalised acc of dims d .. d+3. A warp
+// that saw no page (m = -inf) contributes nothing (and no inf - inf).
+struct HeadMl {
+  float m, l;
 };
 
-__device__ __forceinline__ Partial merge_consumers(const Smem& sm, int g, int d) {
+__device__ __forceinline__ HeadMl merge_ml(const Smem& sm, int g) {
   float mx = neg_inf();
 #pragma unroll
   for (int w = 0; w < kConsumers; ++w) mx = fmaxf(mx, sm.merge_m[w * kGPad + g]);
-  float a = 0.f, sum = 0.f;
+  float sum = 0.f;
+#pragma unroll
+  for (int w = 0; w < kConsumers; ++w) {
+    const float mw = sm.merge_m[w * kGPad + g];
+    if (mw != neg_inf()) sum += exp2f(mw - mx) * sm.merge_l[w * kGPad + g];
+  }
+  return {mx, sum};
+}
+
+__device__ __forceinline__ float4 merge_acc4(const Smem& sm, int g, int d) {
+  float mx = neg_inf();
+#pragma unroll
+  for (int w = 0; w < kConsumers; ++w) mx = fmaxf(mx, sm.merge_m[w * kGPad + g]);
+  float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
   for (int w = 0; w < kConsumers; ++w) {
     const float mw = sm.merge_m[w * kGPad + g];
     if (mw != neg_inf()) {
       const float f = exp2f(mw - mx);
-      a += f * sm.merge_acc[(w * kG + g) * 128 + d];
-      sum += f * sm.merge_l[w * kGPad + g];
+      const float4 v = *reinterpret_cast<const float4*>(sm.merge_acc + (w * kG + g) * 128 + d);
+      a.x += f * v.x; a.y += f * v.y; a.z += f * v.z; a.w += f * v.w;
     }
   }
-  return {mx, a, sum};
+  return a;
 }
 
 // ---- the cluster fold (header: "Splits and clusters") -------------------------------------------------
 constexpr int kClusterMax = 8;  // the portable cluster size: the launcher's CLUSTER_MAX
+constexpr int kQuads = kG * 32;  // the block's outputs (G heads x 128 dims) as quads of 4 dims: 32 a head
+static_assert(kClusterMax * kG <= kThreads, "the (m, l) pushes take one thread per (rank, head)");
 
 __device__ __forceinline__ uint32_t cluster_rank() {
   uint32_t r;
@@ -317,57 +269,28 @@ __device__ __forceinline__ uint32_t cluster_rank() {
   return r;
 }
 
-// every thread of every block of the cluster: what each block wrote to its shared memory before is
-// visible to the others after (release / acquire at cluster scope)
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-
-// a float of block `rank`'s shared memory, at the address `local` has in this block's
-__device__ __forceinline__ float ld_cluster(const float* local, uint32_t rank) {
-  uint32_t remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(nq::smem_u32(local)), "r"(rank));
-  float v;
-  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
-  return v;
-}
-
-#if NQ_ATTN_PUSH_FOLD
-// The split cluster barrier of the push fold (NQ_ATTN_PUSH_FOLD): every thread of every block arrives
-// once at its start (relaxed: it orders no memory, it only says the block runs) and waits once before its
-// first store into another block's shared memory. Both .aligned: every thread of a warp executes them
-// together (called only under the cluster-uniform csize > 1).
+// The cluster barrier of the fold: every thread of every block arrives once at its start (relaxed: it orders
+// no memory but the receive barrier's initialisation, fenced before it; it only says the block runs) and
+// waits once before its first store into another block's shared memory. Both .aligned: every thread of a
+// warp executes them together (called only under the cluster-uniform csize > 1).
 __device__ __forceinline__ void cluster_arrive_relaxed() {
   asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
 }
 __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.aligned;" ::: "memory"); }
 
-// v into block `rank`'s shared memory, at the address `local` has in this block's (a weak store: the
-// cluster_sync after the pushes makes it visible to the receiver)
-__device__ __forceinline__ void st_cluster(float* local, uint32_t rank, float v) {
-  uint32_t remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(nq::smem_u32(local)), "r"(rank));
-  asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(remote), "f"(v) : "memory");
-}
-// (a, b) likewise, as one 8-byte store (local 8-byte aligned)
-__device__ __forceinline__ void st_cluster2(float* local, uint32_t rank, float a, float b) {
-  uint32_t remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(nq::smem_u32(local)), "r"(rank));
-  asm volatile("st.shared::cluster.v2.f32 [%0], {%1, %2};" ::"r"(remote), "f"(a), "f"(b) : "memory");
-}
-
-#if NQ_ATTN_TX_FOLD
-// v into block `rank`'s shared memory at `local`'s offset, its 4 bytes counted on that block's mbarrier at
-// `bar`'s offset (st.async ... mbarrier::complete_tx::bytes: the receiver's wait on the phase sees the value)
-__device__ __forceinline__ void st_async(float* local, uint32_t rank, float v, uint64_t* bar) {
+// st.async: `bytes` of this thread's registers into block `rank`'s shared memory at the offset `local` has in
+// this block's, counted on that block's mbarrier at `bar`'s offset (mbarrier::complete_tx::bytes: the
+// receiver's wait on the phase sees the values). No fence, no barrier: the receiver's wait is the hand-over.
+__device__ __forceinline__ void st_async4(float4* local, uint32_t rank, float4 v, uint64_t* bar) {
   uint32_t remote, rbar;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(nq::smem_u32(local)), "r"(rank));
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(rbar) : "r"(nq::smem_u32(bar)), "r"(rank));
-  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" ::"r"(remote),
-               "r"(__float_as_uint(v)), "r"(rbar)
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];" ::"r"(
+                   remote),
+               "r"(__float_as_uint(v.x)), "r"(__float_as_uint(v.y)), "r"(__float_as_uint(v.z)),
+               "r"(__float_as_uint(v.w)), "r"(rbar)
                : "memory");
 }
-// (a, b) likewise, as one 8-byte store (local 8-byte aligned)
 __device__ __forceinline__ void st_async2(float* local, uint32_t rank, float a, float b, uint64_t* bar) {
   uint32_t remote, rbar;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(nq::smem_u32(local)), "r"(rank));
@@ -377,6 +300,7 @@ __device__ __forceinline__ void st_async2(float* local, uint32_t rank, float a, 
                "r"(__float_as_uint(a)), "r"(__float_as_uint(b)), "r"(rbar)
                : "memory");
 }
+
 // until the phase of parity 0 of this block's receive barrier completes: every byte pushed to it landed
 // (acquire at cluster scope: the stores came from other blocks of the cluster)
 __device__ __forceinline__ void recv_wait(uint64_t* bar) {
@@ -391,35 +315,29 @@ __device__ __forceinline__ void recv_wait(uint64_t* bar) {
         : "memory");
   } while (!done);
 }
-#endif
 
-// The receive area (static __shared__ in nq_attention_decode, outside the launcher's dynamic size).
-// Outputs o = 0 .. kOutputs-1 of the block's KV head go in runs of kThreads (run k = o / kThreads, the
-// merge loop's iteration k of thread o % kThreads); run k belongs to rank k % C, as slot
-// (k / C) * kThreads + o % kThreads of that rank's row for the sender: recv_acc[sender][slot], rows of
-// recv_slots(C) floats; recv_ml[sender][g] the sender's (m, l) of head g, pushed to every rank.
-constexpr int kOutputs = kG * 128;
-constexpr int kRuns = (kOutputs + kThreads - 1) / kThreads;
-// a sender's row at cluster size c
-__device__ constexpr int recv_slots(int c) { return (kRuns + c - 1) / c * kThreads; }
-__device__ constexpr int recv_floats() {
+// The receive area (static __shared__ in nq_attention_decode, outside the launcher's dynamic size). Head g
+// of the block's KV head is folded by rank g % C; a sender's quads of head g go to that rank's row for the
+// sender, at slot (g / C) * 32 + quad: recv_acc[sender][slot], rows of recv_row(C) quads; recv_ml[sender][g]
+// the sender's (m, l) of head g, pushed to every rank.
+__device__ constexpr int heads_of_rank(int c) { return (kG + c - 1) / c; }  // the most heads a rank folds
+__device__ constexpr int recv_row(int c) { return heads_of_rank(c) * 32; }
+__device__ constexpr int recv_quads() {
   int n = 0;
-  for (int c = 1; c <= kClusterMax; ++c) n = c * recv_slots(c) > n ? c * recv_slots(c) : n;
+  for (int c = 1; c <= kClusterMax; ++c) n = c * recv_row(c) > n ? c * recv_row(c) : n;
   return n;
 }
-constexpr int kRecvAccFloats = recv_floats();
-// bytes rank `rank` of a cluster of c receives in the fold: from each of the c senders, the outputs of its
-// runs (run k of kThreads outputs, the last one short, goes to rank k % c) and every head's (m, l)
-__device__ __forceinline__ uint32_t recv_bytes(int rank, int c) {
-  int floats = 0;
-  for (int k = rank; k < kRuns; k += c) floats += min(kThreads, kOutputs - k * kThreads);
-  return static_cast<uint32_t>(c * (floats + 2 * kG) * 4);
-}
+constexpr int kRecvQuads = recv_quads();
 constexpr int kRecvMlFloats = kClusterMax * kGPad * 2;
-// static + dynamic shared memory within the 227 KiB a block may opt into on sm_90 (+ 16: `last`)
-static_assert(kSmemBytes + 4 * (kRecvAccFloats + kRecvMlFloats) + 16 <= 227 * 1024,
-              "the push fold's receive area does not fit beside the ring");
-#endif
+// bytes rank `rank` of a cluster of c receives: from each of the c senders, 32 quads of every head it folds
+// and every head's (m, l)
+__device__ __forceinline__ uint32_t recv_bytes(int rank, int c) {
+  const int heads = rank < kG ? (kG - 1 - rank) / c + 1 : 0;
+  return static_cast<uint32_t>(c * (heads * 32 * 16 + kG * 8));
+}
+// static + dynamic shared memory within the 227 KiB a block may opt into on sm_90 (+ 24: `last`, recv_bar)
+static_assert(kSmemBytes + 16 * kRecvQuads + 4 * kRecvMlFloats + 24 <= 227 * 1024,
+              "the fold's receive area does not fit beside the ring");
 
 }  // namespace nq_dec
 
@@ -441,22 +359,20 @@ extern "C" __global__ void __launch_bounds__(nq_dec::kThreads, 1)
                         nq::uint16_t* __restrict__ out) {            // [B, NQ_NHEADS*128]
   NQ_STAMP();  // the step timeline (common.cuh, NQ_STAMPS): nothing in a real build
   NQ_PHASE(0, 0);
-#if NQ_ATTN_PUSH_FOLD
-#if NQ_ATTN_TX_FOLD
-  // the receive barrier of the fold: one arrival (this block's own, with the bytes it will receive) plus the
-  // senders' st.async bytes; initialised and armed before this block's first cluster arrival, so every sender
-  // (which pushes only after that phase) finds it ready
+  using namespace nq_dec;
+  // The fold's receive barrier: one arrival (this block's own, with the bytes it will receive) plus the
+  // senders' st.async bytes; initialised and armed before this block's cluster arrival, so every sender (which
+  // pushes only after that barrier's wait) finds it ready. Then the arrival, waited on before the first
+  // remote store (every path below, the idle one included, waits on it exactly once).
   __shared__ __align__(8) nq::uint64_t recv_bar;
-  if (csize > 1 && threadIdx.x == 0) {
-    nq_dec::mbar_init(&recv_bar, 1);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    nq_dec::mbar_arrive_expect_tx(&recv_bar, nq_dec::recv_bytes(static_cast<int>(nq_dec::cluster_rank()), csize));
+  if (csize > 1) {
+    if (threadIdx.x == 0) {
+      mbar_init(&recv_bar, 1);
+      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+      mbar_arrive_expect_tx(&recv_bar, recv_bytes(static_cast<int>(cluster_rank()), csize));
+    }
+    cluster_arrive_relaxed();
   }
-#endif
-  // the push fold's first cluster-barrier phase: arrive now, wait before the first remote store (every path
-  // below, the idle one included, waits on it exactly once)
-  if (csize > 1) nq_dec::cluster_arrive_relaxed();
-#endif
 #if !NQ_ATTN_EARLY_PAGES
   nq::pdl_wait();  // launch overlap (common.cuh): nothing read or written before it
 #endif
@@ -464,7 +380,6 @@ extern "C" __global__ void __launch_bounds__(nq_dec::kThreads, 1)
   // settled before the step began: the lengths and page tables (written by the host or by the previous
   // step's `advance`, kernels that completed before the q/k/v kernel passed its own wait) and every page
   // but each sequence's newest. Nothing is written before it.
-  using namespace nq_dec;
   extern __shared__ __align__(128) unsigned char smem[];
   const Smem sm = carve(smem);
   const int kvh = blockIdx.x;
@@ -481,16 +396,13 @@ extern "C" __global__ void __launch_bounds__(nq_dec::kThreads, 1)
   const int n_seq_pages = (seq_len + nq::kPageTokens - 1) / nq::kPageTokens;
   const int per_cluster = max((n_seq_pages + n_clusters - 1) / n_clusters, NQ_DECODE_MIN_CLUSTER_PAGES);
   const int used = (n_seq_pages + per_cluster - 1) / per_cluster;  // clusters holding pages
-  const int o_first = threadIdx.x + kThreads * rank, o_step = kThreads * csize;  // this block's outputs
   if (ci >= used) {  // uniform over the cluster: no cluster barrier is skipped by only some of its blocks
-#if NQ_ATTN_PUSH_FOLD
     if (csize > 1) cluster_wait();  // the start's phase, waited here too (no arrive left unwaited)
-#endif
 #if NQ_ATTN_EARLY_PAGES
     nq::pdl_wait();  // before writing `out` (and a block's exit lets the next kernel launch)
 #endif
     if (ci == 0) {   // an idle row (seq_len 0): defined output 0
-      for (int o = o_first; o < kG * 128; o += o_step) outb[o] = nq::f2h(0.f);
+      for (int o = threadIdx.x + kThreads * rank; o < kG * 128; o += kThreads * csize) outb[o] = nq::f2h(0.f);
     }
     return;
   }
@@ -509,143 +421,90 @@ extern "C" __global__ void __launch_bounds__(nq_dec::kThreads, 1)
   nq::pdl_trigger();
 #endif
 
-#if NQ_ATTN_PUSH_FOLD
-  // the push fold (NQ_ATTN_PUSH_FOLD); the receive area's layout: see kRecvAccFloats
-  __shared__ __align__(16) float recv_acc[kRecvAccFloats];  // [sender][recv_slots(csize)]
-  __shared__ __align__(16) float recv_ml[kRecvMlFloats];    // [sender][kGPad][m, l]
-  const int row = recv_slots(csize);
-  if (csize > 1) cluster_wait();  // every block of the cluster has started: its shared memory may be written
+  // The fold. Every block pushes its partial (the consumer warps merged) to the ranks that fold it: quad qd
+  // of head g (dims 4 qd .. 4 qd + 3) to rank g % csize, each head's (m, l) to every rank; one st.async of 16
+  // (8) bytes a thread and push (docs/PERF.md, twenty-third lease: element-wise pushes, 4 bytes a store and
+  // a run of 8 (m, l) stores on one thread, took ~2 us of a 640-token call). Each rank then waits on its own
+  // receive barrier and folds its heads from its own shared memory.
+  __shared__ __align__(16) float4 recv_acc[kRecvQuads];  // [sender][recv_row(csize)]
+  __shared__ __align__(16) float recv_ml[kRecvMlFloats];  // [sender][kGPad][m, l]
+  const int row = recv_row(csize);
+  if (csize > 1) cluster_wait();  // every block of the cluster has started: its receive barrier is armed
   NQ_PHASE(8, 0);
-  // the block's partial, pushed: run k of outputs (this thread's iteration k) to rank k % csize, slot
-  // (k / csize) * kThreads + threadIdx.x of its row for this rank; each head's (m, l) to every rank
-  {
-    int owner = 0, slot = threadIdx.x;
-    for (int idx = threadIdx.x; idx < kOutputs; idx += kThreads) {
-      const int g = idx >> 7, d = idx & 127;
-      const Partial pm = merge_consumers(sm, g, d);
-      float* acc_dst = recv_acc + rank * row + slot;
-      float* ml_dst = recv_ml + (rank * kGPad + g) * 2;
-      if (csize > 1) {
-#if NQ_ATTN_TX_FOLD
-        st_async(acc_dst, owner, pm.a, &recv_bar);
-        if (d == 0) {
-          for (int r = 0; r < csize; ++r) st_async2(ml_dst, r, pm.m, pm.l, &recv_bar);
-        }
-#else
-        st_cluster(acc_dst, owner, pm.a);
-        if (d == 0) {
-          for (int r = 0; r < csize; ++r) st_cluster2(ml_dst, r, pm.m, pm.l);
-        }
-#endif
-      } else {
-        *acc_dst = pm.a;
-        if (d == 0) {
-          ml_dst[0] = pm.m;
-          ml_dst[1] = pm.l;
-        }
-      }
-      if (++owner == csize) {
-        owner = 0;
-        slot += kThreads;
-      }
+  for (int qi = threadIdx.x; qi < kQuads; qi += kThreads) {
+    const int g = qi >> 5, qd = qi & 31;
+    const float4 a = merge_acc4(sm, g, 4 * qd);
+    float4* dst = recv_acc + rank * row + (g / csize) * 32 + qd;
+    if (csize > 1) st_async4(dst, g % csize, a, &recv_bar);
+    else *dst = a;
+  }
+  if (threadIdx.x < csize * kG) {  // thread (r, g): head g's (m, l) to rank r
+    const int g = threadIdx.x % kG, r = threadIdx.x / kG;
+    const HeadMl ml = merge_ml(sm, g);
+    float* dst = recv_ml + (rank * kGPad + g) * 2;
+    if (csize > 1) {
+      st_async2(dst, r, ml.m, ml.l, &recv_bar);
+    } else {
+      dst[0] = ml.m;
+      dst[1] = ml.l;
     }
   }
   NQ_PHASE(9, 0);
-#if NQ_ATTN_TX_FOLD
   // every byte pushed to this block landed (each sender's stores count on recv_bar); a block leaves only
   // after its own wait, so no store lands in a block that has gone
   if (csize > 1) recv_wait(&recv_bar);
   else __syncthreads();
   NQ_PHASE(6, 0);
-#else
-  // the one full cluster barrier: every block's pushes (issued before its release-arrive) visible to their
-  // receivers (after the acquire-wait); after it no block touches another's shared memory
-  if (csize > 1) cluster_sync();
-  else __syncthreads();
-  NQ_PHASE(6, 0);
-#endif
 
-  // fold the cluster's C partials for this block's outputs, all from this block's receive area; one
-  // cluster: the result; several: this cluster's partial to the workspace
+  // fold the cluster's C partials of this rank's heads (g = rank + csize j), all from this block's receive
+  // area; one cluster: the result; several: this cluster's partial to the workspace
   float* ws_acc = workspace + kTicketWords;
   float* ws_ml = ws_acc + static_cast<size_t>(gridDim.z) * n_clusters * nq::kHeads * 128;
   const size_t cpart = static_cast<size_t>(b) * n_clusters + ci;  // (sequence, cluster)
-  for (int o = o_first, slot = threadIdx.x; o < kOutputs; o += o_step, slot += kThreads) {
-    const int g = o >> 7, d = o & 127;
+  for (int slot = threadIdx.x; slot < heads_of_rank(csize) * 32; slot += kThreads) {
+    const int g = rank + csize * (slot >> 5), qd = slot & 31, d = 4 * qd;
+    if (g >= kG) break;
     // a rank past csize weighs 0; a rank with no page pushed m = -inf, acc = l = 0
-    float ms[kClusterMax], as[kClusterMax], ls[kClusterMax];
+    float ms[kClusterMax], ls[kClusterMax];
+    float4 as[kClusterMax];
 #pragma unroll
     for (int s = 0; s < kClusterMax; ++s) {
       const bool in = s < csize;
       ms[s] = in ? recv_ml[(s * kGPad + g) * 2] : neg_inf();
-      as[s] = in ? recv_acc[s * row + slot] : 0.f;
       ls[s] = in ? recv_ml[(s * kGPad + g) * 2 + 1] : 0.f;
+      as[s] = in ? recv_acc[s * row + slot] : make_float4(0.f, 0.f, 0.f, 0.f);
     }
-#else
-  // the block's partial, in place: merge_acc[0][g][d] (this thread alone reads and writes (g, d))
-  for (int idx = threadIdx.x; idx < kG * 128; idx += kThreads) {
-    const int g = idx >> 7, d = idx & 127;
-    const Partial pm = merge_consumers(sm, g, d);
-    sm.merge_acc[idx] = pm.a;
-    if (d == 0) {
-      sm.blk_m[g] = pm.m;
-      sm.blk_l[g] = pm.l;
-    }
-  }
-  if (csize > 1) cluster_sync();  // every block's partial visible to the cluster
-  else __syncthreads();
-
-  // fold the cluster's C partials for this block's outputs (local reads when csize == 1); one cluster:
-  // the result; several: this cluster's partial to the workspace
-  float* ws_acc = workspace + kTicketWords;
-  float* ws_ml = ws_acc + static_cast<size_t>(gridDim.z) * n_clusters * nq::kHeads * 128;
-  const size_t cpart = static_cast<size_t>(b) * n_clusters + ci;  // (sequence, cluster)
-  for (int o = o_first; o < kG * 128; o += o_step) {
-    const int g = o >> 7, d = o & 127;
-    // every load issued before any is used (each a DSMEM round trip: one after another, 8 ranks x 4
-    // dependent loads cost more than the combine kernel this replaces); a rank past csize or with no page
-    // (m = -inf, acc = l = 0) weighs 0
-    float ms[kClusterMax], as[kClusterMax], ls[kClusterMax];
-#pragma unroll
-    for (int s = 0; s < kClusterMax; ++s) {
-      const bool in = s < csize;
-      ms[s] = in ? (csize > 1 ? ld_cluster(sm.blk_m + g, s) : sm.blk_m[g]) : neg_inf();
-      as[s] = in ? (csize > 1 ? ld_cluster(sm.merge_acc + o, s) : sm.merge_acc[o]) : 0.f;
-      ls[s] = in ? (csize > 1 ? ld_cluster(sm.blk_l + g, s) : sm.blk_l[g]) : 0.f;
-    }
-#endif
     float mx = neg_inf();
 #pragma unroll
     for (int s = 0; s < kClusterMax; ++s) mx = fmaxf(mx, ms[s]);
-    float a = 0.f, l = 0.f;
+    float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+    float l = 0.f;
 #pragma unroll
     for (int s = 0; s < kClusterMax; ++s) {
       const float f = ms[s] == neg_inf() ? 0.f : exp2f(ms[s] - mx);  // no inf - inf
-      a += f * as[s];
+      a.x += f * as[s].x; a.y += f * as[s].y; a.z += f * as[s].z; a.w += f * as[s].w;
       l += f * ls[s];
     }
     if (used == 1) {  // the short-context case: this cluster holds the whole sequence
-      outb[o] = nq::f2h(l > 0.f ? a / l : 0.f);
+      uint2 h;  // a / l as the per-element fold wrote it (0 for a row with no page)
+      h.x = l > 0.f ? pack_h2(a.x / l, a.y / l) : 0u;
+      h.y = l > 0.f ? pack_h2(a.z / l, a.w / l) : 0u;
+      *reinterpret_cast<uint2*>(outb + g * 128 + d) = h;
       continue;
     }
-    const int h = kvh * kG + g;
-    ws_acc[(cpart * nq::kHeads + h) * 128 + d] = a;
-    // head g's (m, l) as this rank sees it: written where a run of this rank's outputs meets head g
-    // (a run of kThreads outputs starts at o % kThreads == 0), so rank r's fold below finds it for
-    // every head it folds
-    if (threadIdx.x == 0 || d == 0) {
-      float* ml = ws_ml + ((cpart * csize + rank) * nq::kHeads + h) * 2;
+    const int hd = kvh * kG + g;
+    *reinterpret_cast<float4*>(ws_acc + (cpart * nq::kHeads + hd) * 128 + d) = a;
+    if (qd == 0) {  // head g's (m, l) of this cluster, read by this rank of the last cluster
+      float* ml = ws_ml + ((cpart * csize + rank) * nq::kHeads + hd) * 2;
       ml[0] = mx;
       ml[1] = l;
     }
   }
-#if !NQ_ATTN_PUSH_FOLD
-  if (csize > 1) cluster_sync();  // no block leaves (freeing its shared memory) while another reads it
-#endif
   NQ_PHASE(7, 0);
   if (used == 1) return;
 
-  // several clusters: take a ticket; rank r of the last cluster to count folds every cluster's partial
+  // several clusters: take a ticket; rank r of the last cluster to count folds every cluster's partial of
+  // its heads (what rank r of each cluster wrote: one ticket chain per rank orders every read after its write)
   __threadfence();  // this thread's partial is visible device-wide before the ticket below
   __syncthreads();
   __shared__ int last;
@@ -654,35 +513,41 @@ extern "C" __global__ void __launch_bounds__(nq_dec::kThreads, 1)
   __syncthreads();
   if (!last) return;
   __threadfence();  // acquire side: the other clusters' partials, published before their tickets
-  for (int o = o_first; o < kG * 128; o += o_step) {
-    const int g = o >> 7, d = o & 127;
-    const int h = kvh * kG + g;
-    float mx = neg_inf(), a = 0.f, l = 0.f;  // online over the clusters, 4 clusters' loads at a time
+  for (int slot = threadIdx.x; slot < heads_of_rank(csize) * 32; slot += kThreads) {
+    const int g = rank + csize * (slot >> 5), d = 4 * (slot & 31);
+    if (g >= kG) break;
+    const int hd = kvh * kG + g;
+    float mx = neg_inf(), l = 0.f;  // online over the clusters, 4 clusters' loads at a time
+    float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
     for (int c0 = 0; c0 < used; c0 += 4) {
-      float mc[4], ac[4], lc[4];
+      float mc[4], lc[4];
+      float4 ac[4];
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const size_t cp = static_cast<size_t>(b) * n_clusters + min(c0 + j, used - 1);
-        const float* ml = ws_ml + ((cp * csize + rank) * nq::kHeads + h) * 2;
+        const float* ml = ws_ml + ((cp * csize + rank) * nq::kHeads + hd) * 2;
         mc[j] = c0 + j < used ? __ldcg(ml) : neg_inf();
         lc[j] = __ldcg(ml + 1);
-        ac[j] = __ldcg(ws_acc + (cp * nq::kHeads + h) * 128 + d);
+        ac[j] = __ldcg(reinterpret_cast<const float4*>(ws_acc + (cp * nq::kHeads + hd) * 128 + d));
       }
       float m_new = mx;
 #pragma unroll
       for (int j = 0; j < 4; ++j) m_new = fmaxf(m_new, mc[j]);
       const float alpha = mx == neg_inf() ? 0.f : exp2f(mx - m_new);
-      a *= alpha;
+      a.x *= alpha; a.y *= alpha; a.z *= alpha; a.w *= alpha;
       l *= alpha;
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const float f = mc[j] == neg_inf() ? 0.f : exp2f(mc[j] - m_new);
-        a += f * ac[j];
+        a.x += f * ac[j].x; a.y += f * ac[j].y; a.z += f * ac[j].z; a.w += f * ac[j].w;
         l += f * lc[j];
       }
       mx = m_new;
     }
-    outb[o] = nq::f2h(l > 0.f ? a / l : 0.f);
+    uint2 h;  // a / l as the per-element fold wrote it (0 for a row with no page)
+    h.x = l > 0.f ? pack_h2(a.x / l, a.y / l) : 0u;
+    h.y = l > 0.f ? pack_h2(a.z / l, a.w / l) : 0u;
+    *reinterpret_cast<uint2*>(outb + g * 128 + d) = h;
   }
   if (threadIdx.x == 0) *ticket = 0;  // every used cluster has counted: ready for the next call
 }
