@@ -58,6 +58,12 @@
 #define NQ_ATTN_EARLY_PAGES 1
 #endif
 
+#ifndef NQ_ATTN_EARLY_TABLE
+// 1: the producer reads the run's first 32 page ids before the launch-overlap wait (stream_pages), so the
+// newest page's copy after the wait does not wait for its id first. 0 (default): after it. A/B knob.
+#define NQ_ATTN_EARLY_TABLE 0
+#endif
+
 #ifndef NQ_ATTN_PHASES
 #define NQ_ATTN_PHASES 0
 #endif
@@ -150,6 +156,17 @@ __device__ __forceinline__ void stream_pages(const Smem& sm, const uint16_t* qb,
   // barriers are the one above and the one after both branches.
   if (warp == 0) {
     int issued = 0;
+    // The run's first 32 page ids, one per lane (one coalesced load), read here, before the launch-overlap
+    // wait: the page table is settled before the step (the host or the previous step's `advance` wrote it),
+    // so the copy of the newest page after the wait starts without an L2 round trip for its id
+    // (NQ_ATTN_EARLY_TABLE; 0: read after the wait, the A/B's other side). A page id outside the cache (a
+    // corrupt table) reads page 0 rather than faulting: garbage out, no GPU fault, as the clamp of seq_len
+    // does for a corrupt length.
+#if NQ_ATTN_EARLY_TABLE
+    const int n_first = min(count, 32);
+    const int raw_first = lane < n_first ? table[p0 + lane] : 0;
+    const int first_page = static_cast<unsigned>(raw_first) < static_cast<unsigned>(n_pages) ? raw_first : 0;
+#endif
 #if NQ_ATTN_EARLY_PAGES
     // Pages before the launch-overlap wait: every page of the run but the sequence's newest is settled
     // before this step began (the q/k/v kernel just before this one writes only the newest token's K/V,
@@ -159,8 +176,12 @@ __device__ __forceinline__ void stream_pages(const Smem& sm, const uint16_t* qb,
     const int newest = (seq_len - 1) / nq::kPageTokens;
     const int n_early = max(0, min(min(count, kStages), newest - p0));
     if (n_early > 0) {
+#if NQ_ATTN_EARLY_TABLE
+      const int my_page = first_page;
+#else
       const int raw_page = lane < n_early ? table[p0 + lane] : 0;
       const int my_page = static_cast<unsigned>(raw_page) < static_cast<unsigned>(n_pages) ? raw_page : 0;
+#endif
       for (int j = 0; j < n_early; ++j) {
         const int page = __shfl_sync(0xffffffffu, my_page, j);
         if (lane == 0) {
@@ -178,14 +199,21 @@ __device__ __forceinline__ void stream_pages(const Smem& sm, const uint16_t* qb,
     NQ_PHASE(1, 0);
 #endif
     // producer: the warp reads the run's page ids 32 at a time (one coalesced load; read one by one, each
-    // copy waited on its own L2 round trip for its page id first), lane 0 issues every copy
-    for (int base = issued; base < count; base += 32) {
+    // copy waited on its own L2 round trip for its page id first), lane 0 issues every copy not issued yet
+    for (int base = 0; base < count; base += 32) {
       const int n = min(32, count - base);
-      // a page id outside the cache (a corrupt table) reads page 0 rather than faulting: garbage out, no
-      // GPU fault, as the clamp of seq_len does for a corrupt length
-      const int raw_page = lane < n ? table[p0 + base + lane] : 0;
-      const int my_page = static_cast<unsigned>(raw_page) < static_cast<unsigned>(n_pages) ? raw_page : 0;
-      for (int j = 0; j < n; ++j) {
+      if (issued >= base + n) continue;  // every page of this batch went out before the wait
+#if NQ_ATTN_EARLY_TABLE
+      int my_page = first_page;
+      if (base > 0) {
+#else
+      int my_page;
+      {
+#endif
+        const int raw_page = lane < n ? table[p0 + base + lane] : 0;
+        my_page = static_cast<unsigned>(raw_page) < static_cast<unsigned>(n_pages) ? raw_page : 0;
+      }
+      for (int j = max(0, issued - base); j < n; ++j) {
         const int page = __shfl_sync(0xffffffffu, my_page, j);
         if (lane == 0) {
           const int i = base + j;
@@ -431,13 +459,6 @@ extern "C" __global__ void __launch_bounds__(nq_dec::kThreads, 1)
   const int row = recv_row(csize);
   if (csize > 1) cluster_wait();  // every block of the cluster has started: its receive barrier is armed
   NQ_PHASE(8, 0);
-  for (int qi = threadIdx.x; qi < kQuads; qi += kThreads) {
-    const int g = qi >> 5, qd = qi & 31;
-    const float4 a = merge_acc4(sm, g, 4 * qd);
-    float4* dst = recv_acc + rank * row + (g / csize) * 32 + qd;
-    if (csize > 1) st_async4(dst, g % csize, a, &recv_bar);
-    else *dst = a;
-  }
   if (threadIdx.x < csize * kG) {  // thread (r, g): head g's (m, l) to rank r
     const int g = threadIdx.x % kG, r = threadIdx.x / kG;
     const HeadMl ml = merge_ml(sm, g);
@@ -448,6 +469,13 @@ extern "C" __global__ void __launch_bounds__(nq_dec::kThreads, 1)
       dst[0] = ml.m;
       dst[1] = ml.l;
     }
+  }
+  for (int qi = threadIdx.x; qi < kQuads; qi += kThreads) {
+    const int g = qi >> 5, qd = qi & 31;
+    const float4 a = merge_acc4(sm, g, 4 * qd);
+    float4* dst = recv_acc + rank * row + (g / csize) * 32 + qd;
+    if (csize > 1) st_async4(dst, g % csize, a, &recv_bar);
+    else *dst = a;
   }
   NQ_PHASE(9, 0);
   // every byte pushed to this block landed (each sender's stores count on recv_bar); a block leaves only
@@ -461,40 +489,37 @@ extern "C" __global__ void __launch_bounds__(nq_dec::kThreads, 1)
   float* ws_acc = workspace + kTicketWords;
   float* ws_ml = ws_acc + static_cast<size_t>(gridDim.z) * n_clusters * nq::kHeads * 128;
   const size_t cpart = static_cast<size_t>(b) * n_clusters + ci;  // (sequence, cluster)
-  for (int slot = threadIdx.x; slot < heads_of_rank(csize) * 32; slot += kThreads) {
-    const int g = rank + csize * (slot >> 5), qd = slot & 31, d = 4 * qd;
+  // one element a thread (a rank folds at most heads_of_rank(csize) x 128 of them: every thread busy)
+  const float* recv_f = reinterpret_cast<const float*>(recv_acc);
+  for (int e = threadIdx.x; e < heads_of_rank(csize) * 128; e += kThreads) {
+    const int g = rank + csize * (e >> 7), d = e & 127;
     if (g >= kG) break;
     // a rank past csize weighs 0; a rank with no page pushed m = -inf, acc = l = 0
-    float ms[kClusterMax], ls[kClusterMax];
-    float4 as[kClusterMax];
+    float ms[kClusterMax], ls[kClusterMax], as[kClusterMax];
 #pragma unroll
     for (int s = 0; s < kClusterMax; ++s) {
       const bool in = s < csize;
       ms[s] = in ? recv_ml[(s * kGPad + g) * 2] : neg_inf();
       ls[s] = in ? recv_ml[(s * kGPad + g) * 2 + 1] : 0.f;
-      as[s] = in ? recv_acc[s * row + slot] : make_float4(0.f, 0.f, 0.f, 0.f);
+      as[s] = in ? recv_f[(s * row) * 4 + e] : 0.f;
     }
     float mx = neg_inf();
 #pragma unroll
     for (int s = 0; s < kClusterMax; ++s) mx = fmaxf(mx, ms[s]);
-    float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
-    float l = 0.f;
+    float a = 0.f, l = 0.f;
 #pragma unroll
     for (int s = 0; s < kClusterMax; ++s) {
       const float f = ms[s] == neg_inf() ? 0.f : exp2f(ms[s] - mx);  // no inf - inf
-      a.x += f * as[s].x; a.y += f * as[s].y; a.z += f * as[s].z; a.w += f * as[s].w;
+      a += f * as[s];
       l += f * ls[s];
     }
     if (used == 1) {  // the short-context case: this cluster holds the whole sequence
-      uint2 h;  // a / l as the per-element fold wrote it (0 for a row with no page)
-      h.x = l > 0.f ? pack_h2(a.x / l, a.y / l) : 0u;
-      h.y = l > 0.f ? pack_h2(a.z / l, a.w / l) : 0u;
-      *reinterpret_cast<uint2*>(outb + g * 128 + d) = h;
+      outb[g * 128 + d] = nq::f2h(l > 0.f ? a / l : 0.f);
       continue;
     }
     const int hd = kvh * kG + g;
-    *reinterpret_cast<float4*>(ws_acc + (cpart * nq::kHeads + hd) * 128 + d) = a;
-    if (qd == 0) {  // head g's (m, l) of this cluster, read by this rank of the last cluster
+    ws_acc[(cpart * nq::kHeads + hd) * 128 + d] = a;
+    if (d == 0) {  // head g's (m, l) of this cluster, read by this rank of the last cluster
       float* ml = ws_ml + ((cpart * csize + rank) * nq::kHeads + hd) * 2;
       ml[0] = mx;
       ml[1] = l;
@@ -513,41 +538,36 @@ extern "C" __global__ void __launch_bounds__(nq_dec::kThreads, 1)
   __syncthreads();
   if (!last) return;
   __threadfence();  // acquire side: the other clusters' partials, published before their tickets
-  for (int slot = threadIdx.x; slot < heads_of_rank(csize) * 32; slot += kThreads) {
-    const int g = rank + csize * (slot >> 5), d = 4 * (slot & 31);
+  for (int e = threadIdx.x; e < heads_of_rank(csize) * 128; e += kThreads) {
+    const int g = rank + csize * (e >> 7), d = e & 127;
     if (g >= kG) break;
     const int hd = kvh * kG + g;
-    float mx = neg_inf(), l = 0.f;  // online over the clusters, 4 clusters' loads at a time
-    float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+    float mx = neg_inf(), a = 0.f, l = 0.f;  // online over the clusters, 4 clusters' loads at a time
     for (int c0 = 0; c0 < used; c0 += 4) {
-      float mc[4], lc[4];
-      float4 ac[4];
+      float mc[4], ac[4], lc[4];
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const size_t cp = static_cast<size_t>(b) * n_clusters + min(c0 + j, used - 1);
         const float* ml = ws_ml + ((cp * csize + rank) * nq::kHeads + hd) * 2;
         mc[j] = c0 + j < used ? __ldcg(ml) : neg_inf();
         lc[j] = __ldcg(ml + 1);
-        ac[j] = __ldcg(reinterpret_cast<const float4*>(ws_acc + (cp * nq::kHeads + hd) * 128 + d));
+        ac[j] = __ldcg(ws_acc + (cp * nq::kHeads + hd) * 128 + d);
       }
       float m_new = mx;
 #pragma unroll
       for (int j = 0; j < 4; ++j) m_new = fmaxf(m_new, mc[j]);
       const float alpha = mx == neg_inf() ? 0.f : exp2f(mx - m_new);
-      a.x *= alpha; a.y *= alpha; a.z *= alpha; a.w *= alpha;
+      a *= alpha;
       l *= alpha;
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const float f = mc[j] == neg_inf() ? 0.f : exp2f(mc[j] - m_new);
-        a.x += f * ac[j].x; a.y += f * ac[j].y; a.z += f * ac[j].z; a.w += f * ac[j].w;
+        a += f * ac[j];
         l += f * lc[j];
       }
       mx = m_new;
     }
-    uint2 h;  // a / l as the per-element fold wrote it (0 for a row with no page)
-    h.x = l > 0.f ? pack_h2(a.x / l, a.y / l) : 0u;
-    h.y = l > 0.f ? pack_h2(a.z / l, a.w / l) : 0u;
-    *reinterpret_cast<uint2*>(outb + g * 128 + d) = h;
+    outb[g * 128 + d] = nq::f2h(l > 0.f ? a / l : 0.f);
   }
   if (threadIdx.x == 0) *ticket = 0;  // every used cluster has counted: ready for the next call
 }
