@@ -58,12 +58,6 @@
 #define NQ_ATTN_EARLY_PAGES 1
 #endif
 
-#ifndef NQ_ATTN_EARLY_TABLE
-// 1: the producer reads the run's first 32 page ids before the launch-overlap wait (stream_pages), so the
-// newest page's copy after the wait does not wait for its id first. 0 (default): after it. A/B knob.
-#define NQ_ATTN_EARLY_TABLE 0
-#endif
-
 #ifndef NQ_ATTN_PHASES
 #define NQ_ATTN_PHASES 0
 #endif
@@ -158,15 +152,15 @@ __device__ __forceinline__ void stream_pages(const Smem& sm, const uint16_t* qb,
     int issued = 0;
     // The run's first 32 page ids, one per lane (one coalesced load), read here, before the launch-overlap
     // wait: the page table is settled before the step (the host or the previous step's `advance` wrote it),
-    // so the copy of the newest page after the wait starts without an L2 round trip for its id
-    // (NQ_ATTN_EARLY_TABLE; 0: read after the wait, the A/B's other side). A page id outside the cache (a
-    // corrupt table) reads page 0 rather than faulting: garbage out, no GPU fault, as the clamp of seq_len
-    // does for a corrupt length.
-#if NQ_ATTN_EARLY_TABLE
+    // so the copy of the newest page after the wait starts without an L2 round trip for its id. A page id
+    // outside the cache (a corrupt table) reads page 0 rather than faulting: garbage out, no GPU fault, as
+    // the clamp of seq_len does for a corrupt length. Measured (H200, docs/PERF.md twenty-third lease,
+    // decode protocol, three interleaved rounds against reading it after the wait): 1.5B dims 0.6545 ->
+    // 0.653 ms/token in every round, the 7B level (1.4695 / 1.469); 7B at 640 tokens in isolation 4.18 ->
+    // 4.15 us a call. Before the faster fold it measured neutral.
     const int n_first = min(count, 32);
     const int raw_first = lane < n_first ? table[p0 + lane] : 0;
     const int first_page = static_cast<unsigned>(raw_first) < static_cast<unsigned>(n_pages) ? raw_first : 0;
-#endif
 #if NQ_ATTN_EARLY_PAGES
     // Pages before the launch-overlap wait: every page of the run but the sequence's newest is settled
     // before this step began (the q/k/v kernel just before this one writes only the newest token's K/V,
@@ -176,12 +170,7 @@ __device__ __forceinline__ void stream_pages(const Smem& sm, const uint16_t* qb,
     const int newest = (seq_len - 1) / nq::kPageTokens;
     const int n_early = max(0, min(min(count, kStages), newest - p0));
     if (n_early > 0) {
-#if NQ_ATTN_EARLY_TABLE
       const int my_page = first_page;
-#else
-      const int raw_page = lane < n_early ? table[p0 + lane] : 0;
-      const int my_page = static_cast<unsigned>(raw_page) < static_cast<unsigned>(n_pages) ? raw_page : 0;
-#endif
       for (int j = 0; j < n_early; ++j) {
         const int page = __shfl_sync(0xffffffffu, my_page, j);
         if (lane == 0) {
@@ -203,13 +192,8 @@ __device__ __forceinline__ void stream_pages(const Smem& sm, const uint16_t* qb,
     for (int base = 0; base < count; base += 32) {
       const int n = min(32, count - base);
       if (issued >= base + n) continue;  // every page of this batch went out before the wait
-#if NQ_ATTN_EARLY_TABLE
       int my_page = first_page;
       if (base > 0) {
-#else
-      int my_page;
-      {
-#endif
         const int raw_page = lane < n ? table[p0 + base + lane] : 0;
         my_page = static_cast<unsigned>(raw_page) < static_cast<unsigned>(n_pages) ? raw_page : 0;
       }
