@@ -223,12 +223,12 @@ def test_only_the_int8_loop_releases_the_next_kernel_early():
 
 @pytest.mark.parametrize("dims_name", ["7b", "1.5b", "tiny"])
 def test_int8_loop_split_units_meet_at_a_named_barrier(monkeypatch, dims_name):
-    """A split build of the int8 loop (gemv_int4.cu gemv_split, NQ_SPLIT_*): each split entry's warps of a
-    unit meet at a named barrier of 32 x split threads (bar.sync id, count: never the block's barrier 0, so
-    the block's other units run on); unsplit entries hold none."""
-    monkeypatch.setenv("NANOQWEN_KERNEL_DEFINES", "NQ_SPLIT_DOWN=2,NQ_SPLIT_O=4,NQ_SPLIT_QKV=2")
+    """A split build of the int8 loop (gemv_int4.cu gemv_split, NQ_SPLIT_DOWN): down_proj's warps of a unit
+    meet at a named barrier of 32 x split threads (bar.sync id, count: never the block's barrier 0, so the
+    block's other units run on); the other entries, never split, hold none."""
+    monkeypatch.setenv("NANOQWEN_KERNEL_DEFINES", "NQ_SPLIT_DOWN=2")
     funcs = _functions(_sass("gemv_int4.cu", DIMS[dims_name]))
-    splits = {"nq_gemv_int4_i_a8": 2, "nq_gemv_int4_i_a8x": 2, "nq_gemv_int4_h_a8": 4, "nq_qkv_rope_kv_a8": 2,
+    splits = {"nq_gemv_int4_i_a8": 2, "nq_gemv_int4_i_a8x": 2, "nq_gemv_int4_h_a8": 1, "nq_qkv_rope_kv_a8": 1,
               "nq_gate_up_silu_a8": 1, "nq_gate_up_silu_a8x": 1, "nq_gemv_int4_h": 1}
     for name, split in splits.items():
         named = set(re.findall(r"BAR\.SYNC(?:\.DEFER_BLOCKING)? R\d+, (0x[0-9a-f]+)", funcs[name]))

@@ -47,11 +47,11 @@ def dims(request):
     return PRESETS[request.param]
 
 
-# The int8 loop with its units split over several warps (gemv_int4.cu gemv_split), each kind at a split
-# other than its default build's (gemv.b1_build_defines: down_proj in 4 where its unsplit grid
-# leaves SMs empty, as on the 1.5B's and the tiny dims): its own build
+# The int8 loop with down_proj's units split over several warps (gemv_int4.cu gemv_split) at a split other
+# than its default build's (gemv.b1_build_defines: in 4 where its unsplit grid leaves SMs empty, as on the
+# 1.5B's and the tiny dims; none on the 7B): its own build
 A8_SPLIT = "a8/split"
-A8_SPLIT_DEFINES = "NQ_SPLIT_QKV=2,NQ_SPLIT_O=2,NQ_SPLIT_DOWN=2"
+A8_SPLIT_DEFINES = "NQ_SPLIT_DOWN=2"
 
 
 def _a8_split_kernels(dims, default):

@@ -338,7 +338,7 @@ def test_small_batches_of_o_proj_run_on_the_core(launches, monkeypatch, env, b, 
 @pytest.mark.parametrize("dims, defines, per_block", [
     (QWEN25_7B, "", {"h": 8, "i": 8}),  # 224 blocks for down_proj unsplit: every SM has one
     (QWEN25_1_5B, "", {"h": 8, "i": 2}),  # 96 blocks unsplit on 132 SMs: down_proj split in 4
-    (QWEN25_7B, "NQ_SPLIT_O=2,NQ_SPLIT_DOWN=4,NQ_SPLIT_QKV=8", {"h": 4, "i": 2}),
+    (QWEN25_7B, "NQ_SPLIT_DOWN=4", {"h": 8, "i": 2}),
     (QWEN25_1_5B, "NQ_SPLIT_DOWN=1", {"h": 8, "i": 8}),
 ])
 def test_int8_loop_split_sizes_the_grid(launches, monkeypatch, dims, defines, per_block):

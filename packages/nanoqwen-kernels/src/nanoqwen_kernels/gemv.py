@@ -238,11 +238,12 @@ def tile_threads() -> int:
     return TILE_THREADS + 32 * extra_defines().get("NQ_TILE_PRODUCERS", TILE_PRODUCERS)
 
 
-# The int8 loop's split-K (gemv_int4.cu gemv_split): warps per 2-row unit of each matrix kind, the
-# NQ_SPLIT_* defines; gate/up ("gu") is never split. The build's value comes from b1_build_defines (the
-# dims and the GPU's SM count), a $NANOQWEN_KERNEL_DEFINES knob overrides it; the launcher sizes its grid by
-# the value its build was compiled with.
-B1_SPLIT_DEFINES = {"qkv": "NQ_SPLIT_QKV", "h": "NQ_SPLIT_O", "i": "NQ_SPLIT_DOWN"}
+# The int8 loop's split-K (gemv_int4.cu gemv_split): warps per 2-row unit of down_proj ("i"), the
+# NQ_SPLIT_DOWN define; q/k/v, o_proj and gate/up are never split (q/k/v and o_proj in 2 lost on both models,
+# the table below; their knobs were removed). The build's value comes from b1_build_defines (the dims and the
+# GPU's SM count), a $NANOQWEN_KERNEL_DEFINES knob overrides it; the launcher sizes its grid by the value its
+# build was compiled with.
+B1_SPLIT_DEFINES = {"i": "NQ_SPLIT_DOWN"}
 # Where o_proj's and down_proj's grids (a block per 8 of their hidden / 2 units) leave SMs without a block,
 # the int8 loop's build (b1_build_defines) splits down_proj's units over DOWN_SPLIT warps, with a register
 # cap (NQ_MINB_DOWN: 4 blocks of 256 threads an SM, 64 registers) so the split grid's 4x blocks are
@@ -271,7 +272,7 @@ def b1_build_defines(dims: ModelDims, sm_count: int) -> dict[str, int]:
 
 
 def b1_split(kind: str, build: dict[str, int] | None = None) -> int:
-    """Warps per unit of the int8 loop for a matrix kind ("qkv", "h", "i"; "gu": always 1) in a build
+    """Warps per unit of the int8 loop for a matrix kind ("i"; "qkv", "h", "gu": always 1) in a build
     given b1_build_defines' `build` (and $NANOQWEN_KERNEL_DEFINES over it): 1, 2, 4 or 8."""
     if kind not in B1_SPLIT_DEFINES:
         return 1

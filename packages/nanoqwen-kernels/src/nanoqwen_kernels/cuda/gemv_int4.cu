@@ -291,8 +291,8 @@ template <int K, int kSplit = 1>
 constexpr bool kUnitPrefetch = pieces_per_lane<K, kSplit>() <= NQ_GEMV_UNIT_PREFETCH_NJ &&
                                pieces_per_lane<K, kSplit>() <= kInFlight;
 
-// Split-K, the int8 loop only (NQ_SPLIT_QKV / _O / _DOWN: warps per unit, 1, 2, 4 or 8; gate/up, whose
-// 2-row units are short and many, is never split): a unit's row pair is shared by kSplit neighbouring
+// Split-K, the int8 loop's down_proj only (NQ_SPLIT_DOWN: warps per unit, 1, 2, 4 or 8): a unit's row
+// pair is shared by kSplit neighbouring
 // warps of a block, each taking every kSplit-th 512-byte step of the rows (for_chunk_pieces), and the
 // first of them adds the others' sums (through shared memory, in part order: the same sum at every run)
 // and runs the epilogue. What it buys: blocks. A grid of one warp a unit is units / 8 blocks, and where
@@ -300,23 +300,19 @@ constexpr bool kUnitPrefetch = pieces_per_lane<K, kSplit>() <= NQ_GEMV_UNIT_PREF
 // stream nothing, and each warp's row is a chain of dependent chunks (the 1.5B's 9 pieces a lane: 3 chunks
 // of <= 4). Split in 4 it is 384 blocks and one chunk a warp: 1.5B's dims 0.756 -> 0.682 ms/token. Where
 // every SM has a block already the split only adds the join (the 7B's down_proj in 2: 1.515 -> 1.532).
-// The build's split comes from the launcher (gemv.py b1_build_defines: per dims and SM count, figures
-// there and in docs/PERF.md "twenty-second lease"); the default here, 1, is no split.
-#ifndef NQ_SPLIT_QKV
-#define NQ_SPLIT_QKV 1
-#endif
-#ifndef NQ_SPLIT_O
-#define NQ_SPLIT_O 1
-#endif
+// q/k/v and o_proj split in 2 lost on both models (7B 1.549 / 1.562, 1.5B's dims 0.758 / 0.804 against
+// 1.515 / 0.756) and gate/up's 2-row units are short and many: those are never split (their knobs were
+// removed, docs/PERF.md "twenty-third lease"). The build's split comes from the launcher (gemv.py
+// b1_build_defines: per dims and SM count, figures there and in docs/PERF.md "twenty-second lease"); the
+// default here, 1, is no split.
 #ifndef NQ_SPLIT_DOWN
 #define NQ_SPLIT_DOWN 1
 #endif
 template <int K, class Map, int kX>
 __device__ constexpr int gemv_split() {
-  return kX == kXHalf ? 1
-         : SameType<Map, QkvRows>::value ? NQ_SPLIT_QKV
-         : SameType<Map, GateUpRows>::value ? 1
-         : K == kHidden ? NQ_SPLIT_O : NQ_SPLIT_DOWN;
+  return kX == kXHalf || SameType<Map, QkvRows>::value || SameType<Map, GateUpRows>::value || K == kHidden
+             ? 1
+             : NQ_SPLIT_DOWN;
 }
 
 // The parts of a split unit meet here: part 0 gets the sum over every part (in part order) in o0, o1.
