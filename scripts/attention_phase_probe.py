@@ -28,7 +28,9 @@ from nanoqwen_kernels.dims import PRESETS  # noqa: E402
 from nanoqwen_kernels.loader import load_module  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "packages/nanoqwen-kernels/bench"))
-from bench_attention import L2_BYTES, time_graph  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from attention_split_probe import one_sequence  # noqa: E402
+from bench_attention import time_graph  # noqa: E402
 
 PHASES = {1: "producer waited", 2: "last copy issued", 3: "consumer 0 waited", 4: "consumer 0 done",
           5: "roles done", 8: "fold's cluster wait passed", 9: "pushes issued", 6: "fold inputs in", 7: "end"}
@@ -51,15 +53,8 @@ def probe(name: str, ctx: int) -> None:
         return modules[-1]
 
     ak = AttentionKernels(d, load)
-    kv_bytes = ctx * d.n_kv_heads * 128 * 2 * 2
-    n_layers = max(2, -(-2 * L2_BYTES // kv_bytes))
-    per_seq = (ctx + 15) // 16
-    shape = (n_layers, per_seq, d.n_kv_heads, 16, 128)
-    k = cp.random.standard_normal(shape, dtype=cp.float32).astype(cp.float16)
-    v = cp.random.standard_normal(shape, dtype=cp.float32).astype(cp.float16)
-    table = cp.asarray(np.random.default_rng(0).permutation(per_seq).astype(np.int32))
-    seq = cp.asarray(np.array([ctx], np.int32))
-    q = cp.random.standard_normal((1, d.n_heads * 128), dtype=cp.float32).astype(cp.float16)
+    one = one_sequence(d, ctx)
+    k, v, table, seq, q, n_layers = one["k"], one["v"], one["table"], one["seq"], one["q"], one["n_layers"]
     out = cp.full((1, d.n_heads * 128), np.nan, cp.float16)
     ws = ak.new_workspace(1)
     t = time_graph(lambda i: ak.attention_decode(q, k, v, table, seq, i % n_layers, out, ws), 4 * n_layers)

@@ -33,18 +33,31 @@ GRIDS = {  # (C, n) per model; the first is the launcher's own choice on 132 SMs
 }
 
 
-def probe(dims, label: str, ctx: int, grids, variant: str) -> None:
-    d = dims
-    ak = AttentionKernels(d, load_module, variant)
+def one_sequence(d, ctx: int) -> dict:
+    """A batch of one sequence of ctx tokens, its pages scattered, over enough layers that a graph cycling
+    through them reads more than twice the L2 (each call's K/V from DRAM): k, v, table, seq, q, n_layers,
+    kv_bytes (one layer's K/V)."""
     kv_bytes = ctx * d.n_kv_heads * 128 * 2 * 2
     n_layers = max(2, -(-2 * L2_BYTES // kv_bytes))
     per_seq = (ctx + 15) // 16
     shape = (n_layers, per_seq, d.n_kv_heads, 16, 128)
-    k = cp.random.standard_normal(shape, dtype=cp.float32).astype(cp.float16)
-    v = cp.random.standard_normal(shape, dtype=cp.float32).astype(cp.float16)
-    table = cp.asarray(np.random.default_rng(0).permutation(per_seq).astype(np.int32))
-    seq = cp.asarray(np.array([ctx], np.int32))
-    q = cp.random.standard_normal((1, d.n_heads * 128), dtype=cp.float32).astype(cp.float16)
+    return {
+        "k": cp.random.standard_normal(shape, dtype=cp.float32).astype(cp.float16),
+        "v": cp.random.standard_normal(shape, dtype=cp.float32).astype(cp.float16),
+        "table": cp.asarray(np.random.default_rng(0).permutation(per_seq).astype(np.int32)),
+        "seq": cp.asarray(np.array([ctx], np.int32)),
+        "q": cp.random.standard_normal((1, d.n_heads * 128), dtype=cp.float32).astype(cp.float16),
+        "n_layers": n_layers,
+        "kv_bytes": kv_bytes,
+    }
+
+
+def probe(dims, label: str, ctx: int, grids, variant: str) -> None:
+    d = dims
+    ak = AttentionKernels(d, load_module, variant)
+    one = one_sequence(d, ctx)
+    k, v, table, seq, q = one["k"], one["v"], one["table"], one["seq"], one["q"]
+    n_layers, kv_bytes = one["n_layers"], one["kv_bytes"]
     ref = None
     for c, n in grids:
         ak.clusters = lambda b, c=c, n=n: (c, n)  # the grid forced; workspace sized for the largest
