@@ -189,7 +189,7 @@ def _check_waits(funcs: dict[str, str]) -> None:
             # store or atomic (x, the outputs, the tickets) before it
             early = [op for op in early if op != "LDGSTS"]
         if name in _PRELOADING:
-            # the B = 1 loops load a warp's first chunk of weights and scales before the wait (gemv_int4.cu,
+            # the B = 1 loops load a warp's first chunk of weights and scales before the wait (gemv_units.cuh,
             # NQ_GEMV_PRELOAD): weight and scale loads only, at most 4 pieces + 4 scales of each of the 2
             # rows. Checked by kind, not only counted: a build of a fused kernel (docs/PERF.md, seventeenth
             # lease) had ptxas schedule its x loads, non-coherent ones of a const __restrict__ argument, above
@@ -204,7 +204,7 @@ def _check_waits(funcs: dict[str, str]) -> None:
 
 def test_only_the_int8_loop_releases_the_next_kernel_early():
     """The B = 1 int8-activation entries let the next kernel launch early (griddepcontrol.launch_dependents
-    = PREEXIT; gemv_int4.cu gemv_trigger_mode): gate/up at its entry, before its wait (ACQBULK), the others
+    = PREEXIT; gemv_units.cuh gemv_trigger_mode): gate/up at its entry, before its wait (ACQBULK), the others
     right after it; the half2 entries leave it to their blocks' exits. On the H200 the after-the-wait
     trigger won on the int8 loop and lost on the 1.5B's half2 loop (docs/PERF.md, twenty-first lease)."""
     funcs = _functions(_sass("gemv_int4.cu", QWEN25_7B))
@@ -223,7 +223,7 @@ def test_only_the_int8_loop_releases_the_next_kernel_early():
 
 @pytest.mark.parametrize("dims_name", ["7b", "1.5b", "tiny"])
 def test_int8_loop_split_units_meet_at_a_named_barrier(monkeypatch, dims_name):
-    """A split build of the int8 loop (gemv_int4.cu gemv_split, NQ_SPLIT_DOWN): down_proj's warps of a unit
+    """A split build of the int8 loop (gemv_units.cuh gemv_split, NQ_SPLIT_DOWN): down_proj's warps of a unit
     meet at a named barrier of 32 x split threads (bar.sync id, count: never the block's barrier 0, so the
     block's other units run on); the other entries, never split, hold none."""
     monkeypatch.setenv("NANOQWEN_KERNEL_DEFINES", "NQ_SPLIT_DOWN=2")

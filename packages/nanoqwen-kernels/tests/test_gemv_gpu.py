@@ -47,7 +47,7 @@ def dims(request):
     return PRESETS[request.param]
 
 
-# The int8 loop with down_proj's units split over several warps (gemv_int4.cu gemv_split) at a split other
+# The int8 loop with down_proj's units split over several warps (gemv_units.cuh gemv_split) at a split other
 # than its default build's (gemv.b1_build_defines: in 4 where its unsplit grid leaves SMs empty, as on the
 # 1.5B's and the tiny dims; none on the 7B): its own build
 A8_SPLIT = "a8/split"

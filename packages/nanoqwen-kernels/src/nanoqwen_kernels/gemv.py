@@ -238,7 +238,7 @@ def tile_threads() -> int:
     return TILE_THREADS + 32 * extra_defines().get("NQ_TILE_PRODUCERS", TILE_PRODUCERS)
 
 
-# The int8 loop's split-K (gemv_int4.cu gemv_split): warps per 2-row unit of down_proj ("i"), the
+# The int8 loop's split-K (gemv_units.cuh gemv_split): warps per 2-row unit of down_proj ("i"), the
 # NQ_SPLIT_DOWN define; q/k/v, o_proj and gate/up are never split (q/k/v and o_proj in 2 lost on both models,
 # the table below; their knobs were removed). The build's value comes from b1_build_defines (the dims and the
 # GPU's SM count), a $NANOQWEN_KERNEL_DEFINES knob overrides it; the launcher sizes its grid by the value its

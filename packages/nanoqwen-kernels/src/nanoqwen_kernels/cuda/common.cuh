@@ -201,7 +201,7 @@ __device__ __forceinline__ void pdl_wait() {
 // Let the next kernel in the stream launch now rather than when this one's blocks exit: its blocks are then
 // placed early and issue work that does not depend on this one (weight loads, the tile GEMM's copies); the
 // successor still waits in pdl_wait for this kernel's completion and flush. Used by one-wave kernels only
-// (the tile GEMM, decode attention, the int8-activation GEMVs: gemv_int4.cu gemv_trigger_mode, with the
+// (the tile GEMM, decode attention, the int8-activation GEMVs: gemv_units.cuh gemv_trigger_mode, with the
 // measurements). Every kernel doing it at its entry was the 2.20 -> 2.55 ms/token above (then the
 // successors' blocks waited beside kernels that still had blocks to place).
 __device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
