@@ -15,7 +15,7 @@ GEMMs see: the noise floor we already accept).
 Variants: fp16 (X rounded to fp16), fp8-token (one scale per token row: amax / 448), fp8-g128 (one scale per
 128 columns of a token row, the INT4 group size), and for decode's int8-activation GEMVs (issue 15,
 `decode_activations="int8"`) int8-gG, e.g. int8-g16 / int8-g32 (X rounded to fp16, then to int8 with one
-scale per G columns, amax / 127; int8-g16 is what nanoqwen_kernels.gemv.round_a8 does, g32 what it did
+scale per G columns, amax / 127; int8-g16 is what nanoqwen_kernels.a8.round_a8 does, g32 what it did
 before the twentieth lease): those round every row, so every position is
 scored as if each token had been decoded with rounded activations (teacher-forced). Reported per variant against the float32 reference: top-1
 agreement over all positions, mean and max KL(ref || variant), the perplexity of the text, and the real tier's

@@ -4,7 +4,7 @@ Fresh random weights/activations each test (the seeded `rng` fixture); outputs p
 every launch. B runs over 1, 2, 3, 5, 8 (one pass of the 8-column build), 9, 16 (the 32-column build),
 33, 64 (several passes), at the 7B, 1.5B and tiny shapes; B = 1 also on each GEMV variant's bodies; B > 1
 on the two batched builds (gemv_mma's passes and the tile GEMM of the "tiles" variant). The int8-activation
-loop ("a8", B = 1) is checked against the same numpy product of the activation it rounds (gemv.round_a8).
+loop ("a8", B = 1) is checked against the same numpy product of the activation it rounds (a8.round_a8).
 Tolerances: the INT4 GEMV's products and 4-term partial sums are fp16 on the half2 loop (refs.gemv_tolerance
 derives the bound; the tensor-core core is tighter); RoPE'd q/k and silu*up are compared at 8 fp16 ulps of
 their own magnitude plus that bound; the fp16 lm_head accumulates in fp32 on either B > 1 body (4e-5 of the row's
@@ -16,20 +16,15 @@ import os
 import numpy as np
 import pytest
 from nanoqwen_kernels import loader
+from nanoqwen_kernels.a8 import A8_ACC_START, A8_BLOCK, a8_image, a8_image_bytes, a8_image_values, round_a8
 from nanoqwen_kernels.dims import PRESETS
 from nanoqwen_kernels.gemv import (
-    A8_ACC_START,
-    A8_BLOCK,
     A8_VARIANTS,
     B1_SPLIT_DEFINES,
     DEFAULT_LM_HEAD,
     GEMV_VARIANTS,
     LM_HEAD_BODIES,
     GemvKernels,
-    a8_image,
-    a8_image_bytes,
-    a8_image_values,
-    round_a8,
 )
 from refs import dequant, gemv_tolerance, matvec, pack_valueshuffle, random_int4, rmsnorm, rope
 
@@ -233,7 +228,7 @@ def test_gate_up_silu(kernels, dims, rng, b):
 @pytest.mark.parametrize("variant", ["a8", A8_SPLIT])
 def test_a8_image_pair(kernels, dims, rng, variant):
     """The int8-activation loop's down_proj pair. gate/up with a8_image writes down_proj's input already
-    rounded (gemv.a8_image's layout): its values are the numpy gate/up within the fp16 tolerance plus half an
+    rounded (a8.a8_image's layout): its values are the numpy gate/up within the fp16 tolerance plus half an
     int8 step, each A8_BLOCK-value block's largest on +-127, its stored sum that of its bytes. down_proj reading an
     image made by numpy matches numpy on round_a8 of that x. And the fused pair gives the unfused a8 pair's
     output bit for bit (the same fp16 values rounded the same way, the same sums)."""

@@ -88,10 +88,10 @@ def test_a8_runs_every_matrix_on_the_int8_activation_loop(monkeypatch):
 
 
 def test_a8_image_holds_round_a8_in_the_staged_layout():
-    """gemv.a8_image (what nq_gate_up_silu_a8x writes, nq_gemv_int4_i_a8x stages): K bytes of int8 in the
+    """a8.a8_image (what nq_gate_up_silu_a8x writes, nq_gemv_int4_i_a8x stages): K bytes of int8 in the
     [2][K/32][16] layout, then {scale / 16, A8_ACC_START - 8 sum} per A8_BLOCK (16) values; read back it is
     round_a8 exactly."""
-    from nanoqwen_kernels.gemv import (
+    from nanoqwen_kernels.a8 import (
         A8_ACC_START,
         A8_BLOCK,
         a8_image,
@@ -142,11 +142,11 @@ def test_a8_image_calls_need_the_a8_variant_and_one_sequence(monkeypatch):
 
 
 def test_round_a8_is_the_int8_rounding_the_kernel_applies():
-    """gemv.round_a8 (the int8-activation loop's numpy twin): per A8_BLOCK k, the largest |x| lands on +-127
+    """a8.round_a8 (the int8-activation loop's numpy twin): per A8_BLOCK k, the largest |x| lands on +-127
     exactly, every value within half a step (amax / 254) of itself, a zero block stays zero, and K not a
     multiple of 32 (a piece) is refused."""
+    from nanoqwen_kernels.a8 import A8_BLOCK, round_a8
     from nanoqwen_kernels.errors import KernelError
-    from nanoqwen_kernels.gemv import A8_BLOCK, round_a8
 
     rng = np.random.default_rng()
     x = (rng.standard_normal((3, 8 * A8_BLOCK)) * rng.choice([1e-3, 1.0, 300.0], size=(3, 1))).astype(np.float16)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import checks as ck
+from .a8 import A8_BLOCK
 from .blas import Blas
 from .dims import GROUP, ModelDims
 from .errors import KernelError
@@ -84,66 +85,7 @@ LM_HEAD_BODIES = ("blas", "mma")
 DEFAULT_LM_HEAD = "blas"
 
 
-A8_BLOCK = 16  # k per int8 scale of the int8-activation loop (half of a 16-byte piece of a weight row)
-A8_PIECE = 32  # k per piece: the image's layout unit (two scales)
 A8_IMAGE_GROUPS = 8  # groups of 32 outputs a block of nq_gate_up_silu_a8x takes at most (kA8ImageGroups)
-A8_ACC_START = 0x04B40000  # kA8AccStart: a block's dp4a accumulator starts here (16 x it = the bits of 1.5 * 2^23)
-
-
-def _round_blocks(x: np.ndarray, what: str) -> tuple[np.ndarray, np.ndarray]:
-    """x (fp16 values) rounded as the int8 loop rounds it, per A8_BLOCK k: (x_int float32 [..., K/A8_BLOCK,
-    A8_BLOCK], amax float32 [..., K/A8_BLOCK, 1]); x_int = rint(x * (127 / amax)) in float32 (ties to even,
-    as the kernel's magic-number rounding), 0 where amax is 0."""
-    xf = np.asarray(x, dtype=np.float16).astype(np.float32)
-    k = xf.shape[-1]
-    if k % A8_PIECE:
-        raise KernelError(f"{what}: K = {k} is not a multiple of {A8_PIECE}")
-    g = xf.reshape(*xf.shape[:-1], k // A8_BLOCK, A8_BLOCK)
-    amax = np.abs(g).max(axis=-1, keepdims=True)
-    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, np.float32(1)), np.float32(0))
-    return np.rint((g * inv.astype(np.float32)).astype(np.float32)), amax
-
-
-def round_a8(x: np.ndarray) -> np.ndarray:
-    """What the int8-activation loop ("a8") multiplies the weights with, as float32 [..., K]: x (the staged
-    fp16 activation, normed when the GEMV norms) rounded to int8 per A8_BLOCK k with one scale each,
-    scale = amax / 127 and x_int = rint(x * (127 / amax)) in float32 (ties to even, as the kernel's
-    __float2int_rn), 0 where amax is 0. The kernel then sums q * x_int exactly and multiplies by scale
-    times the weights' group scale in fp32."""
-    q, amax = _round_blocks(x, "round_a8")
-    return (q * (amax / np.float32(127)).astype(np.float32)).astype(np.float32).reshape(np.shape(x))
-
-
-def a8_image_bytes(k: int) -> int:
-    """Bytes of the a8 image of an activation of K values: K of int8, then 8 per A8_BLOCK (K * 3 / 2)."""
-    return k + 8 * (k // A8_BLOCK)
-
-
-def a8_image(x: np.ndarray) -> np.ndarray:
-    """The "a8 image" of one activation x [K] (fp16 values): what nq_gate_up_silu_a8x writes for down_proj
-    and nq_gemv_int4_i_a8x stages as it is, uint8 [a8_image_bytes(K)]: K bytes of int8 x laid out
-    [2][K/32][16] (byte i of half h of piece u is x_int[32u + 16h + i]), then per A8_BLOCK b = 2u + h (half
-    h of piece u) an int32 pair {float bits of scale_b / 16, A8_ACC_START - 8 sum x_int} (the accumulator's
-    start), little-endian. The rounding is round_a8's."""
-    qf, amax = _round_blocks(np.reshape(x, -1), "a8_image")
-    q, amax = qf.astype(np.int32), amax[:, 0]
-    k = q.size
-    xq = q.astype(np.int8).reshape(k // A8_PIECE, 2, 16).transpose(1, 0, 2).reshape(-1).view(np.uint8)
-    meta = np.empty((k // A8_BLOCK, 2), dtype=np.int32)
-    meta[:, 0] = ((amax / np.float32(127)).astype(np.float32) * np.float32(0.0625)).astype(np.float32).view(np.int32)
-    meta[:, 1] = A8_ACC_START - 8 * q.sum(axis=1)
-    return np.concatenate([xq, meta.reshape(-1).view(np.uint8)])
-
-
-def a8_image_values(img: np.ndarray, k: int) -> np.ndarray:
-    """The activation an a8 image stands for, float32 [K] (equal to round_a8 of the x it was made from)."""
-    b = np.asarray(img, dtype=np.uint8).reshape(-1)
-    if k % A8_PIECE or b.shape[0] < a8_image_bytes(k):
-        raise KernelError(f"a8_image_values: {b.shape[0]} bytes cannot hold the image of K = {k}")
-    q = b[:k].view(np.int8).reshape(2, k // A8_PIECE, 16).transpose(1, 0, 2).reshape(k // A8_BLOCK, A8_BLOCK)
-    meta = b[k:a8_image_bytes(k)].view(np.int32).reshape(k // A8_BLOCK, 2)
-    scale = meta[:, 0].view(np.float32) * np.float32(16)
-    return (q.astype(np.float32) * scale[:, None]).astype(np.float32).reshape(k)
 
 
 @dataclass(frozen=True)
@@ -501,7 +443,7 @@ class GemvKernels:
     def gemv_int4(self, qweight, scales, x, out, residual=None, norm_w=None, eps=1e-6, x_a8_image=False) -> None:
         """out[B, N] = W . (norm(x[b]) if norm_w else x[b]) (+ residual[B, N]); residual may be out itself.
         x_a8_image (variant "a8", B = 1, K = I, no norm): x's storage holds an a8 image (gate_up_silu's
-        a8_image output; gemv.a8_image), which down_proj stages as it is."""
+        a8_image output; a8.a8_image), which down_proj stages as it is."""
         n, k = self._int4(qweight, scales)
         b, lead = self._x(x, k)
         if x_a8_image:
@@ -595,7 +537,7 @@ class GemvKernels:
     def gate_up_silu(self, qweight, scales, x, norm_w, eps, out, a8_image=False) -> None:
         """Fused RMSNorm + gate/up GEMV (rows [0,I) gate, [I,2I) up) + silu(gate) * up into out[B, I].
         a8_image (variant "a8", B = 1): out's storage receives the result as down_proj's a8 image
-        (gemv.a8_image of the fp16 values: I * 5 / 4 bytes) instead of fp16 values."""
+        (a8.a8_image of the fp16 values: I * 5 / 4 bytes) instead of fp16 values."""
         d = self.dims
         n, _ = self._int4(qweight, scales, d.hidden)
         if n != 2 * d.intermediate:

@@ -59,7 +59,7 @@ def _silu_mul(g: np.ndarray, u: np.ndarray) -> np.ndarray:
 class HostKernels:
     def __init__(self, cfg, dev, gemv_variant: str = "tiles"):
         """gemv_variant: the KernelSet GEMV variant this stands in for; "a8" rounds a single row's GEMV
-        activation to int8 as the int8-activation loop does (nanoqwen_kernels.gemv.round_a8)."""
+        activation to int8 as the int8-activation loop does (nanoqwen_kernels.a8.round_a8)."""
         self.cfg, self.dev = cfg, dev
         self.gemv_variant = gemv_variant
         self._deq: dict[tuple, np.ndarray] = {}
@@ -68,7 +68,7 @@ class HostKernels:
         """The activation a decode GEMV multiplies: fp16 values, int8-rounded for one row under "a8"."""
         xin = xin.astype(np.float16).astype(np.float32)
         if self.gemv_variant == "a8" and xin.shape[0] == 1:
-            from nanoqwen_kernels.gemv import round_a8
+            from nanoqwen_kernels.a8 import round_a8
 
             return round_a8(xin)
         return xin
@@ -133,7 +133,7 @@ class HostKernels:
     @_launcher
     def gemv_int4(self, qweight, scales, x, out, residual=None, norm_w=None, eps=1e-6, x_a8_image=False):
         if x_a8_image:  # x's storage holds down_proj's a8 image (gate_up_silu's a8_image output)
-            from nanoqwen_kernels.gemv import a8_image_values
+            from nanoqwen_kernels.a8 import a8_image_values
 
             xv = a8_image_values(np.asarray(x).reshape(-1).view(np.uint8), qweight.shape[1] * 8)[None, :]
         else:
@@ -170,7 +170,7 @@ class HostKernels:
         n = out.shape[-1]
         act = _silu_mul(gu[:, :n], gu[:, n:]).astype(out.dtype)
         if a8_image:  # the result as down_proj's a8 image, in out's storage
-            from nanoqwen_kernels.gemv import a8_image
+            from nanoqwen_kernels.a8 import a8_image
 
             img = a8_image(act[0])
             np.asarray(out).reshape(-1).view(np.uint8)[: img.shape[0]] = img
