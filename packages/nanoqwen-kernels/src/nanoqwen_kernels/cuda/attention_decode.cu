@@ -240,10 +240,16 @@ struct HeadMl {
   float m, l;
 };
 
-__device__ __forceinline__ HeadMl merge_ml(const Smem& sm, int g) {
+// the largest of the consumer warps' maxima of head g
+__device__ __forceinline__ float consumers_max(const Smem& sm, int g) {
   float mx = neg_inf();
 #pragma unroll
   for (int w = 0; w < kConsumers; ++w) mx = fmaxf(mx, sm.merge_m[w * kGPad + g]);
+  return mx;
+}
+
+__device__ __forceinline__ HeadMl merge_ml(const Smem& sm, int g) {
+  const float mx = consumers_max(sm, g);
   float sum = 0.f;
 #pragma unroll
   for (int w = 0; w < kConsumers; ++w) {
@@ -254,9 +260,7 @@ __device__ __forceinline__ HeadMl merge_ml(const Smem& sm, int g) {
 }
 
 __device__ __forceinline__ float4 merge_acc4(const Smem& sm, int g, int d) {
-  float mx = neg_inf();
-#pragma unroll
-  for (int w = 0; w < kConsumers; ++w) mx = fmaxf(mx, sm.merge_m[w * kGPad + g]);
+  const float mx = consumers_max(sm, g);
   float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
   for (int w = 0; w < kConsumers; ++w) {
@@ -290,13 +294,18 @@ __device__ __forceinline__ void cluster_arrive_relaxed() {
 }
 __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.aligned;" ::: "memory"); }
 
+// the shared::cluster address of `local`'s offset in block `rank`'s shared memory
+__device__ __forceinline__ uint32_t mapa(const void* local, uint32_t rank) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(nq::smem_u32(local)), "r"(rank));
+  return remote;
+}
+
 // st.async: `bytes` of this thread's registers into block `rank`'s shared memory at the offset `local` has in
 // this block's, counted on that block's mbarrier at `bar`'s offset (mbarrier::complete_tx::bytes: the
 // receiver's wait on the phase sees the values). No fence, no barrier: the receiver's wait is the hand-over.
 __device__ __forceinline__ void st_async4(float4* local, uint32_t rank, float4 v, uint64_t* bar) {
-  uint32_t remote, rbar;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(nq::smem_u32(local)), "r"(rank));
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(rbar) : "r"(nq::smem_u32(bar)), "r"(rank));
+  const uint32_t remote = mapa(local, rank), rbar = mapa(bar, rank);
   asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];" ::"r"(
                    remote),
                "r"(__float_as_uint(v.x)), "r"(__float_as_uint(v.y)), "r"(__float_as_uint(v.z)),
@@ -304,9 +313,7 @@ __device__ __forceinline__ void st_async4(float4* local, uint32_t rank, float4 v
                : "memory");
 }
 __device__ __forceinline__ void st_async2(float* local, uint32_t rank, float a, float b, uint64_t* bar) {
-  uint32_t remote, rbar;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(nq::smem_u32(local)), "r"(rank));
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(rbar) : "r"(nq::smem_u32(bar)), "r"(rank));
+  const uint32_t remote = mapa(local, rank), rbar = mapa(bar, rank);
   asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.b32 [%0], {%1, %2}, [%3];" ::"r"(
                    remote),
                "r"(__float_as_uint(a)), "r"(__float_as_uint(b)), "r"(rbar)
