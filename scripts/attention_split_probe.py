@@ -1,7 +1,7 @@
 """Decode attention at batch 1 under other page splits: which (cluster size C, clusters n) grid is fastest at
 each context, on the 7B's and the 1.5B's dims (issue 15's attention line and its 32k line).
 
-    PYTHONPATH=packages/nanoqwen-kernels/src python scripts/attention_split_probe.py [--ctx 640,32768] [--variant mma8] [--stages 16] [--grids 3]
+    PYTHONPATH=packages/nanoqwen-kernels/src python scripts/attention_split_probe.py [--ctx 640,32768] [--variant mma8] [--stages 16] [--grids 3] [--grids-spec "7B:8x5,8x4;1.5B:8x9"]
 
 The launcher sizes the grid as n_kv x C x n blocks from the SM count (attention.py decode_clusters: 7B
 (8, 5) = 160 blocks on 132 SMs, the 1.5B (8, 9) = 144), so some SMs hold two blocks of equal work; this
@@ -31,6 +31,15 @@ GRIDS = {  # (C, n) per model; the first is the launcher's own choice on 132 SMs
     "7B": [(8, 5), (8, 4), (8, 6), (4, 8), (3, 11), (6, 5), (4, 4)],
     "1.5B": [(8, 9), (8, 8), (6, 11), (4, 16), (8, 16), (4, 8)],
 }
+
+
+def grids_from(spec: str) -> dict:
+    """--grids-spec "7B:8x5,8x4;1.5B:8x9": the grids to time per model instead of GRIDS."""
+    out = {}
+    for part in spec.split(";"):
+        label, grids = part.split(":")
+        out[label.strip()] = [tuple(int(v) for v in g.split("x")) for g in grids.split(",")]
+    return out
 
 
 def one_sequence(d, ctx: int) -> dict:
@@ -89,14 +98,17 @@ def main() -> int:
         attention_mod.DECODE_STAGES = int(sys.argv[sys.argv.index("--stages") + 1])
     variant = sys.argv[sys.argv.index("--variant") + 1] if "--variant" in sys.argv else "mma"
     n_grids = int(sys.argv[sys.argv.index("--grids") + 1]) if "--grids" in sys.argv else None  # the first N
+    grids = grids_from(sys.argv[sys.argv.index("--grids-spec") + 1]) if "--grids-spec" in sys.argv else GRIDS
     print(
         f"variant {variant}, stages {attention_mod.DECODE_STAGES}, defines: {os.environ.get('NANOQWEN_KERNEL_DEFINES', '')!r}"
     )
     print("| dims | context | grid | us | % of copy | max diff vs first grid |")
     print("| --- | --- | --- | --- | --- | --- |")
     for dims, label in ((QWEN25_7B, "7B"), (QWEN25_1_5B, "1.5B")):
+        if label not in grids:
+            continue
         for ctx in ctxs:
-            probe(dims, label, ctx, GRIDS[label][:n_grids], variant)
+            probe(dims, label, ctx, grids[label][:n_grids], variant)
     return 0
 
 

@@ -77,6 +77,10 @@ def main() -> int:
 
     kv_bytes = B * 2 * (args.context + 1) * cfg.n_kv_heads * cfg.head_dim * 2  # K and V, fp16, one layer
     eps = cfg.rms_eps
+    # the launches the step makes (decode.py launch_layer): with int8 activations at B = 1, gate/up writes
+    # down_proj's input as an a8 image and down_proj reads it as such (before 2026-12-02 this script timed
+    # the plain int8 loop for both, which rounds x in every block's prologue: not the kernels the step runs)
+    image = B == 1 and getattr(ks, "gemv_variant", None) == "a8"
     fams = {
         "qkv_rope_kv": (
             lambda i: ks.qkv_rope_kv(w.layers[i].qkv.qweight, w.layers[i].qkv.scales, w.layers[i].qkv_bias, v.x,
@@ -94,11 +98,12 @@ def main() -> int:
         ),
         "gate_up_silu": (
             lambda i: ks.gate_up_silu(w.layers[i].gate_up.qweight, w.layers[i].gate_up.scales, v.y,
-                                      w.layers[i].post_norm, eps, v.act),
+                                      w.layers[i].post_norm, eps, v.act, a8_image=image),
             lambda i: w.layers[i].gate_up.nbytes,
         ),
         "down+residual": (
-            lambda i: ks.gemv_int4(w.layers[i].down.qweight, w.layers[i].down.scales, v.act, v.x, residual=v.y),
+            lambda i: ks.gemv_int4(w.layers[i].down.qweight, w.layers[i].down.scales, v.act, v.x, residual=v.y,
+                                   x_a8_image=image),
             lambda i: w.layers[i].down.nbytes,
         ),
     }
@@ -170,7 +175,7 @@ def main() -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"gpu_name": gpu, "batch": B, "context": args.context, "families": recs, "sum_us": s * 1e6,
-                       "step_us": t_step * 1e6, "bytes_per_step": total_b, "timeline": timeline,
+                       "a8_image_pair": image, "step_us": t_step * 1e6, "bytes_per_step": total_b, "timeline": timeline,
                        "date": time.strftime("%Y-%m-%d")}, f, indent=2)
     for seq in seqs:
         be.pool.free(seq)

@@ -16,6 +16,18 @@ namespace nq {
 // image = xq [2][kInter/32] uint4, then xm [kInter/32] int4. A block takes at most kA8ImageGroups groups (the
 // launcher's grid), each its own slot, so no slot is reused.
 constexpr int kA8ImageGroups = 8;
+// Next-unit prefetch (NQ_GU_UNIT_PREFETCH_NJ): where a row is at most that many 16-byte pieces a lane (one
+// chunk: the 1.5B's K = 1,536 is 2, the 7B's 3,584 is 4), a warp issues its next unit's weights before this
+// unit's products, so its units cost one DRAM round trip each in the shadow of the previous one's. 0: never.
+// H200, decode protocol, ms/token, three interleaved rounds (docs/PERF.md, twenty-fourth lease):
+//   the 1.5B's dims (48 -> 62 registers, 4 blocks an SM either way): 0.652 / 0.654 / 0.656 -> 0.637 / 0.636 /
+//   0.636 (every round); the 7B (80 -> 113 registers, 3 -> 2 blocks an SM): 1.476 / 1.476 / 1.478 -> 1.511 /
+//   1.508 / 1.511 (lost every round). So 2: the 1.5B's K takes it, the 7B's does not.
+#ifndef NQ_GU_UNIT_PREFETCH_NJ
+#define NQ_GU_UNIT_PREFETCH_NJ 2
+#endif
+template <int K>
+constexpr bool kGuUnitPrefetch = pieces_per_lane<K>() <= NQ_GU_UNIT_PREFETCH_NJ && pieces_per_lane<K>() <= kInFlight;
 __device__ __forceinline__ void a8_round_group(float v, int g, uint16_t* img) {
   constexpr int kNU = kInter / 32;
   const int lane = threadIdx.x & 31;
@@ -69,25 +81,9 @@ __device__ __forceinline__ void gate_up_a8_image(const uint32_t* __restrict__ qw
   stage_x_a8<K>(x, norm_w, eps, a8_views<K>(xs), red);
   // unit j of group g (slot s): warp w's output 4w + j of the group; after its 4th, the warp counts itself
   // done with the group, and the last of the kWarps rounds and writes it
-  int s = 0, j = 0;
-#if NQ_GEMV_PRELOAD
-  if (static_cast<int>(blockIdx.x) < kGroups) {  // the first unit, peeled: its chunk was loaded before the wait
-    int r0, r1;
-    map(32 * blockIdx.x + 4 * warp, r0, r1);
-    float o0, o1;
-    dot_rows2<K, true>(qw, sc, r0, r1, xs, o0, o1, &first);
-    if (lane == 0) hs[0][4 * warp] = h2f(f2h(o0 / (1.f + __expf(-o0)) * o1));
-    j = 1;
-  }
-#endif
-  for (int g = blockIdx.x; g < kGroups;) {  // block-uniform; s < kA8ImageGroups
-    int r0, r1;
-    map(32 * g + 4 * warp + j, r0, r1);
-    float o0, o1;
-    dot_rows2<K, true>(qw, sc, r0, r1, xs, o0, o1);
-    trigger_after_last_unit<NQ_TRIG_GU>(j == 3 && g + static_cast<int>(gridDim.x) >= kGroups);
+  const auto finish_unit = [&](int g, int j, int s, float o0, float o1) {
     if (lane == 0) hs[s][4 * warp + j] = h2f(f2h(o0 / (1.f + __expf(-o0)) * o1));  // GateUpEpi's value
-    if (++j == 4) {
+    if (j == 3) {
       int last = 0;
       if (lane == 0) {
         __threadfence_block();  // this warp's 4 values before its count (release)
@@ -97,6 +93,61 @@ __device__ __forceinline__ void gate_up_a8_image(const uint32_t* __restrict__ qw
         __threadfence_block();  // every warp's values after the last count (acquire)
         a8_round_group(hs[s][lane], g, img);
       }
+    }
+  };
+#if NQ_GEMV_PRELOAD
+  if constexpr (kGuUnitPrefetch<K>) {
+    // a unit is one chunk (kGuUnitPrefetch): the warp's next unit is issued before this one's products, as
+    // gemv_units does at short K
+    RowChunk cur = first;
+    int g = blockIdx.x, j = 0, s = 0;
+    int c0 = 0, c1 = 0;
+    if (g < kGroups) map(32 * g + 4 * warp, c0, c1);
+    while (g < kGroups) {  // block-uniform
+      int gn = g, jn = j + 1;
+      if (jn == 4) {
+        jn = 0;
+        gn += gridDim.x;
+      }
+      RowChunk nxt;
+      int n0 = 0, n1 = 0;
+      if (gn < kGroups) {
+        map(32 * gn + 4 * warp + jn, n0, n1);
+        load_chunk<K>(qw, sc, n0, n1, 0, nxt);
+      }
+      float o0, o1;
+      dot_rows2<K, true>(qw, sc, c0, c1, xs, o0, o1, &cur);
+      trigger_after_last_unit<NQ_TRIG_GU>(gn >= kGroups);
+      finish_unit(g, j, s, o0, o1);
+      if (jn == 0) ++s;
+      cur = nxt;
+      c0 = n0;
+      c1 = n1;
+      g = gn;
+      j = jn;
+    }
+    return;
+  }
+#endif
+  int s = 0, j = 0;
+#if NQ_GEMV_PRELOAD
+  if (static_cast<int>(blockIdx.x) < kGroups) {  // the first unit, peeled: its chunk was loaded before the wait
+    int r0, r1;
+    map(32 * blockIdx.x + 4 * warp, r0, r1);
+    float o0, o1;
+    dot_rows2<K, true>(qw, sc, r0, r1, xs, o0, o1, &first);
+    finish_unit(blockIdx.x, 0, 0, o0, o1);
+    j = 1;
+  }
+#endif
+  for (int g = blockIdx.x; g < kGroups;) {  // block-uniform; s < kA8ImageGroups
+    int r0, r1;
+    map(32 * g + 4 * warp + j, r0, r1);
+    float o0, o1;
+    dot_rows2<K, true>(qw, sc, r0, r1, xs, o0, o1);
+    trigger_after_last_unit<NQ_TRIG_GU>(j == 3 && g + static_cast<int>(gridDim.x) >= kGroups);
+    finish_unit(g, j, s, o0, o1);
+    if (++j == 4) {
       j = 0;
       ++s;
       g += gridDim.x;
