@@ -77,10 +77,10 @@ def main() -> int:
 
     kv_bytes = B * 2 * (args.context + 1) * cfg.n_kv_heads * cfg.head_dim * 2  # K and V, fp16, one layer
     eps = cfg.rms_eps
-    # the launches the step makes (decode.py launch_layer): with int8 activations at B = 1, gate/up writes
-    # down_proj's input as an a8 image and down_proj reads it as such (before 2026-12-02 this script timed
-    # the plain int8 loop for both, which rounds x in every block's prologue: not the kernels the step runs)
-    image = B == 1 and getattr(ks, "gemv_variant", None) == "a8"
+    # the launches the step makes (decode.py launch_layer): with int8 activations at B = 1 where the kernels
+    # choose the image pair (the 1.5B), gate/up writes down_proj's input as an a8 image and down_proj reads it
+    # as such (before 2026-12-02 this script always timed the plain pair, which the 7B runs since then)
+    image = B == 1 and getattr(ks, "gemv_variant", None) == "a8" and getattr(ks, "a8_image_pair", True)
     fams = {
         "qkv_rope_kv": (
             lambda i: ks.qkv_rope_kv(w.layers[i].qkv.qweight, w.layers[i].qkv.scales, w.layers[i].qkv_bias, v.x,

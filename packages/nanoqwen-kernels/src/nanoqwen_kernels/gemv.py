@@ -200,17 +200,41 @@ B1_SPLIT_DEFINES = {"i": "NQ_SPLIT_DOWN"}
 # (blocks: the unsplit grid on the H200's 132 SMs). Where every SM has a block already the split only adds
 # the join, and o_proj's entry trigger lost on the 7B (1.509 -> 1.521, twenty-first lease): the 7B keeps
 # one warp a unit and the trigger after the wait.
+# In the same small-grid builds gate/up releases its successor after its wait (NQ_TRIG_GU=3), not at its
+# entry: real 1.5B 0.6363 / 0.6335 / 0.6335 -> 0.6327 / 0.6328 / 0.6327 ms/token and 0.6341 / 0.6329 / 0.6335 ->
+# 0.6310 / 0.6322 / 0.6317 (two calls, every round), the 1.5B's dims five rounds of six (docs/PERF.md,
+# twenty-fourth lease).
 DOWN_SPLIT = 4
 DOWN_SPLIT_MIN_BLOCKS = 4
 
 
+def b1_small_grid(dims: ModelDims, sm_count: int) -> bool:
+    """Whether o_proj's and down_proj's unsplit int8-loop grid (a block per 8 units of hidden / 2) is
+    smaller than the SM count (the 1.5B on the H200: 96 blocks on 132 SMs; the 7B: 224)."""
+    return -(-(dims.hidden // 2) // WARPS) < sm_count
+
+
 def b1_build_defines(dims: ModelDims, sm_count: int) -> dict[str, int]:
-    """The int8 loop's defines for these dims on a GPU of sm_count SMs: where o_proj's and down_proj's
-    unsplit grid (a block per 8 units of hidden / 2) is smaller than the SM count, down_proj split in
-    DOWN_SPLIT with its register cap and o_proj's trigger at its entry; none otherwise."""
-    if -(-(dims.hidden // 2) // WARPS) < sm_count:
-        return {"NQ_SPLIT_DOWN": DOWN_SPLIT, "NQ_MINB_DOWN": DOWN_SPLIT_MIN_BLOCKS, "NQ_TRIG_O": 2}
+    """The int8 loop's defines for these dims on a GPU of sm_count SMs: where the grid is small
+    (b1_small_grid), down_proj split in DOWN_SPLIT with its register cap, o_proj's trigger at its entry and
+    gate/up's after its wait; none otherwise."""
+    if b1_small_grid(dims, sm_count):
+        return {"NQ_SPLIT_DOWN": DOWN_SPLIT, "NQ_MINB_DOWN": DOWN_SPLIT_MIN_BLOCKS, "NQ_TRIG_O": 2,
+                "NQ_TRIG_GU": 3}
     return {}
+
+
+# The a8 image pair (gate/up writing down_proj's input already rounded to int8, down_proj copying it as
+# it is) or the plain pair (gate/up writing fp16, every down_proj block rounding the intermediate in its
+# prologue), per dims: the image pair where down_proj is split (b1_small_grid: 4x the blocks, each of
+# which would round the whole intermediate), the plain pair elsewhere. H200, decode protocol, ms/token,
+# three interleaved rounds (docs/PERF.md, twenty-fourth lease): 7B image 1.480 / 1.476 / 1.479, plain
+# 1.451 / 1.449 / 1.449; real 1.5B image 0.634 / 0.633 / 0.633, plain 0.699 / 0.699 / 0.698. On the 7B the
+# image kernel's per-group rounding epilogue costs more (22.8 us a launch in the step's breakdown against
+# the plain loop's 19.9) than down_proj's prologue rounding saves.
+def b1_a8_image_pair(dims: ModelDims, sm_count: int) -> bool:
+    """Whether the int8 loop's gate/up -> down_proj runs as the a8 image pair on these dims."""
+    return b1_small_grid(dims, sm_count)
 
 
 def b1_split(kind: str, build: dict[str, int] | None = None) -> int:
@@ -300,6 +324,8 @@ class GemvKernels:
         # the int8 loop's split units (b1_build_defines), in its build; the grid of each kind's B = 1 loop
         # follows the build (never $NANOQWEN_KERNEL_DEFINES at a launch)
         split_defs = b1_build_defines(dims, ck.sm_count()) if self._a8 else {}
+        # gate/up -> down_proj at B = 1 as the a8 image pair (b1_a8_image_pair); the step asks this
+        self.a8_image_pair = self._a8 and b1_a8_image_pair(dims, ck.sm_count())
         self._split = {kind: (b1_split(kind, split_defs) if self._a8 else 1) for kind in GEMV_KINDS}
         m = load_module(INT4_SOURCES, {**dims.defines(), **split_defs})
         f = load_module(FP16_SOURCES, dims.defines())

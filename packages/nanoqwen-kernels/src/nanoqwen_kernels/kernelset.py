@@ -56,6 +56,7 @@ class KernelSet:
         self.arch = arch or device_arch()
         load = functools.partial(_load, arch=self.arch)
         g = GemvKernels(dims, load, variant, head)
+        self.a8_image_pair = g.a8_image_pair  # gate/up -> down_proj at B = 1 through the a8 image (gemv.py)
         n = NormKernels(dims, load)
         e = EmbedKernels(dims, load)
         s = SamplingKernels(dims, load)

@@ -188,9 +188,11 @@ class DecodeStep:
                        self.k_cache, self.v_cache, i, v.q)
         ks.attention_decode(v.q, self.k_cache, self.v_cache, v.table, v.seq_len, i, v.attn, self.attn_ws)
         ks.gemv_int4(lw.o.qweight, lw.o.scales, v.attn, v.y, residual=v.x)
-        if v.act.shape[0] == 1 and getattr(ks, "gemv_variant", None) == "a8":
-            # int8 decode activations: gate/up hands down_proj its input already rounded (the a8 image in
-            # v.act's storage), so down_proj's blocks do not each round the whole intermediate (docs/KERNELS.md)
+        if v.act.shape[0] == 1 and getattr(ks, "gemv_variant", None) == "a8" and getattr(ks, "a8_image_pair", True):
+            # int8 decode activations where the kernels choose the image pair (nanoqwen_kernels.gemv
+            # b1_a8_image_pair: the 1.5B, not the 7B): gate/up hands down_proj its input already rounded (the
+            # a8 image in v.act's storage), so down_proj's blocks do not each round the whole intermediate
+            # (docs/KERNELS.md)
             ks.gate_up_silu(lw.gate_up.qweight, lw.gate_up.scales, v.y, lw.post_norm, eps, v.act, a8_image=True)
             ks.gemv_int4(lw.down.qweight, lw.down.scales, v.act, v.x, residual=v.y, x_a8_image=True)
             return
