@@ -20,9 +20,9 @@ constexpr int kA8ImageGroups = 8;
 // chunk: the 1.5B's K = 1,536 is 2, the 7B's 3,584 is 4), a warp issues its next unit's weights before this
 // unit's products, so its units cost one DRAM round trip each in the shadow of the previous one's. 0: never.
 // H200, decode protocol, ms/token, three interleaved rounds (docs/PERF.md, twenty-fourth lease):
-//   the 1.5B's dims (48 -> 62 registers, 4 blocks an SM either way): 0.652 / 0.654 / 0.656 -> 0.637 / 0.636 /
-//   0.636 (every round); the 7B (80 -> 113 registers, 3 -> 2 blocks an SM): 1.476 / 1.476 / 1.478 -> 1.511 /
-//   1.508 / 1.511 (lost every round). So 2: the 1.5B's K takes it, the 7B's does not.
+//   the 1.5B's dims (48 -> 62 registers, 5 -> 4 blocks of 256 threads an SM): 0.652 / 0.654 / 0.656 ->
+//   0.637 / 0.636 / 0.636 (every round); the 7B (80 -> 113 registers, 3 -> 2 blocks an SM): 1.476 / 1.476 /
+//   1.478 -> 1.511 / 1.508 / 1.511 (lost every round). So 2: the 1.5B's K takes it, the 7B's does not.
 #ifndef NQ_GU_UNIT_PREFETCH_NJ
 #define NQ_GU_UNIT_PREFETCH_NJ 2
 #endif
