@@ -1,4 +1,4 @@
-"""CPU: the tile GEMM's stripes (gemv.py plan_tiles, gemm_tiles.cuh gemm_tiles) as the kernel walks them.
+"""CPU: the tile GEMM's stripes (tile_plan.py plan_tiles, gemm_tiles.cuh gemm_tiles) as the kernel walks them.
 
 The kernel's bookkeeping is mirrored here line for line: each block's segments, the ws slot a partial
 segment writes (2 b for the block's first segment, 2 b + 1 for its last), the contributors a tile's last
@@ -9,7 +9,7 @@ segments wrote, no slot is written twice in one launch, and the plan does not de
 
 import pytest
 from nanoqwen_kernels.dims import PRESETS
-from nanoqwen_kernels.gemv import TILE_UNITS, plan_tiles, tile_smem, tile_stages
+from nanoqwen_kernels.tile_plan import TILE_UNITS, plan_tiles, tile_smem, tile_stages
 
 
 def stripe_of(j: int, items: int, p: int) -> int:

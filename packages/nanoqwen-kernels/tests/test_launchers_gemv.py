@@ -44,7 +44,7 @@ def test_default_batched_launch_is_the_tile_gemm(launches, monkeypatch, b, build
     """The default variant: B > 1 on the smallest tile build that holds B, P blocks from plan_tiles (a
     function of the matrix only) of 512 multiplying threads + 4 producer warps (the warp-specialized ring),
     dynamic shared memory for that build."""
-    from nanoqwen_kernels.gemv import TILE_PRODUCERS, TILE_THREADS, plan_tiles, tile_smem
+    from nanoqwen_kernels.tile_plan import TILE_PRODUCERS, TILE_THREADS, plan_tiles, tile_smem
 
     d = QWEN25_7B
     g = GemvKernels(d, load)
@@ -265,14 +265,14 @@ def test_gemv_plan_invariants(k, tiles):
 def test_tile_knobs_size_the_launch(launches, monkeypatch):
     """NQ_TILE_PRODUCERS / NQ_TILE_STAGES ($NANOQWEN_KERNEL_DEFINES) reach the launch's block and shared
     memory; a build whose stages would not fit the cap gets fewer (gemm_tiles.cuh tile_stages)."""
-    from nanoqwen_kernels import gemv
+    from nanoqwen_kernels import tile_plan
 
-    assert gemv.tile_threads() == gemv.TILE_THREADS + 32 * gemv.TILE_PRODUCERS == 640
-    assert [gemv.tile_stages(c) for c in (8, 16, 32, 64)] == [5, 5, 4, 3]
+    assert tile_plan.tile_threads() == tile_plan.TILE_THREADS + 32 * tile_plan.TILE_PRODUCERS == 640
+    assert [tile_plan.tile_stages(c) for c in (8, 16, 32, 64)] == [5, 5, 4, 3]
     monkeypatch.setenv("NANOQWEN_KERNEL_DEFINES", "NQ_TILE_PRODUCERS=2,NQ_TILE_STAGES=4")
-    assert gemv.tile_threads() == 576
-    assert [gemv.tile_stages(c) for c in (8, 16, 32, 64)] == [4, 4, 4, 3]
-    assert all(gemv.tile_smem(c) <= gemv.TILE_SMEM_CAP for c in (8, 16, 32, 64))
+    assert tile_plan.tile_threads() == 576
+    assert [tile_plan.tile_stages(c) for c in (8, 16, 32, 64)] == [4, 4, 4, 3]
+    assert all(tile_plan.tile_smem(c) <= tile_plan.TILE_SMEM_CAP for c in (8, 16, 32, 64))
 
 
 @pytest.mark.parametrize("b, build", [(3, 8), (40, 64)])

@@ -15,7 +15,6 @@ Which body runs:
 
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 
@@ -27,6 +26,15 @@ from .blas import Blas
 from .dims import GROUP, ModelDims
 from .errors import KernelError
 from .loader import extra_defines
+from .tile_plan import (
+    TILE_BUILDS,
+    TILE_UNITS,
+    plan_tiles,
+    tile_min_items,
+    tile_smem,
+    tile_threads,
+    tile_x_preperm,
+)
 
 INT4_SOURCES = ["gemv_int4.cu"]
 FP16_SOURCES = ["gemv_fp16.cu"]
@@ -130,30 +138,7 @@ def plan_gemv(b: int, k: int, n_tiles: int, sm_count: int) -> GemvPlan:
     return GemvPlan(build, pass_cols, passes, slice_groups, _x_bytes(pass_cols, slice_groups))
 
 
-# ---- the tile GEMM (gemm_tiles.cuh) ---------------------------------------------------------------------
-TILE_BUILDS = (8, 16, 32, 64)  # columns of its entries (suffix _tile8 .. _tile64); B <= 64
-TILE_UNITS = 128  # units (2 rows) per tile: 16 warps x 1 m16 tile x 8 units
-TILE_THREADS = 512  # gemm_tiles.cuh kTileThreads: the 16 consumer warps
-TILE_PRODUCERS = 4  # gemm_tiles.cuh NQ_TILE_PRODUCERS default: the copy warps beside them
-TILE_STAGES = 8  # gemm_tiles.cuh NQ_TILE_STAGES default (at most; fewer where they do not fit the cap)
-TILE_SMEM_CAP = 220 * 1024  # gemm_tiles.cuh kTileSmemCap
-TILE_SMEM_ALIGN = 1024  # gemm_tiles.cuh kTileSmemAlignPad: the ring aligned for x's swizzle atoms
-# Work items (256-k steps of a tile) per block at least: a small matrix (o_proj, q/k/v) then runs on fewer
-# blocks with fewer contributors per tile for the last block to add up. $NANOQWEN_TILE_MIN_ITEMS overrides
-# it (an A/B knob: it changes P, hence the order partial sums are added in, for every B alike)
-TILE_MIN_ITEMS = 2
-
-
-def tile_min_items() -> int:
-    """TILE_MIN_ITEMS, or $NANOQWEN_TILE_MIN_ITEMS (a positive integer)."""
-    raw = os.environ.get("NANOQWEN_TILE_MIN_ITEMS", "")
-    if not raw:
-        return TILE_MIN_ITEMS
-    if not raw.isdigit() or int(raw) < 1:
-        raise KernelError(f"NANOQWEN_TILE_MIN_ITEMS={raw!r}: expected a positive integer")
-    return int(raw)
-
-
+# ---- which matrices run on the tile GEMM at B > 1 (its plan and launch shape: tile_plan.py) -------------
 # o_proj at B <= 8 runs on the tensor-core core rather than the tile GEMM: a 3584 x 3584 matrix is 98 tile
 # blocks of 2 work items each, whose fixed costs (ring fill, partial sums, the last block's reduction) the
 # core does not pay. H200, ce87abe, bench_batch (7B, 128 + 256 tokens) step at B = 8, two runs each: tile
@@ -172,12 +157,6 @@ def tile_core_kinds() -> frozenset[str]:
     if not kinds <= set(GEMV_KINDS):
         raise KernelError(f"NANOQWEN_TILE_CORE_KINDS={raw!r}: expected kinds among {', '.join(GEMV_KINDS)}")
     return kinds
-
-
-def tile_threads() -> int:
-    """Threads of a tile GEMM block (gemm_tiles.cuh kTileBlockThreads): the 16 consumer warps and
-    NQ_TILE_PRODUCERS producer warps (a $NANOQWEN_KERNEL_DEFINES knob, default TILE_PRODUCERS)."""
-    return TILE_THREADS + 32 * extra_defines().get("NQ_TILE_PRODUCERS", TILE_PRODUCERS)
 
 
 # The int8 loop's split-K (gemv_units.cuh gemv_split): warps per 2-row unit of down_proj ("i"), the
@@ -249,63 +228,6 @@ def b1_split(kind: str, build: dict[str, int] | None = None) -> int:
     return split
 
 
-def tile_x_preperm() -> bool:
-    """Whether the q/k/v and gate/up tile entries read x pre-permuted into the tile layout (gemm_tiles.cuh
-    NQ_TILE_X_PREPERM, a $NANOQWEN_KERNEL_DEFINES knob, default on), written by nq_norm_cols_wg_h."""
-    return bool(extra_defines().get("NQ_TILE_X_PREPERM", 1))
-
-
-def tile_stages(cols: int) -> int:
-    """Ring stages of the build for `cols` columns (gemm_tiles.cuh tile_stages): NQ_TILE_STAGES (default
-    TILE_STAGES), fewer where they would not fit TILE_SMEM_CAP (5 / 5 / 4 / 3 at 8 / 16 / 32 / 64)."""
-    return min(extra_defines().get("NQ_TILE_STAGES", TILE_STAGES), TILE_SMEM_CAP // _tile_stage_bytes(cols))
-
-
-def _tile_stage_bytes(cols: int) -> int:
-    slots = 2 * TILE_UNITS
-    return slots * 128 + slots * 4 + cols * 2 * 2 * GROUP  # weights, scales, x of a 256-k pair
-
-
-def tile_smem(cols: int) -> int:
-    """Dynamic shared memory of the tile GEMM built for `cols` columns (gemm_tiles.cuh tile_stage_bytes
-    x stages, and kTileSmemAlignPad)."""
-    return tile_stages(cols) * _tile_stage_bytes(cols) + TILE_SMEM_ALIGN
-
-
-@dataclass(frozen=True)
-class TilePlan:
-    """How the tile GEMM covers one matrix: `blocks` stripes over tiles x pairs work items."""
-
-    tiles: int  # 256-row tiles
-    pairs: int  # 256-k steps per tile (pairs of 128-k groups)
-    blocks: int  # P: grid.x, one block per SM at most
-
-    @property
-    def items(self) -> int:
-        return self.tiles * self.pairs
-
-    def stripe(self, b: int) -> tuple[int, int]:
-        """Work items [lo, hi) of block b (gemm_tiles.cuh stripe_lo)."""
-        return b * self.items // self.blocks, (b + 1) * self.items // self.blocks
-
-
-def plan_tiles(k: int, units: int, sm_count: int, min_items: int | None = None) -> TilePlan:
-    """The tile GEMM's stripes for a K-long matrix of `units` 2-row units. Depends on the matrix and the
-    GPU only, never on B: a column's partial sums are then added in the same order at every batch size.
-    One block per SM (P <= SMs), and at least `min_items` (default tile_min_items()) work items per block
-    (so >= 1, which the tickets' contributor count relies on)."""
-    if k % GROUP or units < 1 or sm_count < 1:
-        raise KernelError(f"plan_tiles: bad shape K={k} units={units} SMs={sm_count}")
-    return _plan_tiles(k, units, sm_count, tile_min_items() if min_items is None else min_items)
-
-
-@functools.cache
-def _plan_tiles(k: int, units: int, sm_count: int, min_items: int) -> TilePlan:
-    tiles = -(-units // TILE_UNITS)
-    pairs = -(-(k // GROUP) // 2)
-    return TilePlan(tiles, pairs, max(1, min(sm_count, tiles * pairs // min_items)))
-
-
 class GemvKernels:
     def __init__(self, dims: ModelDims, load_module, variant: str = DEFAULT_GEMV_VARIANT,
                  lm_head: str = DEFAULT_LM_HEAD):
@@ -323,9 +245,10 @@ class GemvKernels:
         self._a8 = variant in A8_VARIANTS
         # the int8 loop's split units (b1_build_defines), in its build; the grid of each kind's B = 1 loop
         # follows the build (never $NANOQWEN_KERNEL_DEFINES at a launch)
-        split_defs = b1_build_defines(dims, ck.sm_count()) if self._a8 else {}
+        sms = ck.sm_count()
+        split_defs = b1_build_defines(dims, sms) if self._a8 else {}
         # gate/up -> down_proj at B = 1 as the a8 image pair (b1_a8_image_pair); the step asks this
-        self.a8_image_pair = self._a8 and b1_a8_image_pair(dims, ck.sm_count())
+        self.a8_image_pair = self._a8 and b1_a8_image_pair(dims, sms)
         self._split = {kind: (b1_split(kind, split_defs) if self._a8 else 1) for kind in GEMV_KINDS}
         m = load_module(INT4_SOURCES, {**dims.defines(), **split_defs})
         f = load_module(FP16_SOURCES, dims.defines())
@@ -357,7 +280,6 @@ class GemvKernels:
             self._x_preperm = tile_x_preperm()
             self._norm_cols_wg = m.get_function("nq_norm_cols_wg_h") if self._x_preperm else None
             cp = ck.cupy_module()
-            sms = ck.sm_count()
             self._tile_min_items = tile_min_items()  # read once: the launches below plan with it
             tiles = max(plan_tiles(kk, units, sms, self._tile_min_items).tiles
                         for units, kk in self._units_by_kind().values())

@@ -39,7 +39,7 @@
 //   head of another. A whole tile's sums go straight through the epilogue functor; a partial segment's
 //   fp32 sums go to ws slot 2 b (the block's first segment) or 2 b + 1 (its last), and the block that
 //   finishes a tile's last segment (an atomic ticket per tile) adds the slots in block order and runs the
-//   epilogue, then resets the ticket for the next launch. P depends on the matrix only (gemv.py
+//   epilogue, then resets the ticket for the next launch. P depends on the matrix only (tile_plan.py
 //   plan_tiles), not on B, so a column's sums are added in the same order at every batch size.
 //
 // Tested: tests/test_gemv_gpu.py (every entry against numpy, B = 1 .. 64, 7B / 1.5B / tiny shapes);
@@ -55,9 +55,9 @@ constexpr int kTileWarps = 16;                      // consumer warps per block:
 constexpr int kTileThreads = 32 * kTileWarps;
 constexpr int kTileMT = 1;                          // m16 tiles per warp
 constexpr int kTileUnits = kTileWarps * 8 * kTileMT;  // 128 units = 256 rows per tile
-static_assert(kTileUnits == 128, "the tile is 128 units (gemv.py TILE_UNITS)");
+static_assert(kTileUnits == 128, "the tile is 128 units (tile_plan.py TILE_UNITS)");
 constexpr int kTileSlots = 2 * kTileUnits;         // row slots per stage
-// Producer warps (gemv.py TILE_PRODUCERS): step time at 1 / 2 / 4 of them (7B step GEMVs at B = 8:
+// Producer warps (tile_plan.py TILE_PRODUCERS): step time at 1 / 2 / 4 of them (7B step GEMVs at B = 8:
 // 3.17 / 2.67 / 2.46 ms, docs/PERF.md); at 6 or 8 the 768-thread block leaves 80 registers a thread and
 // the consumers spill
 #ifndef NQ_TILE_PRODUCERS
@@ -76,7 +76,7 @@ __host__ __device__ constexpr int tile_stage_bytes() {
   return kTileSlots * 128 + kTileSlots * 4 + kCols * 2 * 2 * kGroup;
 }
 // Ring depth: NQ_TILE_STAGES (default 8) where they fit kTileSmemCap, else as many as fit (5 / 5 / 4 / 3 at
-// 8 / 16 / 32 / 64 columns; gemv.py tile_stages mirrors this)
+// 8 / 16 / 32 / 64 columns; tile_plan.py tile_stages mirrors this)
 #ifndef NQ_TILE_STAGES
 #define NQ_TILE_STAGES 8
 #endif
@@ -123,7 +123,7 @@ __device__ __forceinline__ uint4* tile_ring_base(uint4* raw) {
 //   (one warp per (column, quarter) item) recomputed the item's column and quarter for each copy, ~14.5
 //   instructions a copy against ~7.8 here, and at B = 64 the 8,192 x copies of a step are most of the
 //   producers' issue (step GEMVs at B = 32 / 64: 3,754 / 5,606 -> 3,628 / 5,339 us; H200, fcb65af).
-// - issue_x_pre (q/k/v and gate/up, NQ_TILE_X_PREPERM, default 1; gemv.py tile_x_preperm mirrors it): their
+// - issue_x_pre (q/k/v and gate/up, NQ_TILE_X_PREPERM, default 1; tile_plan.py tile_x_preperm mirrors it): their
 //   x comes from an RMSNorm anyway, so nq_norm_cols_wg_h (gemv_mma.cuh norm_cols<K, true>) writes it in this
 //   layout, pair after pair (pair pg's x is bytes [pg, pg + 1) x 512 x kCols of it), and the producers copy
 //   its first ceil(B / 8) atoms of each quarter as 16-byte chunks (at B = 64: 16 per producer thread per

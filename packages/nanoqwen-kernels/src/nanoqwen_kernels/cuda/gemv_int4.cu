@@ -359,7 +359,7 @@ extern "C" __global__ void __launch_bounds__(kThreads) nq_norm_cols_i(
 // The batched tile GEMM (gemm_tiles.cuh; the "tiles" variant of gemv.py, B > 1), up to 8, 16, 32 or 64
 // columns (suffix _tile8 .. _tile64). Arguments: the weights, x [B, K] (already normalised: nq_norm_cols_*),
 // the epilogue's arguments, n_cols = B, the fp32 workspace ws [2 P, COLS, 128, 2] and the tickets [tiles]
-// (int32, zero). Grid: P blocks (gemv.py plan_tiles), kTileBlockThreads threads, dynamic shared memory =
+// (int32, zero). Grid: P blocks (tile_plan.py plan_tiles), kTileBlockThreads threads, dynamic shared memory =
 // kTileStages x tile_stage_bytes<COLS>().
 // o_proj (K = H) and down_proj (K = I): the same entry but for K
 #define NQ_PLAIN_TILE_ENTRY(NAME, K, COLS)                                                                  \
