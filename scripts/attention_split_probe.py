@@ -70,6 +70,7 @@ def probe(dims, label: str, ctx: int, grids, variant: str) -> None:
     ref = None
     for c, n in grids:
         ak.clusters = lambda b, c=c, n=n: (c, n)  # the grid forced; workspace sized for the largest
+        ak._flagged.clear()  # the fold's choice asked again for this grid
         ws = cp.zeros(TICKET_WORDS + 16 * d.n_heads * 128 * (1 + 8 * 2), cp.float32)  # n <= 16, C <= 8
         out = cp.full((1, d.n_heads * 128), np.nan, cp.float16)
         ak.attention_decode(q, k, v, table, seq, 0, out, ws)
@@ -84,7 +85,7 @@ def probe(dims, label: str, ctx: int, grids, variant: str) -> None:
         )
         gbs = kv_bytes / t / 1e9
         print(
-            f"| {label} | {ctx} | C={c} n={n} ({d.n_kv_heads * c * n} blocks) | {t * 1e6:.2f} | "
+            f"| {label} | {ctx} | C={c} n={n} ({d.n_kv_heads * c * n} blocks{', flagged' if ak.flagged_fold(1) else ''}) | {t * 1e6:.2f} | "
             f"{100 * gbs / (COPY_TBS * 1e3):.1f}% | {err:.1e} |",
             flush=True,
         )

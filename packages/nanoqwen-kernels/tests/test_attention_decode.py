@@ -26,7 +26,8 @@ DIMS = {"7b": QWEN25_7B, "tiny": TINY}
 
 
 VARIANTS = ["fma", "mma", "mma8"]  # consumer bodies (nanoqwen_kernels.attention.VARIANTS)
-MIXED = [1, 15, 16, 17, 1000, 5000]  # lengths the batches cycle through (page boundaries and long rows)
+MIXED = [1, 15, 16, 17, 1000, 5000]
+LL_FLAG = 0x4E514C4C  # attention_decode.cu's kLlFlag: a flagged-fold word's high half  # lengths the batches cycle through (page boundaries and long rows)
 
 
 class _Builds(dict):
@@ -132,7 +133,10 @@ def poisoned_workspace(ak, B):
 
 
 def tickets_clear(cp, ws):
-    return not cp.asnumpy(ws[:TICKET_WORDS]).view(np.int32).any()
+    """No ticket counter left counting and no flagged-fold word left flagged (what every call leaves)."""
+    words = cp.asnumpy(ws).view(np.uint32)
+    flags = words[TICKET_WORDS + 1 :: 2]  # each 8-byte word's high half (the flag's place)
+    return not words[:TICKET_WORDS].any() and not (flags == LL_FLAG).any()
 
 
 def run(cp, ak, dims, c, B):
@@ -291,6 +295,29 @@ def test_batch_one_matches_reference(kernels, name, seq_len, variant, rng):
     assert ak.clusters(1)[0] > 1, "batch 1 should launch clusters (the fold under test)"
     c = make_batch(cp, dims, [seq_len], rng)
     check(run(cp, ak, dims, c, 1), c, variant, [seq_len])
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,lengths", [(1, [32768]), (1, [1025]), (2, [4095, 0]), (3, [5000, 17, 2049])])
+def test_both_folds_match_the_reference(kernels, B, lengths, rng):
+    """The several-cluster fold both ways on the same inputs: flagged words (the launcher's choice where
+    every cluster fits on the device at once, which batch 1 to 3 at 7B do) and tickets (its choice where
+    they would not), each against the float64 reference, each leaving no ticket and no flag behind."""
+    import cupy as cp
+
+    dims, ak = QWEN25_7B, kernels["7b", "mma"]
+    assert ak.clusters(B)[1] > 1 and ak.flagged_fold(B), "the launch should fold several clusters, flagged"
+    c = make_batch(cp, dims, lengths, rng)
+    flagged = run(cp, ak, dims, c, B)
+    check(flagged, c, "mma", lengths)
+    ak._flagged[B] = False  # what the launcher picks where the clusters would not all fit
+    try:
+        tickets = run(cp, ak, dims, c, B)
+    finally:
+        ak._flagged.pop(B)
+    check(tickets, c, "mma", lengths)
+    np.testing.assert_allclose(flagged, tickets, rtol=2e-3, atol=1e-4)
 
 
 @gpu

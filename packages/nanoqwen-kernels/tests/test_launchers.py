@@ -91,8 +91,9 @@ def test_sampling_checks(launches):
         s.advance(dev((1,), np.int32), dev((2,), np.int32))
 
 
-def test_attention_decode_launch_and_checks(launches):
-    from nanoqwen_kernels.attention import TICKET_WORDS, AttentionKernels, decode_clusters, decode_splits
+def test_attention_decode_launch_and_checks(launches, monkeypatch):
+    from nanoqwen_kernels import checks
+    from nanoqwen_kernels.attention import LL_ROW, TICKET_WORDS, AttentionKernels, decode_clusters, decode_splits
 
     d = QWEN25_7B
     W, P, B = d.n_heads * 128, 9, 3
@@ -107,12 +108,20 @@ def test_attention_decode_launch_and_checks(launches):
     fn, grid, args = launches[-1]
     assert len(launches) == 1 and decode_clusters(d, B, 132) == (8, 2)
     assert (fn, grid, launches.clusters[-1]) == ("nq_attention_decode", (4, 16, B), (1, 8, 1))
-    assert args[-1] is out and args[-2] is ws and (int(args[-4]), int(args[-3])) == (8, 2)
+    assert args[-1] is out and args[-2] is ws and (int(args[-5]), int(args[-4])) == (8, 2)
+    # 24 clusters fit the device at once (33 on the fake): the flagged fold
+    assert int(args[-3]) == 1 and ak.flagged_fold(B)
     # the batch of one: 1-D q, out and table; 33 splits -> 5 clusters of 8
     ak.attention_decode(dev((W,), np.float16), k, v, dev((P,), np.int32), dev((1,), np.int32), 1,
                         dev((W,), np.float16), ws)
     assert launches[-1][1] == (4, 40, 1) and launches.clusters[-1] == (1, 8, 1)
-    assert ak.workspace_floats(1) == TICKET_WORDS + 5 * d.n_heads * (128 + 2 * 8)
+    assert ak.workspace_floats(1) == TICKET_WORDS + 5 * d.n_heads * 2 * LL_ROW
+    # one cluster a sequence (B = 8): no several-cluster fold to flag; 2 x 3 x 4 = 24 clusters of 8 fit, and
+    # a batch whose clusters do not all fit folds through tickets
+    assert not ak.flagged_fold(8) and ak.flagged_fold(2)
+    ak._flagged.clear()
+    monkeypatch.setattr(checks, "max_active_clusters", lambda *a: 23)
+    assert not ak.flagged_fold(2) and ak.flagged_fold(1)  # 4 x 5 = 20 clusters at batch 1
     # 8 sequences: 5 splits, one cluster of 5; from 33 sequences one split each: clusters of 1
     assert decode_clusters(d, 8, 132) == (5, 1) and decode_clusters(d, 33, 132) == (1, 1)
     q64, out64 = dev((64, W), np.float16), dev((64, W), np.float16)

@@ -36,6 +36,9 @@ DEFAULT_VARIANT = "mma"
 # kernel + combine kernel pair (2026-12-01, docs/PERF.md: 7B batch 1, context 640 8.56 -> 7.24 us per call).
 CLUSTER_MAX = 8  # the portable cluster size
 TICKET_WORDS = 1024  # the workspace's first words: the one-kernel build's ticket counters (kTicketWords)
+# The several-cluster fold's flagged words (attention_decode.cu, NQ_ATTN_LL_FOLD): a (sequence, cluster, head)
+# row of 128 acc + m + l values, each one 8-byte word (value, flag): kLlRow words = 2 * LL_ROW floats.
+LL_ROW = HEAD_DIM + 2
 
 
 def decode_splits(dims: ModelDims, batch: int, sms: int) -> int:
@@ -81,10 +84,11 @@ def decode_smem_bytes(dims: ModelDims, variant: str = DEFAULT_VARIANT) -> int:
 
 
 def decode_workspace_floats(dims: ModelDims, batch: int, sms: int) -> int:
-    """float32 elements a batch of `batch` needs: the ticket words, then the clusters' partial acc
-    [B, clusters, heads, 128] and (m, l) per rank [B, clusters, C, heads, 2]."""
+    """float32 elements a batch of `batch` needs: the ticket words, then either fold's partials: the
+    ticket fold's acc [B, clusters, heads, 128] and (m, l) per rank [B, clusters, C, heads, 2], or the
+    flagged fold's words [B, clusters, heads, 130] (8 bytes each), whichever is larger."""
     c, n = decode_clusters(dims, batch, sms)
-    return TICKET_WORDS + batch * n * dims.n_heads * (HEAD_DIM + 2 * c)
+    return TICKET_WORDS + batch * n * dims.n_heads * max(HEAD_DIM + 2 * c, 2 * LL_ROW)
 
 
 class AttentionKernels:
@@ -101,6 +105,7 @@ class AttentionKernels:
         self.threads = 32 * (1 + _variant(variant)[1])  # 1 producer warp + the consumer warps
         self.smem_bytes = decode_smem_bytes(dims, variant)
         self._sms = sms
+        self._flagged: dict[int, bool] = {}
         mod = load_module(DECODE_SOURCES, decode_defines(dims, variant))
         self._fn = mod.get_function("nq_attention_decode", max_dynamic_smem=self.smem_bytes)
 
@@ -116,6 +121,19 @@ class AttentionKernels:
         """(cluster size, clusters per (sequence, KV head)) a batch of `batch` sequences launches with."""
         return decode_clusters(self.dims, batch, self.sms)
 
+    def flagged_fold(self, batch: int) -> bool:
+        """Whether a batch of `batch` may fold its clusters through flagged words (cluster 0 polls the
+        others' partials): only where the launch has several clusters per sequence and every cluster of the
+        grid fits on the device at once (cuOccupancyMaxActiveClusters), so a polling cluster never waits on
+        one that cannot be placed. Else the ticket fold (the last cluster to finish folds). Asked once a
+        batch size."""
+        if batch not in self._flagged:
+            c, n = self.clusters(batch)
+            grid = (self.dims.n_kv_heads, c * n, batch)
+            self._flagged[batch] = n > 1 and self.dims.n_kv_heads * n * batch <= ck.max_active_clusters(
+                self._fn, grid, (self.threads, 1, 1), self.smem_bytes, (1, c, 1))
+        return self._flagged[batch]
+
     def workspace_floats(self, max_batch: int = MAX_BATCH) -> int:
         """float32 elements a workspace needs to serve every batch size 1..max_batch."""
         return max(decode_workspace_floats(self.dims, b, self.sms) for b in range(1, max_batch + 1))
@@ -123,7 +141,8 @@ class AttentionKernels:
     def new_workspace(self, max_batch: int = MAX_BATCH):
         """A float32 workspace for batches of up to max_batch sequences (allocate once, reuse every token).
         Zeroed: its first TICKET_WORDS are the kernel's ticket counters, which start at 0 (and every call
-        leaves them 0)."""
+        leaves them 0); after them no word may hold the flagged fold's flag (every call clears what it
+        raised)."""
         return ck.cupy_module().zeros(self.workspace_floats(max_batch), dtype=np.float32)
 
     def attention_decode(self, q, k_cache, v_cache, page_table, seq_len_dev, layer, out, workspace) -> None:
@@ -133,7 +152,8 @@ class AttentionKernels:
         q, out: fp16 [B, n_heads*128] (or [n_heads*128], B = 1); k/v_cache: fp16 [n_layers, n_pages,
         n_kv, 16, 128]; page_table: int32 [B, max_pages] (or [max_pages] for B = 1); seq_len_dev: int32
         [B] (device); workspace: float32, zeroed, of at least decode_workspace_floats(dims, B, sms) elements
-        (new_workspace; its first TICKET_WORDS must be 0, as every call leaves them).
+        (new_workspace; its first TICKET_WORDS must be 0 and no word after them may hold the flagged fold's
+        flag, as every call leaves them; NaN poison is fine).
         seq_len is clamped to max_pages*16 on the device.
         Launch overlap: the lengths, the page tables and every page but each sequence's newest (the page of
         position seq_len - 1) are read before the wait for the previous kernel (NQ_ATTN_EARLY_PAGES, default
@@ -166,7 +186,7 @@ class AttentionKernels:
             (d.n_kv_heads, c * n, B),
             (self.threads, 1, 1),
             (q, k_cache, v_cache, page_table, seq_len_dev, np.int32(layer), np.int32(n_pages),
-             np.int32(max_pages), np.int32(c), np.int32(n), workspace, out),
+             np.int32(max_pages), np.int32(c), np.int32(n), np.int32(self.flagged_fold(B)), workspace, out),
             shared_mem=self.smem_bytes,
             cluster=(1, c, 1),
         )

@@ -156,6 +156,11 @@ def even_grid(fn, block_units: int, threads: int, shared_mem: int = 0, copies: i
     return max(1, -(-block_units // iters))
 
 
+def max_active_clusters(fn, grid: tuple, block: tuple, shared_mem: int, cluster: tuple) -> int:
+    """Clusters of this launch shape resident at once on the current device (pdl.max_active_clusters)."""
+    return pdl.max_active_clusters(fn, grid, block, shared_mem, cluster)
+
+
 def launch(fn, grid: int | tuple, block: int | tuple, args: tuple, shared_mem: int = 0,
            cluster: tuple | None = None) -> None:
     """On the current CuPy stream, named explicitly so a graph capture on it records the launch.

@@ -130,7 +130,22 @@ def _driver() -> ctypes.CDLL:
         raise KernelError(f"libcuda.so.1 not loadable for cuLaunchKernelEx: {e}") from None
     lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     lib.cuLaunchKernelEx.restype = ctypes.c_int
+    lib.cuOccupancyMaxActiveClusters.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p,
+                                                 ctypes.POINTER(LaunchConfig)]
+    lib.cuOccupancyMaxActiveClusters.restype = ctypes.c_int
     return lib
+
+
+def max_active_clusters(fn, grid: tuple, block: tuple, shared_mem: int, cluster: tuple) -> int:
+    """How many clusters of this launch shape the device holds at once (cuOccupancyMaxActiveClusters: this
+    kernel's registers and shared memory, and the cluster's placement in one GPC)."""
+    cfg = make_config(grid, block, shared_mem, 0, cluster, programmatic=False)
+    n = ctypes.c_int(0)
+    rc = _driver().cuOccupancyMaxActiveClusters(ctypes.byref(n), fn.ptr, ctypes.byref(cfg))
+    if rc != 0:
+        raise KernelError(f"cuOccupancyMaxActiveClusters failed with CUresult {rc} (grid {grid}, block {block}, "
+                          f"{shared_mem} B shared, cluster {cluster})")
+    return int(n.value)
 
 
 @functools.cache

@@ -16,8 +16,11 @@
 //                last cluster of each call resets what it counted)
 //     ws_acc     [B, n_clusters, NQ_NHEADS, 128]          a cluster's unnormalised partial outputs
 //     ws_ml      [B, n_clusters, C, NQ_NHEADS, 2]         its (max, sum) in the log2 domain, per rank
+//   or, with `ll` (the flagged fold), after the tickets instead of ws_acc / ws_ml:
+//     ll words   uint64 [B, n_clusters, NQ_NHEADS, 130]   acc[128], max, sum, each (fp32 bits | flag << 32);
+//                no word holds the flag between calls (cluster 0 clears what it read)
 // Launch: nq_attention_decode grid (NQ_NKV, C x n_clusters, B), cluster (1, C, 1), C <= 8,
-//         32 * (1 + NQ_DECODE_CONSUMERS) threads, kSmemBytes dynamic smem (attention.py: C and n_clusters
+//         32 * (1 + NQ_DECODE_CONSUMERS) threads, kSmemBytes dynamic smem, `ll` 0 or 1 (attention.py: C and n_clusters
 //         from B, so that NQ_NKV x C x n_clusters x B blocks cover the SMs: 7B at batch 1 (8, 5), 33
 //         sequences and more (1, 1)).
 //
@@ -29,10 +32,17 @@
 //     each head's (m, l) into every rank's; the bytes count on the receiver's mbarrier, so each rank waits on
 //     its own barrier, folds from its own shared memory and writes `out`. No workspace, no second kernel, no
 //     cluster barrier after the pushes.
-//   - longer: every cluster folds its blocks the same way into the workspace; the last cluster to take a
-//     ticket (atomic, one counter per (sequence, KV head, rank)) folds the clusters' partials into `out`.
-//     Rank r of the last cluster reads only what rank r of each cluster wrote (acc and (m, l) of its heads),
-//     so one ticket chain per rank orders every read after its write.
+//   - longer: every cluster folds its blocks the same way, then the clusters fold into `out`, one of two ways:
+//     * flagged words (`ll` = 1, NQ_ATTN_LL_FOLD; the launcher sets it where every cluster of the grid is
+//       resident at once): clusters 1.. store each value of their partial as an 8-byte word with a flag in
+//       its high half; rank r of cluster 0 polls the words of its heads until every flag is up, folds, writes
+//       `out` and clears the words. No fence and no ticket on the critical path: a word's flag and value land
+//       together (one 64-bit access), and since every cluster is resident, cluster 0 never waits on one
+//       that cannot start.
+//     * tickets (else): the last cluster to take a ticket (atomic, one counter per (sequence, KV head,
+//       rank)) folds the clusters' partials into `out`. Rank r of the last cluster reads only what rank r of
+//       each cluster wrote (acc and (m, l) of its heads), so one ticket chain per rank orders every read
+//       after its write.
 //   A block with no page contributes a neutral partial (m = -inf, acc = l = 0).
 // Why one kernel (H200, docs/PERF.md "2026-12-01"): the split kernel + a combine kernel took 8.56 us per
 //   call at 7B, batch 1, context 640, 3.8 us of it the combine's launch and its L2 round trips; this
@@ -358,10 +368,38 @@ __device__ __forceinline__ uint32_t recv_bytes(int rank, int c) {
 static_assert(kSmemBytes + 16 * kRecvQuads + 4 * kRecvMlFloats + 24 <= 227 * 1024,
               "the fold's receive area does not fit beside the ring");
 
+// ---- the several-cluster fold through flagged words (NQ_ATTN_LL_FOLD; header: "Splits and clusters") ------
+// Each value a cluster hands to cluster 0 travels as one 8-byte word: the fp32 bits low, kLlFlag high, stored
+// and loaded as single 64-bit accesses (single-copy atomic: a reader that sees the flag sees the value stored
+// with it). So the reader needs no fence on the writer's side and no ticket: it polls the words until every
+// flag is up. Cluster 0 clears the words it read (plain stores, visible to the next call through the kernel
+// boundary), so between calls no word holds the flag. kLlFlag is no fp32 NaN's high word, so a workspace
+// poisoned with NaNs never passes for a written one.
+constexpr unsigned kLlFlag = 0x4E514C4Cu;  // "NQLL"
+constexpr int kLlRow = 128 + 2;          // a (sequence, cluster, head) row: acc[128], m, l
+constexpr int kLlSpinMax = 1 << 20;      // a bound on one poll (a bug must not hang the GPU): ~1 s
+
+__device__ __forceinline__ void st_ll(uint64_t* p, float x) {
+  const uint64_t v = (static_cast<uint64_t>(kLlFlag) << 32) | __float_as_uint(x);
+  asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ uint64_t ld_ll(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ bool ll_up(uint64_t v) { return static_cast<unsigned>(v >> 32) == kLlFlag; }
+__device__ __forceinline__ float ll_val(uint64_t v) { return __uint_as_float(static_cast<unsigned>(v)); }
+
 }  // namespace nq_dec
 
 #ifndef NQ_ATTN_ONE_TRIGGER
 #define NQ_ATTN_ONE_TRIGGER 1  // 1: let the next kernel launch once every block has its pages (A/B knob)
+#endif
+#ifndef NQ_ATTN_LL_FOLD
+// 1 (default): where the launcher says every cluster of the grid is resident at once (`ll`), the several-cluster
+// fold hands partials to cluster 0 as flagged words (no fence, no ticket); 0: always the ticket fold (A/B).
+#define NQ_ATTN_LL_FOLD 1
 #endif
 #ifndef NQ_DECODE_MIN_CLUSTER_PAGES
 #define NQ_DECODE_MIN_CLUSTER_PAGES 64  // a cluster's run is at least this long: <= 1,024 tokens in one cluster
@@ -374,6 +412,7 @@ extern "C" __global__ void __launch_bounds__(nq_dec::kThreads, 1)
                         const int* __restrict__ page_table,          // [B, max_pages]
                         const int* __restrict__ seq_len_dev,         // [B]
                         int layer, int n_pages, int max_pages, int csize, int n_clusters,
+                        int ll,                                      // 1: flagged-word fold (below)
                         float* __restrict__ workspace,               // tickets, ws_acc, ws_ml
                         nq::uint16_t* __restrict__ out) {            // [B, NQ_NHEADS*128]
   NQ_STAMP();  // the step timeline (common.cuh, NQ_STAMPS): nothing in a real build
@@ -509,6 +548,60 @@ extern "C" __global__ void __launch_bounds__(nq_dec::kThreads, 1)
       continue;
     }
     const int hd = kvh * kG + g;
+#if NQ_ATTN_LL_FOLD
+    if (ll) {
+      uint64_t* const ll_ws = reinterpret_cast<uint64_t*>(workspace + kTicketWords);
+      if (ci > 0) {  // a writer: this cluster's partial of (head hd, dim d) to cluster 0, flagged
+        uint64_t* row = ll_ws + (cpart * nq::kHeads + hd) * kLlRow;
+        st_ll(row + d, a);
+        if (d == 0) {
+          st_ll(row + 128, mx);
+          st_ll(row + 129, l);
+        }
+        continue;
+      }
+      // cluster 0, rank r: fold the other clusters' partials of this element, 8 clusters' words in flight
+      for (int cb = 1; cb < used; cb += 8) {
+        const int nc = min(8, used - cb);
+        uint64_t va[8], vm[8], vl[8];
+        for (int spin = 0;; ++spin) {
+          bool up = true;
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            if (j < nc) {
+              const uint64_t* row = ll_ws + ((static_cast<size_t>(b) * n_clusters + cb + j) * nq::kHeads + hd) * kLlRow;
+              va[j] = ld_ll(row + d);
+              vm[j] = ld_ll(row + 128);
+              vl[j] = ld_ll(row + 129);
+              up = up && ll_up(va[j]) && ll_up(vm[j]) && ll_up(vl[j]);
+            }
+          }
+          if (up || spin >= kLlSpinMax) break;
+        }
+        float m_new = mx;
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+          if (j < nc) m_new = fmaxf(m_new, ll_val(vm[j]));
+        const float alpha = mx == neg_inf() ? 0.f : exp2f(mx - m_new);
+        a *= alpha;
+        l *= alpha;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          if (j < nc) {
+            const float mj = ll_val(vm[j]);
+            const float f = mj == neg_inf() ? 0.f : exp2f(mj - m_new);
+            a += f * ll_val(va[j]);
+            l += f * ll_val(vl[j]);
+            // this thread alone read this word: clear it now (m and l after the block barrier below)
+            *(ll_ws + ((static_cast<size_t>(b) * n_clusters + cb + j) * nq::kHeads + hd) * kLlRow + d) = 0ull;
+          }
+        }
+        mx = m_new;
+      }
+      outb[g * 128 + d] = nq::f2h(l > 0.f ? a / l : 0.f);
+      continue;
+    }
+#endif
     ws_acc[(cpart * nq::kHeads + hd) * 128 + d] = a;
     if (d == 0) {  // head g's (m, l) of this cluster, read by this rank of the last cluster
       float* ml = ws_ml + ((cpart * csize + rank) * nq::kHeads + hd) * 2;
@@ -518,6 +611,22 @@ extern "C" __global__ void __launch_bounds__(nq_dec::kThreads, 1)
   }
   NQ_PHASE(7, 0);
   if (used == 1) return;
+#if NQ_ATTN_LL_FOLD
+  if (ll) {
+    if (ci > 0) return;
+    // cluster 0: every thread of a head has read that head's (m, l) words; clear them for the next call
+    __syncthreads();
+    uint64_t* const ll_ws = reinterpret_cast<uint64_t*>(workspace + kTicketWords);
+    for (int e = threadIdx.x; e < heads_of_rank(csize) * (used - 1); e += kThreads) {
+      const int g = rank + csize * (e / (used - 1)), c = 1 + e % (used - 1);
+      if (g >= kG) break;
+      uint64_t* row = ll_ws + ((static_cast<size_t>(b) * n_clusters + c) * nq::kHeads + kvh * kG + g) * kLlRow;
+      row[128] = 0ull;
+      row[129] = 0ull;
+    }
+    return;
+  }
+#endif
 
   // several clusters: take a ticket; rank r of the last cluster to count folds every cluster's partial of
   // its heads (what rank r of each cluster wrote: one ticket chain per rank orders every read after its write)
