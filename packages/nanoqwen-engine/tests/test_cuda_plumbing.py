@@ -97,6 +97,30 @@ def test_graph_and_eager_give_the_same_tokens(tied_path, kind, rng):
         assert nodes is None or nodes >= calls
 
 
+def test_long_context_steps_take_their_own_graph(tied_path, kind, rng, monkeypatch):
+    """From NANOQWEN_DECODE_LONG_CONTEXT tokens on (here 30, the 7B's default being 8,192) a step launches
+    decode attention's long-context build from a graph of its own; the tokens are those of a backend that
+    never does (or differ first at a near-tie: on the GPU the long build splits the pages differently)."""
+    ids = rng.integers(0, 4096, size=20)
+    monkeypatch.setenv("NANOQWEN_DECODE_LONG_CONTEXT", "0")
+    never = make_backend(tied_path, kind, max_context=64)
+    want_logits: list[np.ndarray] = []
+    want = generate(never, ids, 24, logits=want_logits)[0]
+    assert set(never.step.graphs) == {(1, "greedy")}
+    monkeypatch.setenv("NANOQWEN_DECODE_LONG_CONTEXT", "30")
+    long = make_backend(tied_path, kind, max_context=64)
+    got = generate(long, ids, 24)[0]
+    same_or_near_tie(got, want, want_logits, "long-context graph", be=never)
+    # steps up to 29 tokens replay the default graph, the later ones the long one (each captured once)
+    assert set(long.step.graphs) == {(1, "greedy"), (1, "greedy@long")}
+    assert long.info["graph_kernel_nodes_greedy@long"] == long.info["graph_kernel_nodes_greedy"]
+    if kind == "host":  # the long build ran for the layers of the steps from 30 tokens on (20 + 23 steps)
+        assert long.ks.long_calls == (20 + 23 - 29) * long.config.n_layers
+    monkeypatch.setenv("NANOQWEN_DECODE_LONG_CONTEXT", "many")
+    with pytest.raises(ValueError, match="NANOQWEN_DECODE_LONG_CONTEXT"):
+        make_backend(tied_path, kind, max_context=64)
+
+
 def test_int8_decode_activations_round_only_batch1_decode(tied_path, kind, rng):
     """decode_activations="int8" (the default; the GEMV variant "a8"): a single sequence's decode GEMVs
     multiply the activation rounded to int8 per 16 values. Teacher-forced on the fp16 run's tokens: the prefill's

@@ -37,18 +37,19 @@ def _without_gpu():
     scratch buffers, never a build's defines) and numpy for their scratch buffers; restored after."""
     from nanoqwen_kernels import checks
 
-    saved = checks.sm_count, checks.cupy_module
+    saved = checks.sm_count, checks.cupy_module, checks.set_function_attribute
     checks.sm_count = lambda device_id=None: 132
     checks.cupy_module = lambda: _HostArrays()
+    checks.set_function_attribute = lambda fn, attribute, value: None  # a loaded function's, at run time
     try:
         yield
     finally:
-        checks.sm_count, checks.cupy_module = saved
+        checks.sm_count, checks.cupy_module, checks.set_function_attribute = saved
 
 
 def builds(dims_names: list[str]) -> list[tuple[tuple[str, ...], tuple]]:
     from nanoqwen_kernels.attention import VARIANTS as DECODE_VARIANTS
-    from nanoqwen_kernels.attention import AttentionKernels
+    from nanoqwen_kernels.attention import LONG_CLUSTER_MAX, AttentionKernels
     from nanoqwen_kernels.dims import PRESETS
     from nanoqwen_kernels.embed import EmbedKernels
     from nanoqwen_kernels.gemv import GEMV_VARIANTS, GemvKernels
@@ -77,6 +78,7 @@ def builds(dims_names: list[str]) -> list[tuple[tuple[str, ...], tuple]]:
                 pass
             for v in DECODE_VARIANTS:
                 AttentionKernels(d, record, v)
+                AttentionKernels(d, record, v, cluster_max=LONG_CLUSTER_MAX)
             for v in ATTENTION_VARIANTS:
                 PrefillKernels(d, record, v)
     return sorted(found)

@@ -36,6 +36,7 @@ def launches(monkeypatch):
 
     class Calls(list):
         clusters: list
+        attributes: list
 
     calls = Calls()
     calls.clusters = []
@@ -53,6 +54,9 @@ def launches(monkeypatch):
         checks, "even_grid", lambda fn, units, threads, shared_mem=0, copies=1: min(units, 132 * 4 // copies)
     )
     monkeypatch.setattr(checks, "sm_count", lambda device_id=None: 132)
+    calls.attributes = []
+    monkeypatch.setattr(checks, "set_function_attribute", lambda fn, attr, value: calls.attributes.append(
+        (fn, attr, value)))
     # 2 blocks an SM, clusters anywhere: what an H200 holds of decode attention's launch
     monkeypatch.setattr(checks, "max_active_clusters",
                         lambda fn, grid, block, shared_mem, cluster: 132 * 2 // (cluster[0] * cluster[1] * cluster[2]))

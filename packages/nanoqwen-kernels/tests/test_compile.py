@@ -31,6 +31,17 @@ def test_compiles_for_sm90a(source, dims_name):
     assert cubin[:4] == b"\x7fELF" and loader._elf_size(cubin) == len(cubin)
 
 
+@pytest.mark.parametrize("dims_name", sorted(DIMS))
+def test_long_context_decode_attention_compiles(dims_name):
+    """The decode attention build with clusters of up to 16 (the engine's long-context step)."""
+    from nanoqwen_kernels.attention import LONG_CLUSTER_MAX, decode_defines
+
+    defines = decode_defines(DIMS[dims_name], cluster_max=LONG_CLUSTER_MAX)
+    assert defines["NQ_DECODE_CLUSTER_MAX"] == 16 and "NQ_DECODE_CLUSTER_MAX" not in decode_defines(DIMS[dims_name])
+    cubin = loader.compile_cubin(["attention_decode.cu"], defines, "sm_90a")
+    assert cubin[:4] == b"\x7fELF" and loader._elf_size(cubin) == len(cubin)
+
+
 def _tool(name: str) -> str:
     """cuobjdump/nvdisasm from the NVIDIA wheels (nvidia-cuda-cuobjdump, nvidia-cuda-nvdisasm) or PATH."""
     site = Path(loader.__file__).resolve().parents[1]

@@ -174,9 +174,10 @@ def test_attention_variant_reaches_the_attention_build(how, monkeypatch):
     builds = []
 
     class Attn(attention.AttentionKernels):
-        def __init__(self, dims, load, variant=attention.DEFAULT_VARIANT, sms=None):
+        def __init__(self, dims, load, variant=attention.DEFAULT_VARIANT, sms=None,
+                     cluster_max=attention.CLUSTER_MAX):
             builds.append((variant, attention.decode_defines(dims, variant)["NQ_DECODE_MMA"],
-                           32 * (1 + attention.VARIANTS[variant][1])))
+                           32 * (1 + attention.VARIANTS[variant][1]), cluster_max))
             self.attention_decode = self.new_workspace = None
 
     for name in ("GemvKernels", "NormKernels", "EmbedKernels", "SamplingKernels", "PrefillKernels", "HeadI8Kernels"):
@@ -190,7 +191,9 @@ def test_attention_variant_reaches_the_attention_build(how, monkeypatch):
     ks = KernelSet(TINY, arch="sm_90a", **kw)
     want = attention.DEFAULT_VARIANT if how == "default" else "mma8"
     assert ks.attention_variant == want
-    assert builds == [(want, attention.VARIANTS[want][0], 32 * (1 + attention.VARIANTS[want][1]))]
+    # the default build and the long-context one (clusters of up to 16), both of the variant
+    assert builds == [(want, attention.VARIANTS[want][0], 32 * (1 + attention.VARIANTS[want][1]), cm)
+                      for cm in attention.CLUSTER_MAXES]
 
 
 class _Anything:

@@ -128,6 +128,20 @@ def test_attention_decode_launch_and_checks(launches, monkeypatch):
     ws64 = dev((ak.workspace_floats(64),), np.float32)
     ak.attention_decode(q64, k, v, dev((64, P), np.int32), dev((64,), np.int32), 1, out64, ws64)
     assert launches[-1][1] == (4, 1, 64) and launches.clusters[-1] == (1, 1, 1)
+    # the long-context build: clusters of 16 (3 of them at batch 1, 192 blocks), its function told that a
+    # non-portable cluster size is fine and to spread clusters; one workspace serves both builds
+    from nanoqwen_kernels.attention import LONG_CLUSTER_MAX, decode_workspace_floats
+
+    ak16 = AttentionKernels(d, load, sms=132, cluster_max=LONG_CLUSTER_MAX)
+    assert launches.attributes == [("nq_attention_decode", 14, 1), ("nq_attention_decode", 15, 1)]
+    assert ak16.clusters(1) == (16, 3) and ak16.clusters(2) == (16, 2) and ak16.clusters(8) == (5, 1)
+    ak16.attention_decode(dev((W,), np.float16), k, v, dev((P,), np.int32), dev((1,), np.int32), 1,
+                          dev((W,), np.float16), ws)
+    assert launches[-1][1] == (4, 48, 1) and launches.clusters[-1] == (1, 16, 1)
+    assert ak16.workspace_floats(64) == ak.workspace_floats(64) >= max(
+        decode_workspace_floats(d, b, 132, cm) for b in range(1, 65) for cm in (8, 16))
+    with pytest.raises(KernelError, match="clusters of up to 12"):
+        AttentionKernels(d, load, sms=132, cluster_max=12)
     bad = dict(
         page_table=(dev((2, P), np.int32), "page_table"),
         seq_len_dev=(dev((2,), np.int32), "seq_len_dev"),

@@ -35,6 +35,18 @@ DEFAULT_VARIANT = "mma"
 # several clusters, the last to finish folding their partials through the workspace. It replaced a split
 # kernel + combine kernel pair (2026-12-01, docs/PERF.md: 7B batch 1, context 640 8.56 -> 7.24 us per call).
 CLUSTER_MAX = 8  # the portable cluster size
+# The long-context build: clusters of up to 16 blocks (a non-portable size, allowed per function, placed with
+# the "spread" scheduling policy), so a long sequence streams over more blocks with fewer clusters to fold
+# (7B at batch 1: 3 clusters of 16, 192 blocks, instead of 5 of 8). In isolation (H200, docs/PERF.md
+# twenty-fourth lease) 7B 23.4 us at 32k against 25.7; in the step at short context it loses (a cluster
+# of 16 waits for 16 free slots in one GPC while the previous kernel holds the SMs), so the engine launches
+# it only for long contexts (nanoqwen_engine's decode step, LONG_CONTEXT_TOKENS).
+LONG_CLUSTER_MAX = 16
+CLUSTER_MAXES = (CLUSTER_MAX, LONG_CLUSTER_MAX)
+# cuda.h CUfunction_attribute: non-portable cluster sizes allowed, and the cluster scheduling policy (1 = spread)
+FUNC_ATTR_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14
+FUNC_ATTR_CLUSTER_SCHEDULING_POLICY_PREFERENCE = 15
+CLUSTER_SCHEDULING_POLICY_SPREAD = 1
 TICKET_WORDS = 1024  # the workspace's first words: the one-kernel build's ticket counters (kTicketWords)
 # The several-cluster fold's flagged words (attention_decode.cu, NQ_ATTN_LL_FOLD): a (sequence, cluster, head)
 # row of 128 acc + m + l values, each one 8-byte word (value, flag): kLlRow words = 2 * LL_ROW floats.
@@ -48,12 +60,12 @@ def decode_splits(dims: ModelDims, batch: int, sms: int) -> int:
     return max(1, -(-sms // (dims.n_kv_heads * batch)))
 
 
-def decode_clusters(dims: ModelDims, batch: int, sms: int) -> tuple[int, int]:
+def decode_clusters(dims: ModelDims, batch: int, sms: int, cluster_max: int = CLUSTER_MAX) -> tuple[int, int]:
     """(cluster size C, clusters per (sequence, KV head)): the split count of
-    decode_splits, in clusters of at most CLUSTER_MAX blocks (7B on 132 SMs: (8, 5) at batch 1, (5, 1) at
-    8, (1, 1) from 33)."""
+    decode_splits, in clusters of at most cluster_max blocks (7B on 132 SMs: (8, 5) at batch 1, (5, 1) at
+    8, (1, 1) from 33; the long build (16, 3) at batch 1)."""
     s = decode_splits(dims, batch, sms)
-    c = min(CLUSTER_MAX, s)
+    c = min(cluster_max, s)
     return c, -(-s // c)
 
 
@@ -63,13 +75,18 @@ def _variant(variant: str) -> tuple[int, int]:
     return VARIANTS[variant]
 
 
-def decode_defines(dims: ModelDims, variant: str = DEFAULT_VARIANT) -> dict[str, Define]:
+def decode_defines(dims: ModelDims, variant: str = DEFAULT_VARIANT, cluster_max: int = CLUSTER_MAX
+                   ) -> dict[str, Define]:
     mma, consumers = _variant(variant)
+    if cluster_max not in CLUSTER_MAXES:
+        raise KernelError(f"decode attention clusters of up to {cluster_max}: one of {CLUSTER_MAXES}")
+    extra = {} if cluster_max == CLUSTER_MAX else {"NQ_DECODE_CLUSTER_MAX": cluster_max}
     return {
         **dims.defines(),
         "NQ_DECODE_STAGES": DECODE_STAGES,
         "NQ_DECODE_MMA": mma,
         "NQ_DECODE_CONSUMERS": consumers,
+        **extra,
     }
 
 
@@ -83,19 +100,22 @@ def decode_smem_bytes(dims: ModelDims, variant: str = DEFAULT_VARIANT) -> int:
     return ring + merge + pbuf + 2 * DECODE_STAGES * 8  # + full/empty mbarriers
 
 
-def decode_workspace_floats(dims: ModelDims, batch: int, sms: int) -> int:
+def decode_workspace_floats(dims: ModelDims, batch: int, sms: int, cluster_max: int = CLUSTER_MAX) -> int:
     """float32 elements a batch of `batch` needs: the ticket words, then either fold's partials: the
     ticket fold's acc [B, clusters, heads, 128] and (m, l) per rank [B, clusters, C, heads, 2], or the
     flagged fold's words [B, clusters, heads, 130] (8 bytes each), whichever is larger."""
-    c, n = decode_clusters(dims, batch, sms)
+    c, n = decode_clusters(dims, batch, sms, cluster_max)
     return TICKET_WORDS + batch * n * dims.n_heads * max(HEAD_DIM + 2 * c, 2 * LL_ROW)
 
 
 class AttentionKernels:
     """The decode attention build for one ModelDims. `load_module(sources, defines)` is the loader's;
-    `sms` the device's SM count (asked of the current device when None)."""
+    `sms` the device's SM count (asked of the current device when None); cluster_max: CLUSTER_MAX, or
+    LONG_CLUSTER_MAX for the long-context build (its function allows non-portable cluster sizes and asks
+    for the spread scheduling policy)."""
 
-    def __init__(self, dims: ModelDims, load_module, variant: str = DEFAULT_VARIANT, sms: int | None = None):
+    def __init__(self, dims: ModelDims, load_module, variant: str = DEFAULT_VARIANT, sms: int | None = None,
+                 cluster_max: int = CLUSTER_MAX):
         if dims.n_heads // dims.n_kv_heads > 8:
             raise KernelError(
                 f"unsupported GQA group {dims.n_heads // dims.n_kv_heads}: attention_decode handles <= 8"
@@ -106,8 +126,13 @@ class AttentionKernels:
         self.smem_bytes = decode_smem_bytes(dims, variant)
         self._sms = sms
         self._flagged: dict[int, bool] = {}
-        mod = load_module(DECODE_SOURCES, decode_defines(dims, variant))
+        self.cluster_max = cluster_max
+        mod = load_module(DECODE_SOURCES, decode_defines(dims, variant, cluster_max))
         self._fn = mod.get_function("nq_attention_decode", max_dynamic_smem=self.smem_bytes)
+        if cluster_max > CLUSTER_MAX:
+            ck.set_function_attribute(self._fn, FUNC_ATTR_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
+            ck.set_function_attribute(self._fn, FUNC_ATTR_CLUSTER_SCHEDULING_POLICY_PREFERENCE,
+                                      CLUSTER_SCHEDULING_POLICY_SPREAD)
 
     @property
     def sms(self) -> int:
@@ -119,7 +144,7 @@ class AttentionKernels:
 
     def clusters(self, batch: int) -> tuple[int, int]:
         """(cluster size, clusters per (sequence, KV head)) a batch of `batch` sequences launches with."""
-        return decode_clusters(self.dims, batch, self.sms)
+        return decode_clusters(self.dims, batch, self.sms, self.cluster_max)
 
     def flagged_fold(self, batch: int) -> bool:
         """Whether a batch of `batch` may fold its clusters through flagged words (cluster 0 polls the
@@ -135,8 +160,10 @@ class AttentionKernels:
         return self._flagged[batch]
 
     def workspace_floats(self, max_batch: int = MAX_BATCH) -> int:
-        """float32 elements a workspace needs to serve every batch size 1..max_batch."""
-        return max(decode_workspace_floats(self.dims, b, self.sms) for b in range(1, max_batch + 1))
+        """float32 elements a workspace needs to serve every batch size 1..max_batch, for either build (one
+        workspace serves both: every call leaves its tickets at 0 and no word flagged)."""
+        return max(decode_workspace_floats(self.dims, b, self.sms, cm)
+                   for b in range(1, max_batch + 1) for cm in CLUSTER_MAXES)
 
     def new_workspace(self, max_batch: int = MAX_BATCH):
         """A float32 workspace for batches of up to max_batch sequences (allocate once, reuse every token).
@@ -172,7 +199,7 @@ class AttentionKernels:
         max_pages = int(page_table.shape[-1])
         ck.check_array("seq_len_dev", seq_len_dev, np.int32, shape=(B,))
         ck.check_array("workspace", workspace, np.float32,
-                    min_size=decode_workspace_floats(d, B, self.sms))
+                    min_size=decode_workspace_floats(d, B, self.sms, self.cluster_max))
         if max_pages * PAGE_TOKENS >= 2**31:
             raise KernelError(f"page_table has {max_pages} pages per sequence: too many for int32 positions")
         if B > 65535:

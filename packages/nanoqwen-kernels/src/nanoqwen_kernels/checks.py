@@ -156,6 +156,11 @@ def even_grid(fn, block_units: int, threads: int, shared_mem: int = 0, copies: i
     return max(1, -(-block_units // iters))
 
 
+def set_function_attribute(fn, attribute: int, value: int) -> None:
+    """cuFuncSetAttribute on a loaded kernel (CuPy's driver binding): e.g. non-portable cluster sizes."""
+    cupy_module().cuda.driver.funcSetAttribute(fn.ptr, attribute, value)
+
+
 def max_active_clusters(fn, grid: tuple, block: tuple, shared_mem: int, cluster: tuple) -> int:
     """Clusters of this launch shape resident at once on the current device (pdl.max_active_clusters)."""
     return pdl.max_active_clusters(fn, grid, block, shared_mem, cluster)

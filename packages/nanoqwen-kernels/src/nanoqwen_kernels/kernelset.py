@@ -15,7 +15,7 @@ import os
 
 from .attention import DEFAULT_VARIANT as DEFAULT_ATTENTION_VARIANT
 from .attention import VARIANTS as ATTENTION_VARIANTS
-from .attention import AttentionKernels
+from .attention import LONG_CLUSTER_MAX, AttentionKernels
 from .dims import ModelDims
 from .embed import EmbedKernels
 from .errors import KernelError
@@ -61,6 +61,8 @@ class KernelSet:
         e = EmbedKernels(dims, load)
         s = SamplingKernels(dims, load)
         a = AttentionKernels(dims, load, attn)
+        # the long-context build (clusters of up to 16): the decode step launches it only for long contexts
+        a_long = AttentionKernels(dims, load, attn, cluster_max=LONG_CLUSTER_MAX)
         p = PrefillKernels(dims, load)
         h = HeadI8Kernels(dims, load)
 
@@ -81,6 +83,7 @@ class KernelSet:
         self.make_sampler_state = s.make_sampler_state
         self.set_sampler_params = s.set_sampler_params
         self.attention_decode = a.attention_decode
+        self.attention_decode_long = a_long.attention_decode
         self.attention_workspace = a.new_workspace
         self.dequantize_int4 = p.dequantize_int4
         self.gemm_int4 = p.gemm_int4

@@ -1,5 +1,5 @@
 """One batched decode step on the GPU: its device buffers, its launch sequence, and the CUDA graphs that
-replay it (one per batch bucket and sampling mode, captured on first use).
+replay it (one per batch bucket, sampling mode and context range, captured on first use).
 
 A step turns the token in row b of `ctrl` at row b's position into row b's next token, for rows
 [0, bucket): the sampler writes the new ids back into ctrl's token rows inside the same graph, and
@@ -21,6 +21,12 @@ buffers) never change after load. The host keeps a shadow of ctrl as it stands o
 the way `advance` advances it) and copies only the span of entries that differ (write_rows): for a steady
 batch that is nothing, or the new page ids of the rows that crossed into a page.
 
+Long contexts get their own graphs: once the bucket's longest sequence reaches LONG_CONTEXT_TOKENS, a step
+launches decode attention's long-context build (clusters of up to 16 blocks: nanoqwen_kernels.attention
+LONG_CLUSTER_MAX), which streams a long context faster but starts later behind the previous kernel than the
+default build's clusters of 8. Its graph key's mode carries LONG_SUFFIX ("greedy@long"). Measured (H200,
+7B, docs/PERF.md twenty-fifth lease): see there for the threshold.
+
 Idle rows (inside the bucket, held by no sequence) run with POS 0, SEQ_LEN 0 and TABLE[b][0] = the
 scratch page, a page of the cache outside the pool that no sequence owns: their K/V write lands there,
 their attention reads nothing, and their sampled ids are dropped. `advance` leaves them idle.
@@ -36,6 +42,7 @@ Buffers (per backend, [R, ...] allocated once at load; H hidden, I intermediate,
 
 from __future__ import annotations
 
+import os
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -48,6 +55,23 @@ from .weights import GpuWeights
 
 SPAN_GAP = 16384  # entries (64 KiB): changed entries closer than this go to the device in one copy
 ID_SLOTS = 3  # pinned slots for launched steps' ids: at most 2 steps are in flight (backend.decode)
+LONG_SUFFIX = "@long"  # a graph key's mode for the long-context step
+DEFAULT_LONG_CONTEXT_TOKENS = 8192
+
+
+def long_context_tokens() -> int:
+    """$NANOQWEN_DECODE_LONG_CONTEXT: the longest sequence's length (tokens, the step's own included) from
+    which a step launches the long-context attention build; 0 = never. Default DEFAULT_LONG_CONTEXT_TOKENS."""
+    raw = os.environ.get("NANOQWEN_DECODE_LONG_CONTEXT", "").strip()
+    if not raw:
+        return DEFAULT_LONG_CONTEXT_TOKENS
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"NANOQWEN_DECODE_LONG_CONTEXT={raw!r}: a number of tokens (0 = never)") from None
+    if value < 0:
+        raise ValueError(f"NANOQWEN_DECODE_LONG_CONTEXT={raw!r}: a number of tokens (0 = never)")
+    return value
 
 
 def _spans(cells: np.ndarray) -> list[tuple[int, int]]:
@@ -145,7 +169,8 @@ class DecodeStep:
         self.logits = xp.zeros((R, V), dtype=np.float32)
         self.attn_ws = ks.attention_workspace(R)
         self.sampler = sampler
-        self.graphs: dict[tuple[int, str], Any] = {}  # (bucket, mode) -> graph, or "pending"
+        self.long_from = long_context_tokens()  # 0: every step on the default attention build
+        self.graphs: dict[tuple[int, str], Any] = {}  # (bucket, mode[@long]) -> graph, or "pending"
         self.graph_nodes: dict[tuple[int, str], int | None] = {}
         self.launcher_calls: int | None = None  # per step, counted on the first eager step
         self.shadow: np.ndarray | None = None  # host copy of ctrl as it stands on the device
@@ -171,22 +196,24 @@ class DecodeStep:
             logits=self.logits[:B])
 
     # ------------------------------------------------------------------ launches
-    def launch_body(self, ks, B: int, mode: str) -> None:
-        """Every launch of one step of rows [0, B) from embedding to sampled ids (captured as one graph)."""
+    def launch_body(self, ks, B: int, mode: str, long: bool = False) -> None:
+        """Every launch of one step of rows [0, B) from embedding to sampled ids (captured as one graph);
+        long: decode attention on its long-context build."""
         v = self.views(B)
         ks.embed(self.w.embed, v.tokens, v.x)
         for i in range(self.cfg.n_layers):
-            self.launch_layer(ks, i, v)
+            self.launch_layer(ks, i, v, long)
         self.launch_head(ks, v.x, v.xn, v.logits)
         self.sampler.launch(ks, mode, v.logits, v.tokens, 0, B)
         ks.advance(v.pos, v.seq_len)
 
-    def launch_layer(self, ks, i: int, v: BucketViews) -> None:
+    def launch_layer(self, ks, i: int, v: BucketViews, long: bool = False) -> None:
         """Decoder layer i on v.x (in place, through v.y) for each row's token at its POS."""
         lw, eps = self.w.layers[i], self.cfg.rms_eps
         ks.qkv_rope_kv(lw.qkv.qweight, lw.qkv.scales, lw.qkv_bias, v.x, lw.in_norm, eps, v.pos, v.table,
                        self.k_cache, self.v_cache, i, v.q)
-        ks.attention_decode(v.q, self.k_cache, self.v_cache, v.table, v.seq_len, i, v.attn, self.attn_ws)
+        attend = ks.attention_decode_long if long else ks.attention_decode
+        attend(v.q, self.k_cache, self.v_cache, v.table, v.seq_len, i, v.attn, self.attn_ws)
         ks.gemv_int4(lw.o.qweight, lw.o.scales, v.attn, v.y, residual=v.x)
         if v.act.shape[0] == 1 and getattr(ks, "gemv_variant", None) == "a8" and getattr(ks, "a8_image_pair", True):
             # int8 decode activations where the kernels choose the image pair (nanoqwen_kernels.gemv
@@ -300,9 +327,20 @@ class DecodeStep:
         """Steps launched whose ids are not collected yet."""
         return len(self._pending)
 
+    def graph_key(self, bucket: int, mode: str) -> tuple[int, str]:
+        """The graph the next step of rows [0, bucket) launches: (bucket, mode), or (bucket, mode + LONG_SUFFIX)
+        once the longest of those rows reaches long_from tokens. The host's shadow holds each row's length
+        as of the last step collected or written; every step launched and not collected adds one."""
+        if self.long_from and self.shadow is not None:
+            lay = self.layout
+            longest = int(self.shadow[lay.seq_len:lay.seq_len + bucket].max(initial=0)) + len(self._pending)
+            if longest >= self.long_from:
+                return bucket, mode + LONG_SUFFIX
+        return bucket, mode
+
     def captured(self, bucket: int, mode: str) -> bool:
-        """Whether (bucket, mode) has its graph: the next step of it is a plain replay."""
-        g = self.graphs.get((bucket, mode))
+        """Whether the next step of (bucket, mode) has its graph (graph_key): it is a plain replay."""
+        g = self.graphs.get(self.graph_key(bucket, mode))
         return g is not None and not isinstance(g, str)
 
     def run(self, bucket: int, mode: str, eager: bool) -> np.ndarray:
@@ -312,19 +350,20 @@ class DecodeStep:
 
     def launch(self, bucket: int, mode: str, eager: bool) -> None:
         """Enqueue one step of rows [0, bucket) on the device's stream; nothing waits for it."""
-        dev, key = self.dev, (bucket, mode)
+        dev, key = self.dev, self.graph_key(bucket, mode)
+        long = key[1] != mode
         with dev.use():
             if eager or key not in self.graphs:
                 # The first step of each (bucket, mode) runs eagerly: it loads every kernel it needs and
                 # counts the launches; capturing happens on the next step (nothing executes while a
                 # stream is capturing, so the capture must not be the first use of a kernel).
                 counting = CountingKernels(self.ks)
-                self.launch_body(counting, bucket, mode)
+                self.launch_body(counting, bucket, mode, long)
                 self.launcher_calls = counting.calls
                 if not eager:
                     self.graphs[key] = "pending"
             elif self.graphs[key] == "pending":
-                graph = dev.capture(lambda: self.launch_body(self.ks, bucket, mode))
+                graph = dev.capture(lambda: self.launch_body(self.ks, bucket, mode, long))
                 self.graphs[key] = graph
                 self.graph_nodes[key] = dev.graph_kernel_nodes(graph)
                 dev.replay(graph)

@@ -179,6 +179,16 @@ class HostKernels:
 
     @_launcher
     def attention_decode(self, q, k_cache, v_cache, page_table, seq_len_dev, layer, out, workspace):
+        self._attention_decode(q, k_cache, v_cache, page_table, seq_len_dev, layer, out)
+
+    @_launcher
+    def attention_decode_long(self, q, k_cache, v_cache, page_table, seq_len_dev, layer, out, workspace):
+        """The long-context build: on the GPU another grid over the same pages; here the same numbers,
+        counted (long_calls) so the tests see which build a step ran."""
+        self.long_calls = getattr(self, "long_calls", 0) + 1
+        self._attention_decode(q, k_cache, v_cache, page_table, seq_len_dev, layer, out)
+
+    def _attention_decode(self, q, k_cache, v_cache, page_table, seq_len_dev, layer, out):
         qr, o, tables = _rows(q), _rows(out), _rows(page_table)
         for b in range(qr.shape[0]):
             n = int(seq_len_dev[b])

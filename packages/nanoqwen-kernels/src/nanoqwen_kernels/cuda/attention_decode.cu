@@ -19,7 +19,8 @@
 //   or, with `ll` (the flagged fold), after the tickets instead of ws_acc / ws_ml:
 //     ll words   uint64 [B, n_clusters, NQ_NHEADS, 130]   acc[128], max, sum, each (fp32 bits | flag << 32);
 //                no word holds the flag between calls (cluster 0 clears what it read)
-// Launch: nq_attention_decode grid (NQ_NKV, C x n_clusters, B), cluster (1, C, 1), C <= 8,
+// Launch: nq_attention_decode grid (NQ_NKV, C x n_clusters, B), cluster (1, C, 1), C <= NQ_DECODE_CLUSTER_MAX
+//         (8, the portable size; the long-context build 16, a non-portable size the launcher allows),
 //         32 * (1 + NQ_DECODE_CONSUMERS) threads, kSmemBytes dynamic smem, `ll` 0 or 1 (attention.py: C and n_clusters
 //         from B, so that NQ_NKV x C x n_clusters x B blocks cover the SMs: 7B at batch 1 (8, 5), 33
 //         sequences and more (1, 1)).
@@ -285,7 +286,11 @@ __device__ __forceinline__ float4 merge_acc4(const Smem& sm, int g, int d) {
 }
 
 // ---- the cluster fold (header: "Splits and clusters") -------------------------------------------------
-constexpr int kClusterMax = 8;  // the portable cluster size: the launcher's CLUSTER_MAX
+#ifndef NQ_DECODE_CLUSTER_MAX
+#define NQ_DECODE_CLUSTER_MAX 8  // the portable cluster size (attention.py CLUSTER_MAX); 16: the long build
+#endif
+constexpr int kClusterMax = NQ_DECODE_CLUSTER_MAX;  // the largest cluster a launch may have (the fold's arrays)
+static_assert(kClusterMax == 8 || kClusterMax == 16, "clusters of up to 8 (portable) or 16 (non-portable)");
 constexpr int kQuads = kG * 32;  // the block's outputs (G heads x 128 dims) as quads of 4 dims: 32 a head
 static_assert(kClusterMax * kG <= kThreads, "the (m, l) pushes take one thread per (rank, head)");
 
@@ -565,17 +570,20 @@ extern "C" __global__ void __launch_bounds__(nq_dec::kThreads, 1)
         const int nc = min(8, used - cb);
         uint64_t va[8], vm[8], vl[8];
         for (int spin = 0;; ++spin) {
-          bool up = true;
+          // all 24 loads issued back to back, then checked: a check (or a branch) between them would wait for
+          // each group's round trip in turn (the first build did: 7B 16k 15.8 -> 17.0 us a call); a slot past
+          // nc reloads cluster cb + nc - 1's words and counts as up
 #pragma unroll
           for (int j = 0; j < 8; ++j) {
-            if (j < nc) {
-              const uint64_t* row = ll_ws + ((static_cast<size_t>(b) * n_clusters + cb + j) * nq::kHeads + hd) * kLlRow;
-              va[j] = ld_ll(row + d);
-              vm[j] = ld_ll(row + 128);
-              vl[j] = ld_ll(row + 129);
-              up = up && ll_up(va[j]) && ll_up(vm[j]) && ll_up(vl[j]);
-            }
+            const int c = cb + min(j, nc - 1);
+            const uint64_t* row = ll_ws + ((static_cast<size_t>(b) * n_clusters + c) * nq::kHeads + hd) * kLlRow;
+            va[j] = ld_ll(row + d);
+            vm[j] = ld_ll(row + 128);
+            vl[j] = ld_ll(row + 129);
           }
+          bool up = true;
+#pragma unroll
+          for (int j = 0; j < 8; ++j) up &= (j >= nc) | (ll_up(va[j]) & ll_up(vm[j]) & ll_up(vl[j]));
           if (up || spin >= kLlSpinMax) break;
         }
         float m_new = mx;
