@@ -1,7 +1,7 @@
 """Decode attention at batch 1 under other page splits: which (cluster size C, clusters n) grid is fastest at
 each context, on the 7B's and the 1.5B's dims (issue 15's attention line and its 32k line).
 
-    PYTHONPATH=packages/nanoqwen-kernels/src python scripts/attention_split_probe.py [--ctx 640,32768] [--variant mma8] [--stages 16] [--grids 3] [--grids-spec "7B:8x5,8x4;1.5B:8x9"]
+    PYTHONPATH=packages/nanoqwen-kernels/src python scripts/attention_split_probe.py [--ctx 640,32768] [--variant mma8] [--stages 16] [--grids 3] [--grids-spec "7B:8x5,8x4;1.5B:8x9"] [--cluster-max 16]
 
 The launcher sizes the grid as n_kv x C x n blocks from the SM count (attention.py decode_clusters: 7B
 (8, 5) = 160 blocks on 132 SMs, the 1.5B (8, 9) = 144), so some SMs hold two blocks of equal work; this
@@ -61,9 +61,9 @@ def one_sequence(d, ctx: int) -> dict:
     }
 
 
-def probe(dims, label: str, ctx: int, grids, variant: str) -> None:
+def probe(dims, label: str, ctx: int, grids, variant: str, cluster_max: int = 8) -> None:
     d = dims
-    ak = AttentionKernels(d, load_module, variant)
+    ak = AttentionKernels(d, load_module, variant, cluster_max=cluster_max)
     one = one_sequence(d, ctx)
     k, v, table, seq, q = one["k"], one["v"], one["table"], one["seq"], one["q"]
     n_layers, kv_bytes = one["n_layers"], one["kv_bytes"]
@@ -71,7 +71,7 @@ def probe(dims, label: str, ctx: int, grids, variant: str) -> None:
     for c, n in grids:
         ak.clusters = lambda b, c=c, n=n: (c, n)  # the grid forced; workspace sized for the largest
         ak._flagged.clear()  # the fold's choice asked again for this grid
-        ws = cp.zeros(TICKET_WORDS + 16 * d.n_heads * 128 * (1 + 8 * 2), cp.float32)  # n <= 16, C <= 8
+        ws = cp.zeros(TICKET_WORDS + 16 * d.n_heads * 128 * (1 + 16 * 2), cp.float32)  # n <= 16, C <= 16
         out = cp.full((1, d.n_heads * 128), np.nan, cp.float16)
         ak.attention_decode(q, k, v, table, seq, 0, out, ws)
         cp.cuda.Device().synchronize()
@@ -98,6 +98,8 @@ def main() -> int:
     if "--stages" in sys.argv:  # the ring's depth: the launcher's constant, so smem and defines agree
         attention_mod.DECODE_STAGES = int(sys.argv[sys.argv.index("--stages") + 1])
     variant = sys.argv[sys.argv.index("--variant") + 1] if "--variant" in sys.argv else "mma"
+    # --cluster-max 16: the long-context build (attention.LONG_CLUSTER_MAX; grids of C <= 16)
+    cmax = int(sys.argv[sys.argv.index("--cluster-max") + 1]) if "--cluster-max" in sys.argv else 8
     n_grids = int(sys.argv[sys.argv.index("--grids") + 1]) if "--grids" in sys.argv else None  # the first N
     grids = grids_from(sys.argv[sys.argv.index("--grids-spec") + 1]) if "--grids-spec" in sys.argv else GRIDS
     print(
@@ -109,7 +111,7 @@ def main() -> int:
         if label not in grids:
             continue
         for ctx in ctxs:
-            probe(dims, label, ctx, grids[label][:n_grids], variant)
+            probe(dims, label, ctx, grids[label][:n_grids], variant, cmax)
     return 0
 
 

@@ -48,8 +48,8 @@ def _without_gpu():
 
 
 def builds(dims_names: list[str]) -> list[tuple[tuple[str, ...], tuple]]:
-    from nanoqwen_kernels.attention import VARIANTS as DECODE_VARIANTS
     from nanoqwen_kernels.attention import LONG_CLUSTER_MAX, AttentionKernels
+    from nanoqwen_kernels.attention import VARIANTS as DECODE_VARIANTS
     from nanoqwen_kernels.dims import PRESETS
     from nanoqwen_kernels.embed import EmbedKernels
     from nanoqwen_kernels.gemv import GEMV_VARIANTS, GemvKernels

@@ -34,16 +34,17 @@ class _Builds(dict):
     """(dims name, variant) or (dims name, variant, extra defines) -> AttentionKernels, built on first use."""
 
     def __missing__(self, key):
-        from nanoqwen_kernels.attention import AttentionKernels
+        from nanoqwen_kernels.attention import LONG_CLUSTER_MAX, AttentionKernels
         from nanoqwen_kernels.loader import load_module
 
         name, variant, *extra = key
-        added = dict(extra[0]) if extra else {}
+        long = "long" in extra  # the long-context build (clusters of up to 16)
+        added = dict(extra[0]) if extra and extra[0] != "long" else {}
 
         def load(sources, defines):
             return load_module(sources, {**defines, **added})
 
-        ak = AttentionKernels(DIMS[name], load, variant)
+        ak = AttentionKernels(DIMS[name], load, variant, cluster_max=LONG_CLUSTER_MAX if long else 8)
         self[key] = ak
         return ak
 
@@ -295,6 +296,23 @@ def test_batch_one_matches_reference(kernels, name, seq_len, variant, rng):
     assert ak.clusters(1)[0] > 1, "batch 1 should launch clusters (the fold under test)"
     c = make_batch(cp, dims, [seq_len], rng)
     check(run(cp, ak, dims, c, 1), c, variant, [seq_len])
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["7b", "tiny"])
+@pytest.mark.parametrize("B,lengths", [(1, [1]), (1, [640]), (1, [1025]), (1, [32768]), (2, [4095, 0]),
+                                       (3, [5000, 17, 2049]), (8, [1, 15, 16, 17, 1000, 5000, 0, 1025])])
+def test_long_build_matches_the_reference(kernels, name, B, lengths, rng):
+    """The long-context build (clusters of up to 16 blocks, a non-portable size: 7B at batch 1 3 clusters
+    of 16) against the float64 reference, over one cluster, several, idle rows; no ticket, no flag left."""
+    import cupy as cp
+
+    dims, ak = DIMS[name], kernels[name, "mma", "long"]
+    c16 = ak.clusters(B)[0]
+    assert B > 2 or c16 == 16, "batch 1 and 2 should launch clusters of 16 (the build under test)"
+    c = make_batch(cp, dims, lengths, rng)
+    check(run(cp, ak, dims, c, B), c, "mma", lengths)
 
 
 @gpu

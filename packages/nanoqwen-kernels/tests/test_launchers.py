@@ -93,7 +93,13 @@ def test_sampling_checks(launches):
 
 def test_attention_decode_launch_and_checks(launches, monkeypatch):
     from nanoqwen_kernels import checks
-    from nanoqwen_kernels.attention import LL_ROW, TICKET_WORDS, AttentionKernels, decode_clusters, decode_splits
+    from nanoqwen_kernels.attention import (
+        LL_ROW,
+        TICKET_WORDS,
+        AttentionKernels,
+        decode_clusters,
+        decode_splits,
+    )
 
     d = QWEN25_7B
     W, P, B = d.n_heads * 128, 9, 3

@@ -14,8 +14,8 @@ import functools
 import os
 
 from .attention import DEFAULT_VARIANT as DEFAULT_ATTENTION_VARIANT
-from .attention import VARIANTS as ATTENTION_VARIANTS
 from .attention import LONG_CLUSTER_MAX, AttentionKernels
+from .attention import VARIANTS as ATTENTION_VARIANTS
 from .dims import ModelDims
 from .embed import EmbedKernels
 from .errors import KernelError
