@@ -436,11 +436,15 @@ class GemvKernels:
             self._launch_mma(lambda c: self._mma[(kind, c)], units, k, b, args)
 
     def qkv_rope_kv(
-        self, qweight, scales, bias, x, norm_w, eps, pos_dev, page_table, k_cache, v_cache, layer, q_out
+        self, qweight, scales, bias, x, norm_w, eps, pos_dev, page_table, k_cache, v_cache, layer, q_out,
+        settled: bool = False,
     ) -> None:
         """Fused RMSNorm + q/k/v GEMV + bias + RoPE at pos_dev[b] + K/V into the page of pos_dev[b] in
         page_table row b; q of row b to q_out[b]. A row whose position has no page (page id < 0 or past
-        the pool, or pos_dev[b] outside the table) writes no K/V and gets NaN q (a padding row)."""
+        the pool, or pos_dev[b] outside the table) writes no K/V and gets NaN q (a padding row).
+        settled: the caller promises pos_dev and page_table were written before the previous kernel on the
+        stream started (the engine's decode step), so the B = 1 loop reads them before its launch-overlap
+        wait (gemv_epilogues.cuh QkvEpi); other paths ignore it."""
         d = self.dims
         rows = d.qkv_rows
         n, _ = self._int4(qweight, scales, d.hidden)
@@ -478,7 +482,7 @@ class GemvKernels:
             self._launch_tiles("qkv", rows // 2, d.hidden, b, (qweight, scales), x, norm_w, e,
                                (bias, *args[6:]))
         elif b == 1 and "qkv" not in self._mma_at_b1:
-            self._launch_b1("qkv", rows // 2, args)
+            self._launch_b1("qkv", rows // 2, (*args, np.int32(1 if settled else 0)))
         else:
             self._launch_mma(lambda c: self._mma[("qkv", c)], rows // 2, d.hidden, b, args)
 

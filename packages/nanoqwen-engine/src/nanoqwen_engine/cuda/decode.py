@@ -210,8 +210,10 @@ class DecodeStep:
     def launch_layer(self, ks, i: int, v: BucketViews, long: bool = False) -> None:
         """Decoder layer i on v.x (in place, through v.y) for each row's token at its POS."""
         lw, eps = self.w.layers[i], self.cfg.rms_eps
+        # settled: POS and the page tables were written before the step's first kernel (write_rows' copy, the
+        # previous step's advance), so q/k/v's B = 1 loop reads them before its launch-overlap wait
         ks.qkv_rope_kv(lw.qkv.qweight, lw.qkv.scales, lw.qkv_bias, v.x, lw.in_norm, eps, v.pos, v.table,
-                       self.k_cache, self.v_cache, i, v.q)
+                       self.k_cache, self.v_cache, i, v.q, settled=True)
         attend = ks.attention_decode_long if long else ks.attention_decode
         attend(v.q, self.k_cache, self.v_cache, v.table, v.seq_len, i, v.attn, self.attn_ws)
         ks.gemv_int4(lw.o.qweight, lw.o.scales, v.attn, v.y, residual=v.x)

@@ -146,7 +146,7 @@ class HostKernels:
 
     @_launcher
     def qkv_rope_kv(self, qweight, scales, bias, x, norm_w, eps, pos_dev, page_table, k_cache, v_cache,
-                    layer, q_out):
+                    layer, q_out, settled=False):
         c = self.cfg
         h = self._gemv_x(_rms(_rows(x), norm_w, eps))
         y = _mm(h, self._w(qweight, scales)) + bias.astype(np.float32)  # [B, R]

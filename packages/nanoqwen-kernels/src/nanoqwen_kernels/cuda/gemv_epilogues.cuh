@@ -37,13 +37,29 @@ struct QkvEpi {
   uint16_t* v_cache;
   int layer, n_pages;
   uint16_t* q_out;            // [B, kQDim]
-  __device__ void operator()(int b, int p, int r0, int r1, float x0, float x1) const {
-    const int head = p / 64, d = p % 64;
+  // settled (the B = 1 entries' last argument; 0 elsewhere): pos and page_table were written before the
+  // previous kernel on the stream started (the engine's decode step: the host's control copy and the previous
+  // step's `advance`; why that holds: gemv_units.cuh EpiPre), so the B = 1 loop reads column 0's position and
+  // page id before its launch-overlap wait, with the weights, instead of two dependent L2 round trips after
+  // its sums (pos, then the table entry it indexes).
+  int settled;
+  struct Pre {
+    int ps, page;  // the position, and its page id (-1: none; a padding row)
+  };
+  __device__ Pre pre(int b) const {
     const int ps = pos[b];
     // A row whose position has no page (a padding row of a batch bucket: page id -1) writes no K/V and
     // gets NaN q, so nothing outside its own outputs changes and garbage shows rather than hides.
     const int blk = ps >= 0 ? ps / kPageTokens : -1;
     const int page = (blk >= 0 && blk < max_pages) ? page_table[static_cast<size_t>(b) * max_pages + blk] : -1;
+    return {ps, page};
+  }
+  __device__ void operator()(int b, int p, int r0, int r1, float x0, float x1) const {
+    at(pre(b), b, p, r0, r1, x0, x1);
+  }
+  __device__ void at(const Pre& pr, int b, int p, int r0, int r1, float x0, float x1) const {
+    const int head = p / 64, d = p % 64;
+    const int ps = pr.ps, page = pr.page;
     const bool ok = page >= 0 && page < n_pages;
     x0 += h2f(bias[r0]);
     x1 += h2f(bias[r1]);

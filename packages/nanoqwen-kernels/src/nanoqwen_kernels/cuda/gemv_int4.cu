@@ -215,7 +215,8 @@ using namespace nq;
 //   nq_qkv_rope_kv: fused input RMSNorm + q/k/v projection + bias + RoPE + KV page write (units kQkvRows / 2):
 //     qweight [kQkvRows, H/8] rows q | k | v, scales, bias [kQkvRows], x [H] (the residual stream), norm_w
 //     (not null), eps, pos [1] (device: graph-replayable), page_table [1, max_pages], max_pages, k_cache,
-//     v_cache [L, n_pages, kKvHeads, 16, 128] fp16, layer, n_pages, q_out [kQDim] fp16 (roped).
+//     v_cache [L, n_pages, kKvHeads, 16, 128] fp16, layer, n_pages, q_out [kQDim] fp16 (roped), settled (1:
+//     pos and page_table were written before the previous kernel started: read before the wait; QkvEpi).
 //   nq_gate_up_silu: fused post-attention RMSNorm + gate/up + SiLU(gate) * up (units kInter): qweight
 //     [2I, H/8] rows gate | up, scales, x [H], norm_w or null, eps, out [I] fp16.
 #define NQ_B1_ENTRIES(SUFFIX, KX, LB_I)                                                                                              \
@@ -238,11 +239,11 @@ using namespace nq;
       const uint16_t* __restrict__ bias, const uint16_t* __restrict__ x, const uint16_t* __restrict__ norm_w, \
       float eps, const int32_t* __restrict__ pos, const int32_t* __restrict__ page_table, int max_pages,     \
       uint16_t* __restrict__ k_cache, uint16_t* __restrict__ v_cache, int layer, int n_pages,                \
-      uint16_t* __restrict__ q_out) {                                                                       \
+      uint16_t* __restrict__ q_out, int settled) {                                                          \
     NQ_STAMP();                                                                                             \
     gemv_units<kHidden, QkvRows, QkvEpi, KX>(                                                               \
         qweight, scales, x, norm_w, eps, kQkvRows / 2, QkvRows{},                                           \
-        QkvEpi{bias, pos, page_table, max_pages, k_cache, v_cache, layer, n_pages, q_out});                 \
+        QkvEpi{bias, pos, page_table, max_pages, k_cache, v_cache, layer, n_pages, q_out, settled});        \
   }                                                                                                         \
   extern "C" __global__ void __launch_bounds__(kThreads) nq_gate_up_silu##SUFFIX(                           \
       const uint32_t* __restrict__ qweight, const uint16_t* __restrict__ scales, const uint16_t* __restrict__ x, \

@@ -148,6 +148,40 @@ __device__ __forceinline__ void join_split(float& o0, float& o1, int slot, int p
   }
 }
 
+// An epilogue's reads that no kernel of the step writes, for the B = 1 loop to issue before its launch-overlap
+// wait: an Epi with a member type Pre, pre(b) and at(pre, ...) has them (QkvEpi: the position and its page
+// id), used only where the caller says they are settled (Epi::settled); any other Epi has none and is called
+// as it is. Why it is safe in the engine's decode step: a kernel's blocks run their pre-wait code only once
+// the previous kernel released them, which every B = 1 loop does after its own wait (or at its exit), and
+// each wait returns only after the previous kernel completed: so the step's earlier kernels, and the
+// previous step's `advance` (which wrote pos) before them, have completed by then (q/k/v of layer 0 follows
+// the embedding, which releases nothing early). tests/test_compile.py lets these two loads precede the wait.
+#ifndef NQ_QKV_SETTLED
+#define NQ_QKV_SETTLED 1  // 0: q/k/v reads them after its sums even when settled (an A/B knob)
+#endif
+template <class...>
+using void_t = void;
+template <class Epi, class = void>
+struct EpiPre {
+  struct type {};
+  __device__ static type read(const Epi&) { return {}; }
+  __device__ static void call(const Epi& e, const type&, int p, int r0, int r1, float o0, float o1) {
+    e(0, p, r0, r1, o0, o1);
+  }
+};
+template <class Epi>
+struct EpiPre<Epi, void_t<typename Epi::Pre>> {
+  using type = typename Epi::Pre;
+  __device__ static type read(const Epi& e) { return NQ_QKV_SETTLED && e.settled ? e.pre(0) : type{}; }
+  __device__ static void call(const Epi& e, const type& pr, int p, int r0, int r1, float o0, float o1) {
+    if (NQ_QKV_SETTLED && e.settled) {
+      e.at(pr, 0, p, r0, r1, o0, o1);
+    } else {
+      e(0, p, r0, r1, o0, o1);
+    }
+  }
+};
+
 template <int K, class Map, class Epi, int kX = kXHalf>
 __device__ __forceinline__ void gemv_units(const uint32_t* __restrict__ qw, const uint16_t* __restrict__ sc,
                                            const uint16_t* __restrict__ x, const uint16_t* __restrict__ norm_w,
@@ -173,6 +207,7 @@ __device__ __forceinline__ void gemv_units(const uint32_t* __restrict__ qw, cons
     load_chunk<K, kSplit>(qw, sc, f0, f1, 0, first, part);
   }
 #endif
+  const auto pre = EpiPre<Epi>::read(epi);  // settled epilogue inputs (q/k/v's position and page id)
   pdl_wait();  // launch overlap (common.cuh): x is the previous kernel's output
   gemv_trigger_at<3, kTrig>();
   if constexpr (kX == kXImage) {
@@ -202,7 +237,7 @@ __device__ __forceinline__ void gemv_units(const uint32_t* __restrict__ qw, cons
       dot_rows2<K, kA8, kSplit>(qw, sc, c0, c1, xs, o0, o1, &cur, part);
       trigger_after_last_unit<kTrig>(pn >= units);
       join_split<kSplit>(o0, o1, slot, part, it++, sums);
-      if (lane == 0 && part == 0) epi(0, p, c0, c1, o0, o1);
+      if (lane == 0 && part == 0) EpiPre<Epi>::call(epi, pre, p, c0, c1, o0, o1);
       cur = nxt;
       c0 = n0;
       c1 = n1;
@@ -215,7 +250,7 @@ __device__ __forceinline__ void gemv_units(const uint32_t* __restrict__ qw, cons
     dot_rows2<K, kA8, kSplit>(qw, sc, f0, f1, xs, o0, o1, &first, part);
     trigger_after_last_unit<kTrig>(p + stride >= units);
     join_split<kSplit>(o0, o1, slot, part, it++, sums);
-    if (lane == 0 && part == 0) epi(0, p, f0, f1, o0, o1);
+    if (lane == 0 && part == 0) EpiPre<Epi>::call(epi, pre, p, f0, f1, o0, o1);
   }
   p += stride;
 #endif
@@ -226,7 +261,7 @@ __device__ __forceinline__ void gemv_units(const uint32_t* __restrict__ qw, cons
     dot_rows2<K, kA8, kSplit>(qw, sc, r0, r1, xs, o0, o1, nullptr, part);
     trigger_after_last_unit<kTrig>(p + stride >= units);
     join_split<kSplit>(o0, o1, slot, part, it++, sums);
-    if (lane == 0 && part == 0) epi(0, p, r0, r1, o0, o1);
+    if (lane == 0 && part == 0) EpiPre<Epi>::call(epi, pre, p, r0, r1, o0, o1);
   }
 }
 
