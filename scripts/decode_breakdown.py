@@ -84,7 +84,8 @@ def main() -> int:
     fams = {
         "qkv_rope_kv": (
             lambda i: ks.qkv_rope_kv(w.layers[i].qkv.qweight, w.layers[i].qkv.scales, w.layers[i].qkv_bias, v.x,
-                                     w.layers[i].in_norm, eps, v.pos, v.table, step.k_cache, step.v_cache, i, v.q),
+                                     w.layers[i].in_norm, eps, v.pos, v.table, step.k_cache, step.v_cache, i, v.q,
+                                     settled=True),
             lambda i: w.layers[i].qkv.nbytes + nbytes(w.layers[i].qkv_bias),
         ),
         "attention_decode": (
@@ -93,7 +94,8 @@ def main() -> int:
             lambda i: kv_bytes,
         ),
         "o_proj+residual": (
-            lambda i: ks.gemv_int4(w.layers[i].o.qweight, w.layers[i].o.scales, v.attn, v.y, residual=v.x),
+            lambda i: ks.gemv_int4(w.layers[i].o.qweight, w.layers[i].o.scales, v.attn, v.y, residual=v.x,
+                                   settled=True),
             lambda i: w.layers[i].o.nbytes,
         ),
         "gate_up_silu": (
@@ -103,7 +105,7 @@ def main() -> int:
         ),
         "down+residual": (
             lambda i: ks.gemv_int4(w.layers[i].down.qweight, w.layers[i].down.scales, v.act, v.x, residual=v.y,
-                                   x_a8_image=image),
+                                   x_a8_image=image, settled=True),
             lambda i: w.layers[i].down.nbytes,
         ),
     }

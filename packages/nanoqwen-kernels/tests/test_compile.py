@@ -183,6 +183,8 @@ _PRELOADING = _PRELOADING_GEMV | {"nq_gemv_head_i8"}  # + the int8 lm_head's loo
 _WEIGHT_LOAD = re.compile(r"\bLDG\.E\.(NA\.[A-Z0-9.]*128|U16\.CONSTANT)\b")
 # a 32-bit load of control data (q/k/v's settled position and page id)
 _CONTROL_LOAD = re.compile(r"\bLDG\.E(\.CONSTANT)? ")
+# an fp16 load of residual rows (o_proj's and down_proj's settled residual)
+_RESIDUAL_LOAD = re.compile(r"\bLDG\.E\.U16 ")
 
 
 def _check_waits(funcs: dict[str, str]) -> None:
@@ -208,12 +210,18 @@ def _check_waits(funcs: dict[str, str]) -> None:
             # lease) had ptxas schedule its x loads, non-coherent ones of a const __restrict__ argument, above
             # griddepcontrol.wait; the wait's memory clobber does not hold those back
             lines = [ln for ln in body[:wait].splitlines() if re.search(r"\bLDG\b", ln)]
+            # + the first unit's settled epilogue inputs (gemv_epilogues.cuh, gemv_units.cuh EpiPre): q/k/v's
+            # position and page id (two 32-bit loads) and bias (2 x fp16, weights), the plain entries' residual
+            # (2 x fp16)
+            ctl = [ln for ln in lines if not _WEIGHT_LOAD.search(ln)]
             if name.startswith("nq_qkv_rope_kv"):
-                # + the settled position and its page id (gemv_epilogues.cuh QkvEpi::pre): two 32-bit loads
-                ctl = [ln for ln in lines if not _WEIGHT_LOAD.search(ln)]
                 assert len(ctl) <= 2 and all(_CONTROL_LOAD.search(ln) for ln in ctl), f"{name}: {ctl}"
-                lines = [ln for ln in lines if ln not in ctl]
-            assert len(lines) <= 16, f"{name}: {len(lines)} loads before the wait"
+            elif name.startswith(("nq_gemv_int4_h", "nq_gemv_int4_i")):
+                assert len(ctl) <= 2 and all(_RESIDUAL_LOAD.search(ln) for ln in ctl), f"{name}: {ctl}"
+            else:
+                assert not ctl, f"{name}: {ctl}"
+            lines = [ln for ln in lines if ln not in ctl]
+            assert len(lines) <= 16 + 2, f"{name}: {len(lines)} loads before the wait"
             for ln in lines:
                 assert _WEIGHT_LOAD.search(ln), f"{name}: a load before the wait that is not weights: {ln.strip()}"
             early = [op for op in early if op != "LDG"]

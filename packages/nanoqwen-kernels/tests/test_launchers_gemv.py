@@ -17,7 +17,10 @@ def test_gemv_int4_good_call_and_residual_alias(launches):
     x, out = dev((d.hidden,), np.float16), dev((300,), np.float16)
     g.gemv_int4(qw, sc, x, out, residual=out)  # in-place residual is allowed
     fn, grid, args = launches[-1]
-    assert fn == "nq_gemv_int4_h" and grid == -(-150 // 8) and int(args[-1]) == 300
+    assert fn == "nq_gemv_int4_h" and grid == -(-150 // 8) and int(args[-2]) == 300
+    assert int(args[-1]) == 0  # settled: the B = 1 loops' last argument, off unless the caller promises it
+    g.gemv_int4(qw, sc, x, out, residual=out, settled=True)
+    assert int(launches[-1][2][-1]) == 1
     g = GemvKernels(d, load, "mma")  # at B = 1 on the tensor-core core
     qi, si = dev((7, d.intermediate // 8), np.uint32), dev((7, d.intermediate // 128), np.float16)
     g.gemv_int4(qi, si, dev((d.intermediate,), np.float16), dev((7,), np.float16))
@@ -159,7 +162,10 @@ def test_qkv_rope_kv_checks(launches):
     good = _qkv_args(d, 1)
     g.qkv_rope_kv(**good)
     fn, grid, args = launches[-1]
-    assert fn == "nq_qkv_rope_kv" and int(args[-3]) == 1 and int(args[-2]) == 4 and int(args[8]) == 64
+    assert fn == "nq_qkv_rope_kv" and int(args[-4]) == 1 and int(args[-3]) == 4 and int(args[8]) == 64
+    assert int(args[-1]) == 0  # settled (the B = 1 loop's last argument): off unless promised
+    g.qkv_rope_kv(**good, settled=True)
+    assert int(launches[-1][2][-1]) == 1
     bad = [
         (
             dict(qweight=dev((rows - 2, d.hidden // 8), np.uint32), scales=dev((rows - 2, 28), np.float16)),

@@ -7,18 +7,33 @@
 namespace nq {
 
 // ---- epilogues: what happens to the 2 sums of a unit for column (sequence) b ----------------------------
+// Each epilogue's reads that no kernel of the decode step writes during the step, as `Pre pre(b, p, r0, r1)`
+// (the B = 1 loop issues them for a warp's first unit before its launch-overlap wait: gemv_units.cuh EpiPre),
+// and `at(pre, ...)` the epilogue given them; operator() reads them itself, after the sums.
 struct PlainEpi {
   const uint16_t* residual;  // [B, n_rows] or null; may alias out: each element is read, then written,
   uint16_t* out;             // by one thread
   int n_rows;
-  __device__ void operator()(int b, int, int r0, int r1, float o0, float o1) const {
+  // settled (the B = 1 entries' last argument; 0 elsewhere): residual was written before the previous kernel
+  // released this one (o_proj's x, written by the layer's first kernel's predecessors; down_proj's y where
+  // gate/up releases down_proj after its own wait: gemv_int4.cu kDownResidualSettled)
+  int settled;
+  struct Pre {
+    float res0, res1;
+  };
+  __device__ Pre pre(int b, int, int r0, int r1) const {
     const size_t base = static_cast<size_t>(b) * n_rows;
-    if (residual != nullptr) {
-      o0 += h2f(residual[base + r0]);
-      o1 += h2f(residual[base + r1]);
-    }
-    out[base + r0] = f2h(o0);
-    if (r1 != r0) out[base + r1] = f2h(o1);
+    if (residual == nullptr) return {0.f, 0.f};
+    return {h2f(residual[base + r0]), h2f(residual[base + r1])};
+  }
+  __device__ bool pre_settled() const { return settled != 0 && residual != nullptr; }
+  __device__ void operator()(int b, int p, int r0, int r1, float o0, float o1) const {
+    at(pre(b, p, r0, r1), b, p, r0, r1, o0, o1);
+  }
+  __device__ void at(const Pre& pr, int b, int, int r0, int r1, float o0, float o1) const {
+    const size_t base = static_cast<size_t>(b) * n_rows;
+    out[base + r0] = f2h(o0 + pr.res0);
+    if (r1 != r0) out[base + r1] = f2h(o1 + pr.res1);
   }
 };
 
@@ -38,31 +53,33 @@ struct QkvEpi {
   int layer, n_pages;
   uint16_t* q_out;            // [B, kQDim]
   // settled (the B = 1 entries' last argument; 0 elsewhere): pos and page_table were written before the
-  // previous kernel on the stream started (the engine's decode step: the host's control copy and the previous
+  // previous kernel released this one (the engine's decode step: the host's control copy and the previous
   // step's `advance`; why that holds: gemv_units.cuh EpiPre), so the B = 1 loop reads column 0's position and
-  // page id before its launch-overlap wait, with the weights, instead of two dependent L2 round trips after
-  // its sums (pos, then the table entry it indexes).
+  // page id before its launch-overlap wait, with the weights and the bias (a weight: always settled),
+  // instead of two dependent L2 round trips after its sums (pos, then the table entry it indexes).
   int settled;
   struct Pre {
-    int ps, page;  // the position, and its page id (-1: none; a padding row)
+    int ps, page;      // the position, and its page id (-1: none; a padding row)
+    float bias0, bias1;
   };
-  __device__ Pre pre(int b) const {
+  __device__ Pre pre(int b, int, int r0, int r1) const {
     const int ps = pos[b];
     // A row whose position has no page (a padding row of a batch bucket: page id -1) writes no K/V and
     // gets NaN q, so nothing outside its own outputs changes and garbage shows rather than hides.
     const int blk = ps >= 0 ? ps / kPageTokens : -1;
     const int page = (blk >= 0 && blk < max_pages) ? page_table[static_cast<size_t>(b) * max_pages + blk] : -1;
-    return {ps, page};
+    return {ps, page, h2f(bias[r0]), h2f(bias[r1])};
   }
+  __device__ bool pre_settled() const { return settled != 0; }
   __device__ void operator()(int b, int p, int r0, int r1, float x0, float x1) const {
-    at(pre(b), b, p, r0, r1, x0, x1);
+    at(pre(b, p, r0, r1), b, p, r0, r1, x0, x1);
   }
   __device__ void at(const Pre& pr, int b, int p, int r0, int r1, float x0, float x1) const {
     const int head = p / 64, d = p % 64;
     const int ps = pr.ps, page = pr.page;
     const bool ok = page >= 0 && page < n_pages;
-    x0 += h2f(bias[r0]);
-    x1 += h2f(bias[r1]);
+    x0 += pr.bias0;
+    x1 += pr.bias1;
     if (head < kHeads + kKvHeads) {  // q or k: rotate the pair (d, d + 64)
       // HF: inv_freq[d] = 1 / theta^(2d/128), angle = pos * inv_freq in fp32. inv_freq is computed in
       // fp64 and rounded once (kRopeInvFreq, common.cuh), so it is the correctly rounded fp32 value (as

@@ -148,33 +148,41 @@ __device__ __forceinline__ void join_split(float& o0, float& o1, int slot, int p
   }
 }
 
-// An epilogue's reads that no kernel of the step writes, for the B = 1 loop to issue before its launch-overlap
-// wait: an Epi with a member type Pre, pre(b) and at(pre, ...) has them (QkvEpi: the position and its page
-// id), used only where the caller says they are settled (Epi::settled); any other Epi has none and is called
-// as it is. Why it is safe in the engine's decode step: a kernel's blocks run their pre-wait code only once
-// the previous kernel released them, which every B = 1 loop does after its own wait (or at its exit), and
-// each wait returns only after the previous kernel completed: so the step's earlier kernels, and the
-// previous step's `advance` (which wrote pos) before them, have completed by then (q/k/v of layer 0 follows
-// the embedding, which releases nothing early). tests/test_compile.py lets these two loads precede the wait.
-#ifndef NQ_QKV_SETTLED
-#define NQ_QKV_SETTLED 1  // 0: q/k/v reads them after its sums even when settled (an A/B knob)
+// An epilogue's reads that no kernel of the step writes during the step (Epi::Pre, Epi::pre: q/k/v's
+// position, page id and bias; o_proj's and down_proj's residual), issued for a warp's first unit before the
+// launch-overlap wait, with its weights, where the epilogue says they are settled (Epi::pre_settled);
+// otherwise, and for a warp's later units, the epilogue reads them after the sums. At batch 1 a warp has one
+// or two units, so the first unit's epilogue is most of the kernel's last step: without this it waited on
+// one L2 round trip (o_proj, down_proj: the residual; q/k/v: pos, then the page id it indexes, then bias)
+// between its sums and its stores. An Epi without Pre (GateUpEpi) is called as it is.
+// Why "settled" holds in the engine's decode step: a kernel's blocks run their pre-wait code only once the
+// previous kernel released them, which every B = 1 loop does after its own wait (or at its exit; gate/up
+// of the 7B's plain pair at its entry, hence kDownResidualSettled), and each wait returns only after the
+// previous kernel completed; so every kernel of the step before the previous one, and the previous step's
+// `advance` (which wrote pos), have completed (q/k/v of layer 0 follows the embedding, which releases
+// nothing early). tests/test_compile.py lets these loads precede the wait.
+#ifndef NQ_EPI_SETTLED
+#define NQ_EPI_SETTLED 1  // 0: every epilogue reads its inputs after its sums (an A/B knob)
 #endif
 template <class...>
 using void_t = void;
 template <class Epi, class = void>
 struct EpiPre {
   struct type {};
-  __device__ static type read(const Epi&) { return {}; }
-  __device__ static void call(const Epi& e, const type&, int p, int r0, int r1, float o0, float o1) {
+  __device__ static type read(const Epi&, int, int, int) { return {}; }
+  __device__ static void call(const Epi& e, const type&, bool, int p, int r0, int r1, float o0, float o1) {
     e(0, p, r0, r1, o0, o1);
   }
 };
 template <class Epi>
 struct EpiPre<Epi, void_t<typename Epi::Pre>> {
   using type = typename Epi::Pre;
-  __device__ static type read(const Epi& e) { return NQ_QKV_SETTLED && e.settled ? e.pre(0) : type{}; }
-  __device__ static void call(const Epi& e, const type& pr, int p, int r0, int r1, float o0, float o1) {
-    if (NQ_QKV_SETTLED && e.settled) {
+  __device__ static type read(const Epi& e, int p, int r0, int r1) {
+    return NQ_EPI_SETTLED && e.pre_settled() ? e.pre(0, p, r0, r1) : type{};
+  }
+  // first: this is the unit `read` was given
+  __device__ static void call(const Epi& e, const type& pr, bool first, int p, int r0, int r1, float o0, float o1) {
+    if (NQ_EPI_SETTLED && first && e.pre_settled()) {
       e.at(pr, 0, p, r0, r1, o0, o1);
     } else {
       e(0, p, r0, r1, o0, o1);
@@ -207,7 +215,11 @@ __device__ __forceinline__ void gemv_units(const uint32_t* __restrict__ qw, cons
     load_chunk<K, kSplit>(qw, sc, f0, f1, 0, first, part);
   }
 #endif
-  const auto pre = EpiPre<Epi>::read(epi);  // settled epilogue inputs (q/k/v's position and page id)
+#if NQ_GEMV_PRELOAD
+  const auto pre = EpiPre<Epi>::read(epi, p_first, f0, f1);  // the first unit's settled epilogue inputs
+#else
+  const typename EpiPre<Epi>::type pre{};
+#endif
   pdl_wait();  // launch overlap (common.cuh): x is the previous kernel's output
   gemv_trigger_at<3, kTrig>();
   if constexpr (kX == kXImage) {
@@ -237,7 +249,7 @@ __device__ __forceinline__ void gemv_units(const uint32_t* __restrict__ qw, cons
       dot_rows2<K, kA8, kSplit>(qw, sc, c0, c1, xs, o0, o1, &cur, part);
       trigger_after_last_unit<kTrig>(pn >= units);
       join_split<kSplit>(o0, o1, slot, part, it++, sums);
-      if (lane == 0 && part == 0) EpiPre<Epi>::call(epi, pre, p, c0, c1, o0, o1);
+      if (lane == 0 && part == 0) EpiPre<Epi>::call(epi, pre, p == p_first, p, c0, c1, o0, o1);
       cur = nxt;
       c0 = n0;
       c1 = n1;
@@ -250,7 +262,7 @@ __device__ __forceinline__ void gemv_units(const uint32_t* __restrict__ qw, cons
     dot_rows2<K, kA8, kSplit>(qw, sc, f0, f1, xs, o0, o1, &first, part);
     trigger_after_last_unit<kTrig>(p + stride >= units);
     join_split<kSplit>(o0, o1, slot, part, it++, sums);
-    if (lane == 0 && part == 0) EpiPre<Epi>::call(epi, pre, p, f0, f1, o0, o1);
+    if (lane == 0 && part == 0) EpiPre<Epi>::call(epi, pre, true, p, f0, f1, o0, o1);
   }
   p += stride;
 #endif
@@ -261,7 +273,7 @@ __device__ __forceinline__ void gemv_units(const uint32_t* __restrict__ qw, cons
     dot_rows2<K, kA8, kSplit>(qw, sc, r0, r1, xs, o0, o1, nullptr, part);
     trigger_after_last_unit<kTrig>(p + stride >= units);
     join_split<kSplit>(o0, o1, slot, part, it++, sums);
-    if (lane == 0 && part == 0) EpiPre<Epi>::call(epi, pre, p, r0, r1, o0, o1);
+    if (lane == 0 && part == 0) EpiPre<Epi>::call(epi, pre, false, p, r0, r1, o0, o1);
   }
 }
 
