@@ -349,6 +349,32 @@ def test_every_kernel_waits_for_its_predecessor_before_touching_memory(source):
     _check_waits(_functions(_sass(source, QWEN25_7B)))
 
 
+def test_settled_epilogue_inputs_go_before_the_wait(monkeypatch):
+    """The int8 loop's small-grid build (gemv.b1_build_defines: the 1.5B, NQ_EPI_SETTLED=3) reads a warp's first
+    unit's settled epilogue inputs before griddepcontrol.wait: q/k/v its position and page id (two 32-bit
+    loads; its bias is a weight load), o_proj and down_proj their residual (fp16 loads). The default build
+    (the 7B's) reads none of them there."""
+    from nanoqwen_kernels.dims import QWEN25_1_5B
+    from nanoqwen_kernels.gemv import b1_build_defines
+
+    defines = b1_build_defines(QWEN25_1_5B, 132)
+    assert defines["NQ_EPI_SETTLED"] == 3
+    monkeypatch.setenv("NANOQWEN_KERNEL_DEFINES", ",".join(f"{k}={v}" for k, v in defines.items()))
+    early = _functions(_sass("gemv_int4.cu", QWEN25_1_5B))
+    monkeypatch.setenv("NANOQWEN_KERNEL_DEFINES", "")
+    late = _functions(_sass("gemv_int4.cu", QWEN25_1_5B))
+
+    def before_wait(body: str, pattern) -> int:
+        return len([ln for ln in body[: body.find("ACQBULK")].splitlines() if pattern.search(ln)])
+
+    _check_waits({k: v for k, v in early.items() if k.endswith(("_a8", "_a8x"))})
+    assert before_wait(early["nq_qkv_rope_kv_a8"], _CONTROL_LOAD) == 2
+    for name in ("nq_gemv_int4_h_a8", "nq_gemv_int4_i_a8", "nq_gemv_int4_i_a8x"):
+        assert before_wait(early[name], _RESIDUAL_LOAD) == 2, name
+    for name in ("nq_qkv_rope_kv_a8", "nq_gemv_int4_h_a8", "nq_gemv_int4_i_a8"):
+        assert before_wait(late[name], _CONTROL_LOAD) == 0 and before_wait(late[name], _RESIDUAL_LOAD) == 0, name
+
+
 def test_tile_entries_copy_x_as_laid_out(monkeypatch):
     """The tile GEMM's x copies (gemm_tiles.cuh): every tile entry compiles to the wgmma ring without spills
     or serialized wgmmas and waits before touching x. The q/k/v and gate/up entries read x laid out by

@@ -362,8 +362,9 @@ def test_int8_loop_split_sizes_the_grid(launches, monkeypatch, dims, defines, pe
     int4 = next(defs for defs in built if defs.get("NQ_HIDDEN") == d.hidden and "NQ_SPLIT_DOWN" in defs) \
         if b1_build_defines(d, 132) else None
     assert (int4 is not None) == (d is QWEN25_1_5B)  # the defines reach the int4 build
-    if int4 is not None:  # with o_proj's trigger at its entry and gate/up's after its wait
+    if int4 is not None:  # with o_proj's trigger at its entry and gate/up's after its wait, settled inputs early
         assert int4["NQ_TRIG_O"] == 2 and int4["NQ_MINB_DOWN"] == 4 and int4["NQ_TRIG_GU"] == 3
+        assert int4["NQ_EPI_SETTLED"] == 3
     # the a8 image pair where down_proj is split (the 1.5B), the plain pair elsewhere (the 7B)
     assert g.a8_image_pair == (d is QWEN25_1_5B)
     assert b1_split("gu") == 1

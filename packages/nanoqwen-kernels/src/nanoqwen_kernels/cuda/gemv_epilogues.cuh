@@ -18,6 +18,7 @@ struct PlainEpi {
   // released this one (o_proj's x, written by the layer's first kernel's predecessors; down_proj's y where
   // gate/up releases down_proj after its own wait: gemv_int4.cu kDownResidualSettled)
   int settled;
+  static constexpr int kSettledBit = 2;  // NQ_EPI_SETTLED's bit (gemv_units.cuh)
   struct Pre {
     float res0, res1;
   };
@@ -58,6 +59,7 @@ struct QkvEpi {
   // page id before its launch-overlap wait, with the weights and the bias (a weight: always settled),
   // instead of two dependent L2 round trips after its sums (pos, then the table entry it indexes).
   int settled;
+  static constexpr int kSettledBit = 1;  // NQ_EPI_SETTLED's bit (gemv_units.cuh)
   struct Pre {
     int ps, page;      // the position, and its page id (-1: none; a padding row)
     float bias0, bias1;

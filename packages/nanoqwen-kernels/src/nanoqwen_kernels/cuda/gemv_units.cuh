@@ -162,7 +162,10 @@ __device__ __forceinline__ void join_split(float& o0, float& o1, int slot, int p
 // `advance` (which wrote pos), have completed (q/k/v of layer 0 follows the embedding, which releases
 // nothing early). tests/test_compile.py lets these loads precede the wait.
 #ifndef NQ_EPI_SETTLED
-#define NQ_EPI_SETTLED 1  // 0: every epilogue reads its inputs after its sums (an A/B knob)
+// which epilogues read settled inputs before the wait (a bit mask, Epi::kSettledBit): 1 q/k/v (position, page
+// id, bias), 2 o_proj / down_proj (residual). 0 by default; the int8 loop's small-grid builds set 3 (gemv.py
+// b1_build_defines: the 1.5B's dims 0.637-0.640 -> 0.626-0.630 ms/token; the 7B lost, 1.459 -> 1.466-1.471)
+#define NQ_EPI_SETTLED 0
 #endif
 template <class...>
 using void_t = void;
@@ -178,11 +181,11 @@ template <class Epi>
 struct EpiPre<Epi, void_t<typename Epi::Pre>> {
   using type = typename Epi::Pre;
   __device__ static type read(const Epi& e, int p, int r0, int r1) {
-    return NQ_EPI_SETTLED && e.pre_settled() ? e.pre(0, p, r0, r1) : type{};
+    return (NQ_EPI_SETTLED & Epi::kSettledBit) && e.pre_settled() ? e.pre(0, p, r0, r1) : type{};
   }
   // first: this is the unit `read` was given
   __device__ static void call(const Epi& e, const type& pr, bool first, int p, int r0, int r1, float o0, float o1) {
-    if (NQ_EPI_SETTLED && first && e.pre_settled()) {
+    if ((NQ_EPI_SETTLED & Epi::kSettledBit) && first && e.pre_settled()) {
       e.at(pr, 0, p, r0, r1, o0, o1);
     } else {
       e(0, p, r0, r1, o0, o1);
