@@ -350,15 +350,14 @@ def test_every_kernel_waits_for_its_predecessor_before_touching_memory(source):
 
 
 def test_settled_epilogue_inputs_go_before_the_wait(monkeypatch):
-    """The int8 loop's small-grid build (gemv.b1_build_defines: the 1.5B, NQ_EPI_SETTLED=3) reads a warp's first
-    unit's settled epilogue inputs before griddepcontrol.wait: q/k/v its position and page id (two 32-bit
-    loads; its bias is a weight load), o_proj and down_proj their residual (fp16 loads). The default build
-    (the 7B's) reads none of them there."""
+    """With NQ_EPI_SETTLED=3 (both bits; the int8 builds of gemv.b1_build_defines set 1, q/k/v's) a warp's first
+    unit's settled epilogue inputs are read before griddepcontrol.wait: q/k/v its position and page id (two
+    32-bit loads; its bias is a weight load), o_proj and down_proj their residual (fp16 loads). The default
+    build (0) reads none of them there."""
     from nanoqwen_kernels.dims import QWEN25_1_5B
     from nanoqwen_kernels.gemv import b1_build_defines
 
-    defines = b1_build_defines(QWEN25_1_5B, 132)
-    assert defines["NQ_EPI_SETTLED"] == 3
+    defines = {**b1_build_defines(QWEN25_1_5B, 132), "NQ_EPI_SETTLED": 3}
     monkeypatch.setenv("NANOQWEN_KERNEL_DEFINES", ",".join(f"{k}={v}" for k, v in defines.items()))
     early = _functions(_sass("gemv_int4.cu", QWEN25_1_5B))
     monkeypatch.setenv("NANOQWEN_KERNEL_DEFINES", "")

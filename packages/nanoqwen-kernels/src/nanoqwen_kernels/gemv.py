@@ -194,18 +194,19 @@ def b1_small_grid(dims: ModelDims, sm_count: int) -> bool:
 
 
 def b1_build_defines(dims: ModelDims, sm_count: int) -> dict[str, int]:
-    """The int8 loop's defines for these dims on a GPU of sm_count SMs: where the grid is small
-    (b1_small_grid), down_proj split in DOWN_SPLIT with its register cap, o_proj's trigger at its entry and
-    gate/up's after its wait, and the epilogues' settled inputs read before the wait (NQ_EPI_SETTLED=3: q/k/v's
-    position, page id and bias, o_proj's and down_proj's residual); none otherwise (the kernels' default
-    NQ_EPI_SETTLED is 0: after the sums, as the half2 loop and the 7B do).
-    Settled inputs before the wait, H200, decode protocol, ms/token, three interleaved rounds (docs/PERF.md,
-    twenty-fifth lease): the 1.5B's dims 0.637 / 0.640 / 0.640 -> 0.627 / 0.626 / 0.630, the 7B 1.459 /
-    1.459 / 1.459 -> 1.471 / 1.467 / 1.466 (slower: not used there)."""
+    """The int8 loop's defines for these dims on a GPU of sm_count SMs: q/k/v's settled epilogue inputs (its
+    position, page id and bias) read before the launch-overlap wait (NQ_EPI_SETTLED=1) everywhere, and where
+    the grid is small (b1_small_grid) down_proj split in DOWN_SPLIT with its register cap, o_proj's trigger
+    at its entry and gate/up's after its wait.
+    Settled inputs, H200, decode protocol, ms/token, interleaved rounds (docs/PERF.md, twenty-fifth lease):
+    the 7B after the sums 1.4559 / 1.4582, q/k/v's before the wait (1) 1.4475 / 1.4470, o_proj's residual too
+    (1 | 2 = 3) 1.471 / 1.467 / 1.466 where its sums alone were 1.459, the residual alone (2) 1.4678 / 1.4687;
+    the 1.5B's dims after the sums 0.637 / 0.640 / 0.640, with 3 0.627 / 0.626 / 0.630, then 3 against 1
+    0.6281 / 0.6327 against 0.6277 / 0.6286. So q/k/v's alone, on both."""
     if b1_small_grid(dims, sm_count):
         return {"NQ_SPLIT_DOWN": DOWN_SPLIT, "NQ_MINB_DOWN": DOWN_SPLIT_MIN_BLOCKS, "NQ_TRIG_O": 2,
-                "NQ_TRIG_GU": 3, "NQ_EPI_SETTLED": 3}
-    return {}
+                "NQ_TRIG_GU": 3, "NQ_EPI_SETTLED": 1}
+    return {"NQ_EPI_SETTLED": 1}
 
 
 # The a8 image pair (gate/up writing down_proj's input already rounded to int8, down_proj copying it as

@@ -163,8 +163,9 @@ __device__ __forceinline__ void join_split(float& o0, float& o1, int slot, int p
 // nothing early). tests/test_compile.py lets these loads precede the wait.
 #ifndef NQ_EPI_SETTLED
 // which epilogues read settled inputs before the wait (a bit mask, Epi::kSettledBit): 1 q/k/v (position, page
-// id, bias), 2 o_proj / down_proj (residual). 0 by default; the int8 loop's small-grid builds set 3 (gemv.py
-// b1_build_defines: the 1.5B's dims 0.637-0.640 -> 0.626-0.630 ms/token; the 7B lost, 1.459 -> 1.466-1.471)
+// id, bias), 2 o_proj / down_proj (residual). 0 by default; the int8 loop's builds set 1 (gemv.py
+// b1_build_defines: the 7B 1.456-1.458 -> 1.447 ms/token, the 1.5B's dims ~0.638 -> ~0.628; the residual's
+// bit made the 7B slower, 1.468-1.469, and bought the 1.5B nothing more)
 #define NQ_EPI_SETTLED 0
 #endif
 template <class...>
