@@ -266,24 +266,26 @@ def test_buckets_replay_as_the_batch_changes(tied_path, kind, rng, run_ahead):
 
 def test_run_ahead_serves_the_same_tokens_across_pages(tied_path, kind, rng):
     """One sequence, 60 greedy steps from a 13-token prompt (positions cross pages at 16, 32, 48, 64),
-    every call with run_ahead: the same tokens as without; every step but the first three of the bucket
+    every call with run_ahead: the same tokens as without (or a first difference at a near-tie); every step but the first three of the bucket
     (eager, capture, first replay) is served by a step that ran ahead, those whose next position opens a
     page included (the backend gives the page before running ahead). last_logits() refuses while a step is ahead, and works again once a call runs without."""
     be = make_backend(tied_path, kind, max_context=96, n_pages=32)
     V = be.config.vocab
     prompt = rng.integers(0, V, size=13)
-    want, _ = run_alone(be, [prompt], 61)[0]
+    want, want_logits = run_alone(be, [prompt], 61)[0]
     s, st = be.pool.new_sequence(), SamplerState(GREEDY, V)
     toks = [be.prefill(s, prompt, st)]
     for _ in range(60):
         toks.append(be.decode([s], [toks[-1]], [st], run_ahead=True)[0])
-    assert toks == want
+    same_or_near_tie(toks, want, want_logits, "run ahead", be=be)
     assert be.info["ahead_steps"] >= 60 - 3 - 1, be.info
     assert be.info.get("ahead_discarded", 0) == 0, be.info
     with pytest.raises(InvalidRequestError, match="ran ahead"):
         be.last_logits()
     toks.append(be.decode([s], [toks[-1]], [st])[0])  # served by the step ahead, none launched after it
-    assert toks == run_alone(be, [prompt], 62)[0][0]
+    if toks[:61] == want:  # (past a near-tie above the two runs continue from different tokens)
+        again, again_logits = run_alone(be, [prompt], 62)[0]
+        same_or_near_tie(toks, again, again_logits, "run ahead, then a call without", be=be)
     assert be.last_logits().shape == (1, V)
     be.pool.free(s)
     assert be.pool.n_used == 0
@@ -293,11 +295,11 @@ def test_run_ahead_keeps_two_steps_in_flight(tied_path, kind, rng, monkeypatch):
     """With run_ahead, a call whose step was launched ahead queues the step after it before it waits for
     its own ids: every wait but the first finds two steps in flight (the device never idles for the
     host's wake-up and launch), page crossings included; ids come back in launch order, so the tokens
-    are those without run_ahead. A call without the hint leaves nothing in flight."""
+    are those without run_ahead (or differ first at a near-tie). A call without the hint leaves nothing in flight."""
     be = make_backend(tied_path, kind, max_context=96, n_pages=32)
     V = be.config.vocab
     prompt = rng.integers(0, V, size=11)
-    want, _ = run_alone(be, [prompt], 41)[0]
+    want, want_logits = run_alone(be, [prompt], 41)[0]
     seen = []
     collect = be.step.collect
     monkeypatch.setattr(be.step, "collect", lambda bucket: (seen.append(be.step.in_flight), collect(bucket))[1])
@@ -306,7 +308,9 @@ def test_run_ahead_keeps_two_steps_in_flight(tied_path, kind, rng, monkeypatch):
     for _ in range(40):
         toks.append(be.decode([s], [toks[-1]], [st], run_ahead=True)[0])
         assert be.step.in_flight == len(be._ahead) <= 2
-    assert toks == want
+    # the same tokens, or the first difference at a near-tie of the run without (int8 activations turn the
+    # host BLAS's last-bit differences between two runs into int8 rounding steps: docs/VALIDATION.md)
+    same_or_near_tie(toks, want, want_logits, "run ahead, two in flight", be=be)
     # the bucket's graph exists (run_alone captured it): the first call runs its step and launches one
     # ahead; every later call finds its step in flight and queues the next before waiting
     assert seen[0] == 1 and set(seen[1:]) == {2}, seen
