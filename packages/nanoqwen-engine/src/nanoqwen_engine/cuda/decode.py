@@ -25,7 +25,9 @@ Long contexts get their own graphs: once the bucket's longest sequence reaches L
 launches decode attention's long-context build (clusters of up to 16 blocks: nanoqwen_kernels.attention
 LONG_CLUSTER_MAX), which streams a long context faster but starts later behind the previous kernel than the
 default build's clusters of 8. Its graph key's mode carries LONG_SUFFIX ("greedy@long"). Measured (H200,
-7B, docs/PERF.md twenty-fifth lease): see there for the threshold.
+7B, decode of 128 tokens after a prompt, ms/token, docs/PERF.md twenty-fifth lease): at 8,000 tokens 1.675 ->
+1.668, at 32,000 2.048 -> 2.017-2.021; at 640 the long build lost ~8 us a token (twenty-fourth lease), so
+the line sits between (below 8k the step was not measured).
 
 Idle rows (inside the bucket, held by no sequence) run with POS 0, SEQ_LEN 0 and TABLE[b][0] = the
 scratch page, a page of the cache outside the pool that no sequence owns: their K/V write lands there,
