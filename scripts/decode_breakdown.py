@@ -94,8 +94,7 @@ def main() -> int:
             lambda i: kv_bytes,
         ),
         "o_proj+residual": (
-            lambda i: ks.gemv_int4(w.layers[i].o.qweight, w.layers[i].o.scales, v.attn, v.y, residual=v.x,
-                                   settled=True),
+            lambda i: ks.gemv_int4(w.layers[i].o.qweight, w.layers[i].o.scales, v.attn, v.y, residual=v.x),
             lambda i: w.layers[i].o.nbytes,
         ),
         "gate_up_silu": (
@@ -105,7 +104,7 @@ def main() -> int:
         ),
         "down+residual": (
             lambda i: ks.gemv_int4(w.layers[i].down.qweight, w.layers[i].down.scales, v.act, v.x, residual=v.y,
-                                   x_a8_image=image, settled=True),
+                                   x_a8_image=image),
             lambda i: w.layers[i].down.nbytes,
         ),
     }

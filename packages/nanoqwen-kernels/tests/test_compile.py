@@ -183,8 +183,6 @@ _PRELOADING = _PRELOADING_GEMV | {"nq_gemv_head_i8"}  # + the int8 lm_head's loo
 _WEIGHT_LOAD = re.compile(r"\bLDG\.E\.(NA\.[A-Z0-9.]*128|U16\.CONSTANT)\b")
 # a 32-bit load of control data (q/k/v's settled position and page id)
 _CONTROL_LOAD = re.compile(r"\bLDG\.E(\.CONSTANT)? ")
-# an fp16 load of residual rows (o_proj's and down_proj's settled residual)
-_RESIDUAL_LOAD = re.compile(r"\bLDG\.E\.U16 ")
 
 
 def _check_waits(funcs: dict[str, str]) -> None:
@@ -210,14 +208,11 @@ def _check_waits(funcs: dict[str, str]) -> None:
             # lease) had ptxas schedule its x loads, non-coherent ones of a const __restrict__ argument, above
             # griddepcontrol.wait; the wait's memory clobber does not hold those back
             lines = [ln for ln in body[:wait].splitlines() if re.search(r"\bLDG\b", ln)]
-            # + the first unit's settled epilogue inputs (gemv_epilogues.cuh, gemv_units.cuh EpiPre): q/k/v's
-            # position and page id (two 32-bit loads) and bias (2 x fp16, weights), the plain entries' residual
-            # (2 x fp16)
+            # + the first unit's settled epilogue inputs (gemv_epilogues.cuh QkvEpi, gemv_units.cuh EpiPre): q/k/v's
+            # position and page id (two 32-bit loads; its bias, 2 x fp16, is a weight load)
             ctl = [ln for ln in lines if not _WEIGHT_LOAD.search(ln)]
             if name.startswith("nq_qkv_rope_kv"):
                 assert len(ctl) <= 2 and all(_CONTROL_LOAD.search(ln) for ln in ctl), f"{name}: {ctl}"
-            elif name.startswith(("nq_gemv_int4_h", "nq_gemv_int4_i")):
-                assert len(ctl) <= 2 and all(_RESIDUAL_LOAD.search(ln) for ln in ctl), f"{name}: {ctl}"
             else:
                 assert not ctl, f"{name}: {ctl}"
             lines = [ln for ln in lines if ln not in ctl]
@@ -350,28 +345,24 @@ def test_every_kernel_waits_for_its_predecessor_before_touching_memory(source):
 
 
 def test_settled_epilogue_inputs_go_before_the_wait(monkeypatch):
-    """With NQ_EPI_SETTLED=3 (both bits; the int8 builds of gemv.b1_build_defines set 1, q/k/v's) a warp's first
-    unit's settled epilogue inputs are read before griddepcontrol.wait: q/k/v its position and page id (two
-    32-bit loads; its bias is a weight load), o_proj and down_proj their residual (fp16 loads). The default
-    build (0) reads none of them there."""
+    """The int8 loop's builds (gemv.b1_build_defines: NQ_EPI_SETTLED=1) read q/k/v's first unit's position and
+    page id before griddepcontrol.wait (two 32-bit loads; its bias is a weight load); the default build (0)
+    reads neither there, and no other entry reads anything but weights there."""
     from nanoqwen_kernels.dims import QWEN25_1_5B
     from nanoqwen_kernels.gemv import b1_build_defines
 
-    defines = {**b1_build_defines(QWEN25_1_5B, 132), "NQ_EPI_SETTLED": 3}
+    defines = b1_build_defines(QWEN25_1_5B, 132)
+    assert defines["NQ_EPI_SETTLED"] == 1
     monkeypatch.setenv("NANOQWEN_KERNEL_DEFINES", ",".join(f"{k}={v}" for k, v in defines.items()))
     early = _functions(_sass("gemv_int4.cu", QWEN25_1_5B))
     monkeypatch.setenv("NANOQWEN_KERNEL_DEFINES", "")
     late = _functions(_sass("gemv_int4.cu", QWEN25_1_5B))
 
-    def before_wait(body: str, pattern) -> int:
-        return len([ln for ln in body[: body.find("ACQBULK")].splitlines() if pattern.search(ln)])
+    def before_wait(body: str) -> int:
+        return len([ln for ln in body[: body.find("ACQBULK")].splitlines() if _CONTROL_LOAD.search(ln)])
 
     _check_waits({k: v for k, v in early.items() if k.endswith(("_a8", "_a8x"))})
-    assert before_wait(early["nq_qkv_rope_kv_a8"], _CONTROL_LOAD) == 2
-    for name in ("nq_gemv_int4_h_a8", "nq_gemv_int4_i_a8", "nq_gemv_int4_i_a8x"):
-        assert before_wait(early[name], _RESIDUAL_LOAD) == 2, name
-    for name in ("nq_qkv_rope_kv_a8", "nq_gemv_int4_h_a8", "nq_gemv_int4_i_a8"):
-        assert before_wait(late[name], _CONTROL_LOAD) == 0 and before_wait(late[name], _RESIDUAL_LOAD) == 0, name
+    assert before_wait(early["nq_qkv_rope_kv_a8"]) == 2 and before_wait(late["nq_qkv_rope_kv_a8"]) == 0
 
 
 def test_tile_entries_copy_x_as_laid_out(monkeypatch):

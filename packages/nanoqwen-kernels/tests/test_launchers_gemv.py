@@ -17,10 +17,7 @@ def test_gemv_int4_good_call_and_residual_alias(launches):
     x, out = dev((d.hidden,), np.float16), dev((300,), np.float16)
     g.gemv_int4(qw, sc, x, out, residual=out)  # in-place residual is allowed
     fn, grid, args = launches[-1]
-    assert fn == "nq_gemv_int4_h" and grid == -(-150 // 8) and int(args[-2]) == 300
-    assert int(args[-1]) == 0  # settled: the B = 1 loops' last argument, off unless the caller promises it
-    g.gemv_int4(qw, sc, x, out, residual=out, settled=True)
-    assert int(launches[-1][2][-1]) == 1
+    assert fn == "nq_gemv_int4_h" and grid == -(-150 // 8) and int(args[-1]) == 300
     g = GemvKernels(d, load, "mma")  # at B = 1 on the tensor-core core
     qi, si = dev((7, d.intermediate // 8), np.uint32), dev((7, d.intermediate // 128), np.float16)
     g.gemv_int4(qi, si, dev((d.intermediate,), np.float16), dev((7,), np.float16))

@@ -394,15 +394,10 @@ class GemvKernels:
         if b != 1:
             raise KernelError(f"{what}: the a8 image is one sequence's (B = 1), got B = {b}")
 
-    def gemv_int4(self, qweight, scales, x, out, residual=None, norm_w=None, eps=1e-6, x_a8_image=False,
-                  settled: bool = False) -> None:
+    def gemv_int4(self, qweight, scales, x, out, residual=None, norm_w=None, eps=1e-6, x_a8_image=False) -> None:
         """out[B, N] = W . (norm(x[b]) if norm_w else x[b]) (+ residual[B, N]); residual may be out itself.
         x_a8_image (variant "a8", B = 1, K = I, no norm): x's storage holds an a8 image (gate_up_silu's
-        a8_image output; a8.a8_image), which down_proj stages as it is.
-        settled: the caller promises residual was written before the previous kernel on the stream released
-        this one (the engine's decode step: o_proj's and down_proj's residual), so the B = 1 loop reads it
-        before its launch-overlap wait (gemv_epilogues.cuh PlainEpi; down_proj only where gate/up releases
-        it after its own wait); other paths ignore it."""
+        a8_image output; a8.a8_image), which down_proj stages as it is."""
         n, k = self._int4(qweight, scales)
         b, lead = self._x(x, k)
         if x_a8_image:
@@ -414,8 +409,7 @@ class GemvKernels:
                 ck.check_array("residual", residual, np.float16, (*lead, n))
             ck.check_distinct(x=x, out=out)
             self._launch_b1("i", (n + 1) // 2,
-                            (qweight, scales, x, residual if residual is not None else ck.NULL, out, np.int32(n),
-                             np.int32(1 if settled else 0)),
+                            (qweight, scales, x, residual if residual is not None else ck.NULL, out, np.int32(n)),
                             fn=self._down_image)
             return
         ck.check_array("out", out, np.float16, (*lead, n))
@@ -443,7 +437,7 @@ class GemvKernels:
             epi = (residual if residual is not None else ck.NULL, out, np.int32(n))
             self._launch_tiles(kind, units, k, b, (qweight, scales), x, norm_w, e, epi)
         elif b == 1 and kind not in self._mma_at_b1:
-            self._launch_b1(kind, units, (*args, np.int32(1 if settled else 0)))
+            self._launch_b1(kind, units, args)
         else:
             self._launch_mma(lambda c: self._mma[(kind, c)], units, k, b, args)
 

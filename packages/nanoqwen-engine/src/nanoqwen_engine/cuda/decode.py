@@ -212,25 +212,23 @@ class DecodeStep:
     def launch_layer(self, ks, i: int, v: BucketViews, long: bool = False) -> None:
         """Decoder layer i on v.x (in place, through v.y) for each row's token at its POS."""
         lw, eps = self.w.layers[i], self.cfg.rms_eps
-        # settled: what an epilogue reads besides its sums was written before the kernel ahead of it released
-        # it (POS and the page tables by write_rows' copy and the previous step's advance; o_proj's and
-        # down_proj's residual by this step's earlier kernels), so the B = 1 loops read it before their
-        # launch-overlap wait (gemv_epilogues.cuh)
+        # settled: POS and the page tables were written before the step's first kernel (write_rows' copy, the
+        # previous step's advance), so q/k/v's B = 1 loop may read them before its launch-overlap wait
         ks.qkv_rope_kv(lw.qkv.qweight, lw.qkv.scales, lw.qkv_bias, v.x, lw.in_norm, eps, v.pos, v.table,
                        self.k_cache, self.v_cache, i, v.q, settled=True)
         attend = ks.attention_decode_long if long else ks.attention_decode
         attend(v.q, self.k_cache, self.v_cache, v.table, v.seq_len, i, v.attn, self.attn_ws)
-        ks.gemv_int4(lw.o.qweight, lw.o.scales, v.attn, v.y, residual=v.x, settled=True)
+        ks.gemv_int4(lw.o.qweight, lw.o.scales, v.attn, v.y, residual=v.x)
         if v.act.shape[0] == 1 and getattr(ks, "gemv_variant", None) == "a8" and getattr(ks, "a8_image_pair", True):
             # int8 decode activations where the kernels choose the image pair (nanoqwen_kernels.gemv
             # b1_a8_image_pair: the 1.5B, not the 7B): gate/up hands down_proj its input already rounded (the
             # a8 image in v.act's storage), so down_proj's blocks do not each round the whole intermediate
             # (docs/KERNELS.md)
             ks.gate_up_silu(lw.gate_up.qweight, lw.gate_up.scales, v.y, lw.post_norm, eps, v.act, a8_image=True)
-            ks.gemv_int4(lw.down.qweight, lw.down.scales, v.act, v.x, residual=v.y, x_a8_image=True, settled=True)
+            ks.gemv_int4(lw.down.qweight, lw.down.scales, v.act, v.x, residual=v.y, x_a8_image=True)
             return
         ks.gate_up_silu(lw.gate_up.qweight, lw.gate_up.scales, v.y, lw.post_norm, eps, v.act)
-        ks.gemv_int4(lw.down.qweight, lw.down.scales, v.act, v.x, residual=v.y, settled=True)
+        ks.gemv_int4(lw.down.qweight, lw.down.scales, v.act, v.x, residual=v.y)
 
     def launch_head(self, ks, x_rows, xn_rows, logits_rows) -> None:
         """Final RMSNorm + lm_head of hidden rows [B, H] into logits [B, V] (decode, and prefill's last row).

@@ -131,8 +131,7 @@ class HostKernels:
         out[...] = _rms(x, w, eps).astype(out.dtype)
 
     @_launcher
-    def gemv_int4(self, qweight, scales, x, out, residual=None, norm_w=None, eps=1e-6, x_a8_image=False,
-                  settled=False):
+    def gemv_int4(self, qweight, scales, x, out, residual=None, norm_w=None, eps=1e-6, x_a8_image=False):
         if x_a8_image:  # x's storage holds down_proj's a8 image (gate_up_silu's a8_image output)
             from nanoqwen_kernels.a8 import a8_image_values
 

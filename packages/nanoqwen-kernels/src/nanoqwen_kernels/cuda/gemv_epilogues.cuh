@@ -7,34 +7,18 @@
 namespace nq {
 
 // ---- epilogues: what happens to the 2 sums of a unit for column (sequence) b ----------------------------
-// Each epilogue's reads that no kernel of the decode step writes during the step, as `Pre pre(b, p, r0, r1)`
-// (the B = 1 loop issues them for a warp's first unit before its launch-overlap wait: gemv_units.cuh EpiPre),
-// and `at(pre, ...)` the epilogue given them; operator() reads them itself, after the sums.
 struct PlainEpi {
   const uint16_t* residual;  // [B, n_rows] or null; may alias out: each element is read, then written,
   uint16_t* out;             // by one thread
   int n_rows;
-  // settled (the B = 1 entries' last argument; 0 elsewhere): residual was written before the previous kernel
-  // released this one (o_proj's x, written by the layer's first kernel's predecessors; down_proj's y where
-  // gate/up releases down_proj after its own wait: gemv_int4.cu kDownResidualSettled)
-  int settled;
-  static constexpr int kSettledBit = 2;  // NQ_EPI_SETTLED's bit (gemv_units.cuh)
-  struct Pre {
-    float res0, res1;
-  };
-  __device__ Pre pre(int b, int, int r0, int r1) const {
+  __device__ void operator()(int b, int, int r0, int r1, float o0, float o1) const {
     const size_t base = static_cast<size_t>(b) * n_rows;
-    if (residual == nullptr) return {0.f, 0.f};
-    return {h2f(residual[base + r0]), h2f(residual[base + r1])};
-  }
-  __device__ bool pre_settled() const { return settled != 0 && residual != nullptr; }
-  __device__ void operator()(int b, int p, int r0, int r1, float o0, float o1) const {
-    at(pre(b, p, r0, r1), b, p, r0, r1, o0, o1);
-  }
-  __device__ void at(const Pre& pr, int b, int, int r0, int r1, float o0, float o1) const {
-    const size_t base = static_cast<size_t>(b) * n_rows;
-    out[base + r0] = f2h(o0 + pr.res0);
-    if (r1 != r0) out[base + r1] = f2h(o1 + pr.res1);
+    if (residual != nullptr) {
+      o0 += h2f(residual[base + r0]);
+      o1 += h2f(residual[base + r1]);
+    }
+    out[base + r0] = f2h(o0);
+    if (r1 != r0) out[base + r1] = f2h(o1);
   }
 };
 
@@ -59,7 +43,8 @@ struct QkvEpi {
   // page id before its launch-overlap wait, with the weights and the bias (a weight: always settled),
   // instead of two dependent L2 round trips after its sums (pos, then the table entry it indexes).
   int settled;
-  static constexpr int kSettledBit = 1;  // NQ_EPI_SETTLED's bit (gemv_units.cuh)
+  // q/k/v's reads that no kernel of the step writes during it, for the B = 1 loop to issue before its wait
+  // (gemv_units.cuh EpiPre); at(pre, ...) is the epilogue given them, operator() reads them itself
   struct Pre {
     int ps, page;      // the position, and its page id (-1: none; a padding row)
     float bias0, bias1;

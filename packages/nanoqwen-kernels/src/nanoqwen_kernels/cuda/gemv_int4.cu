@@ -219,32 +219,20 @@ using namespace nq;
 //     pos and page_table were written before the previous kernel started: read before the wait; QkvEpi).
 //   nq_gate_up_silu: fused post-attention RMSNorm + gate/up + SiLU(gate) * up (units kInter): qweight
 //     [2I, H/8] rows gate | up, scales, x [H], norm_w or null, eps, out [I] fp16.
-// Whether down_proj's residual (the layer's o_proj output) is settled when down_proj's blocks run their pre-wait
-// code (gemv_units.cuh EpiPre): only if gate/up releases down_proj after its own wait (which returns once
-// o_proj completed) or at its exit, not at its entry (NQ_TRIG_GU 2: the 7B's plain int8 pair). The half2
-// gate/up releases nothing early; both int8 gate/up kernels (plain and a8 image) follow NQ_TRIG_GU.
-template <int kX>
-__device__ constexpr bool kDownResidualSettled() {
-  return kX == kXHalf || NQ_TRIG_GU != 2;
-}
-
 #define NQ_B1_ENTRIES(SUFFIX, KX, LB_I)                                                                                              \
   extern "C" __global__ void NQ_LB0 nq_gemv_int4_h##SUFFIX(                                              \
       const uint32_t* __restrict__ qweight, const uint16_t* __restrict__ scales, const uint16_t* __restrict__ x, \
-      const uint16_t* __restrict__ norm_w, float eps, const uint16_t* residual, uint16_t* out, int n_rows,  \
-      int settled) {                                                                                        \
+      const uint16_t* __restrict__ norm_w, float eps, const uint16_t* residual, uint16_t* out, int n_rows) { \
     NQ_STAMP();                                                                                             \
     gemv_units<kHidden, PlainRows, PlainEpi, KX>(qweight, scales, x, norm_w, eps, (n_rows + 1) / 2,         \
-                                                 PlainRows{n_rows}, PlainEpi{residual, out, n_rows, settled}); \
+                                                 PlainRows{n_rows}, PlainEpi{residual, out, n_rows});       \
   }                                                                                                         \
   extern "C" __global__ void LB_I nq_gemv_int4_i##SUFFIX(                                              \
       const uint32_t* __restrict__ qweight, const uint16_t* __restrict__ scales, const uint16_t* __restrict__ x, \
-      const uint16_t* __restrict__ norm_w, float eps, const uint16_t* residual, uint16_t* out, int n_rows,  \
-      int settled) {                                                                                        \
+      const uint16_t* __restrict__ norm_w, float eps, const uint16_t* residual, uint16_t* out, int n_rows) { \
     NQ_STAMP();                                                                                             \
-    gemv_units<kInter, PlainRows, PlainEpi, KX>(                                                            \
-        qweight, scales, x, norm_w, eps, (n_rows + 1) / 2, PlainRows{n_rows},                               \
-        PlainEpi{residual, out, n_rows, settled && kDownResidualSettled<KX>()});                            \
+    gemv_units<kInter, PlainRows, PlainEpi, KX>(qweight, scales, x, norm_w, eps, (n_rows + 1) / 2,          \
+                                                PlainRows{n_rows}, PlainEpi{residual, out, n_rows});        \
   }                                                                                                         \
   extern "C" __global__ void NQ_LB0 nq_qkv_rope_kv##SUFFIX(                                              \
       const uint32_t* __restrict__ qweight, const uint16_t* __restrict__ scales,                            \
@@ -295,11 +283,10 @@ extern "C" __global__ void __launch_bounds__(kThreads) nq_gate_up_silu_a8x(
 
 extern "C" __global__ void NQ_LB_DOWN nq_gemv_int4_i_a8x(
     const uint32_t* __restrict__ qweight, const uint16_t* __restrict__ scales, const uint16_t* __restrict__ x,
-    const uint16_t* residual, uint16_t* out, int n_rows, int settled) {
+    const uint16_t* residual, uint16_t* out, int n_rows) {
   NQ_STAMP();  // the step timeline (common.cuh, NQ_STAMPS): nothing in a real build
-  gemv_units<kInter, PlainRows, PlainEpi, kXImage>(
-      qweight, scales, x, nullptr, 0.f, (n_rows + 1) / 2, PlainRows{n_rows},
-      PlainEpi{residual, out, n_rows, settled && kDownResidualSettled<kXImage>()});
+  gemv_units<kInter, PlainRows, PlainEpi, kXImage>(qweight, scales, x, nullptr, 0.f, (n_rows + 1) / 2,
+                                                   PlainRows{n_rows}, PlainEpi{residual, out, n_rows});
 }
 
 // The tensor-core core, B columns (x [B, K], outputs [B, ...]; pos [B], page_table [B, max_pages]);

@@ -149,24 +149,21 @@ __device__ __forceinline__ void join_split(float& o0, float& o1, int slot, int p
 }
 
 // An epilogue's reads that no kernel of the step writes during the step (Epi::Pre, Epi::pre: q/k/v's
-// position, page id and bias; o_proj's and down_proj's residual), issued for a warp's first unit before the
-// launch-overlap wait, with its weights, where the epilogue says they are settled (Epi::pre_settled);
-// otherwise, and for a warp's later units, the epilogue reads them after the sums. At batch 1 a warp has one
-// or two units, so the first unit's epilogue is most of the kernel's last step: without this it waited on
-// one L2 round trip (o_proj, down_proj: the residual; q/k/v: pos, then the page id it indexes, then bias)
-// between its sums and its stores. An Epi without Pre (GateUpEpi) is called as it is.
+// position, page id and bias), issued for a warp's first unit before the launch-overlap wait, with its weights,
+// where the caller says they are settled (Epi::pre_settled); otherwise, and for a warp's later units, the
+// epilogue reads them after the sums. At batch 1 a warp has one or two units, so the first unit's epilogue is
+// most of the kernel's last step: without this it waited on three L2 round trips (pos, then the page id it
+// indexes, then the bias) between its sums and its stores. An Epi without Pre is called as it is.
 // Why "settled" holds in the engine's decode step: a kernel's blocks run their pre-wait code only once the
-// previous kernel released them, which every B = 1 loop does after its own wait (or at its exit; gate/up
-// of the 7B's plain pair at its entry, hence kDownResidualSettled), and each wait returns only after the
-// previous kernel completed; so every kernel of the step before the previous one, and the previous step's
-// `advance` (which wrote pos), have completed (q/k/v of layer 0 follows the embedding, which releases
-// nothing early). tests/test_compile.py lets these loads precede the wait.
+// previous kernel released them, which every B = 1 loop does after its own wait (or at its entry / exit),
+// and each wait returns only after the previous kernel completed; the host's control copy and the previous
+// step's `advance` (which wrote pos) precede the step's first kernel, and q/k/v of layer 0 follows the
+// embedding, which releases nothing early. tests/test_compile.py lets these loads precede the wait.
+// Measured (H200, docs/PERF.md twenty-fifth lease): the 7B 1.456-1.458 -> 1.447 ms/token, the 1.5B's dims
+// ~0.638 -> 0.628; the same for o_proj's and down_proj's residual made the 7B slower (1.468) and bought the
+// 1.5B nothing more: removed.
 #ifndef NQ_EPI_SETTLED
-// which epilogues read settled inputs before the wait (a bit mask, Epi::kSettledBit): 1 q/k/v (position, page
-// id, bias), 2 o_proj / down_proj (residual). 0 by default; the int8 loop's builds set 1 (gemv.py
-// b1_build_defines: the 7B 1.456-1.458 -> 1.447 ms/token, the 1.5B's dims ~0.638 -> ~0.628; the residual's
-// bit made the 7B slower, 1.468-1.469, and bought the 1.5B nothing more)
-#define NQ_EPI_SETTLED 0
+#define NQ_EPI_SETTLED 0  // 1: the above (the int8 builds set it: gemv.py b1_build_defines); 0: after the sums
 #endif
 template <class...>
 using void_t = void;
@@ -182,11 +179,11 @@ template <class Epi>
 struct EpiPre<Epi, void_t<typename Epi::Pre>> {
   using type = typename Epi::Pre;
   __device__ static type read(const Epi& e, int p, int r0, int r1) {
-    return (NQ_EPI_SETTLED & Epi::kSettledBit) && e.pre_settled() ? e.pre(0, p, r0, r1) : type{};
+    return NQ_EPI_SETTLED && e.pre_settled() ? e.pre(0, p, r0, r1) : type{};
   }
   // first: this is the unit `read` was given
   __device__ static void call(const Epi& e, const type& pr, bool first, int p, int r0, int r1, float o0, float o1) {
-    if ((NQ_EPI_SETTLED & Epi::kSettledBit) && first && e.pre_settled()) {
+    if (NQ_EPI_SETTLED && first && e.pre_settled()) {
       e.at(pr, 0, p, r0, r1, o0, o1);
     } else {
       e(0, p, r0, r1, o0, o1);
