@@ -41,6 +41,20 @@ namespace nq {
 // (H200, 7B down_proj): 2 / 6 / 8 / 10 pieces 16.8 / 15.5 / 14.6 / 14.9 us against 14.8 at 4; gate/up,
 // o_proj and q/k/v within 0.3 us at 2 / 6 / 8 (docs/PERF.md "fourteenth lease").
 
+// Chunks a thread loads before rounding them (stage_x_a8; why batches there). All of them where registers
+// allow: the 7B's down_proj (K = 18,944, 10 chunks a thread) stays at 126 registers (2 blocks an SM, as its
+// 224-block grid needs) with its 10 loads in one L2 round trip instead of three batches of 4, 4, 2. H200,
+// decode protocol, three interleaved rounds: 1.4557 / 1.4548 / 1.4544 -> 1.4321 / 1.4298 / 1.4277 ms/token,
+// down_proj's family 12.63 -> 12.12 us a launch (docs/PERF.md, twenty-sixth lease). The register-capped
+// split build (NQ_MINB_DOWN: 64 registers) would spill with more than 4.
+#ifndef NQ_A8_BATCH
+#if defined(NQ_MINB_DOWN) && NQ_MINB_DOWN
+#define NQ_A8_BATCH 4
+#else
+#define NQ_A8_BATCH 16
+#endif
+#endif
+
 constexpr int kA8AccStart = 0x04B40000;  // 16 x this = 0x4B400000, the bits of the float 1.5 * 2^23
 constexpr float kA8FloatBase = 12582912.f;  // 1.5 * 2^23
 
@@ -69,8 +83,8 @@ __device__ __forceinline__ void stage_x_a8(const uint16_t* __restrict__ x, const
   // shuffles, across which the compiler does not move the next chunk's load, so a loop of load -> round ->
   // store pays one L2 round trip per chunk. Measured (H200, 7B down_proj, K = 18944, 10 chunks a thread):
   // that loop cost 4.5 of the kernel's 14.8 us (the same build with the rounding skipped: 10.2 us). Batches
-  // of 4 keep the registers of the GEMV loop's blocks (all 10 at once took 255).
-  constexpr int kBatch = kIters < 4 ? kIters : 4;
+  // of NQ_A8_BATCH (above): a first build of all 10 at once took 255 registers; today's takes 126.
+  constexpr int kBatch = kIters < NQ_A8_BATCH ? kIters : NQ_A8_BATCH;
   float r = 1.f;
   if (norm_w != nullptr) {
     float ss = 0.f;

@@ -78,12 +78,28 @@ __device__ __forceinline__ void gemv_trigger_at() {
 }
 
 // Stage an a8 image (K bytes of int8 x then K / 32 int4, two {scale / 16, accumulator start} per piece: the shared
-// layout itself)
+// layout itself). Every load of a thread's share goes out before any store: a grid-stride copy loop (load,
+// store, next) let the compiler issue only part of the loads before the first store waited on its data, so
+// the copy took two or more L2 round trips after the launch-overlap wait instead of one. H200, the 1.5B's dims
+// (its down_proj: 840 uint4s, 4 a thread), decode protocol, three interleaved rounds: 0.6273 / 0.6267 / 0.6263
+// -> 0.6096 / 0.6083 / 0.6072 ms/token; down_proj's family 3.46 -> 2.84 us a launch (docs/PERF.md,
+// twenty-sixth lease).
 template <int K>
 __device__ __forceinline__ void stage_image(const uint16_t* __restrict__ img, uint4* xs) {
   constexpr int kN = K / 16 + K / 32;  // uint4s: xq, then xm
+  constexpr int kIt = (kN + kThreads - 1) / kThreads;
   const uint4* src = reinterpret_cast<const uint4*>(img);
-  for (int i = threadIdx.x; i < kN; i += kThreads) xs[i] = src[i];
+  uint4 v[kIt];
+#pragma unroll
+  for (int j = 0; j < kIt; ++j) {
+    const int i = j * kThreads + threadIdx.x;
+    if (i < kN) v[j] = src[i];
+  }
+#pragma unroll
+  for (int j = 0; j < kIt; ++j) {
+    const int i = j * kThreads + threadIdx.x;
+    if (i < kN) xs[i] = v[j];
+  }
   __syncthreads();  // the image complete before any warp reads it
 }
 
