@@ -89,22 +89,6 @@ def test_sampling_checks(launches):
     assert launches[-1][1] == 3 and int(launches[-1][2][2]) == 300  # ceil(300 / 128) blocks, rows = 300
     with pytest.raises(KernelError, match="seq_len_dev"):
         s.advance(dev((1,), np.int32), dev((2,), np.int32))
-    # the picking kernels advance with their tokens when given (pos, seq_len): the last two arguments
-    pos, sl = dev((1,), np.int32), dev((1,), np.int32)
-    s.argmax(logits, tok, advance=(pos, sl))
-    assert launches[-1][0] == "nq_argmax" and launches[-1][2][-2:] == (pos, sl)
-    s.sample(logits, params, rng, dev((1, 1000), np.uint8), tok, advance=(pos, sl))
-    assert launches[-1][0] == "nq_sample" and launches[-1][2][-2:] == (pos, sl)
-    s.argmax(logits, tok)
-    assert [int(a) for a in launches[-1][2][-2:]] == [0, 0]  # nulls: no advance
-    with pytest.raises(KernelError, match="seq_len_dev must have shape"):
-        s.argmax(logits, tok, advance=(pos, dev((2,), np.int32)))
-    with pytest.raises(KernelError, match="pos_dev must be int32"):
-        s.sample(logits, params, rng, dev((1, 1000), np.uint8), tok, advance=(dev((1,), np.int64), sl))
-    with pytest.raises(KernelError, match="advance must be"):
-        s.argmax(logits, tok, advance=pos)
-    with pytest.raises(KernelError, match="overlap"):
-        s.argmax(logits, tok, advance=(pos, pos))
 
 
 def test_attention_decode_launch_and_checks(launches, monkeypatch):

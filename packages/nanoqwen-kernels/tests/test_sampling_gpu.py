@@ -82,65 +82,6 @@ def test_argmax_and_advance_replay_in_a_graph(kern, rng):
     assert pos.get().tolist() == [3, 8, 0, 12] and seq_len.get().tolist() == [4, 9, 0, 13]
 
 
-@pytest.mark.parametrize("picker", ["argmax", "sample"])
-def test_fused_advance_replays_in_a_graph(kern, rng, picker):
-    """The picking kernel given (pos, seq_len) advances every active row with its token (idle rows stay), in
-    a replayed graph, and picks the same tokens as without it; greedy and sampled rows mixed for sample."""
-    import cupy as cp
-
-    d, s = kern
-    rows = 5
-    logits = cp.asarray(rng.standard_normal((rows, d.vocab)).astype(np.float32))
-    tok = cp.full(rows, -1, dtype=np.int32)
-    p0 = rng.integers(0, 1000, rows).astype(np.int32)
-    p0[3] = 0
-    sl0 = (p0 + 1).astype(np.int32)
-    sl0[3] = 0  # row 3 idle: stays at (0, 0)
-    pos, seq_len = cp.asarray(p0), cp.asarray(sl0)
-    params, rstate = s.make_sampler_state(rows)
-    temps = np.array([0.0, 0.8, 0.0, 1.0, 0.7], np.float32)
-    params.set(np.stack([pack_params(temperature=float(t), top_k=40, top_p=0.95, min_p=0.0,
-                                     repetition_penalty=1.0) for t in temps]))
-    rstate.set(np.stack([pack_rng(int(rng.integers(0, 2**32)), 0) for _ in range(rows)]))
-    hist = cp.zeros((rows, d.vocab), dtype=np.uint8)
-
-    def pick(advance):
-        if picker == "argmax":
-            s.argmax(logits, tok, advance=advance)
-        else:
-            s.sample(logits, params, rstate, hist, tok, advance=advance)
-
-    stream = cp.cuda.Stream(non_blocking=True)
-    with stream:
-        stream.begin_capture()
-        pick((pos, seq_len))
-        graph = stream.end_capture()
-    reps = 3
-    for _ in range(reps):
-        x = rng.standard_normal((rows, d.vocab)).astype(np.float32)
-        with stream:
-            logits.set(x)
-            r_before, h_before = rstate.copy(), hist.copy()
-        tok.fill(-1)
-        graph.launch(stream)
-        stream.synchronize()
-        got = tok.get()
-        if picker == "argmax":
-            np.testing.assert_array_equal(got, np.argmax(x, axis=1))
-        else:  # the same draw as the unfused kernel from the same state
-            fused_r, fused_h = rstate.copy(), hist.copy()
-            rstate[...] = r_before
-            hist[...] = h_before
-            tok.fill(-1)
-            s.sample(logits, params, rstate, hist, tok)
-            np.testing.assert_array_equal(tok.get(), got)
-            np.testing.assert_array_equal(rstate.get(), fused_r.get())
-            np.testing.assert_array_equal(hist.get(), fused_h.get())
-    want_p, want_s = p0 + reps, sl0 + reps
-    want_p[3], want_s[3] = 0, 0
-    assert pos.get().tolist() == want_p.tolist() and seq_len.get().tolist() == want_s.tolist()
-
-
 def _draws(cp, s, logits_np, n_draws, seed=1, history=None, **p):
     params, rng = s.make_sampler_state()
     base = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0)

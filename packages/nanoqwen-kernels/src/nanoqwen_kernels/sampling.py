@@ -89,30 +89,15 @@ class SamplingKernels:
             raise KernelError(f"logits has {rows} rows; at most {MAX_ROWS} per launch")
         return rows, n
 
-    def _advance_args(self, advance, rows: int) -> tuple:
-        """The (pos_dev, seq_len_dev) pointers a picking kernel advances with its tokens, or two nulls."""
-        if advance is None:
-            return ck.NULL, ck.NULL
-        if not isinstance(advance, tuple) or len(advance) != 2:
-            raise KernelError("advance must be a (pos_dev, seq_len_dev) pair or None")
-        pos_dev, seq_len_dev = advance
-        ck.check_array("pos_dev", pos_dev, np.int32, (rows,))
-        ck.check_array("seq_len_dev", seq_len_dev, np.int32, (rows,))
-        ck.check_distinct(pos_dev=pos_dev, seq_len_dev=seq_len_dev)
-        return pos_dev, seq_len_dev
-
-    def argmax(self, logits, token_out, advance=None) -> None:
-        """token_out[b] = argmax(logits[b]) (lowest id on ties). advance: None, or (pos_dev, seq_len_dev)
-        int32 [B] that the kernel moves on as `advance` would once row b's token is written (the decode
-        step's last launch: one kernel fewer a token)."""
+    def argmax(self, logits, token_out) -> None:
+        """token_out[b] = argmax(logits[b]) (lowest id on ties)."""
         rows, n = self._logits(logits)
         ck.check_array("token_out", token_out, np.int32, (rows,))
-        adv = self._advance_args(advance, rows)
         ck.launch(
             self._argmax,
             (argmax_blocks_per_row(rows), rows, 1),
             ARG_THREADS,
-            (logits, np.int32(n), self._part_v, self._part_i, self._ticket, token_out, *adv),
+            (logits, np.int32(n), self._part_v, self._part_i, self._ticket, token_out),
         )
 
     def make_sampler_state(self, rows: int = 1):
@@ -133,19 +118,16 @@ class SamplingKernels:
         params.set(row[None, :])
         rng.set(r[None, :])
 
-    def sample(self, logits, params, rng_state, history, token_out, advance=None) -> None:
+    def sample(self, logits, params, rng_state, history, token_out) -> None:
         """token_out[b] = a draw from row b's processed distribution (see sampling.cu), with row b's params,
-        RNG stream and history; marks the drawn id in history[b] and advances rng_state[b]'s step.
-        advance: as argmax's."""
+        RNG stream and history; marks the drawn id in history[b] and advances rng_state[b]'s step."""
         rows, n = self._logits(logits)
         ck.check_array("params", params, np.float32, (rows, PARAMS))
         ck.check_array("rng_state", rng_state, np.uint64, (rows, 2))
         ck.check_array("history", history, np.uint8, (rows, n))
         ck.check_array("token_out", token_out, np.int32, (rows,))
-        adv = self._advance_args(advance, rows)
         ck.launch(
-            self._sample, rows, SAMPLE_THREADS,
-            (logits, np.int32(n), params, rng_state, history, token_out, *adv),
+            self._sample, rows, SAMPLE_THREADS, (logits, np.int32(n), params, rng_state, history, token_out)
         )
 
     def advance(self, pos_dev, seq_len_dev) -> None:

@@ -2,9 +2,8 @@
 replay it (one per batch bucket, sampling mode and context range, captured on first use).
 
 A step turns the token in row b of `ctrl` at row b's position into row b's next token, for rows
-[0, bucket): the sampler writes the new ids back into ctrl's token rows inside the same graph and, in the
-same kernel, moves every active row's position and length on (`advance`'s step, fused into the picking
-kernel: one kernel hand-off fewer a token). The host reads back only the
+[0, bucket): the sampler writes the new ids back into ctrl's token rows inside the same graph, and
+`advance` moves every active row's position and length on the device. The host reads back only the
 bucket's token ids (4 bytes a row) to stream them.
 
     ctrl: int32, one buffer so that whatever changed between two steps is one H2D copy
@@ -32,7 +31,7 @@ the line sits between (below 8k the step was not measured).
 
 Idle rows (inside the bucket, held by no sequence) run with POS 0, SEQ_LEN 0 and TABLE[b][0] = the
 scratch page, a page of the cache outside the pool that no sequence owns: their K/V write lands there,
-their attention reads nothing, and their sampled ids are dropped. The advance leaves them idle.
+their attention reads nothing, and their sampled ids are dropped. `advance` leaves them idle.
 
 Buffers (per backend, [R, ...] allocated once at load; H hidden, I intermediate, Q = n_heads*128, V vocab):
     x, y    f16 [R, H]  residual stream, ping-pong (o_proj: x -> y, down_proj: y -> x; no in-place aliasing)
@@ -207,9 +206,8 @@ class DecodeStep:
         for i in range(self.cfg.n_layers):
             self.launch_layer(ks, i, v, long)
         self.launch_head(ks, v.x, v.xn, v.logits)
-        # the picking kernel also moves each active row's POS and SEQ_LEN on (what `advance` does), once
-        # the row's token is written: the step's last launch
-        self.sampler.launch(ks, mode, v.logits, v.tokens, 0, B, advance=(v.pos, v.seq_len))
+        self.sampler.launch(ks, mode, v.logits, v.tokens, 0, B)
+        ks.advance(v.pos, v.seq_len)
 
     def launch_layer(self, ks, i: int, v: BucketViews, long: bool = False) -> None:
         """Decoder layer i on v.x (in place, through v.y) for each row's token at its POS."""

@@ -35,13 +35,6 @@ def _launcher(fn):
     return wrapper
 
 
-def _advance_rows(pos_dev: np.ndarray, seq_len_dev: np.ndarray) -> None:
-    """nq_advance's step: every active row (seq_len > 0) one position on; idle rows stay idle."""
-    act = seq_len_dev > 0
-    pos_dev[act] += 1
-    seq_len_dev[act] += 1
-
-
 def _rows(a: np.ndarray) -> np.ndarray:
     """[B, n] view of a batch-shaped array (a 1-D one is B = 1); writes through it land in `a`."""
     return a.reshape(-1, a.shape[-1])
@@ -240,17 +233,15 @@ class HostKernels:
         _rows(out)[...] = _mm(xr.astype(np.float32), wf)
 
     @_launcher
-    def argmax(self, logits, token_out, advance=None):
+    def argmax(self, logits, token_out):
         token_out[...] = np.argmax(_rows(logits), axis=1)
-        if advance is not None:
-            _advance_rows(*advance)
 
     def make_sampler_state(self, rows: int = 1):
         # params f32 [rows, 5]: temperature, top_k, top_p, min_p, repetition penalty; rng u64 [rows, 2]
         return np.zeros((rows, 5), dtype=np.float32), np.zeros((rows, 2), dtype=np.uint64)
 
     @_launcher
-    def sample(self, logits, params, rng_state, history, token_out, advance=None):
+    def sample(self, logits, params, rng_state, history, token_out):
         from ..params import SamplingParams
         from ..sampler import _softmax, processed_logits
 
@@ -268,12 +259,12 @@ class HostKernels:
             rng_state[b, 1] += 1
             history[b, tok] = 1
             token_out[b] = tok
-        if advance is not None:
-            _advance_rows(*advance)
 
     @_launcher
     def advance(self, pos_dev, seq_len_dev):
-        _advance_rows(pos_dev, seq_len_dev)
+        act = seq_len_dev > 0  # idle rows stay idle
+        pos_dev[act] += 1
+        seq_len_dev[act] += 1
 
     # --- prefill launchers ---
     @_launcher

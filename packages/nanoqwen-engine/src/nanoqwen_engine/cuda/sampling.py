@@ -74,12 +74,10 @@ class DeviceSampler:
         """Add one id fed from the host (not drawn on the device) to the row's seen-ids mask."""
         self.dev.h2d(self.history[row, token:token + 1], self._one)
 
-    def launch(self, ks, mode: str, logits, token_out, lo: int, hi: int, advance=None) -> None:
+    def launch(self, ks, mode: str, logits, token_out, lo: int, hi: int) -> None:
         """Pick token_out[b] from logits[b] for the rows lo..hi-1 of the state (logits/token_out have
-        hi - lo rows); advance: None, or the rows' (pos, seq_len) for the picking kernel to move on as
-        `advance` would, once each row's token is written."""
+        hi - lo rows)."""
         if mode == GREEDY:
-            ks.argmax(logits, token_out, advance=advance)
+            ks.argmax(logits, token_out)
         else:
-            ks.sample(logits, self.params[lo:hi], self.rng[lo:hi], self.history[lo:hi], token_out,
-                      advance=advance)
+            ks.sample(logits, self.params[lo:hi], self.rng[lo:hi], self.history[lo:hi], token_out)

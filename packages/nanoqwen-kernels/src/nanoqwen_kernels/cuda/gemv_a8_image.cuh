@@ -26,12 +26,6 @@ constexpr int kA8ImageGroups = 8;
 #ifndef NQ_GU_UNIT_PREFETCH_NJ
 #define NQ_GU_UNIT_PREFETCH_NJ 2
 #endif
-#ifndef NQ_GU_AHEAD
-#define NQ_GU_AHEAD 1
-#endif
-#ifndef NQ_GU_AHEAD_EARLY
-#define NQ_GU_AHEAD_EARLY 1
-#endif
 template <int K>
 constexpr bool kGuUnitPrefetch = pieces_per_lane<K>() <= NQ_GU_UNIT_PREFETCH_NJ && pieces_per_lane<K>() <= kInFlight;
 __device__ __forceinline__ void a8_round_group(float v, int g, uint16_t* img) {
@@ -82,29 +76,8 @@ __device__ __forceinline__ void gate_up_a8_image(const uint32_t* __restrict__ qw
   }
 #endif
   if (threadIdx.x < kA8ImageGroups) done[threadIdx.x] = 0;  // published by stage_x_a8's barrier
-#if NQ_GEMV_PRELOAD
-  // two units ahead (NQ_GU_AHEAD=2): the warp's second unit is issued before the prologue (after the wait,
-  // or before it with NQ_GU_AHEAD_EARLY=2) and each unit's products run with the next two in flight
-  constexpr bool kAhead2 = kGuUnitPrefetch<K> && NQ_GU_AHEAD == 2;
-  RowChunk second;
-  int s_g = blockIdx.x, s_j = 1, s0 = 0, s1 = 0;
-  if constexpr (kAhead2 && NQ_GU_AHEAD_EARLY == 2) {
-    if (s_g < kGroups) {
-      map(32 * s_g + 4 * warp + s_j, s0, s1);
-      load_chunk<K>(qw, sc, s0, s1, 0, second);
-    }
-  }
-#endif
   pdl_wait();
   gemv_trigger_at<3, NQ_TRIG_GU>();
-#if NQ_GEMV_PRELOAD
-  if constexpr (kAhead2 && NQ_GU_AHEAD_EARLY != 2) {
-    if (s_g < kGroups) {
-      map(32 * s_g + 4 * warp + s_j, s0, s1);
-      load_chunk<K>(qw, sc, s0, s1, 0, second);
-    }
-  }
-#endif
   stage_x_a8<K>(x, norm_w, eps, a8_views<K>(xs), red);
   // unit j of group g (slot s): warp w's output 4w + j of the group; after its 4th, the warp counts itself
   // done with the group, and the last of the kWarps rounds and writes it
@@ -123,45 +96,6 @@ __device__ __forceinline__ void gate_up_a8_image(const uint32_t* __restrict__ qw
     }
   };
 #if NQ_GEMV_PRELOAD
-  if constexpr (kAhead2) {
-    // units (g, j) in the warp's order: j = 0..3 of group g, then group g + gridDim.x
-    const auto step = [&](int& gg, int& jj) {
-      if (++jj == 4) {
-        jj = 0;
-        gg += gridDim.x;
-      }
-    };
-    RowChunk cur = first, nxt = second;
-    int g = blockIdx.x, j = 0, s = 0, c0 = 0, c1 = 0;
-    if (g < kGroups) map(32 * g + 4 * warp, c0, c1);
-    int gn = s_g, jn = s_j, n0 = s0, n1 = s1;
-    while (g < kGroups) {  // block-uniform
-      int g2 = gn, j2 = jn;
-      step(g2, j2);
-      RowChunk nn;
-      int m0 = 0, m1 = 0;
-      if (gn < kGroups && g2 < kGroups) {
-        map(32 * g2 + 4 * warp + j2, m0, m1);
-        load_chunk<K>(qw, sc, m0, m1, 0, nn);
-      }
-      float o0, o1;
-      dot_rows2<K, true>(qw, sc, c0, c1, xs, o0, o1, &cur);
-      trigger_after_last_unit<NQ_TRIG_GU>(gn >= kGroups);
-      finish_unit(g, j, s, o0, o1);
-      if (jn == 0) ++s;
-      cur = nxt;
-      c0 = n0;
-      c1 = n1;
-      g = gn;
-      j = jn;
-      nxt = nn;
-      n0 = m0;
-      n1 = m1;
-      gn = g2;
-      jn = j2;
-    }
-    return;
-  }
   if constexpr (kGuUnitPrefetch<K>) {
     // a unit is one chunk (kGuUnitPrefetch): the warp's next unit is issued before this one's products, as
     // gemv_units does at short K

@@ -10,9 +10,7 @@
 //               temperature 0 is the argmax of the penalised logits, so greedy and sampled rows mix in
 //               one launch. It marks the drawn id in row b's mask and advances row b's RNG step.
 //   nq_advance  pos[b] += 1, seq_len[b] += 1 for every active row (seq_len > 0); idle (padding) rows,
-//               seq_len 0, stay idle. nq_argmax and nq_sample do the same for row b once its token is
-//               written when given pos / seq_len (not null): the decode step's last launch, one kernel
-//               hand-off fewer a token than a separate nq_advance.
+//               seq_len 0, stay idle.
 // Shapes/dtypes: logits fp32 [B, n]; token_out int32 [B]; history uint8 [B, n] (1 = id seen in row b's
 //   sequence); params fp32 [B, 5] = temperature, top_k, top_p, min_p, repetition_penalty; rng uint64
 //   [B, 2] = seed, step. All in device memory, so one captured graph serves every request mix.
@@ -110,22 +108,12 @@ __device__ __forceinline__ float processed(const float* logits, const uint8_t* h
 
 using namespace nq;
 
-// nq_advance's step for one row, by the thread that wrote the row's token (pos and seq_len both or neither)
-__device__ __forceinline__ void advance_row(int32_t* pos_dev, int32_t* seq_len_dev, int row) {
-  if (pos_dev != nullptr && seq_len_dev[row] > 0) {  // idle rows (seq_len 0) stay idle
-    pos_dev[row] += 1;
-    seq_len_dev[row] += 1;
-  }
-}
-
 extern "C" __global__ void __launch_bounds__(kArgThreads) nq_argmax(
     const float* __restrict__ logits,  // [B, n] fp32
     int n,                             // V
     float* part_v, int* part_i,        // [B, gridDim.x] workspace: per-block winners
     unsigned int* ticket,              // [B] workspace, 0 between launches
-    int32_t* __restrict__ token_out,   // [B]
-    int32_t* pos_dev,                  // [B] or null: advanced with the token (advance_row)
-    int32_t* seq_len_dev) {            // [B] or null
+    int32_t* __restrict__ token_out) { // [B]
   NQ_STAMP();  // the step timeline (common.cuh, NQ_STAMPS): nothing in a real build
   nq::pdl_wait();  // launch overlap (common.cuh): nothing read or written before it
   __shared__ float sv[32];
@@ -157,7 +145,6 @@ extern "C" __global__ void __launch_bounds__(kArgThreads) nq_argmax(
   if (threadIdx.x == 0) {
     token_out[row] = idx == 0x7fffffff ? 0 : idx;  // all-NaN logits: id 0 rather than garbage
     ticket[row] = 0;  // re-arm for the next launch (graph replay)
-    advance_row(pos_dev, seq_len_dev, row);
   }
 }
 
@@ -167,9 +154,7 @@ extern "C" __global__ void __launch_bounds__(kSampThreads) nq_sample(
     const float* __restrict__ params_all,   // [B, 5] temperature, top_k, top_p, min_p, repetition_penalty
     uint64_t* __restrict__ rng_all,         // [B, 2] seed, step (step += 1 here)
     uint8_t* __restrict__ history_all,      // [B, n] presence masks; the drawn id is marked
-    int32_t* __restrict__ token_all,        // [B]
-    int32_t* pos_dev,                       // [B] or null: advanced with the token (advance_row)
-    int32_t* seq_len_dev) {                 // [B] or null
+    int32_t* __restrict__ token_all) {      // [B]
   NQ_STAMP();  // the step timeline (common.cuh, NQ_STAMPS): nothing in a real build
   nq::pdl_wait();  // launch overlap (common.cuh): nothing read or written before it
   // one block per row: everything below is row b's
@@ -209,7 +194,6 @@ extern "C" __global__ void __launch_bounds__(kSampThreads) nq_sample(
       token_out[0] = tok;
       history[tok] = 1;
       rng[1] += 1;
-      advance_row(pos_dev, seq_len_dev, row);
     }
     return;
   }
@@ -363,7 +347,6 @@ extern "C" __global__ void __launch_bounds__(kSampThreads) nq_sample(
     token_out[0] = tok;
     history[tok] = 1;
     rng[1] = step + 1;
-    advance_row(pos_dev, seq_len_dev, row);
   }
 }
 
