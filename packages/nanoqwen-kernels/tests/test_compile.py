@@ -216,7 +216,8 @@ def _check_waits(funcs: dict[str, str]) -> None:
             else:
                 assert not ctl, f"{name}: {ctl}"
             lines = [ln for ln in lines if ln not in ctl]
-            assert len(lines) <= 16 + 2, f"{name}: {len(lines)} loads before the wait"
+            # + the norm's weights of the int8 prologue (gemv_a8.cuh NQ_NORM_EARLY: <= 2 pieces a thread)
+            assert len(lines) <= 16 + 2 + 2, f"{name}: {len(lines)} loads before the wait"
             for ln in lines:
                 assert _WEIGHT_LOAD.search(ln), f"{name}: a load before the wait that is not weights: {ln.strip()}"
             early = [op for op in early if op != "LDG"]

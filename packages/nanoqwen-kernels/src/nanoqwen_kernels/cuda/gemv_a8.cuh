@@ -69,9 +69,38 @@ __device__ __forceinline__ A8Stage a8_views(uint4* xs) {
   return A8Stage{xs, reinterpret_cast<int4*>(xs + K / 16)};
 }
 
+// The norm's weights before the launch-overlap wait (NQ_NORM_EARLY, where a thread has at most 2 chunks: the
+// q/k/v and gate/up prologues, K = hidden). They are constants of the step, as the GEMV's weights, so the
+// caller loads them with its first weights (load_norm_early); the prologue then keeps its x chunks in
+// registers from the sum of squares to the rounding. Before, the weights' loads and x's second read came
+// after the block barrier of the sum, an L2 (or DRAM) round trip after the one of x.
+#ifndef NQ_NORM_EARLY
+#define NQ_NORM_EARLY 1
+#endif
+template <int K>
+__host__ __device__ constexpr int a8_iters() { return (K / 8 + kThreads - 1) / kThreads; }
+template <int K>
+constexpr bool kNormEarly = NQ_NORM_EARLY && a8_iters<K>() <= 2;
+template <int K>
+struct NormEarly {
+  uint4 w[kNormEarly<K> ? a8_iters<K>() : 1];
+};
+template <int K>
+__device__ __forceinline__ void load_norm_early(const uint16_t* __restrict__ norm_w, NormEarly<K>& ne) {
+  if constexpr (kNormEarly<K>) {
+    if (norm_w != nullptr) {
+#pragma unroll
+      for (int it = 0; it < a8_iters<K>(); ++it) {
+        const int i = it * kThreads + threadIdx.x;
+        if (i < K / 8) ne.w[it] = ld_stream_v4(reinterpret_cast<const uint4*>(norm_w) + i);
+      }
+    }
+  }
+}
+
 template <int K>
 __device__ __forceinline__ void stage_x_a8(const uint16_t* __restrict__ x, const uint16_t* __restrict__ norm_w,
-                                           float eps, A8Stage st, float* red) {
+                                           float eps, A8Stage st, float* red, const NormEarly<K>& ne) {
   constexpr int kChunks = K / 8;
   constexpr int kNU = K / 32;
   constexpr int kIters = (kChunks + kThreads - 1) / kThreads;  // chunks per thread (K = 18944: 10)
@@ -86,24 +115,39 @@ __device__ __forceinline__ void stage_x_a8(const uint16_t* __restrict__ x, const
   // of NQ_A8_BATCH (above): a first build of all 10 at once took 255 registers; today's takes 126.
   constexpr int kBatch = kIters < NQ_A8_BATCH ? kIters : NQ_A8_BATCH;
   float r = 1.f;
+  uint4 xe[kNormEarly<K> ? kIters : 1];  // kNormEarly: x's chunks, read once
   if (norm_w != nullptr) {
     float ss = 0.f;
-    for (int i = threadIdx.x; i < kChunks; i += kThreads) ss += sum_squares8(x4[i]);
+    if constexpr (kNormEarly<K>) {
+#pragma unroll
+      for (int it = 0; it < kIters; ++it) {  // the same order of sums as the loop below
+        const int i = it * kThreads + threadIdx.x;
+        xe[it] = i < kChunks ? x4[i] : make_uint4(0u, 0u, 0u, 0u);
+        if (i < kChunks) ss += sum_squares8(xe[it]);
+      }
+    } else {
+      for (int i = threadIdx.x; i < kChunks; i += kThreads) ss += sum_squares8(x4[i]);
+    }
     ss = block_sum<kThreads>(ss, red);
     r = rsqrtf(ss / K + eps);
   }
+#pragma unroll
   for (int it0 = 0; it0 < (NQ_A8_PROBE ? 0 : kIters); it0 += kBatch) {
     uint4 v[kBatch];
 #pragma unroll
     for (int jb = 0; jb < kBatch; ++jb) {
       const int i = (it0 + jb) * kThreads + threadIdx.x;
-      v[jb] = i < kChunks ? x4[i] : make_uint4(0u, 0u, 0u, 0u);
+      if (kNormEarly<K> && norm_w != nullptr) {
+        v[jb] = xe[it0 + jb];
+      } else {
+        v[jb] = i < kChunks ? x4[i] : make_uint4(0u, 0u, 0u, 0u);
+      }
     }
     if (norm_w != nullptr) {
 #pragma unroll
       for (int jb = 0; jb < kBatch; ++jb) {
         const int i = (it0 + jb) * kThreads + threadIdx.x;
-        if (i < kChunks) v[jb] = rms_apply8(v[jb], w4[i], r);
+        if (i < kChunks) v[jb] = rms_apply8(v[jb], kNormEarly<K> ? ne.w[it0 + jb] : w4[i], r);
       }
     }
 #pragma unroll

@@ -76,9 +76,11 @@ __device__ __forceinline__ void gate_up_a8_image(const uint32_t* __restrict__ qw
   }
 #endif
   if (threadIdx.x < kA8ImageGroups) done[threadIdx.x] = 0;  // published by stage_x_a8's barrier
+  NormEarly<K> ne;  // the norm's weights, with the first weights (gemv_a8.cuh NQ_NORM_EARLY)
+  load_norm_early<K>(norm_w, ne);
   pdl_wait();
   gemv_trigger_at<3, NQ_TRIG_GU>();
-  stage_x_a8<K>(x, norm_w, eps, a8_views<K>(xs), red);
+  stage_x_a8<K>(x, norm_w, eps, a8_views<K>(xs), red, ne);
   // unit j of group g (slot s): warp w's output 4w + j of the group; after its 4th, the warp counts itself
   // done with the group, and the last of the kWarps rounds and writes it
   const auto finish_unit = [&](int g, int j, int s, float o0, float o1) {

@@ -237,12 +237,14 @@ __device__ __forceinline__ void gemv_units(const uint32_t* __restrict__ qw, cons
 #else
   const typename EpiPre<Epi>::type pre{};
 #endif
+  NormEarly<K> ne;  // the norm's weights, with the first weights (gemv_a8.cuh NQ_NORM_EARLY)
+  if constexpr (kX == kXA8) load_norm_early<K>(norm_w, ne);
   pdl_wait();  // launch overlap (common.cuh): x is the previous kernel's output
   gemv_trigger_at<3, kTrig>();
   if constexpr (kX == kXImage) {
     stage_image<K>(x, xs);
   } else if constexpr (kX == kXA8) {
-    stage_x_a8<K>(x, norm_w, eps, a8_views<K>(xs), red);
+    stage_x_a8<K>(x, norm_w, eps, a8_views<K>(xs), red, ne);
   } else {
     stage_x<K>(x, norm_w, eps, xs, red);
   }
