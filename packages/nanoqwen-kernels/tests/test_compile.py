@@ -216,10 +216,8 @@ def _check_waits(funcs: dict[str, str]) -> None:
             else:
                 assert not ctl, f"{name}: {ctl}"
             lines = [ln for ln in lines if ln not in ctl]
-            # + the norm's weights of the int8 prologue (gemv_a8.cuh NQ_NORM_EARLY: <= 2 pieces a thread); the
-            # int8 lm_head: its first unit whole, 2 rows x <= 7 pieces a lane and their scales (head_i8.cu)
-            bound = 2 * 2 * 7 if name == "nq_gemv_head_i8" else 16 + 2 + 2
-            assert len(lines) <= bound, f"{name}: {len(lines)} loads before the wait"
+            # + the norm's weights of the int8 prologue (gemv_a8.cuh NQ_NORM_EARLY: <= 2 pieces a thread)
+            assert len(lines) <= 16 + 2 + 2, f"{name}: {len(lines)} loads before the wait"
             for ln in lines:
                 assert _WEIGHT_LOAD.search(ln), f"{name}: a load before the wait that is not weights: {ln.strip()}"
             early = [op for op in early if op != "LDG"]

@@ -29,12 +29,6 @@
 // twins, the GEMV against float64, poisoned outputs, the 7B / 1.5B / tiny dims).
 #include "common.cuh"
 
-// The scales of a unit's pieces loaded with its weights (before the launch-overlap wait for the first unit,
-// during the previous unit's sums for the others) instead of in the sums, where each unit's first product
-// waited on their round trip. 0: the A/B's other side.
-#ifndef NQ_HEAD_SCALES_EARLY
-#define NQ_HEAD_SCALES_EARLY 1
-#endif
 namespace nq {
 constexpr int kHeadThreads = 256;
 constexpr int kHeadPieces = kHidden / 16;            // 16-byte pieces per row (16 int8 each)
@@ -78,7 +72,6 @@ extern "C" __global__ void __launch_bounds__(kHeadThreads) nq_gemv_head_i8(
   int p = blockIdx.x * (kHeadThreads / 32) + warp;
 
   uint4 v0[kHeadPerLane], v1[kHeadPerLane];
-  uint16_t g0[kHeadPerLane], g1[kHeadPerLane];  // NQ_HEAD_SCALES_EARLY: the pieces' scales, with the weights
   auto load_unit = [&](int pp) {
     const int r0 = 2 * pp, r1 = min(2 * pp + 1, n_rows - 1);
     const uint4* w0 = reinterpret_cast<const uint4*>(q + static_cast<size_t>(r0) * kHidden);
@@ -89,10 +82,6 @@ extern "C" __global__ void __launch_bounds__(kHeadThreads) nq_gemv_head_i8(
       if (u < kHeadPieces) {
         v0[j] = ld_stream_v4(w0 + u);
         v1[j] = ld_stream_v4(w1 + u);
-        if (NQ_HEAD_SCALES_EARLY) {
-          g0[j] = __ldg(s + static_cast<size_t>(r0) * (kHidden / kGroup) + u / 8);
-          g1[j] = __ldg(s + static_cast<size_t>(r1) * (kHidden / kGroup) + u / 8);
-        }
       }
     }
   };
@@ -115,10 +104,8 @@ extern "C" __global__ void __launch_bounds__(kHeadThreads) nq_gemv_head_i8(
     for (int j = 0; j < kHeadPerLane; ++j) {
       const int u = j * 32 + lane;
       if (u < kHeadPieces) {
-        const uint16_t sa = NQ_HEAD_SCALES_EARLY ? g0[j] : __ldg(s0 + u / 8);
-        const uint16_t sb = NQ_HEAD_SCALES_EARLY ? g1[j] : __ldg(s1 + u / 8);
-        a0 = fmaf(h2f(sa), head_piece_dot(v0[j], xs, u), a0);
-        a1 = fmaf(h2f(sb), head_piece_dot(v1[j], xs, u), a1);
+        a0 = fmaf(h2f(__ldg(s0 + u / 8)), head_piece_dot(v0[j], xs, u), a0);
+        a1 = fmaf(h2f(__ldg(s1 + u / 8)), head_piece_dot(v1[j], xs, u), a1);
       }
     }
     if (p + stride < units) load_unit(p + stride);  // the next unit's bytes in flight during the sums
