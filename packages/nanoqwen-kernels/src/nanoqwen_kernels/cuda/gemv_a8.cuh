@@ -73,7 +73,12 @@ __device__ __forceinline__ A8Stage a8_views(uint4* xs) {
 // q/k/v and gate/up prologues, K = hidden). They are constants of the step, as the GEMV's weights, so the
 // caller loads them with its first weights (load_norm_early); the prologue then keeps its x chunks in
 // registers from the sum of squares to the rounding. Before, the weights' loads and x's second read came
-// after the block barrier of the sum, an L2 (or DRAM) round trip after the one of x.
+// after the block barrier of the sum, an L2 (or DRAM) round trip after the one of x. H200, decode
+// protocol, three interleaved rounds (docs/PERF.md, twenty-sixth lease): 7B 1.4409 / 1.4422 / 1.4421 ->
+// 1.4183 / 1.4161 / 1.4154 ms/token, the 1.5B's dims 0.6112 / 0.6194 / 0.6094 -> 0.5964 / 0.5972 / 0.5966;
+// the 7B's gate/up 19.95 -> 19.19 us a launch (83.8% -> 87.1% of the copy rate), q/k/v 5.17 -> 4.84.
+// (ptxas may still sink the norm's loads below the wait, as it does in the 1.5B's q/k/v: they then go out
+// right after it, beside x's.) NQ_NORM_EARLY=0: the A/B's other side.
 #ifndef NQ_NORM_EARLY
 #define NQ_NORM_EARLY 1
 #endif
