@@ -108,7 +108,7 @@ __device__ __forceinline__ void stage_x_a8(const uint16_t* __restrict__ x, const
                                            float eps, A8Stage st, float* red, const NormEarly<K>& ne) {
   constexpr int kChunks = K / 8;
   constexpr int kNU = K / 32;
-  constexpr int kIters = (kChunks + kThreads - 1) / kThreads;  // chunks per thread (K = 18944: 10)
+  constexpr int kIters = a8_iters<K>();  // chunks per thread (K = 18944: 10)
   static_assert(kChunks % 4 == 0 && kThreads % 4 == 0, "a piece is 4 chunks of 4 neighbouring threads");
   static_assert(kNU * 32 == K, "whole pieces");
   const uint4* x4 = reinterpret_cast<const uint4*>(x);
