@@ -101,7 +101,9 @@ PYTEST="$PY -m pytest -q -m gpu -p no:cacheprovider -rfEs"
 want kernels && run kernels 200 $PYTEST packages/nanoqwen-kernels/tests
 # which x element each tile-GEMM output read (scripts/tile_probe.py: a layout bug shows as a pattern)
 want kernels && run tile_probe 60 $PY scripts/tile_probe.py
-want engine && run engine 60 $PYTEST packages/nanoqwen-engine/tests
+# 180 s: its 39 tests take ~13 s once their kernel builds are cached, but a call without `kernels` before it
+# compiles the engine's builds here first, and 60 s was too short for that (twenty-seventh lease)
+want engine && run engine 180 $PYTEST packages/nanoqwen-engine/tests
 # GPU_ALL_LADDER_K: a pytest -k expression to run part of the ladder (e.g. "not 7b")
 want ladder && run ladder 240 $PYTEST -s ${GPU_ALL_LADDER_K:+-k "$GPU_ALL_LADDER_K"} tests/test_ladder_layer.py \
   tests/test_ladder_graph.py
