@@ -257,6 +257,29 @@ def test_int8_loop_split_units_meet_at_a_named_barrier(monkeypatch, dims_name):
         assert named == ({hex(32 * split)} if split > 1 else set()), f"{name}: named barriers {named}"
 
 
+@pytest.mark.parametrize("dims_name", ["7b", "tiny"])
+def test_int8_down_proj_prologue_shared_by_a_cluster(monkeypatch, dims_name):
+    """down_proj's prologue shared by a thread-block cluster (gemv_a8_cluster.cuh, NQ_DOWN_CLUSTER; the 7B's
+    build, gemv.b1_build_defines): the block arms its receive mbarrier and arrives at the cluster barrier
+    before griddepcontrol.wait, reads nothing but weights there, pushes its share of the rounded x with
+    st.async (no fence and no second cluster barrier: each block waits on its own mbarrier) and spills
+    nothing; no other entry holds a cluster instruction."""
+    from nanoqwen_kernels.gemv import DOWN_CLUSTER, b1_build_defines
+
+    assert b1_build_defines(QWEN25_7B, 132)["NQ_DOWN_CLUSTER"] == DOWN_CLUSTER > 1
+    monkeypatch.setenv("NANOQWEN_KERNEL_DEFINES", "NQ_SPLIT_DOWN=1,NQ_DOWN_CLUSTER=2")
+    funcs = _functions(_sass("gemv_int4.cu", DIMS[dims_name]))
+    body = funcs["nq_gemv_int4_i_a8"]
+    wait = body.find("ACQBULK")
+    assert 0 <= body.find("SYNCS.ARRIVE") < wait and 0 <= body.find("UCGABAR_ARV") < wait
+    assert body.count("UCGABAR_ARV") == 1 and "MEMBAR" not in body
+    assert "STAS" in body and "SYNCS.PHASECHK" in body
+    assert "STL" not in body and "LDL" not in body
+    _check_waits({"nq_gemv_int4_i_a8": body})
+    for name in ("nq_gemv_int4_h_a8", "nq_qkv_rope_kv_a8", "nq_gate_up_silu_a8", "nq_gemv_int4_i_a8x"):
+        assert "UCGABAR" not in funcs[name] and "STAS" not in funcs[name], name
+
+
 def _attention_early_ops(body: str) -> list[str]:
     return [m.group(0) for m in re.finditer(r"\bACQBULK\b|\bUBLKCP\b|\bLDG\.E\.128\b|\bSTG\b", body)]
 

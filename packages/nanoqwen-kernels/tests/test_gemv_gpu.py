@@ -49,40 +49,60 @@ A8_SPLIT = "a8/split"
 A8_SPLIT_DEFINES = "NQ_SPLIT_DOWN=2"
 
 
-def _a8_split_kernels(dims, default):
-    """GemvKernels("a8") compiled with A8_SPLIT_DEFINES added to $NANOQWEN_KERNEL_DEFINES (the build and
-    its launch plan read them at construction; the variable is restored after)."""
+# The int8 loop's unsplit down_proj with its prologue shared by a cluster of 2 blocks (gemv_a8_cluster.cuh
+# NQ_DOWN_CLUSTER), on every dims: the 7B's default build is this (gemv.b1_build_defines); the 1.5B's and
+# tiny dims split down_proj by default, and here do not
+A8_CLUSTER = "a8/cluster"
+A8_CLUSTER_DEFINES = "NQ_SPLIT_DOWN=1,NQ_DOWN_CLUSTER=2"
+
+
+def _a8_kernels_with(dims, defines):
+    """GemvKernels("a8") compiled with `defines` added to $NANOQWEN_KERNEL_DEFINES (the build and its launch
+    plan read them at construction; the variable is restored after)."""
     old = os.environ.get("NANOQWEN_KERNEL_DEFINES")
-    os.environ["NANOQWEN_KERNEL_DEFINES"] = ",".join(filter(None, [old, A8_SPLIT_DEFINES]))
+    os.environ["NANOQWEN_KERNEL_DEFINES"] = ",".join(filter(None, [old, defines]))
     try:
-        g = GemvKernels(dims, _load, "a8")
+        return GemvKernels(dims, _load, "a8")
     finally:
         if old is None:
             del os.environ["NANOQWEN_KERNEL_DEFINES"]
         else:
             os.environ["NANOQWEN_KERNEL_DEFINES"] = old
+
+
+def _a8_split_kernels(dims, default):
+    """The int8 loop's split build (A8_SPLIT_DEFINES)."""
+    g = _a8_kernels_with(dims, A8_SPLIT_DEFINES)
     assert all(g._split[k] != default._split[k] for k in B1_SPLIT_DEFINES), "the split build must differ"
+    return g
+
+
+def _a8_cluster_kernels(dims):
+    """The int8 loop's cluster-prologue build (A8_CLUSTER_DEFINES)."""
+    g = _a8_kernels_with(dims, A8_CLUSTER_DEFINES)
+    assert g._down_cluster == 2 and g._split["i"] == 1
     return g
 
 
 @pytest.fixture(scope="module")
 def kernels(dims, gpu):
     """GemvKernels per variant (B > 1 runs the same tensor-core entries in every variant), and the int8
-    loop's split build (A8_SPLIT)."""
+    loop's split and cluster builds (A8_SPLIT, A8_CLUSTER)."""
     built = {v: GemvKernels(dims, _load, v) for v in GEMV_VARIANTS}
-    return {**built, A8_SPLIT: _a8_split_kernels(dims, built["a8"])}
+    return {**built, A8_SPLIT: _a8_split_kernels(dims, built["a8"]),
+            A8_CLUSTER: _a8_cluster_kernels(dims)}
 
 
 def _runs(b):
-    """Variants to run at batch b: every variant and the split int8 build at B = 1; beyond, one per
+    """Variants to run at batch b: every variant and the split and cluster int8 builds at B = 1; beyond, one per
     batched build (gemv_mma's passes: "default"; the tile GEMM: "tiles")."""
-    return [*sorted(GEMV_VARIANTS), A8_SPLIT] if b == 1 else ["default", "tiles"]
+    return [*sorted(GEMV_VARIANTS), A8_SPLIT, A8_CLUSTER] if b == 1 else ["default", "tiles"]
 
 
 def _xin(variant, b, xin):
     """The activation a variant multiplies at batch b: the int8-activation loop ("a8", B = 1) rounds it
     (round_a8, the kernel's numpy twin); the others take the fp16 values as they are."""
-    return round_a8(xin) if b == 1 and (variant in A8_VARIANTS or variant == A8_SPLIT) else xin
+    return round_a8(xin) if b == 1 and (variant in A8_VARIANTS or variant in (A8_SPLIT, A8_CLUSTER)) else xin
 
 
 def _check(got, ref, tol, what):

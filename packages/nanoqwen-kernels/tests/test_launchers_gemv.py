@@ -380,6 +380,44 @@ def test_int8_loop_split_sizes_the_grid(launches, monkeypatch, dims, defines, pe
     assert fn == "nq_gemv_int4_i_a8x" and grid == min(132 * 4, -(-units // per_block["i"]))
 
 
+@pytest.mark.parametrize("dims, defines, cluster", [
+    (QWEN25_7B, "", 2),  # the 7B's build: down_proj unsplit, its prologue shared by clusters of DOWN_CLUSTER
+    (QWEN25_7B, "NQ_DOWN_CLUSTER=4", 4),
+    (QWEN25_7B, "NQ_DOWN_CLUSTER=1", 1),
+    (QWEN25_7B, "NQ_SPLIT_DOWN=2", 1),  # a split down_proj never shares its prologue
+    (QWEN25_1_5B, "", 1),  # split in 4 (its small grid)
+    (QWEN25_1_5B, "NQ_SPLIT_DOWN=1,NQ_DOWN_CLUSTER=2", 2),
+])
+def test_int8_down_proj_launches_in_clusters(launches, monkeypatch, dims, defines, cluster):
+    """down_proj's prologue shared by a thread-block cluster (gemv_a8_cluster.cuh NQ_DOWN_CLUSTER, the build's
+    value, b1_build_defines on the 7B): its launch carries the cluster (C, 1, 1) over a grid of whole clusters;
+    o_proj, the a8 image's down_proj and a split down_proj launch without one."""
+    from nanoqwen_kernels.gemv import DOWN_CLUSTER
+
+    assert DOWN_CLUSTER == 2
+    monkeypatch.setenv("NANOQWEN_KERNEL_DEFINES", defines)
+    g = GemvKernels(dims, load, "a8")
+    monkeypatch.setenv("NANOQWEN_KERNEL_DEFINES", "")
+    d = dims
+    for kind, k in (("h", d.hidden), ("i", d.intermediate)):
+        g.gemv_int4(dev((d.hidden, k // 8), np.uint32), dev((d.hidden, k // 128), np.float16),
+                    dev((k,), np.float16), dev((d.hidden,), np.float16))
+        fn, grid, _ = launches[-1]
+        want = cluster if kind == "i" else 1
+        assert launches.clusters[-1] == ((want, 1, 1) if want > 1 else None), (kind, launches.clusters[-1])
+        assert grid % want == 0 and grid >= want
+    g.gemv_int4(dev((d.hidden, d.intermediate // 8), np.uint32), dev((d.hidden, d.intermediate // 128), np.float16),
+                dev((d.intermediate,), np.float16), dev((d.hidden,), np.float16), x_a8_image=True)
+    assert launches[-1][0] == "nq_gemv_int4_i_a8x" and launches.clusters[-1] is None
+
+
+@pytest.mark.parametrize("value", ["3", "16"])
+def test_int8_down_proj_cluster_sizes(launches, monkeypatch, value):
+    monkeypatch.setenv("NANOQWEN_KERNEL_DEFINES", f"NQ_DOWN_CLUSTER={value}")
+    with pytest.raises(KernelError, match="NQ_DOWN_CLUSTER"):
+        GemvKernels(QWEN25_7B, load, "a8")
+
+
 @pytest.mark.parametrize("value", ["3", "16", "0"])
 def test_int8_loop_split_must_divide_the_block(launches, monkeypatch, value):
     monkeypatch.setenv("NANOQWEN_KERNEL_DEFINES", f"NQ_SPLIT_DOWN={value}")

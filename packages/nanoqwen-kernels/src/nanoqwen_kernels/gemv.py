@@ -185,6 +185,13 @@ B1_SPLIT_DEFINES = {"i": "NQ_SPLIT_DOWN"}
 # twenty-fourth lease).
 DOWN_SPLIT = 4
 DOWN_SPLIT_MIN_BLOCKS = 4
+# Where down_proj is unsplit (every SM has a block: the 7B), clusters of DOWN_CLUSTER blocks share its
+# prologue (gemv_a8_cluster.cuh NQ_DOWN_CLUSTER: each block reads and rounds 1 / C of the intermediate and
+# stores it into every block of its cluster). H200, decode protocol, ms/token, three interleaved rounds
+# (docs/PERF.md, twenty-seventh lease): 7B every block alone 1.4088 / 1.4043 / 1.4086, clusters of 2 1.3686 /
+# 1.3719 / 1.3729, of 4 1.3723 / 1.3734 / 1.3747; at 32k 1.951 / 1.955 -> 1.910 (2), 1.921 / 1.919 (4);
+# down_proj's family 12.14 -> 11.41 (2) / 11.23 (4) us a launch. 2: it won every round of the protocol.
+DOWN_CLUSTER = 2
 
 
 def b1_small_grid(dims: ModelDims, sm_count: int) -> bool:
@@ -202,11 +209,12 @@ def b1_build_defines(dims: ModelDims, sm_count: int) -> dict[str, int]:
     the 7B after the sums 1.4559 / 1.4582, q/k/v's before the wait (1) 1.4475 / 1.4470, o_proj's residual too
     (1 | 2 = 3) 1.471 / 1.467 / 1.466 where its sums alone were 1.459, the residual alone (2) 1.4678 / 1.4687;
     the 1.5B's dims after the sums 0.637 / 0.640 / 0.640, with 3 0.627 / 0.626 / 0.630, then 3 against 1
-    0.6281 / 0.6327 against 0.6277 / 0.6286. So q/k/v's alone, on both."""
+    0.6281 / 0.6327 against 0.6277 / 0.6286. So q/k/v's alone, on both.
+    Where down_proj is unsplit (the 7B), its prologue is shared by clusters of DOWN_CLUSTER blocks."""
     if b1_small_grid(dims, sm_count):
         return {"NQ_SPLIT_DOWN": DOWN_SPLIT, "NQ_MINB_DOWN": DOWN_SPLIT_MIN_BLOCKS, "NQ_TRIG_O": 2,
                 "NQ_TRIG_GU": 3, "NQ_EPI_SETTLED": 1}
-    return {"NQ_EPI_SETTLED": 1}
+    return {"NQ_EPI_SETTLED": 1, "NQ_DOWN_CLUSTER": DOWN_CLUSTER}
 
 
 # The a8 image pair (gate/up writing down_proj's input already rounded to int8, down_proj copying it as
@@ -256,6 +264,13 @@ class GemvKernels:
         # gate/up -> down_proj at B = 1 as the a8 image pair (b1_a8_image_pair); the step asks this
         self.a8_image_pair = self._a8 and b1_a8_image_pair(dims, sms)
         self._split = {kind: (b1_split(kind, split_defs) if self._a8 else 1) for kind in GEMV_KINDS}
+        # down_proj's prologue shared by a thread-block cluster of this many blocks (gemv_a8_cluster.cuh; the
+        # build's NQ_DOWN_CLUSTER, b1_build_defines, or $NANOQWEN_KERNEL_DEFINES' over it)
+        self._down_cluster = 1
+        if self._a8 and self._split["i"] == 1:
+            self._down_cluster = extra_defines().get("NQ_DOWN_CLUSTER", split_defs.get("NQ_DOWN_CLUSTER", 1))
+            if self._down_cluster not in (1, 2, 4, 8):
+                raise KernelError(f"NQ_DOWN_CLUSTER={self._down_cluster}: a cluster of 1, 2, 4 or 8 blocks")
         m = load_module(INT4_SOURCES, {**dims.defines(), **split_defs})
         f = load_module(FP16_SOURCES, dims.defines())
         smem = X_SMEM_BUDGET
@@ -370,9 +385,14 @@ class GemvKernels:
         """The B = 1 loop (half2, or int8 activations) of one matrix kind over `units` 2-row units: a
         grid-stride grid of even blocks, each running WARPS / split units at once (b1_split: the int8
         loop's warps per unit)."""
+        c = self._down_cluster if kind == "i" and fn is None else 1
         fn = self._half2[kind] if fn is None else fn
         per_block = WARPS // self._split[kind]
-        ck.launch(fn, ck.even_grid(fn, -(-units // per_block), THREADS), THREADS, args)
+        grid = ck.even_grid(fn, -(-units // per_block), THREADS)
+        if c > 1:  # whole clusters (the grid-stride walk covers the units at any grid)
+            ck.launch(fn, max(c, grid // c * c), THREADS, args, cluster=(c, 1, 1))
+            return
+        ck.launch(fn, grid, THREADS, args)
 
     def _launch_mma(self, fn_of, n_units: int, k: int, b: int, args: tuple) -> None:
         """The tensor-core core over n_units units for B columns: plan, grid, launch."""

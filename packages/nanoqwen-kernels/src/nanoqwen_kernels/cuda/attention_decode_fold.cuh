@@ -19,26 +19,15 @@ static_assert(kClusterMax == 8 || kClusterMax == 16, "clusters of up to 8 (porta
 constexpr int kQuads = kG * 32;  // the block's outputs (G heads x 128 dims) as quads of 4 dims: 32 a head
 static_assert(kClusterMax * kG <= kThreads, "the (m, l) pushes take one thread per (rank, head)");
 
-__device__ __forceinline__ uint32_t cluster_rank() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-  return r;
-}
-
-// The cluster barrier of the fold: every thread of every block arrives once at its start (relaxed: it orders
-// no memory but the receive barrier's initialisation, fenced before it; it only says the block runs) and
-// waits once before its first store into another block's shared memory. Both .aligned: every thread of a
-// warp executes them together (called only under the cluster-uniform csize > 1).
-__device__ __forceinline__ void cluster_arrive_relaxed() {
-  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
-}
-__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.aligned;" ::: "memory"); }
+// the cluster's rank, its barrier's halves and the receive wait: common.cuh
+using nq::cluster_arrive_relaxed;
+using nq::cluster_rank;
+using nq::cluster_wait;
+using nq::recv_wait;
 
 // the shared::cluster address of `local`'s offset in block `rank`'s shared memory
 __device__ __forceinline__ uint32_t mapa(const void* local, uint32_t rank) {
-  uint32_t remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(nq::smem_u32(local)), "r"(rank));
-  return remote;
+  return nq::mapa_u32(nq::smem_u32(local), rank);
 }
 
 // st.async: `bytes` of this thread's registers into block `rank`'s shared memory at the offset `local` has in
@@ -58,21 +47,6 @@ __device__ __forceinline__ void st_async2(float* local, uint32_t rank, float a, 
                    remote),
                "r"(__float_as_uint(a)), "r"(__float_as_uint(b)), "r"(rbar)
                : "memory");
-}
-
-// until the phase of parity 0 of this block's receive barrier completes: every byte pushed to it landed
-// (acquire at cluster scope: the stores came from other blocks of the cluster)
-__device__ __forceinline__ void recv_wait(uint64_t* bar) {
-  uint32_t done;
-  do {
-    asm volatile(
-        "{\n\t.reg .pred p;\n\t"
-        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], 0;\n\t"
-        "selp.u32 %0, 1, 0, p;\n\t}"
-        : "=r"(done)
-        : "r"(nq::smem_u32(bar))
-        : "memory");
-  } while (!done);
 }
 
 // The receive area (static __shared__ in nq_attention_decode, outside the launcher's dynamic size). Head g

@@ -206,6 +206,42 @@ __device__ __forceinline__ void pdl_wait() {
 // successors' blocks waited beside kernels that still had blocks to place).
 __device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 
+// ---- thread-block clusters (decode attention's fold, down_proj's shared prologue) --------------------------
+// this block's rank in its cluster
+__device__ __forceinline__ uint32_t cluster_rank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+// The cluster barrier's halves as the users here take them: every thread of every block arrives once at its
+// start (relaxed: it orders no memory but an mbarrier's initialisation, fenced before it; it only says the
+// block runs) and waits once before its first store into another block's shared memory. Both .aligned:
+// every thread of a warp executes them together.
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.aligned;" ::: "memory"); }
+// the shared::cluster address of shared-memory address `local` (smem_u32) in block `rank` of the cluster
+__device__ __forceinline__ uint32_t mapa_u32(uint32_t local, uint32_t rank) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+  return remote;
+}
+// until the phase of parity 0 of this block's receive mbarrier completes: every byte other blocks of the
+// cluster pushed to it (st.async, counted on it) landed (acquire at cluster scope)
+__device__ __forceinline__ void recv_wait(uint64_t* bar) {
+  uint32_t done;
+  do {
+    asm volatile(
+        "{\n\t.reg .pred p;\n\t"
+        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], 0;\n\t"
+        "selp.u32 %0, 1, 0, p;\n\t}"
+        : "=r"(done)
+        : "r"(smem_u32(bar))
+        : "memory");
+  } while (!done);
+}
+
 // 4 bytes global -> shared (cp.async.ca: .cg takes only 16-byte copies)
 __device__ __forceinline__ void cp_async4(void* smem_dst, const void* gmem_src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(smem_u32(smem_dst)), "l"(gmem_src) : "memory");

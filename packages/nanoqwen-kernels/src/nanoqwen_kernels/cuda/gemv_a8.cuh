@@ -103,6 +103,48 @@ __device__ __forceinline__ void load_norm_early(const uint16_t* __restrict__ nor
   }
 }
 
+// Round chunk i (8 fp16 values, v) of the staged x to int8; called by both lanes of each half-piece (lanes
+// 2m, 2m+1 hold its 2 chunks, which share their max and sum by a shuffle). put(qi, q, mi, has_m, m) stores
+// the chunk's 8 bytes as the uint2 qi of xq and, on the half-piece's first chunk (has_m), its {scale / 16,
+// accumulator start} as the int2 mi of xm; chunks past K / 8 (i >= K / 8) store nothing.
+template <int K, class Put>
+__device__ __forceinline__ void round_chunk_a8(const uint4& v, int i, Put&& put) {
+  constexpr int kChunks = K / 8;
+  constexpr int kNU = K / 32;
+  const uint32_t h[4] = {v.x, v.y, v.z, v.w};
+  float f[8];
+  float amax = 0.f;
+#pragma unroll
+  for (int t = 0; t < 4; ++t) {
+    const float2 p = h22f2(h[t]);
+    f[2 * t] = p.x;
+    f[2 * t + 1] = p.y;
+    amax = fmaxf(amax, fmaxf(fabsf(p.x), fabsf(p.y)));
+  }
+  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));  // a half-piece's 2 chunks: lanes 2m, 2m+1
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  // rint(f * inv) without a conversion instruction (F2I issues at a quarter of the FMA rate): t = f * inv
+  // is rounded to fp32 first (as numpy's twin rounds it), then t + 1.5 * 2^23 lands in the binade whose
+  // ulp is 1, so the add rounds t to the nearest integer (ties to even) and the bits are 0x4B400000 + q:
+  // the low byte is q's int8, and the bits of 8 values summed in uint32 are 8 x 0x4B400000 + sum q.
+  uint32_t b[8], bsum = 0u;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    b[j] = __float_as_uint(__fadd_rn(__fmul_rn(f[j], inv), 12582912.f));  // _rn: never fused into one FMA
+    bsum += b[j];
+  }
+  int sum = static_cast<int>(bsum - 8u * 0x4B400000u);
+  sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+  if (i < kChunks) {
+    const int u = i >> 2, c = i & 3;  // chunk i = word c of piece u
+    const uint32_t lo = __byte_perm(__byte_perm(b[0], b[1], 0x0040u), __byte_perm(b[2], b[3], 0x0040u), 0x5410u);
+    const uint32_t hi = __byte_perm(__byte_perm(b[4], b[5], 0x0040u), __byte_perm(b[6], b[7], 0x0040u), 0x5410u);
+    // half-piece i / 2 = 2u + c / 2: its pair is the .x, .y (c = 0) or .z, .w (c = 2) of xm[u]
+    put(((c >> 1) * kNU + u) * 2 + (c & 1), make_uint2(lo, hi), i >> 1, (c & 1) == 0,
+        make_int2(__float_as_int(amax / 127.f * 0.0625f), kA8AccStart - 8 * sum));
+  }
+}
+
 template <int K>
 __device__ __forceinline__ void stage_x_a8(const uint16_t* __restrict__ x, const uint16_t* __restrict__ norm_w,
                                            float eps, A8Stage st, float* red, const NormEarly<K>& ne) {
@@ -158,38 +200,10 @@ __device__ __forceinline__ void stage_x_a8(const uint16_t* __restrict__ x, const
 #pragma unroll
     for (int jb = 0; jb < kBatch; ++jb) {
       const int i = (it0 + jb) * kThreads + threadIdx.x;
-      const uint32_t h[4] = {v[jb].x, v[jb].y, v[jb].z, v[jb].w};
-      float f[8];
-      float amax = 0.f;
-#pragma unroll
-      for (int t = 0; t < 4; ++t) {
-        const float2 p = h22f2(h[t]);
-        f[2 * t] = p.x;
-        f[2 * t + 1] = p.y;
-        amax = fmaxf(amax, fmaxf(fabsf(p.x), fabsf(p.y)));
-      }
-      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));  // a half-piece's 2 chunks: lanes 2m, 2m+1
-      const float inv = amax > 0.f ? 127.f / amax : 0.f;
-      // rint(f * inv) without a conversion instruction (F2I issues at a quarter of the FMA rate): t = f * inv
-      // is rounded to fp32 first (as numpy's twin rounds it), then t + 1.5 * 2^23 lands in the binade whose
-      // ulp is 1, so the add rounds t to the nearest integer (ties to even) and the bits are 0x4B400000 + q:
-      // the low byte is q's int8, and the bits of 8 values summed in uint32 are 8 x 0x4B400000 + sum q.
-      uint32_t b[8], bsum = 0u;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        b[j] = __float_as_uint(__fadd_rn(__fmul_rn(f[j], inv), 12582912.f));  // _rn: never fused into one FMA
-        bsum += b[j];
-      }
-      int sum = static_cast<int>(bsum - 8u * 0x4B400000u);
-      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-      if (i < kChunks) {
-        const int u = i >> 2, c = i & 3;  // chunk i = word c of piece u
-        const uint32_t lo = __byte_perm(__byte_perm(b[0], b[1], 0x0040u), __byte_perm(b[2], b[3], 0x0040u), 0x5410u);
-        const uint32_t hi = __byte_perm(__byte_perm(b[4], b[5], 0x0040u), __byte_perm(b[6], b[7], 0x0040u), 0x5410u);
-        reinterpret_cast<uint2*>(st.xq)[((c >> 1) * kNU + u) * 2 + (c & 1)] = make_uint2(lo, hi);
-        // half-piece i / 2 = 2u + c / 2: its pair is the .x, .y (c = 0) or .z, .w (c = 2) of xm[u]
-        if ((c & 1) == 0) reinterpret_cast<int2*>(st.xm)[i >> 1] = make_int2(__float_as_int(amax / 127.f * 0.0625f), kA8AccStart - 8 * sum);
-      }
+      round_chunk_a8<K>(v[jb], i, [&](int qi, uint2 q, int mi, bool has_m, int2 m) {
+        reinterpret_cast<uint2*>(st.xq)[qi] = q;
+        if (has_m) reinterpret_cast<int2*>(st.xm)[mi] = m;
+      });
     }
   }
   __syncthreads();  // xq, xm complete before any warp reads them

@@ -167,6 +167,7 @@ __device__ __forceinline__ void use_chunk(const RowChunk& c, int j0, const uint4
 }  // namespace nq
 
 #include "gemv_a8.cuh"  // the int8-activation loop: x rounded to int8 in the prologue, dp4a products
+#include "gemv_a8_cluster.cuh"  // down_proj's prologue shared by a thread-block cluster (NQ_DOWN_CLUSTER)
 
 namespace nq {
 

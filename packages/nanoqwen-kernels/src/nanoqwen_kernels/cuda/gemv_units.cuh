@@ -223,6 +223,11 @@ __device__ __forceinline__ void gemv_units(const uint32_t* __restrict__ qw, cons
   const int p_first = blockIdx.x * kSlots + slot;
   const int stride = gridDim.x * kSlots;
   constexpr int kTrig = gemv_trigger_mode<K, Map, kX>();
+  // down_proj's prologue shared by a cluster (gemv_a8_cluster.cuh): the entry's arrival, first of all
+  constexpr bool kCluster = kDownCluster > 1 && kX == kXA8 && K == kInter && K != kHidden && kSplit == 1 &&
+                            SameType<Map, PlainRows>::value;
+  __shared__ __align__(8) uint64_t cluster_bar;  // the cluster prologue's receive barrier (kCluster only)
+  if constexpr (kCluster) a8c_arm(&cluster_bar, K * 3 / 2, norm_w == nullptr);
   gemv_trigger_at<2, kTrig>();
 #if NQ_GEMV_PRELOAD
   RowChunk first;
@@ -243,6 +248,8 @@ __device__ __forceinline__ void gemv_units(const uint32_t* __restrict__ qw, cons
   gemv_trigger_at<3, kTrig>();
   if constexpr (kX == kXImage) {
     stage_image<K>(x, xs);
+  } else if constexpr (kCluster) {
+    stage_x_a8_cluster<K>(x, norm_w, eps, a8_views<K>(xs), red, ne, &cluster_bar);
   } else if constexpr (kX == kXA8) {
     stage_x_a8<K>(x, norm_w, eps, a8_views<K>(xs), red, ne);
   } else {
