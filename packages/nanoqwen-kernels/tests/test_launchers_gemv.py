@@ -411,7 +411,7 @@ def test_int8_down_proj_launches_in_clusters(launches, monkeypatch, dims, define
     assert launches[-1][0] == "nq_gemv_int4_i_a8x" and launches.clusters[-1] is None
 
 
-@pytest.mark.parametrize("value", ["3", "16"])
+@pytest.mark.parametrize("value", ["3", "16", "3,NQ_SPLIT_DOWN=2"])
 def test_int8_down_proj_cluster_sizes(launches, monkeypatch, value):
     monkeypatch.setenv("NANOQWEN_KERNEL_DEFINES", f"NQ_DOWN_CLUSTER={value}")
     with pytest.raises(KernelError, match="NQ_DOWN_CLUSTER"):

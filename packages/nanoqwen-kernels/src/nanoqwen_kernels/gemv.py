@@ -266,11 +266,10 @@ class GemvKernels:
         self._split = {kind: (b1_split(kind, split_defs) if self._a8 else 1) for kind in GEMV_KINDS}
         # down_proj's prologue shared by a thread-block cluster of this many blocks (gemv_a8_cluster.cuh; the
         # build's NQ_DOWN_CLUSTER, b1_build_defines, or $NANOQWEN_KERNEL_DEFINES' over it)
-        self._down_cluster = 1
-        if self._a8 and self._split["i"] == 1:
-            self._down_cluster = extra_defines().get("NQ_DOWN_CLUSTER", split_defs.get("NQ_DOWN_CLUSTER", 1))
-            if self._down_cluster not in (1, 2, 4, 8):
-                raise KernelError(f"NQ_DOWN_CLUSTER={self._down_cluster}: a cluster of 1, 2, 4 or 8 blocks")
+        cluster = extra_defines().get("NQ_DOWN_CLUSTER", split_defs.get("NQ_DOWN_CLUSTER", 1))
+        if cluster not in (1, 2, 4, 8):
+            raise KernelError(f"NQ_DOWN_CLUSTER={cluster}: a cluster of 1, 2, 4 or 8 blocks")
+        self._down_cluster = cluster if self._a8 and self._split["i"] == 1 else 1  # the kernel's kCluster
         m = load_module(INT4_SOURCES, {**dims.defines(), **split_defs})
         f = load_module(FP16_SOURCES, dims.defines())
         smem = X_SMEM_BUDGET
