@@ -280,6 +280,28 @@ def test_int8_down_proj_prologue_shared_by_a_cluster(monkeypatch, dims_name):
         assert "UCGABAR" not in funcs[name] and "STAS" not in funcs[name], name
 
 
+@pytest.mark.parametrize("dims_name", ["7b", "tiny"])
+def test_int8_hidden_prologues_shared_by_a_cluster(monkeypatch, dims_name):
+    """q/k/v's, o_proj's and gate/up's prologue shared by a cluster (gemv_a8_cluster.cuh
+    stage_x_a8_cluster_norm: NQ_QKV_CLUSTER, NQ_O_CLUSTER, NQ_GU_CLUSTER): as down_proj's, each entry arms its
+    receive mbarrier and arrives at the cluster barrier once, before griddepcontrol.wait, reads nothing but
+    weights (and q/k/v's settled inputs) there, pushes with st.async, needs no fence and spills nothing."""
+    monkeypatch.setenv("NANOQWEN_KERNEL_DEFINES", "NQ_QKV_CLUSTER=2,NQ_O_CLUSTER=2,NQ_GU_CLUSTER=2")
+    funcs = _functions(_sass("gemv_int4.cu", DIMS[dims_name]))
+    names = ("nq_gemv_int4_h_a8", "nq_qkv_rope_kv_a8", "nq_gate_up_silu_a8")
+    for name in names:
+        body = funcs[name]
+        wait = body.find("ACQBULK")
+        assert 0 <= body.find("SYNCS.ARRIVE") < wait and 0 <= body.find("UCGABAR_ARV") < wait, name
+        assert body.count("UCGABAR_ARV") == 1 and "MEMBAR" not in body, name
+        assert "STAS" in body and "SYNCS.PHASECHK" in body, name
+        if name != "nq_qkv_rope_kv_a8":  # q/k/v's precise sincosf keeps its large-angle path's array in local
+            assert "STL" not in body and "LDL" not in body, name  # memory in every build: not a spill
+    _check_waits({name: funcs[name] for name in names})
+    for name in ("nq_gemv_int4_h", "nq_qkv_rope_kv", "nq_gate_up_silu", "nq_gate_up_silu_a8x"):
+        assert "UCGABAR" not in funcs[name] and "STAS" not in funcs[name], name
+
+
 def _attention_early_ops(body: str) -> list[str]:
     return [m.group(0) for m in re.finditer(r"\bACQBULK\b|\bUBLKCP\b|\bLDG\.E\.128\b|\bSTG\b", body)]
 

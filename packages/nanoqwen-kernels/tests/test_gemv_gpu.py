@@ -56,6 +56,14 @@ A8_CLUSTER = "a8/cluster"
 A8_CLUSTER_DEFINES = "NQ_SPLIT_DOWN=1,NQ_DOWN_CLUSTER=2"
 
 
+# The int8 loop's K = hidden kinds with their prologue shared by a cluster (gemv_a8_cluster.cuh
+# stage_x_a8_cluster_norm: NQ_QKV_CLUSTER, NQ_O_CLUSTER, NQ_GU_CLUSTER), in 2 and 4 (o_proj: its no-norm
+# path; with a norm in the norm + residual mode), on every dims: ranks with no chunk of their own among them
+# (the tiny dims' 32 chunks in 2, o_proj's 7B x in 4)
+A8_HCLUSTER = "a8/hcluster"
+A8_HCLUSTER_DEFINES = "NQ_QKV_CLUSTER=2,NQ_O_CLUSTER=4,NQ_GU_CLUSTER=2"
+
+
 def _a8_kernels_with(dims, defines):
     """GemvKernels("a8") compiled with `defines` added to $NANOQWEN_KERNEL_DEFINES (the build and its launch
     plan read them at construction; the variable is restored after)."""
@@ -89,20 +97,22 @@ def kernels(dims, gpu):
     """GemvKernels per variant (B > 1 runs the same tensor-core entries in every variant), and the int8
     loop's split and cluster builds (A8_SPLIT, A8_CLUSTER)."""
     built = {v: GemvKernels(dims, _load, v) for v in GEMV_VARIANTS}
+    hcluster = _a8_kernels_with(dims, A8_HCLUSTER_DEFINES)
+    assert (hcluster._cluster["qkv"], hcluster._cluster["h"], hcluster._cluster["gu"]) == (2, 4, 2)
     return {**built, A8_SPLIT: _a8_split_kernels(dims, built["a8"]),
-            A8_CLUSTER: _a8_cluster_kernels(dims)}
+            A8_CLUSTER: _a8_cluster_kernels(dims), A8_HCLUSTER: hcluster}
 
 
 def _runs(b):
     """Variants to run at batch b: every variant and the split and cluster int8 builds at B = 1; beyond, one per
     batched build (gemv_mma's passes: "default"; the tile GEMM: "tiles")."""
-    return [*sorted(GEMV_VARIANTS), A8_SPLIT, A8_CLUSTER] if b == 1 else ["default", "tiles"]
+    return [*sorted(GEMV_VARIANTS), A8_SPLIT, A8_CLUSTER, A8_HCLUSTER] if b == 1 else ["default", "tiles"]
 
 
 def _xin(variant, b, xin):
     """The activation a variant multiplies at batch b: the int8-activation loop ("a8", B = 1) rounds it
     (round_a8, the kernel's numpy twin); the others take the fp16 values as they are."""
-    return round_a8(xin) if b == 1 and (variant in A8_VARIANTS or variant in (A8_SPLIT, A8_CLUSTER)) else xin
+    return round_a8(xin) if b == 1 and (variant in A8_VARIANTS or variant in (A8_SPLIT, A8_CLUSTER, A8_HCLUSTER)) else xin
 
 
 def _check(got, ref, tol, what):
@@ -148,6 +158,44 @@ def test_gemv_int4(kernels, dims, rng, b, mode):
                 g.gemv_int4(qw, sc, _batch(b, cp.asarray(x)), _batch(b, out), residual=_batch(b, out),
                             norm_w=cp.asarray(w), eps=EPS)
             _check(out.get(), ref, tol, f"{variant} {mode} B={b} N={n} K={k}")
+
+
+def test_int8_cluster_prologue_gives_the_same_bits(kernels, dims, rng):
+    """q/k/v's and gate/up's RMSNorm + rounding and o_proj's rounding split over a cluster (A8_HCLUSTER) give
+    the unshared build's outputs bit for bit: every block sums x's squares in the same order, so every chunk is
+    normed with the same scale whichever block rounds it."""
+    import cupy as cp
+
+    d = dims
+    H = d.hidden
+    x = cp.asarray(rng.standard_normal(H).astype(np.float16))
+    w = cp.asarray((1 + 0.1 * rng.standard_normal(H)).astype(np.float16))
+    outs = {}
+    for variant in ("a8", A8_HCLUSTER):
+        g = kernels[variant]
+        got = []
+        for n, norm in ((H, None), (H, w), (2 * d.intermediate, "gu")):
+            u, s = random_int4(np.random.default_rng(7 + n), n, H)
+            qw, sc = cp.asarray(pack_valueshuffle(u)), cp.asarray(s)
+            if norm == "gu":
+                out = cp.full(d.intermediate, np.nan, dtype=np.float16)
+                g.gate_up_silu(qw, sc, x, w, EPS, out)
+            else:
+                out = cp.full(n, np.nan, dtype=np.float16)
+                g.gemv_int4(qw, sc, x, out, norm_w=norm, eps=EPS)
+            got.append(out.get())
+        u, s = random_int4(np.random.default_rng(5), d.qkv_rows, H)
+        kc = cp.full((1, 4, d.n_kv_heads, 16, 128), np.nan, dtype=np.float16)
+        vc = cp.full_like(kc, np.nan)
+        q_out = cp.full(d.q_dim, np.nan, dtype=np.float16)
+        g.qkv_rope_kv(cp.asarray(pack_valueshuffle(u)), cp.asarray(s), cp.zeros(d.qkv_rows, np.float16), x, w, EPS,
+                      cp.asarray(np.array([37], np.int32)), cp.asarray(np.array([3, 1, 2, 0], np.int32)), kc, vc, 0,
+                      q_out)
+        got += [q_out.get(), kc.get()[0, 2, :, 5], vc.get()[0, 2, :, 5]]
+        outs[variant] = got
+    for what, a, b in zip(("o_proj", "o_proj+norm", "gate/up", "q", "k", "v"), outs["a8"], outs[A8_HCLUSTER]):
+        assert np.isfinite(a.astype(np.float32)).all(), what
+        assert a.tobytes() == b.tobytes(), f"{what}: the cluster build's bits differ"
 
 
 def _positions(rng, b):

@@ -411,6 +411,51 @@ def test_int8_down_proj_launches_in_clusters(launches, monkeypatch, dims, define
     assert launches[-1][0] == "nq_gemv_int4_i_a8x" and launches.clusters[-1] is None
 
 
+@pytest.mark.parametrize("dims", [QWEN25_7B, QWEN25_1_5B])
+@pytest.mark.parametrize("defines, want", [
+    ("", {"qkv": 1, "h": 1, "gu": 1}),
+    ("NQ_QKV_CLUSTER=2", {"qkv": 2, "h": 1, "gu": 1}),
+    ("NQ_QKV_CLUSTER=2,NQ_O_CLUSTER=4,NQ_GU_CLUSTER=8", {"qkv": 2, "h": 4, "gu": 8}),
+])
+def test_int8_hidden_kinds_launch_in_clusters(launches, monkeypatch, dims, defines, want):
+    """q/k/v, o_proj and gate/up with their prologue shared by a cluster (NQ_QKV_CLUSTER, NQ_O_CLUSTER,
+    NQ_GU_CLUSTER): each launch carries its kind's cluster over a grid of whole clusters; the a8 image's
+    gate/up never does."""
+    monkeypatch.setenv("NANOQWEN_KERNEL_DEFINES", defines)
+    g = GemvKernels(dims, load, "a8")
+    monkeypatch.setenv("NANOQWEN_KERNEL_DEFINES", "")
+    d = dims
+    H = d.hidden
+    g.gemv_int4(dev((H, H // 8), np.uint32), dev((H, H // 128), np.float16), dev((H,), np.float16),
+                dev((H,), np.float16))
+    got = {"h": (launches[-1], launches.clusters[-1])}
+    g.gate_up_silu(dev((2 * d.intermediate, H // 8), np.uint32), dev((2 * d.intermediate, H // 128), np.float16),
+                   dev((H,), np.float16), dev((H,), np.float16), 1e-6, dev((d.intermediate,), np.float16))
+    got["gu"] = (launches[-1], launches.clusters[-1])
+    rows = d.qkv_rows
+    kc = dev((1, 4, d.n_kv_heads, 16, 128), np.float16)
+    g.qkv_rope_kv(dev((rows, H // 8), np.uint32), dev((rows, H // 128), np.float16), dev((rows,), np.float16),
+                  dev((H,), np.float16), dev((H,), np.float16), 1e-6, dev((1,), np.int32), dev((4,), np.int32),
+                  kc, dev((1, 4, d.n_kv_heads, 16, 128), np.float16), 0, dev((d.q_dim,), np.float16))
+    got["qkv"] = (launches[-1], launches.clusters[-1])
+    for kind, ((fn, grid, _), cluster) in got.items():
+        c = want[kind]
+        assert cluster == ((c, 1, 1) if c > 1 else None), (kind, fn, cluster)
+        assert grid % c == 0 and grid >= c, (kind, grid)
+    g.gate_up_silu(dev((2 * d.intermediate, H // 8), np.uint32), dev((2 * d.intermediate, H // 128), np.float16),
+                   dev((H,), np.float16), dev((H,), np.float16), 1e-6, dev((d.intermediate,), np.float16),
+                   a8_image=True)
+    assert launches[-1][0] == "nq_gate_up_silu_a8x" and launches.clusters[-1] is None
+
+
+@pytest.mark.parametrize("name", ["NQ_QKV_CLUSTER", "NQ_O_CLUSTER", "NQ_GU_CLUSTER"])
+@pytest.mark.parametrize("value", ["3", "16", "0"])
+def test_int8_hidden_cluster_sizes(launches, monkeypatch, name, value):
+    monkeypatch.setenv("NANOQWEN_KERNEL_DEFINES", f"{name}={value}")
+    with pytest.raises(KernelError, match=name):
+        GemvKernels(QWEN25_7B, load, "a8")
+
+
 @pytest.mark.parametrize("value", ["3", "16", "3,NQ_SPLIT_DOWN=2"])
 def test_int8_down_proj_cluster_sizes(launches, monkeypatch, value):
     monkeypatch.setenv("NANOQWEN_KERNEL_DEFINES", f"NQ_DOWN_CLUSTER={value}")

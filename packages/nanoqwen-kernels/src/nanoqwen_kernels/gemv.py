@@ -194,6 +194,23 @@ DOWN_SPLIT_MIN_BLOCKS = 4
 DOWN_CLUSTER = 2
 
 
+# The same sharing for the K = hidden kinds (gemv_a8_cluster.cuh stage_x_a8_cluster_norm): q/k/v's and gate/up's
+# RMSNorm and rounding, o_proj's rounding, each split over a cluster of blocks (1: none). The defines per kind:
+B1_CLUSTER_DEFINES = {"i": "NQ_DOWN_CLUSTER", "qkv": "NQ_QKV_CLUSTER", "h": "NQ_O_CLUSTER", "gu": "NQ_GU_CLUSTER"}
+
+
+def b1_clusters(build: dict[str, int] | None = None) -> dict[str, int]:
+    """Blocks a cluster of each kind's int8 loop shares its prologue over (1: none), in a build given
+    b1_build_defines' `build` (and $NANOQWEN_KERNEL_DEFINES over it)."""
+    out = {}
+    for kind, name in B1_CLUSTER_DEFINES.items():
+        value = extra_defines().get(name, (build or {}).get(name, 1))
+        if value not in (1, 2, 4, 8):
+            raise KernelError(f"{name}={value}: a cluster of 1, 2, 4 or 8 blocks")
+        out[kind] = value
+    return out
+
+
 def b1_small_grid(dims: ModelDims, sm_count: int) -> bool:
     """Whether o_proj's and down_proj's unsplit int8-loop grid (a block per 8 units of hidden / 2) is
     smaller than the SM count (the 1.5B on the H200: 96 blocks on 132 SMs; the 7B: 224)."""
@@ -266,10 +283,11 @@ class GemvKernels:
         self._split = {kind: (b1_split(kind, split_defs) if self._a8 else 1) for kind in GEMV_KINDS}
         # down_proj's prologue shared by a thread-block cluster of this many blocks (gemv_a8_cluster.cuh; the
         # build's NQ_DOWN_CLUSTER, b1_build_defines, or $NANOQWEN_KERNEL_DEFINES' over it)
-        cluster = extra_defines().get("NQ_DOWN_CLUSTER", split_defs.get("NQ_DOWN_CLUSTER", 1))
-        if cluster not in (1, 2, 4, 8):
-            raise KernelError(f"NQ_DOWN_CLUSTER={cluster}: a cluster of 1, 2, 4 or 8 blocks")
-        self._down_cluster = cluster if self._a8 and self._split["i"] == 1 else 1  # the kernel's kCluster
+        # (and q/k/v's, o_proj's, gate/up's: NQ_QKV_CLUSTER, NQ_O_CLUSTER, NQ_GU_CLUSTER), per kind
+        clusters = b1_clusters(split_defs)
+        self._down_cluster = clusters["i"] if self._a8 and self._split["i"] == 1 else 1  # the kernel's kCluster
+        self._cluster = {kind: (clusters[kind] if self._a8 else 1) for kind in GEMV_KINDS}
+        self._cluster["i"] = self._down_cluster
         m = load_module(INT4_SOURCES, {**dims.defines(), **split_defs})
         f = load_module(FP16_SOURCES, dims.defines())
         smem = X_SMEM_BUDGET
@@ -384,7 +402,7 @@ class GemvKernels:
         """The B = 1 loop (half2, or int8 activations) of one matrix kind over `units` 2-row units: a
         grid-stride grid of even blocks, each running WARPS / split units at once (b1_split: the int8
         loop's warps per unit)."""
-        c = self._down_cluster if kind == "i" and fn is None else 1
+        c = self._cluster[kind] if fn is None else 1
         fn = self._half2[kind] if fn is None else fn
         per_block = WARPS // self._split[kind]
         grid = ck.even_grid(fn, -(-units // per_block), THREADS)

@@ -220,7 +220,7 @@ using namespace nq;
 //     pos and page_table were written before the previous kernel started: read before the wait; QkvEpi).
 //   nq_gate_up_silu: fused post-attention RMSNorm + gate/up + SiLU(gate) * up (units kInter): qweight
 //     [2I, H/8] rows gate | up, scales, x [H], norm_w or null, eps, out [I] fp16.
-#define NQ_B1_ENTRIES(SUFFIX, KX, LB_I)                                                                                              \
+#define NQ_B1_ENTRIES(SUFFIX, KX, LB_I, LB_GU)                                                                                              \
   extern "C" __global__ void NQ_LB0 nq_gemv_int4_h##SUFFIX(                                              \
       const uint32_t* __restrict__ qweight, const uint16_t* __restrict__ scales, const uint16_t* __restrict__ x, \
       const uint16_t* __restrict__ norm_w, float eps, const uint16_t* residual, uint16_t* out, int n_rows) { \
@@ -246,7 +246,7 @@ using namespace nq;
         qweight, scales, x, norm_w, eps, kQkvRows / 2, QkvRows{},                                           \
         QkvEpi{bias, pos, page_table, max_pages, k_cache, v_cache, layer, n_pages, q_out, settled});        \
   }                                                                                                         \
-  extern "C" __global__ void __launch_bounds__(kThreads) nq_gate_up_silu##SUFFIX(                           \
+  extern "C" __global__ void LB_GU nq_gate_up_silu##SUFFIX(                                               \
       const uint32_t* __restrict__ qweight, const uint16_t* __restrict__ scales, const uint16_t* __restrict__ x, \
       const uint16_t* __restrict__ norm_w, float eps, uint16_t* __restrict__ out) {                         \
     NQ_STAMP();                                                                                             \
@@ -268,8 +268,15 @@ using namespace nq;
 #else
 #define NQ_LB_DOWN NQ_LB0
 #endif
-NQ_B1_ENTRIES(, kXHalf, NQ_LB0)
-NQ_B1_ENTRIES(_a8, kXA8, NQ_LB_DOWN)
+// gate/up's int8 loop with its prologue shared by a cluster (NQ_GU_CLUSTER) is held to 80 registers, 3 blocks an
+// SM, as without it (ptxas takes 93 for the cluster build: 2 blocks an SM)
+#if NQ_GU_CLUSTER > 1
+#define NQ_LB_GU_A8 __launch_bounds__(kThreads, 3)
+#else
+#define NQ_LB_GU_A8 NQ_LB0
+#endif
+NQ_B1_ENTRIES(, kXHalf, NQ_LB0, NQ_LB0)
+NQ_B1_ENTRIES(_a8, kXA8, NQ_LB_DOWN, NQ_LB_GU_A8)
 
 // The int8-activation loop's down_proj pair (the engine's batch-1 decode under decode_activations="int8"):
 //   nq_gate_up_silu_a8x: as nq_gate_up_silu_a8, but its output is the intermediate already rounded for

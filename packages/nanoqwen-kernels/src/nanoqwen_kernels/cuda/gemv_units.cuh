@@ -140,6 +140,17 @@ __device__ constexpr int gemv_split() {
              : NQ_SPLIT_DOWN;
 }
 
+// The cluster sharing the prologue of the int8 loop's K = hidden kinds (gemv_a8_cluster.cuh NQ_QKV_CLUSTER,
+// NQ_O_CLUSTER, NQ_GU_CLUSTER; 1: none): its block count. down_proj's is NQ_DOWN_CLUSTER (gemv_units' kCluster).
+template <int K, class Map, int kX>
+__device__ constexpr int gemv_norm_cluster() {
+  return kX != kXA8 || K != kHidden ? 1
+         : SameType<Map, QkvRows>::value ? NQ_QKV_CLUSTER
+         : SameType<Map, GateUpRows>::value ? NQ_GU_CLUSTER
+         : SameType<Map, PlainRows>::value ? NQ_O_CLUSTER
+                                           : 1;
+}
+
 // The parts of a split unit meet here: part 0 gets the sum over every part (in part order) in o0, o1.
 // Named barrier 1 + slot over the unit's kSplit warps only (the other units of the block run on); the
 // sums are double-buffered by the unit's iteration parity, so a part that runs ahead into its next unit
@@ -223,11 +234,14 @@ __device__ __forceinline__ void gemv_units(const uint32_t* __restrict__ qw, cons
   const int p_first = blockIdx.x * kSlots + slot;
   const int stride = gridDim.x * kSlots;
   constexpr int kTrig = gemv_trigger_mode<K, Map, kX>();
-  // down_proj's prologue shared by a cluster (gemv_a8_cluster.cuh): the entry's arrival, first of all
+  // the prologue shared by a cluster (gemv_a8_cluster.cuh): the entry's arrival, first of all. down_proj's
+  // (kCluster) pushes only without a norm; q/k/v's, o_proj's and gate/up's (kNormCluster) with or without one
   constexpr bool kCluster = kDownCluster > 1 && kX == kXA8 && K == kInter && K != kHidden && kSplit == 1 &&
                             SameType<Map, PlainRows>::value;
-  __shared__ __align__(8) uint64_t cluster_bar;  // the cluster prologue's receive barrier (kCluster only)
+  constexpr int kNormCluster = gemv_norm_cluster<K, Map, kX>();
+  __shared__ __align__(8) uint64_t cluster_bar;  // the cluster prologue's receive barrier
   if constexpr (kCluster) a8c_arm(&cluster_bar, K * 3 / 2, norm_w == nullptr);
+  if constexpr (kNormCluster > 1) a8c_arm(&cluster_bar, K * 3 / 2, true);
   gemv_trigger_at<2, kTrig>();
 #if NQ_GEMV_PRELOAD
   RowChunk first;
@@ -249,7 +263,9 @@ __device__ __forceinline__ void gemv_units(const uint32_t* __restrict__ qw, cons
   if constexpr (kX == kXImage) {
     stage_image<K>(x, xs);
   } else if constexpr (kCluster) {
-    stage_x_a8_cluster<K>(x, norm_w, eps, a8_views<K>(xs), red, ne, &cluster_bar);
+    stage_x_a8_cluster<K, kDownCluster>(x, norm_w, eps, a8_views<K>(xs), red, ne, &cluster_bar);
+  } else if constexpr (kNormCluster > 1) {
+    stage_x_a8_cluster_norm<K, kNormCluster>(x, norm_w, eps, a8_views<K>(xs), red, ne, &cluster_bar);
   } else if constexpr (kX == kXA8) {
     stage_x_a8<K>(x, norm_w, eps, a8_views<K>(xs), red, ne);
   } else {
