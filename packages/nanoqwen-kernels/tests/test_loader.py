@@ -127,3 +127,17 @@ def test_define_values():
             loader._format_define("NQ_X", bad)
     with pytest.raises(KernelError, match="not a C identifier"):
         loader._format_define("NQ-X", 1)
+
+
+def test_a_loaded_module_is_keyed_on_the_extra_defines_too(monkeypatch):
+    """load_module's in-process cache holds a module under every define compiled into it, so a launcher built
+    under other $NANOQWEN_KERNEL_DEFINES in the same process (the GEMV tests' split and cluster builds) loads
+    its own build, not the module first loaded from the same sources and base defines."""
+    base = {"NQ_HIDDEN": 256}
+    monkeypatch.setenv("NANOQWEN_KERNEL_DEFINES", "")
+    plain = loader.module_key(["gemv_int4.cu"], base)
+    monkeypatch.setenv("NANOQWEN_KERNEL_DEFINES", "NQ_QKV_CLUSTER=2")
+    knob = loader.module_key(["gemv_int4.cu"], base)
+    assert plain != knob and ("NQ_QKV_CLUSTER", 2) in knob[1]
+    monkeypatch.setenv("NANOQWEN_KERNEL_DEFINES", "NQ_HIDDEN=256")  # the same build: the same key
+    assert loader.module_key(["gemv_int4.cu"], base) == plain

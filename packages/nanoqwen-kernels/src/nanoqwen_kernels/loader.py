@@ -275,4 +275,11 @@ def load_module(sources: list[str], defines: dict[str, Define], arch: str | None
 
     arch = arch or device_arch()
     dev = cupy.cuda.Device().id
-    return _load_cached(tuple(sources), tuple(sorted(defines.items())), arch, dev)
+    return _load_cached(*module_key(sources, defines), arch, dev)
+
+
+def module_key(sources: list[str], defines: dict[str, Define]) -> tuple[tuple, tuple]:
+    """What load_module caches a loaded module under: the sources and every define compiled into it,
+    $NANOQWEN_KERNEL_DEFINES' too (build_options adds them), so a launcher built under other defines in the same
+    process (a test's variant build) gets its own module, not the first one loaded from the same sources."""
+    return tuple(sources), tuple(sorted({**defines, **extra_defines()}.items()))
