@@ -276,7 +276,7 @@ def test_int8_down_proj_prologue_shared_by_a_cluster(monkeypatch, dims_name):
     assert "STAS" in body and "SYNCS.PHASECHK" in body
     assert "STL" not in body and "LDL" not in body
     _check_waits({"nq_gemv_int4_i_a8": body})
-    for name in ("nq_gemv_int4_h_a8", "nq_qkv_rope_kv_a8", "nq_gate_up_silu_a8", "nq_gemv_int4_i_a8x"):
+    for name in ("nq_gemv_int4_h_a8", "nq_gemv_int4_i_a8x"):  # (q/k/v's and gate/up's: their own test below)
         assert "UCGABAR" not in funcs[name] and "STAS" not in funcs[name], name
 
 
@@ -285,7 +285,13 @@ def test_int8_hidden_prologues_shared_by_a_cluster(monkeypatch, dims_name):
     """q/k/v's, o_proj's and gate/up's prologue shared by a cluster (gemv_a8_cluster.cuh
     stage_x_a8_cluster_norm: NQ_QKV_CLUSTER, NQ_O_CLUSTER, NQ_GU_CLUSTER): as down_proj's, each entry arms its
     receive mbarrier and arrives at the cluster barrier once, before griddepcontrol.wait, reads nothing but
-    weights (and q/k/v's settled inputs) there, pushes with st.async, needs no fence and spills nothing."""
+    weights (and q/k/v's settled inputs) there, pushes with st.async, needs no fence and spills nothing.
+    The 7B's build shares q/k/v's and gate/up's (gemv.NORM_CLUSTER), not o_proj's."""
+    from nanoqwen_kernels.gemv import NORM_CLUSTER, b1_build_defines
+
+    build = b1_build_defines(QWEN25_7B, 132)
+    assert build["NQ_QKV_CLUSTER"] == build["NQ_GU_CLUSTER"] == NORM_CLUSTER == 2 and "NQ_O_CLUSTER" not in build
+    assert "NQ_QKV_CLUSTER" not in b1_build_defines(DIMS["1.5b"], 132)
     monkeypatch.setenv("NANOQWEN_KERNEL_DEFINES", "NQ_QKV_CLUSTER=2,NQ_O_CLUSTER=2,NQ_GU_CLUSTER=2")
     funcs = _functions(_sass("gemv_int4.cu", DIMS[dims_name]))
     names = ("nq_gemv_int4_h_a8", "nq_qkv_rope_kv_a8", "nq_gate_up_silu_a8")

@@ -62,6 +62,7 @@ A8_CLUSTER_DEFINES = "NQ_SPLIT_DOWN=1,NQ_DOWN_CLUSTER=2"
 # (the tiny dims' 32 chunks in 2, o_proj's 7B x in 4)
 A8_HCLUSTER = "a8/hcluster"
 A8_HCLUSTER_DEFINES = "NQ_QKV_CLUSTER=2,NQ_O_CLUSTER=4,NQ_GU_CLUSTER=2"
+A8_UNSHARED_DEFINES = "NQ_QKV_CLUSTER=1,NQ_O_CLUSTER=1,NQ_GU_CLUSTER=1"  # what the same-bits test compares with
 
 
 def _a8_kernels_with(dims, defines):
@@ -170,19 +171,20 @@ def test_int8_cluster_prologue_gives_the_same_bits(kernels, dims, rng):
     H = d.hidden
     x = cp.asarray(rng.standard_normal(H).astype(np.float16))
     w = cp.asarray((1 + 0.1 * rng.standard_normal(H)).astype(np.float16))
+    unshared = _a8_kernels_with(dims, A8_UNSHARED_DEFINES)
+    assert (unshared._cluster["qkv"], unshared._cluster["h"], unshared._cluster["gu"]) == (1, 1, 1)
     outs = {}
-    for variant in ("a8", A8_HCLUSTER):
-        g = kernels[variant]
+    for variant, g in (("unshared", unshared), (A8_HCLUSTER, kernels[A8_HCLUSTER])):
         got = []
-        for n, norm in ((H, None), (H, w), (2 * d.intermediate, "gu")):
+        for n, what in ((H, "o_proj"), (H, "o_proj+norm"), (2 * d.intermediate, "gate/up")):
             u, s = random_int4(np.random.default_rng(7 + n), n, H)
             qw, sc = cp.asarray(pack_valueshuffle(u)), cp.asarray(s)
-            if norm == "gu":
+            if what == "gate/up":
                 out = cp.full(d.intermediate, np.nan, dtype=np.float16)
                 g.gate_up_silu(qw, sc, x, w, EPS, out)
             else:
                 out = cp.full(n, np.nan, dtype=np.float16)
-                g.gemv_int4(qw, sc, x, out, norm_w=norm, eps=EPS)
+                g.gemv_int4(qw, sc, x, out, norm_w=w if what.endswith("norm") else None, eps=EPS)
             got.append(out.get())
         u, s = random_int4(np.random.default_rng(5), d.qkv_rows, H)
         kc = cp.full((1, 4, d.n_kv_heads, 16, 128), np.nan, dtype=np.float16)
@@ -193,7 +195,7 @@ def test_int8_cluster_prologue_gives_the_same_bits(kernels, dims, rng):
                       q_out)
         got += [q_out.get(), kc.get()[0, 2, :, 5], vc.get()[0, 2, :, 5]]
         outs[variant] = got
-    for what, a, b in zip(("o_proj", "o_proj+norm", "gate/up", "q", "k", "v"), outs["a8"], outs[A8_HCLUSTER]):
+    for what, a, b in zip(("o_proj", "o_proj+norm", "gate/up", "q", "k", "v"), outs["unshared"], outs[A8_HCLUSTER]):
         assert np.isfinite(a.astype(np.float32)).all(), what
         assert a.tobytes() == b.tobytes(), f"{what}: the cluster build's bits differ"
 

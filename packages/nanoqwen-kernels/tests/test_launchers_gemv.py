@@ -411,11 +411,12 @@ def test_int8_down_proj_launches_in_clusters(launches, monkeypatch, dims, define
     assert launches[-1][0] == "nq_gemv_int4_i_a8x" and launches.clusters[-1] is None
 
 
-@pytest.mark.parametrize("dims", [QWEN25_7B, QWEN25_1_5B])
-@pytest.mark.parametrize("defines, want", [
-    ("", {"qkv": 1, "h": 1, "gu": 1}),
-    ("NQ_QKV_CLUSTER=2", {"qkv": 2, "h": 1, "gu": 1}),
-    ("NQ_QKV_CLUSTER=2,NQ_O_CLUSTER=4,NQ_GU_CLUSTER=8", {"qkv": 2, "h": 4, "gu": 8}),
+@pytest.mark.parametrize("dims, defines, want", [
+    (QWEN25_7B, "", {"qkv": 2, "h": 1, "gu": 2}),  # the 7B's build: q/k/v and gate/up in NORM_CLUSTER
+    (QWEN25_7B, "NQ_QKV_CLUSTER=1,NQ_GU_CLUSTER=1", {"qkv": 1, "h": 1, "gu": 1}),
+    (QWEN25_1_5B, "", {"qkv": 1, "h": 1, "gu": 1}),
+    (QWEN25_1_5B, "NQ_QKV_CLUSTER=2", {"qkv": 2, "h": 1, "gu": 1}),
+    (QWEN25_7B, "NQ_QKV_CLUSTER=2,NQ_O_CLUSTER=4,NQ_GU_CLUSTER=8", {"qkv": 2, "h": 4, "gu": 8}),
 ])
 def test_int8_hidden_kinds_launch_in_clusters(launches, monkeypatch, dims, defines, want):
     """q/k/v, o_proj and gate/up with their prologue shared by a cluster (NQ_QKV_CLUSTER, NQ_O_CLUSTER,

@@ -195,7 +195,15 @@ DOWN_CLUSTER = 2
 
 
 # The same sharing for the K = hidden kinds (gemv_a8_cluster.cuh stage_x_a8_cluster_norm): q/k/v's and gate/up's
-# RMSNorm and rounding, o_proj's rounding, each split over a cluster of blocks (1: none). The defines per kind:
+# RMSNorm and rounding, o_proj's rounding, each split over a cluster of blocks (1: none). Where the build shares
+# down_proj's (the 7B: 448 chunks of x over 256 threads, two a thread), q/k/v and gate/up share theirs in clusters
+# of NORM_CLUSTER; o_proj does not. H200, decode protocol, ms/token, three interleaved rounds (docs/PERF.md,
+# twenty-eighth lease): 7B unshared 1.3723 / 1.3746 / 1.3710, q/k/v in 2 1.3684 / 1.3686 / 1.3684, gate/up in 2
+# 1.3724 / 1.3708 / 1.3679, o_proj in 2 1.3721 / 1.3737 / 1.3724 (its family 3.06 -> 3.26 us); then unshared
+# 1.3701 / 1.3686 / 1.3708, both in 2 1.3665 / 1.3651 / 1.3667, q/k/v in 4 1.3754 / 1.3736 / 1.3742, both in 4
+# 1.546 / 1.540 / 1.540 (gate/up 25.4 us a launch). The 1.5B's dims (1,536: at most a chunk a thread), both in 2:
+# 0.5940 / 0.5932 / 0.5944 -> 0.6002 / 0.5999 / 0.5999, slower; none there. The defines per kind:
+NORM_CLUSTER = 2
 B1_CLUSTER_DEFINES = {"i": "NQ_DOWN_CLUSTER", "qkv": "NQ_QKV_CLUSTER", "h": "NQ_O_CLUSTER", "gu": "NQ_GU_CLUSTER"}
 
 
@@ -227,11 +235,13 @@ def b1_build_defines(dims: ModelDims, sm_count: int) -> dict[str, int]:
     (1 | 2 = 3) 1.471 / 1.467 / 1.466 where its sums alone were 1.459, the residual alone (2) 1.4678 / 1.4687;
     the 1.5B's dims after the sums 0.637 / 0.640 / 0.640, with 3 0.627 / 0.626 / 0.630, then 3 against 1
     0.6281 / 0.6327 against 0.6277 / 0.6286. So q/k/v's alone, on both.
-    Where down_proj is unsplit (the 7B), its prologue is shared by clusters of DOWN_CLUSTER blocks."""
+    Where down_proj is unsplit (the 7B), its prologue is shared by clusters of DOWN_CLUSTER blocks, and q/k/v's
+    and gate/up's by clusters of NORM_CLUSTER."""
     if b1_small_grid(dims, sm_count):
         return {"NQ_SPLIT_DOWN": DOWN_SPLIT, "NQ_MINB_DOWN": DOWN_SPLIT_MIN_BLOCKS, "NQ_TRIG_O": 2,
                 "NQ_TRIG_GU": 3, "NQ_EPI_SETTLED": 1}
-    return {"NQ_EPI_SETTLED": 1, "NQ_DOWN_CLUSTER": DOWN_CLUSTER}
+    return {"NQ_EPI_SETTLED": 1, "NQ_DOWN_CLUSTER": DOWN_CLUSTER, "NQ_QKV_CLUSTER": NORM_CLUSTER,
+            "NQ_GU_CLUSTER": NORM_CLUSTER}
 
 
 # The a8 image pair (gate/up writing down_proj's input already rounded to int8, down_proj copying it as
