@@ -292,6 +292,7 @@ def test_int8_hidden_prologues_shared_by_a_cluster(monkeypatch, dims_name):
     build = b1_build_defines(QWEN25_7B, 132)
     assert build["NQ_QKV_CLUSTER"] == build["NQ_GU_CLUSTER"] == NORM_CLUSTER == 2 and "NQ_O_CLUSTER" not in build
     assert "NQ_QKV_CLUSTER" not in b1_build_defines(DIMS["1.5b"], 132)
+    assert b1_build_defines(DIMS["1.5b"], 132)["NQ_ROPE_PRE"] == 1 and "NQ_ROPE_PRE" not in build
     monkeypatch.setenv("NANOQWEN_KERNEL_DEFINES", "NQ_QKV_CLUSTER=2,NQ_O_CLUSTER=2,NQ_GU_CLUSTER=2")
     funcs = _functions(_sass("gemv_int4.cu", DIMS[dims_name]))
     names = ("nq_gemv_int4_h_a8", "nq_qkv_rope_kv_a8", "nq_gate_up_silu_a8")

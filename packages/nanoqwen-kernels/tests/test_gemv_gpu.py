@@ -61,8 +61,9 @@ A8_CLUSTER_DEFINES = "NQ_SPLIT_DOWN=1,NQ_DOWN_CLUSTER=2"
 # path; with a norm in the norm + residual mode), on every dims: ranks with no chunk of their own among them
 # (the tiny dims' 32 chunks in 2, o_proj's 7B x in 4)
 A8_HCLUSTER = "a8/hcluster"
-A8_HCLUSTER_DEFINES = "NQ_QKV_CLUSTER=2,NQ_O_CLUSTER=4,NQ_GU_CLUSTER=2"
-A8_UNSHARED_DEFINES = "NQ_QKV_CLUSTER=1,NQ_O_CLUSTER=1,NQ_GU_CLUSTER=1"  # what the same-bits test compares with
+# (and RoPE's sine and cosine read with the settled inputs, NQ_ROPE_PRE, which the unshared build does not)
+A8_HCLUSTER_DEFINES = "NQ_QKV_CLUSTER=2,NQ_O_CLUSTER=4,NQ_GU_CLUSTER=2,NQ_ROPE_PRE=1"
+A8_UNSHARED_DEFINES = "NQ_QKV_CLUSTER=1,NQ_O_CLUSTER=1,NQ_GU_CLUSTER=1,NQ_ROPE_PRE=0"  # the same-bits test's other side
 
 
 def _a8_kernels_with(dims, defines):
@@ -164,7 +165,8 @@ def test_gemv_int4(kernels, dims, rng, b, mode):
 def test_int8_cluster_prologue_gives_the_same_bits(kernels, dims, rng):
     """q/k/v's and gate/up's RMSNorm + rounding and o_proj's rounding split over a cluster (A8_HCLUSTER) give
     the unshared build's outputs bit for bit: every block sums x's squares in the same order, so every chunk is
-    normed with the same scale whichever block rounds it."""
+    normed with the same scale whichever block rounds it. So does RoPE's rotation taken before the wait
+    (NQ_ROPE_PRE: the same sincosf of the same angle, earlier)."""
     import cupy as cp
 
     d = dims
@@ -192,10 +194,11 @@ def test_int8_cluster_prologue_gives_the_same_bits(kernels, dims, rng):
         q_out = cp.full(d.q_dim, np.nan, dtype=np.float16)
         g.qkv_rope_kv(cp.asarray(pack_valueshuffle(u)), cp.asarray(s), cp.zeros(d.qkv_rows, np.float16), x, w, EPS,
                       cp.asarray(np.array([37], np.int32)), cp.asarray(np.array([3, 1, 2, 0], np.int32)), kc, vc, 0,
-                      q_out)
+                      q_out, settled=True)
         got += [q_out.get(), kc.get()[0, 2, :, 5], vc.get()[0, 2, :, 5]]
         outs[variant] = got
-    for what, a, b in zip(("o_proj", "o_proj+norm", "gate/up", "q", "k", "v"), outs["unshared"], outs[A8_HCLUSTER]):
+    names = ("o_proj", "o_proj+norm", "gate/up", "q", "k", "v")
+    for what, a, b in zip(names, outs["unshared"], outs[A8_HCLUSTER], strict=True):
         assert np.isfinite(a.astype(np.float32)).all(), what
         assert a.tobytes() == b.tobytes(), f"{what}: the cluster build's bits differ"
 

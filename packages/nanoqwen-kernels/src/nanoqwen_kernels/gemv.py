@@ -236,10 +236,14 @@ def b1_build_defines(dims: ModelDims, sm_count: int) -> dict[str, int]:
     the 1.5B's dims after the sums 0.637 / 0.640 / 0.640, with 3 0.627 / 0.626 / 0.630, then 3 against 1
     0.6281 / 0.6327 against 0.6277 / 0.6286. So q/k/v's alone, on both.
     Where down_proj is unsplit (the 7B), its prologue is shared by clusters of DOWN_CLUSTER blocks, and q/k/v's
-    and gate/up's by clusters of NORM_CLUSTER."""
+    and gate/up's by clusters of NORM_CLUSTER.
+    RoPE's sine and cosine computed with q/k/v's settled inputs, before the wait (NQ_ROPE_PRE; the same bits):
+    the 1.5B's dims 0.5901 / 0.5889 / 0.5908 -> 0.5879 / 0.5877 / 0.5877 ms/token; the 7B 1.3701 / 1.3709 /
+    1.3688 -> 1.3714 / 1.3745 / 1.3724 (its q/k/v then spills 5 registers): the small-grid builds only
+    (docs/PERF.md, twenty-eighth lease)."""
     if b1_small_grid(dims, sm_count):
         return {"NQ_SPLIT_DOWN": DOWN_SPLIT, "NQ_MINB_DOWN": DOWN_SPLIT_MIN_BLOCKS, "NQ_TRIG_O": 2,
-                "NQ_TRIG_GU": 3, "NQ_EPI_SETTLED": 1}
+                "NQ_TRIG_GU": 3, "NQ_EPI_SETTLED": 1, "NQ_ROPE_PRE": 1}
     return {"NQ_EPI_SETTLED": 1, "NQ_DOWN_CLUSTER": DOWN_CLUSTER, "NQ_QKV_CLUSTER": NORM_CLUSTER,
             "NQ_GU_CLUSTER": NORM_CLUSTER}
 
