@@ -412,8 +412,8 @@ def test_int8_down_proj_launches_in_clusters(launches, monkeypatch, dims, define
 
 
 @pytest.mark.parametrize("dims, defines, want", [
-    (QWEN25_7B, "", {"qkv": 2, "h": 1, "gu": 2}),  # the 7B's build: q/k/v and gate/up in NORM_CLUSTER
-    (QWEN25_7B, "NQ_QKV_CLUSTER=1,NQ_GU_CLUSTER=1", {"qkv": 1, "h": 1, "gu": 1}),
+    (QWEN25_7B, "", {"qkv": 1, "h": 1, "gu": 1}),  # no build shares them (gemv.B1_CLUSTER_DEFINES)
+    (QWEN25_7B, "NQ_QKV_CLUSTER=2,NQ_GU_CLUSTER=2", {"qkv": 2, "h": 1, "gu": 2}),
     (QWEN25_1_5B, "", {"qkv": 1, "h": 1, "gu": 1}),
     (QWEN25_1_5B, "NQ_QKV_CLUSTER=2", {"qkv": 2, "h": 1, "gu": 1}),
     (QWEN25_7B, "NQ_QKV_CLUSTER=2,NQ_O_CLUSTER=4,NQ_GU_CLUSTER=8", {"qkv": 2, "h": 4, "gu": 8}),

@@ -195,15 +195,16 @@ DOWN_CLUSTER = 2
 
 
 # The same sharing for the K = hidden kinds (gemv_a8_cluster.cuh stage_x_a8_cluster_norm): q/k/v's and gate/up's
-# RMSNorm and rounding, o_proj's rounding, each split over a cluster of blocks (1: none). Where the build shares
-# down_proj's (the 7B: 448 chunks of x over 256 threads, two a thread), q/k/v and gate/up share theirs in clusters
-# of NORM_CLUSTER; o_proj does not. H200, decode protocol, ms/token, three interleaved rounds (docs/PERF.md,
-# twenty-eighth lease): 7B unshared 1.3723 / 1.3746 / 1.3710, q/k/v in 2 1.3684 / 1.3686 / 1.3684, gate/up in 2
-# 1.3724 / 1.3708 / 1.3679, o_proj in 2 1.3721 / 1.3737 / 1.3724 (its family 3.06 -> 3.26 us); then unshared
-# 1.3701 / 1.3686 / 1.3708, both in 2 1.3665 / 1.3651 / 1.3667, q/k/v in 4 1.3754 / 1.3736 / 1.3742, both in 4
-# 1.546 / 1.540 / 1.540 (gate/up 25.4 us a launch). The 1.5B's dims (1,536: at most a chunk a thread), both in 2:
-# 0.5940 / 0.5932 / 0.5944 -> 0.6002 / 0.5999 / 0.5999, slower; none there. The defines per kind:
-NORM_CLUSTER = 2
+# RMSNorm and rounding, o_proj's rounding, each split over a cluster of blocks (1: none, every build's default).
+# Measured on the H200 (decode protocol, ms/token, interleaved rounds; docs/PERF.md, twenty-eighth lease), the 7B
+# (448 chunks of x over 256 threads, two a thread): unshared 1.3723 / 1.3746 / 1.3710, q/k/v in 2 1.3684 / 1.3686
+# / 1.3684, gate/up in 2 1.3724 / 1.3708 / 1.3679, o_proj in 2 1.3721 / 1.3737 / 1.3724 (its family 3.06 -> 3.26
+# us); unshared 1.3701 / 1.3686 / 1.3708, q/k/v and gate/up in 2 1.3665 / 1.3651 / 1.3667 (q/k/v 4.85 -> 4.52 us a
+# launch, gate/up 19.19 -> 18.87), q/k/v in 4 1.3754 / 1.3736 / 1.3742, both in 4 1.546 / 1.540 / 1.540. But at
+# 32,000 + 128 tokens (the long-context attention build, clusters of 16) both in 2 cost 1.965 / 1.968 against
+# 1.909 / 1.910 (q/k/v alone 1.949 / 1.949, gate/up alone 1.924 / 1.923): -3.5 us a token at 640 tokens, +56 at
+# 32k. The 1.5B's dims (1,536: at most a chunk a thread), both in 2: 0.5940 / 0.5932 / 0.5944 -> 0.6002 / 0.5999 /
+# 0.5999. So no build shares them; the knobs stay for the A/B. The defines per kind:
 B1_CLUSTER_DEFINES = {"i": "NQ_DOWN_CLUSTER", "qkv": "NQ_QKV_CLUSTER", "h": "NQ_O_CLUSTER", "gu": "NQ_GU_CLUSTER"}
 
 
@@ -235,8 +236,8 @@ def b1_build_defines(dims: ModelDims, sm_count: int) -> dict[str, int]:
     (1 | 2 = 3) 1.471 / 1.467 / 1.466 where its sums alone were 1.459, the residual alone (2) 1.4678 / 1.4687;
     the 1.5B's dims after the sums 0.637 / 0.640 / 0.640, with 3 0.627 / 0.626 / 0.630, then 3 against 1
     0.6281 / 0.6327 against 0.6277 / 0.6286. So q/k/v's alone, on both.
-    Where down_proj is unsplit (the 7B), its prologue is shared by clusters of DOWN_CLUSTER blocks, and q/k/v's
-    and gate/up's by clusters of NORM_CLUSTER.
+    Where down_proj is unsplit (the 7B), its prologue is shared by clusters of DOWN_CLUSTER blocks (q/k/v's and
+    gate/up's are not: B1_CLUSTER_DEFINES says why).
     RoPE's sine and cosine computed with q/k/v's settled inputs, before the wait (NQ_ROPE_PRE; the same bits):
     the 1.5B's dims 0.5901 / 0.5889 / 0.5908 -> 0.5879 / 0.5877 / 0.5877 ms/token; the 7B 1.3701 / 1.3709 /
     1.3688 -> 1.3714 / 1.3745 / 1.3724 (its q/k/v then spills 5 registers): the small-grid builds only
@@ -244,8 +245,7 @@ def b1_build_defines(dims: ModelDims, sm_count: int) -> dict[str, int]:
     if b1_small_grid(dims, sm_count):
         return {"NQ_SPLIT_DOWN": DOWN_SPLIT, "NQ_MINB_DOWN": DOWN_SPLIT_MIN_BLOCKS, "NQ_TRIG_O": 2,
                 "NQ_TRIG_GU": 3, "NQ_EPI_SETTLED": 1, "NQ_ROPE_PRE": 1}
-    return {"NQ_EPI_SETTLED": 1, "NQ_DOWN_CLUSTER": DOWN_CLUSTER, "NQ_QKV_CLUSTER": NORM_CLUSTER,
-            "NQ_GU_CLUSTER": NORM_CLUSTER}
+    return {"NQ_EPI_SETTLED": 1, "NQ_DOWN_CLUSTER": DOWN_CLUSTER}
 
 
 # The a8 image pair (gate/up writing down_proj's input already rounded to int8, down_proj copying it as
