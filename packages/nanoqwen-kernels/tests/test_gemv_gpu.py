@@ -90,7 +90,7 @@ def _a8_split_kernels(dims, default):
 def _a8_cluster_kernels(dims):
     """The int8 loop's cluster-prologue build (A8_CLUSTER_DEFINES)."""
     g = _a8_kernels_with(dims, A8_CLUSTER_DEFINES)
-    assert g._down_cluster == 2 and g._split["i"] == 1
+    assert g._cluster["i"] == 2 and g._split["i"] == 1
     return g
 
 

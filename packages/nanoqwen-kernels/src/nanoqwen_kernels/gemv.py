@@ -295,13 +295,13 @@ class GemvKernels:
         # gate/up -> down_proj at B = 1 as the a8 image pair (b1_a8_image_pair); the step asks this
         self.a8_image_pair = self._a8 and b1_a8_image_pair(dims, sms)
         self._split = {kind: (b1_split(kind, split_defs) if self._a8 else 1) for kind in GEMV_KINDS}
-        # down_proj's prologue shared by a thread-block cluster of this many blocks (gemv_a8_cluster.cuh; the
-        # build's NQ_DOWN_CLUSTER, b1_build_defines, or $NANOQWEN_KERNEL_DEFINES' over it)
-        # (and q/k/v's, o_proj's, gate/up's: NQ_QKV_CLUSTER, NQ_O_CLUSTER, NQ_GU_CLUSTER), per kind
+        # each kind's prologue shared by a thread-block cluster of this many blocks (gemv_a8_cluster.cuh; the build's
+        # NQ_DOWN_CLUSTER, NQ_QKV_CLUSTER, NQ_O_CLUSTER, NQ_GU_CLUSTER, b1_build_defines, or $NANOQWEN_KERNEL_DEFINES'
+        # over it); a split down_proj never shares (the kernel's kCluster)
         clusters = b1_clusters(split_defs)
-        self._down_cluster = clusters["i"] if self._a8 and self._split["i"] == 1 else 1  # the kernel's kCluster
         self._cluster = {kind: (clusters[kind] if self._a8 else 1) for kind in GEMV_KINDS}
-        self._cluster["i"] = self._down_cluster
+        if self._split["i"] > 1:
+            self._cluster["i"] = 1
         m = load_module(INT4_SOURCES, {**dims.defines(), **split_defs})
         f = load_module(FP16_SOURCES, dims.defines())
         smem = X_SMEM_BUDGET

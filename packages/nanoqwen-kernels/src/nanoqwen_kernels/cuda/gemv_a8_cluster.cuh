@@ -37,6 +37,20 @@ __device__ __forceinline__ void a8c_st_async2(uint32_t addr, uint32_t a, uint32_
                : "memory");
 }
 
+// One rounded chunk (round_chunk_a8's put: its 8 bytes as xq's uint2 qi and, on a half-piece's first chunk, its
+// {scale / 16, accumulator start} as xm's int2 mi) into every block of a cluster of C; q0, m0, b0: this block's
+// shared addresses of xq, xm and the receive barrier, mapped to each rank's
+template <int C>
+__device__ __forceinline__ void a8c_push(uint32_t q0, uint32_t m0, uint32_t b0, int qi, uint2 q, int mi, bool has_m,
+                                         int2 m) {
+#pragma unroll
+  for (int r = 0; r < C; ++r) {
+    const uint32_t rb = mapa_u32(b0, r);
+    a8c_st_async2(mapa_u32(q0 + 8 * qi, r), q.x, q.y, rb);
+    if (has_m) a8c_st_async2(mapa_u32(m0 + 8 * mi, r), static_cast<uint32_t>(m.x), static_cast<uint32_t>(m.y), rb);
+  }
+}
+
 // The receive barrier of the cluster's prologue (a __shared__ word of the caller): armed at the kernel's start
 // by thread 0 with the bytes the block will receive (all of x's int8 image, K * 3 / 2, its own share
 // included), before the entry's cluster arrival, so no block stores into it unarmed. Not armed with a norm.
@@ -80,12 +94,7 @@ __device__ __forceinline__ void stage_x_a8_cluster(const uint16_t* __restrict__ 
     const int it = rank + C * j;
     if (it < kIters) {  // uniform over the block
       round_chunk_a8<K>(v[j], it * kThreads + threadIdx.x, [&](int qi, uint2 q, int mi, bool has_m, int2 m) {
-#pragma unroll
-        for (int r = 0; r < C; ++r) {
-          const uint32_t rb = mapa_u32(b0, r);
-          a8c_st_async2(mapa_u32(q0 + 8 * qi, r), q.x, q.y, rb);
-          if (has_m) a8c_st_async2(mapa_u32(m0 + 8 * mi, r), static_cast<uint32_t>(m.x), static_cast<uint32_t>(m.y), rb);
-        }
+        a8c_push<C>(q0, m0, b0, qi, q, mi, has_m, m);
       });
     }
   }
@@ -134,12 +143,7 @@ __device__ __forceinline__ void stage_x_a8_cluster_norm(const uint16_t* __restri
       uint4 v = xe[it];
       if (i < kChunks) v = rms_apply8(v, kNormEarly<K> ? ne.w[it] : w4[i], r);
       round_chunk_a8<K>(v, i, [&](int qi, uint2 q, int mi, bool has_m, int2 m) {
-#pragma unroll
-        for (int rr = 0; rr < C; ++rr) {
-          const uint32_t rb = mapa_u32(b0, rr);
-          a8c_st_async2(mapa_u32(q0 + 8 * qi, rr), q.x, q.y, rb);
-          if (has_m) a8c_st_async2(mapa_u32(m0 + 8 * mi, rr), static_cast<uint32_t>(m.x), static_cast<uint32_t>(m.y), rb);
-        }
+        a8c_push<C>(q0, m0, b0, qi, q, mi, has_m, m);
       });
     }
   }
