@@ -121,6 +121,35 @@ def test_long_context_steps_take_their_own_graph(tied_path, kind, rng, monkeypat
         make_backend(tied_path, kind, max_context=64)
 
 
+def test_short_context_steps_take_the_one_cluster_grid(tied_path, kind, rng, monkeypatch):
+    """Up to NANOQWEN_DECODE_SHORT_CONTEXT tokens (here 30, the default 1,024) a step launches decode
+    attention on one cluster per sequence from the plain mode's graph, past it the default grid from a
+    "@mid" graph. At these lengths both grids read every page with the first cluster alone, so the logits are
+    the same bits as a backend's that never takes the short grid, on the GPU too."""
+    ids = rng.integers(0, 4096, size=20)
+    monkeypatch.setenv("NANOQWEN_DECODE_SHORT_CONTEXT", "0")
+    never = make_backend(tied_path, kind, max_context=64)
+    want_logits: list[np.ndarray] = []
+    want = generate(never, ids, 24, logits=want_logits)[0]
+    assert set(never.step.graphs) == {(1, "greedy@mid")}
+    monkeypatch.setenv("NANOQWEN_DECODE_SHORT_CONTEXT", "30")
+    short = make_backend(tied_path, kind, max_context=64)
+    got_logits: list[np.ndarray] = []
+    got = generate(short, ids, 24, logits=got_logits)[0]
+    assert got == want
+    for a, b in zip(got_logits, want_logits, strict=True):
+        np.testing.assert_array_equal(a, b)
+    # steps whose sequence holds up to 30 tokens (its new one included) replay the plain graph, the later
+    # ones the "@mid" graph, each captured once
+    assert set(short.step.graphs) == {(1, "greedy"), (1, "greedy@mid")}
+    assert short.step.context_span(30) == "" and short.step.context_span(31) == "@mid"
+    if kind == "host":  # the short grid ran for the steps of 21..30 tokens (10 steps), the rest on the default
+        assert short.ks.short_calls == 10 * short.config.n_layers
+    monkeypatch.setenv("NANOQWEN_DECODE_SHORT_CONTEXT", "-3")
+    with pytest.raises(ValueError, match="NANOQWEN_DECODE_SHORT_CONTEXT"):
+        make_backend(tied_path, kind, max_context=64)
+
+
 def test_int8_decode_activations_round_only_batch1_decode(tied_path, kind, rng):
     """decode_activations="int8" (the default; the GEMV variant "a8"): a single sequence's decode GEMVs
     multiply the activation rounded to int8 per 16 values. Teacher-forced on the fp16 run's tokens: the prefill's

@@ -39,12 +39,14 @@ class _Builds(dict):
 
         name, variant, *extra = key
         long = "long" in extra  # the long-context build (clusters of up to 16)
-        added = dict(extra[0]) if extra and extra[0] != "long" else {}
+        short = "short" in extra  # the short-context launch (the default build on one cluster a sequence)
+        added = dict(extra[0]) if extra and extra[0] not in ("long", "short") else {}
 
         def load(sources, defines):
             return load_module(sources, {**defines, **added})
 
-        ak = AttentionKernels(DIMS[name], load, variant, cluster_max=LONG_CLUSTER_MAX if long else 8)
+        ak = AttentionKernels(DIMS[name], load, variant, cluster_max=LONG_CLUSTER_MAX if long else 8,
+                              max_clusters=1 if short else None)
         self[key] = ak
         return ak
 
@@ -198,6 +200,30 @@ def test_batch_of_mixed_lengths(kernels, name, B, variant, rng):
         lengths[int(rng.integers(B))] = 0
     c = make_batch(cp, dims, lengths, rng)
     check(run(cp, ak, dims, c, B), c, variant, lengths)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,variant", [("7b", "mma"), ("7b", "fma"), ("tiny", "mma")])
+def test_short_context_grid(kernels, name, variant, rng):
+    """The short-context launch (one cluster per sequence and KV head): on batches whose sequences are all of
+    at most SHORT_CONTEXT_TOKENS it gives the default grid's outputs bit for bit (both read each sequence
+    with the first cluster alone); on longer ones (one cluster then streams every page) it still matches the
+    reference."""
+    import cupy as cp
+    from nanoqwen_kernels.attention import SHORT_CONTEXT_TOKENS
+
+    dims, ak, short = DIMS[name], kernels[name, variant], kernels[name, variant, "short"]
+    for lengths in ([SHORT_CONTEXT_TOKENS], [int(rng.integers(1, 700))],
+                    [1, 640, 0, 17, SHORT_CONTEXT_TOKENS, int(rng.integers(2, SHORT_CONTEXT_TOKENS))]):
+        c = make_batch(cp, dims, lengths, rng)
+        want = run(cp, ak, dims, c, len(lengths))
+        got = run(cp, short, dims, c, len(lengths))
+        check(got, c, variant, lengths)
+        np.testing.assert_array_equal(got, want)
+    for lengths in ([SHORT_CONTEXT_TOKENS + 1], [5000, 3, 0, 1025]):
+        c = make_batch(cp, dims, lengths, rng)
+        check(run(cp, short, dims, c, len(lengths)), c, variant, lengths)
 
 
 @gpu

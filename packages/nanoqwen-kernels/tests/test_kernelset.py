@@ -175,9 +175,9 @@ def test_attention_variant_reaches_the_attention_build(how, monkeypatch):
 
     class Attn(attention.AttentionKernels):
         def __init__(self, dims, load, variant=attention.DEFAULT_VARIANT, sms=None,
-                     cluster_max=attention.CLUSTER_MAX):
+                     cluster_max=attention.CLUSTER_MAX, max_clusters=None):
             builds.append((variant, attention.decode_defines(dims, variant)["NQ_DECODE_MMA"],
-                           32 * (1 + attention.VARIANTS[variant][1]), cluster_max))
+                           32 * (1 + attention.VARIANTS[variant][1]), cluster_max, max_clusters))
             self.attention_decode = self.new_workspace = None
 
     for name in ("GemvKernels", "NormKernels", "EmbedKernels", "SamplingKernels", "PrefillKernels", "HeadI8Kernels"):
@@ -191,9 +191,18 @@ def test_attention_variant_reaches_the_attention_build(how, monkeypatch):
     ks = KernelSet(TINY, arch="sm_90a", **kw)
     want = attention.DEFAULT_VARIANT if how == "default" else "mma8"
     assert ks.attention_variant == want
-    # the default build and the long-context one (clusters of up to 16), both of the variant
-    assert builds == [(want, attention.VARIANTS[want][0], 32 * (1 + attention.VARIANTS[want][1]), cm)
-                      for cm in attention.CLUSTER_MAXES]
+    # the default build, the long-context one (clusters of up to 16) and the short-context launch (the
+    # default build on one cluster a sequence), all of the variant
+    assert builds == [(want, attention.VARIANTS[want][0], 32 * (1 + attention.VARIANTS[want][1]), cm, mc)
+                      for cm, mc in ((8, None), (16, None), (8, 1))]
+    # $NANOQWEN_DECODE_SHORT_CLUSTER=16: the short-context launch on the long-context build's module
+    builds.clear()
+    monkeypatch.setenv("NANOQWEN_DECODE_SHORT_CLUSTER", "16")
+    KernelSet(TINY, arch="sm_90a", **kw)
+    assert [b[3:] for b in builds] == [(8, None), (16, None), (16, 1)]
+    monkeypatch.setenv("NANOQWEN_DECODE_SHORT_CLUSTER", "12")
+    with pytest.raises(KernelError, match="NANOQWEN_DECODE_SHORT_CLUSTER"):
+        KernelSet(TINY, arch="sm_90a", **kw)
 
 
 class _Anything:

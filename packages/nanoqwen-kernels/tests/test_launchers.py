@@ -148,6 +148,23 @@ def test_attention_decode_launch_and_checks(launches, monkeypatch):
         decode_workspace_floats(d, b, 132, cm) for b in range(1, 65) for cm in (8, 16))
     with pytest.raises(KernelError, match="clusters of up to 12"):
         AttentionKernels(d, load, sms=132, cluster_max=12)
+    # the short-context launch: the default build on one cluster per (sequence, KV head) (batch 1: 32 blocks
+    # instead of 160; 3 sequences: 4 x 8 x 3 instead of 4 x 16 x 3), never the several-cluster fold
+    from nanoqwen_kernels.attention import SHORT_CONTEXT_TOKENS
+
+    assert SHORT_CONTEXT_TOKENS == 1024
+    n_attr = len(launches.attributes)
+    short = AttentionKernels(d, load, sms=132, max_clusters=1)
+    assert len(launches.attributes) == n_attr  # the default build's function: no non-portable size asked
+    assert short.clusters(1) == (8, 1) and short.clusters(B) == (8, 1) and short.clusters(8) == (5, 1)
+    short.attention_decode(dev((W,), np.float16), k, v, dev((P,), np.int32), dev((1,), np.int32), 1,
+                           dev((W,), np.float16), ws)
+    assert launches[-1][1] == (4, 8, 1) and launches.clusters[-1] == (1, 8, 1)
+    assert (int(launches[-1][2][-5]), int(launches[-1][2][-4]), int(launches[-1][2][-3])) == (8, 1, 0)
+    short.attention_decode(q, k, v, table, lens, 1, out, ws)
+    assert launches[-1][1] == (4, 8, B) and not short.flagged_fold(B)
+    with pytest.raises(KernelError, match="max_clusters=0"):
+        AttentionKernels(d, load, sms=132, max_clusters=0)
     bad = dict(
         page_table=(dev((2, P), np.int32), "page_table"),
         seq_len_dev=(dev((2,), np.int32), "seq_len_dev"),

@@ -43,6 +43,14 @@ CLUSTER_MAX = 8  # the portable cluster size
 # it only for long contexts (nanoqwen_engine's decode step, LONG_CONTEXT_TOKENS).
 LONG_CLUSTER_MAX = 16
 CLUSTER_MAXES = (CLUSTER_MAX, LONG_CLUSTER_MAX)
+# The short-context launch: the same build on one cluster per (sequence, KV head). A sequence of at most
+# SHORT_CONTEXT_TOKENS (the kernel's NQ_DECODE_MIN_CLUSTER_PAGES pages) is read by its first cluster alone in
+# any grid, so the default grid's other clusters (7B at batch 1: 4 of 5, 128 of 160 blocks) only start, wait
+# and leave; this grid launches none of them, and its outputs are the default grid's bit for bit at those
+# lengths. Longer sequences are still right on it, one cluster streaming every page (slower). The decode step
+# launches it from a graph of its own while every sequence of its batch is this short (nanoqwen_engine's
+# decode step, SHORT_CONTEXT_TOKENS there).
+SHORT_CONTEXT_TOKENS = 64 * PAGE_TOKENS  # NQ_DECODE_MIN_CLUSTER_PAGES (attention_decode.cu) x 16
 # cuda.h CUfunction_attribute: non-portable cluster sizes allowed, and the cluster scheduling policy (1 = spread)
 FUNC_ATTR_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14
 FUNC_ATTR_CLUSTER_SCHEDULING_POLICY_PREFERENCE = 15
@@ -112,10 +120,13 @@ class AttentionKernels:
     """The decode attention build for one ModelDims. `load_module(sources, defines)` is the loader's;
     `sms` the device's SM count (asked of the current device when None); cluster_max: CLUSTER_MAX, or
     LONG_CLUSTER_MAX for the long-context build (its function allows non-portable cluster sizes and asks
-    for the spread scheduling policy)."""
+    for the spread scheduling policy); max_clusters: clusters per (sequence, KV head) at most (1: the
+    short-context launch, SHORT_CONTEXT_TOKENS), None for as many as decode_clusters gives."""
 
     def __init__(self, dims: ModelDims, load_module, variant: str = DEFAULT_VARIANT, sms: int | None = None,
-                 cluster_max: int = CLUSTER_MAX):
+                 cluster_max: int = CLUSTER_MAX, max_clusters: int | None = None):
+        if max_clusters is not None and max_clusters < 1:
+            raise KernelError(f"max_clusters={max_clusters}: at least 1 cluster per sequence and KV head")
         if dims.n_heads // dims.n_kv_heads > 8:
             raise KernelError(
                 f"unsupported GQA group {dims.n_heads // dims.n_kv_heads}: attention_decode handles <= 8"
@@ -127,6 +138,7 @@ class AttentionKernels:
         self._sms = sms
         self._flagged: dict[int, bool] = {}
         self.cluster_max = cluster_max
+        self.max_clusters = max_clusters
         mod = load_module(DECODE_SOURCES, decode_defines(dims, variant, cluster_max))
         self._fn = mod.get_function("nq_attention_decode", max_dynamic_smem=self.smem_bytes)
         if cluster_max > CLUSTER_MAX:
@@ -144,7 +156,8 @@ class AttentionKernels:
 
     def clusters(self, batch: int) -> tuple[int, int]:
         """(cluster size, clusters per (sequence, KV head)) a batch of `batch` sequences launches with."""
-        return decode_clusters(self.dims, batch, self.sms, self.cluster_max)
+        c, n = decode_clusters(self.dims, batch, self.sms, self.cluster_max)
+        return c, n if self.max_clusters is None else min(n, self.max_clusters)
 
     def flagged_fold(self, batch: int) -> bool:
         """Whether a batch of `batch` may fold its clusters through flagged words (cluster 0 polls the

@@ -21,13 +21,19 @@ buffers) never change after load. The host keeps a shadow of ctrl as it stands o
 the way `advance` advances it) and copies only the span of entries that differ (write_rows): for a steady
 batch that is nothing, or the new page ids of the rows that crossed into a page.
 
-Long contexts get their own graphs: once the bucket's longest sequence reaches LONG_CONTEXT_TOKENS, a step
-launches decode attention's long-context build (clusters of up to 16 blocks: nanoqwen_kernels.attention
-LONG_CLUSTER_MAX), which streams a long context faster but starts later behind the previous kernel than the
-default build's clusters of 8. Its graph key's mode carries LONG_SUFFIX ("greedy@long"). Measured (H200,
-7B, decode of 128 tokens after a prompt, ms/token, docs/PERF.md twenty-fifth lease): at 8,000 tokens 1.675 ->
-1.668, at 32,000 2.048 -> 2.017-2.021; at 640 the long build lost ~8 us a token (twenty-fourth lease), so
-the line sits between (below 8k the step was not measured).
+Each context range gets its own graphs, chosen by the bucket's longest sequence (the host knows it before it
+launches a step), because decode attention's best grid depends on it (nanoqwen_kernels.attention):
+- up to SHORT_CONTEXT_TOKENS (1,024): the short-context launch, one cluster of 8 blocks per sequence and KV
+  head. The default grid (7B at batch 1: 5 clusters, 160 blocks) reads such a sequence with its first cluster
+  alone, the other 128 blocks only start, wait for q/k/v and leave; the short grid's outputs are the same bits.
+  Its graph key's mode is the plain mode ("greedy").
+- from LONG_CONTEXT_TOKENS (8,192): the long-context build (clusters of up to 16 blocks: attention
+  LONG_CLUSTER_MAX), which streams a long context faster but starts later behind the previous kernel than the
+  default build's clusters of 8. Mode + LONG_SUFFIX ("greedy@long"). Measured (H200, 7B, decode of 128 tokens
+  after a prompt, ms/token, docs/PERF.md twenty-fifth lease): at 8,000 tokens 1.675 -> 1.668, at 32,000 2.048
+  -> 2.017-2.021; at 640 the long build lost ~8 us a token (twenty-fourth lease), so the line sits between
+  (below 8k the step was not measured).
+- between: the default grid, mode + MID_SUFFIX ("greedy@mid").
 
 Idle rows (inside the bucket, held by no sequence) run with POS 0, SEQ_LEN 0 and TABLE[b][0] = the
 scratch page, a page of the cache outside the pool that no sequence owns: their K/V write lands there,
@@ -58,7 +64,9 @@ from .weights import GpuWeights
 SPAN_GAP = 16384  # entries (64 KiB): changed entries closer than this go to the device in one copy
 ID_SLOTS = 3  # pinned slots for launched steps' ids: at most 2 steps are in flight (backend.decode)
 LONG_SUFFIX = "@long"  # a graph key's mode for the long-context step
+MID_SUFFIX = "@mid"  # ... for a step whose longest sequence is neither short nor long
 DEFAULT_LONG_CONTEXT_TOKENS = 8192
+DEFAULT_SHORT_CONTEXT_TOKENS = 1024  # nanoqwen_kernels.attention.SHORT_CONTEXT_TOKENS (a CPU-only import here)
 
 
 def long_context_tokens() -> int:
@@ -73,6 +81,22 @@ def long_context_tokens() -> int:
         raise ValueError(f"NANOQWEN_DECODE_LONG_CONTEXT={raw!r}: a number of tokens (0 = never)") from None
     if value < 0:
         raise ValueError(f"NANOQWEN_DECODE_LONG_CONTEXT={raw!r}: a number of tokens (0 = never)")
+    return value
+
+
+def short_context_tokens() -> int:
+    """$NANOQWEN_DECODE_SHORT_CONTEXT: the longest sequence's length (tokens, the step's own included) up to
+    which a step launches decode attention's short-context grid; 0 = never. Default
+    DEFAULT_SHORT_CONTEXT_TOKENS (past it the short grid is still right, and slower)."""
+    raw = os.environ.get("NANOQWEN_DECODE_SHORT_CONTEXT", "").strip()
+    if not raw:
+        return DEFAULT_SHORT_CONTEXT_TOKENS
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"NANOQWEN_DECODE_SHORT_CONTEXT={raw!r}: a number of tokens (0 = never)") from None
+    if value < 0:
+        raise ValueError(f"NANOQWEN_DECODE_SHORT_CONTEXT={raw!r}: a number of tokens (0 = never)")
     return value
 
 
@@ -171,8 +195,9 @@ class DecodeStep:
         self.logits = xp.zeros((R, V), dtype=np.float32)
         self.attn_ws = ks.attention_workspace(R)
         self.sampler = sampler
-        self.long_from = long_context_tokens()  # 0: every step on the default attention build
-        self.graphs: dict[tuple[int, str], Any] = {}  # (bucket, mode[@long]) -> graph, or "pending"
+        self.long_from = long_context_tokens()  # 0: no step on the long-context build
+        self.short_until = short_context_tokens()  # 0: no step on the short-context grid
+        self.graphs: dict[tuple[int, str], Any] = {}  # (bucket, mode[@mid|@long]) -> graph, or "pending"
         self.graph_nodes: dict[tuple[int, str], int | None] = {}
         self.launcher_calls: int | None = None  # per step, counted on the first eager step
         self.shadow: np.ndarray | None = None  # host copy of ctrl as it stands on the device
@@ -198,25 +223,41 @@ class DecodeStep:
             logits=self.logits[:B])
 
     # ------------------------------------------------------------------ launches
-    def launch_body(self, ks, B: int, mode: str, long: bool = False) -> None:
+    def launch_body(self, ks, B: int, mode: str, span: str = MID_SUFFIX) -> None:
         """Every launch of one step of rows [0, B) from embedding to sampled ids (captured as one graph);
-        long: decode attention on its long-context build."""
+        span: the context range's suffix (context_span), which picks decode attention's launch."""
         v = self.views(B)
         ks.embed(self.w.embed, v.tokens, v.x)
         for i in range(self.cfg.n_layers):
-            self.launch_layer(ks, i, v, long)
+            self.launch_layer(ks, i, v, span)
         self.launch_head(ks, v.x, v.xn, v.logits)
         self.sampler.launch(ks, mode, v.logits, v.tokens, 0, B)
         ks.advance(v.pos, v.seq_len)
 
-    def launch_layer(self, ks, i: int, v: BucketViews, long: bool = False) -> None:
+    @staticmethod
+    def attention_launcher(ks, span: str = MID_SUFFIX):
+        """Decode attention's launcher for a context range (context_span's suffix): the short-context grid,
+        the default one (MID_SUFFIX) or the long-context build."""
+        return {"": ks.attention_decode_short, MID_SUFFIX: ks.attention_decode,
+                LONG_SUFFIX: ks.attention_decode_long}[span]
+
+    def context_span(self, longest: int) -> str:
+        """The context range of a step whose longest sequence holds `longest` tokens (its own included): ""
+        (short: up to short_until), LONG_SUFFIX (from long_from), else MID_SUFFIX."""
+        if self.long_from and longest >= self.long_from:
+            return LONG_SUFFIX
+        if self.short_until and longest <= self.short_until:
+            return ""
+        return MID_SUFFIX
+
+    def launch_layer(self, ks, i: int, v: BucketViews, span: str = MID_SUFFIX) -> None:
         """Decoder layer i on v.x (in place, through v.y) for each row's token at its POS."""
         lw, eps = self.w.layers[i], self.cfg.rms_eps
         # settled: POS and the page tables were written before the step's first kernel (write_rows' copy, the
         # previous step's advance), so q/k/v's B = 1 loop may read them before its launch-overlap wait
         ks.qkv_rope_kv(lw.qkv.qweight, lw.qkv.scales, lw.qkv_bias, v.x, lw.in_norm, eps, v.pos, v.table,
                        self.k_cache, self.v_cache, i, v.q, settled=True)
-        attend = ks.attention_decode_long if long else ks.attention_decode
+        attend = self.attention_launcher(ks, span)
         attend(v.q, self.k_cache, self.v_cache, v.table, v.seq_len, i, v.attn, self.attn_ws)
         ks.gemv_int4(lw.o.qweight, lw.o.scales, v.attn, v.y, residual=v.x)
         if v.act.shape[0] == 1 and getattr(ks, "gemv_variant", None) == "a8" and getattr(ks, "a8_image_pair", True):
@@ -332,15 +373,15 @@ class DecodeStep:
         return len(self._pending)
 
     def graph_key(self, bucket: int, mode: str) -> tuple[int, str]:
-        """The graph the next step of rows [0, bucket) launches: (bucket, mode), or (bucket, mode + LONG_SUFFIX)
-        once the longest of those rows reaches long_from tokens. The host's shadow holds each row's length
-        as of the last step collected or written; every step launched and not collected adds one."""
-        if self.long_from and self.shadow is not None:
-            lay = self.layout
-            longest = int(self.shadow[lay.seq_len:lay.seq_len + bucket].max(initial=0)) + len(self._pending)
-            if longest >= self.long_from:
-                return bucket, mode + LONG_SUFFIX
-        return bucket, mode
+        """The graph the next step of rows [0, bucket) launches: (bucket, mode + context_span(longest)) for the
+        longest of those rows. The host's shadow holds each row's length as of the last step collected or
+        written; every step launched and not collected adds one. Without a shadow (nothing written yet, or
+        after a reset) the default grid's graph (MID_SUFFIX): right at any length."""
+        if self.shadow is None:
+            return bucket, mode + MID_SUFFIX
+        lay = self.layout
+        longest = int(self.shadow[lay.seq_len:lay.seq_len + bucket].max(initial=0)) + len(self._pending)
+        return bucket, mode + self.context_span(longest)
 
     def captured(self, bucket: int, mode: str) -> bool:
         """Whether the next step of (bucket, mode) has its graph (graph_key): it is a plain replay."""
@@ -355,19 +396,19 @@ class DecodeStep:
     def launch(self, bucket: int, mode: str, eager: bool) -> None:
         """Enqueue one step of rows [0, bucket) on the device's stream; nothing waits for it."""
         dev, key = self.dev, self.graph_key(bucket, mode)
-        long = key[1] != mode
+        span = key[1][len(mode):]
         with dev.use():
             if eager or key not in self.graphs:
                 # The first step of each (bucket, mode) runs eagerly: it loads every kernel it needs and
                 # counts the launches; capturing happens on the next step (nothing executes while a
                 # stream is capturing, so the capture must not be the first use of a kernel).
                 counting = CountingKernels(self.ks)
-                self.launch_body(counting, bucket, mode, long)
+                self.launch_body(counting, bucket, mode, span)
                 self.launcher_calls = counting.calls
                 if not eager:
                     self.graphs[key] = "pending"
             elif self.graphs[key] == "pending":
-                graph = dev.capture(lambda: self.launch_body(self.ks, bucket, mode, long))
+                graph = dev.capture(lambda: self.launch_body(self.ks, bucket, mode, span))
                 self.graphs[key] = graph
                 self.graph_nodes[key] = dev.graph_kernel_nodes(graph)
                 dev.replay(graph)

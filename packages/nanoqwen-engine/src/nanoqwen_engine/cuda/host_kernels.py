@@ -63,6 +63,7 @@ class HostKernels:
         self.cfg, self.dev = cfg, dev
         self.gemv_variant = gemv_variant
         self.long_calls = 0  # attention_decode_long's calls (the tests ask which build a step ran)
+        self.short_calls = 0  # attention_decode_short's
         self._deq: dict[tuple, np.ndarray] = {}
 
     def _gemv_x(self, xin: np.ndarray) -> np.ndarray:
@@ -187,6 +188,13 @@ class HostKernels:
         """The long-context build: on the GPU another grid over the same pages; here the same numbers,
         counted (long_calls) so the tests see which build a step ran."""
         self.long_calls += 1
+        self._attention_decode(q, k_cache, v_cache, page_table, seq_len_dev, layer, out)
+
+    @_launcher
+    def attention_decode_short(self, q, k_cache, v_cache, page_table, seq_len_dev, layer, out, workspace):
+        """The short-context launch: on the GPU the default build on one cluster per sequence; here the same
+        numbers, counted (short_calls)."""
+        self.short_calls += 1
         self._attention_decode(q, k_cache, v_cache, page_table, seq_len_dev, layer, out)
 
     def _attention_decode(self, q, k_cache, v_cache, page_table, seq_len_dev, layer, out):
