@@ -52,7 +52,7 @@ def builds(dims_names: list[str]) -> list[tuple[tuple[str, ...], tuple]]:
     from nanoqwen_kernels.attention import VARIANTS as DECODE_VARIANTS
     from nanoqwen_kernels.dims import PRESETS
     from nanoqwen_kernels.embed import EmbedKernels
-    from nanoqwen_kernels.gemv import GEMV_VARIANTS, GemvKernels
+    from nanoqwen_kernels.gemv import A8_VARIANTS, GEMV_VARIANTS, GemvKernels
     from nanoqwen_kernels.head_i8 import HeadI8Kernels
     from nanoqwen_kernels.norm import NormKernels
     from nanoqwen_kernels.prefill import ATTENTION_VARIANTS, PrefillKernels
@@ -69,6 +69,8 @@ def builds(dims_names: list[str]) -> list[tuple[tuple[str, ...], tuple]]:
             d = PRESETS[name]
             for v in GEMV_VARIANTS:  # the int8 loop's build may add its split defines (gemv.b1_build_defines)
                 GemvKernels(d, record, v)
+                if v in A8_VARIANTS:  # and the decode step's short-context build (gemv.b1_short_defines)
+                    GemvKernels(d, record, v, short_context=True)
             HeadI8Kernels(d, record)
             NormKernels(d, record)
             EmbedKernels(d, record)

@@ -166,7 +166,8 @@ def test_int8_cluster_prologue_gives_the_same_bits(kernels, dims, rng):
     """q/k/v's and gate/up's RMSNorm + rounding and o_proj's rounding split over a cluster (A8_HCLUSTER) give
     the unshared build's outputs bit for bit: every block sums x's squares in the same order, so every chunk is
     normed with the same scale whichever block rounds it. So does RoPE's rotation taken before the wait
-    (NQ_ROPE_PRE: the same sincosf of the same angle, earlier)."""
+    (NQ_ROPE_PRE: the same sincosf of the same angle, earlier), and the decode step's short-context build
+    (gemv.b1_short_defines: the 7B's q/k/v and gate/up in clusters of 2; elsewhere the default build)."""
     import cupy as cp
 
     d = dims
@@ -176,7 +177,8 @@ def test_int8_cluster_prologue_gives_the_same_bits(kernels, dims, rng):
     unshared = _a8_kernels_with(dims, A8_UNSHARED_DEFINES)
     assert (unshared._cluster["qkv"], unshared._cluster["h"], unshared._cluster["gu"]) == (1, 1, 1)
     outs = {}
-    for variant, g in (("unshared", unshared), (A8_HCLUSTER, kernels[A8_HCLUSTER])):
+    short = GemvKernels(dims, _load, "a8", short_context=True)
+    for variant, g in (("unshared", unshared), (A8_HCLUSTER, kernels[A8_HCLUSTER]), ("short", short)):
         got = []
         for n, what in ((H, "o_proj"), (H, "o_proj+norm"), (2 * d.intermediate, "gate/up")):
             u, s = random_int4(np.random.default_rng(7 + n), n, H)
@@ -198,9 +200,10 @@ def test_int8_cluster_prologue_gives_the_same_bits(kernels, dims, rng):
         got += [q_out.get(), kc.get()[0, 2, :, 5], vc.get()[0, 2, :, 5]]
         outs[variant] = got
     names = ("o_proj", "o_proj+norm", "gate/up", "q", "k", "v")
-    for what, a, b in zip(names, outs["unshared"], outs[A8_HCLUSTER], strict=True):
+    for what, a, b, c in zip(names, outs["unshared"], outs[A8_HCLUSTER], outs["short"], strict=True):
         assert np.isfinite(a.astype(np.float32)).all(), what
         assert a.tobytes() == b.tobytes(), f"{what}: the cluster build's bits differ"
+        assert a.tobytes() == c.tobytes(), f"{what}: the short-context build's bits differ"
 
 
 def _positions(rng, b):

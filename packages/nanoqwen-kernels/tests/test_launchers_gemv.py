@@ -411,19 +411,25 @@ def test_int8_down_proj_launches_in_clusters(launches, monkeypatch, dims, define
     assert launches[-1][0] == "nq_gemv_int4_i_a8x" and launches.clusters[-1] is None
 
 
-@pytest.mark.parametrize("dims, defines, want", [
-    (QWEN25_7B, "", {"qkv": 1, "h": 1, "gu": 1}),  # no build shares them (gemv.B1_CLUSTER_DEFINES)
-    (QWEN25_7B, "NQ_QKV_CLUSTER=2,NQ_GU_CLUSTER=2", {"qkv": 2, "h": 1, "gu": 2}),
-    (QWEN25_1_5B, "", {"qkv": 1, "h": 1, "gu": 1}),
-    (QWEN25_1_5B, "NQ_QKV_CLUSTER=2", {"qkv": 2, "h": 1, "gu": 1}),
-    (QWEN25_7B, "NQ_QKV_CLUSTER=2,NQ_O_CLUSTER=4,NQ_GU_CLUSTER=8", {"qkv": 2, "h": 4, "gu": 8}),
+@pytest.mark.parametrize("dims, defines, short, want", [
+    (QWEN25_7B, "", False, {"qkv": 1, "h": 1, "gu": 1}),  # the default build shares none (gemv.B1_CLUSTER_DEFINES)
+    (QWEN25_7B, "", True, {"qkv": 2, "h": 1, "gu": 2}),  # the 7B's short-context build (gemv.b1_short_defines)
+    (QWEN25_7B, "NQ_QKV_CLUSTER=1,NQ_GU_CLUSTER=1", True, {"qkv": 1, "h": 1, "gu": 1}),  # the A/B's other side
+    (QWEN25_7B, "NQ_QKV_CLUSTER=2,NQ_GU_CLUSTER=2", False, {"qkv": 2, "h": 1, "gu": 2}),
+    (QWEN25_1_5B, "", False, {"qkv": 1, "h": 1, "gu": 1}),
+    (QWEN25_1_5B, "", True, {"qkv": 1, "h": 1, "gu": 1}),  # a small grid: the short build is the default one
+    (QWEN25_1_5B, "NQ_QKV_CLUSTER=2", False, {"qkv": 2, "h": 1, "gu": 1}),
+    (QWEN25_7B, "NQ_QKV_CLUSTER=2,NQ_O_CLUSTER=4,NQ_GU_CLUSTER=8", False, {"qkv": 2, "h": 4, "gu": 8}),
 ])
-def test_int8_hidden_kinds_launch_in_clusters(launches, monkeypatch, dims, defines, want):
+def test_int8_hidden_kinds_launch_in_clusters(launches, monkeypatch, dims, defines, short, want):
     """q/k/v, o_proj and gate/up with their prologue shared by a cluster (NQ_QKV_CLUSTER, NQ_O_CLUSTER,
-    NQ_GU_CLUSTER): each launch carries its kind's cluster over a grid of whole clusters; the a8 image's
-    gate/up never does."""
+    NQ_GU_CLUSTER; the 7B's short-context build sets the first and the last): each launch carries its kind's
+    cluster over a grid of whole clusters; the a8 image's gate/up never does."""
+    from nanoqwen_kernels.gemv import b1_short_defines
+
+    assert bool(b1_short_defines(dims, 132)) == (dims is QWEN25_7B)
     monkeypatch.setenv("NANOQWEN_KERNEL_DEFINES", defines)
-    g = GemvKernels(dims, load, "a8")
+    g = GemvKernels(dims, load, "a8", short_context=short)
     monkeypatch.setenv("NANOQWEN_KERNEL_DEFINES", "")
     d = dims
     H = d.hidden

@@ -19,6 +19,14 @@ def _precompile():
     return mod
 
 
+def test_the_7b_short_context_build_is_listed():
+    """The 7B's short-context GEMV build (q/k/v's and gate/up's prologues over clusters) is a build of its own."""
+    found = _precompile().builds(["7b"])
+    int4 = [dict(defines) for srcs, defines in found if srcs == ("gemv_int4.cu",)]
+    assert sum(d.get("NQ_QKV_CLUSTER") == 2 and d.get("NQ_GU_CLUSTER") == 2 for d in int4) == 1
+    assert sum("NQ_QKV_CLUSTER" not in d for d in int4) == 2  # the fp16-loop build and the int8 default
+
+
 def test_builds_are_listed_without_a_gpu():
     before = checks.sm_count, checks.cupy_module
     found = _precompile().builds(["tiny", "1.5b"])
@@ -32,6 +40,7 @@ def test_builds_are_listed_without_a_gpu():
     # gemv_int4: one build per shape (the launchers pick variants by entry name), and beside it the int8
     # loop's build where gemv.b1_build_defines adds its split and trigger defines (both these dims: their
     # o_proj / down_proj grids leave an H200's SMs empty)
+    # (their short-context build is the default one: gemv.b1_short_defines adds nothing on small grids)
     int4 = [dict(defines) for srcs, defines in found if srcs == ("gemv_int4.cu",)]
     assert len(int4) == 4
     for name in ("tiny", "1.5b"):

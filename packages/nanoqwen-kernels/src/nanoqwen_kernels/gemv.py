@@ -204,8 +204,12 @@ DOWN_CLUSTER = 2
 # 32,000 + 128 tokens (the long-context attention build, clusters of 16) both in 2 cost 1.965 / 1.968 against
 # 1.909 / 1.910 (q/k/v alone 1.949 / 1.949, gate/up alone 1.924 / 1.923): -3.5 us a token at 640 tokens, +56 at
 # 32k. The 1.5B's dims (1,536: at most a chunk a thread), both in 2: 0.5940 / 0.5932 / 0.5944 -> 0.6002 / 0.5999 /
-# 0.5999. So no build shares them; the knobs stay for the A/B. The defines per kind:
+# 0.5999. So the default build does not share them; the short-context build does (b1_short_defines). The defines
+# per kind:
 B1_CLUSTER_DEFINES = {"i": "NQ_DOWN_CLUSTER", "qkv": "NQ_QKV_CLUSTER", "h": "NQ_O_CLUSTER", "gu": "NQ_GU_CLUSTER"}
+# The short-context build's clusters (b1_short_defines): q/k/v's and gate/up's prologue in clusters of 2 where the
+# grid is not small (the 7B).
+SHORT_CLUSTER = 2
 
 
 def b1_clusters(build: dict[str, int] | None = None) -> dict[str, int]:
@@ -248,6 +252,18 @@ def b1_build_defines(dims: ModelDims, sm_count: int) -> dict[str, int]:
     return {"NQ_EPI_SETTLED": 1, "NQ_DOWN_CLUSTER": DOWN_CLUSTER}
 
 
+def b1_short_defines(dims: ModelDims, sm_count: int) -> dict[str, int]:
+    """The int8 loop's defines over b1_build_defines for the decode step's short-context graph (every sequence
+    of the step at most attention.SHORT_CONTEXT_TOKENS long; nanoqwen_engine's decode step), or {} where that
+    graph runs the default build: q/k/v's and gate/up's prologue shared by clusters of SHORT_CLUSTER blocks
+    where the grid is not small (the 7B). They won at 640 tokens and lost at 32k, where the long-context
+    attention build's clusters of 16 run beside them (B1_CLUSTER_DEFINES' comment; docs/PERF.md, twenty-eighth
+    lease), so only the short-context graph takes them."""
+    if b1_small_grid(dims, sm_count):
+        return {}
+    return {"NQ_QKV_CLUSTER": SHORT_CLUSTER, "NQ_GU_CLUSTER": SHORT_CLUSTER}
+
+
 # The a8 image pair (gate/up writing down_proj's input already rounded to int8, down_proj copying it as
 # it is) or the plain pair (gate/up writing fp16, every down_proj block rounding the intermediate in its
 # prologue), per dims: the image pair where down_proj is split (b1_small_grid: 4x the blocks, each of
@@ -275,9 +291,10 @@ def b1_split(kind: str, build: dict[str, int] | None = None) -> int:
 
 class GemvKernels:
     def __init__(self, dims: ModelDims, load_module, variant: str = DEFAULT_GEMV_VARIANT,
-                 lm_head: str = DEFAULT_LM_HEAD):
+                 lm_head: str = DEFAULT_LM_HEAD, short_context: bool = False):
         """variant: a key of GEMV_VARIANTS (the body each matrix runs on at B = 1); lm_head: one of
-        LM_HEAD_BODIES (the lm_head's body at B > 1)."""
+        LM_HEAD_BODIES (the lm_head's body at B > 1); short_context: the short-context build (b1_short_defines
+        over the int8 loop's build)."""
         if variant not in GEMV_VARIANTS:
             raise KernelError(f"unknown INT4 GEMV variant {variant!r}; one of {', '.join(GEMV_VARIANTS)}")
         if lm_head not in LM_HEAD_BODIES:
@@ -291,7 +308,8 @@ class GemvKernels:
         # the int8 loop's split units (b1_build_defines), in its build; the grid of each kind's B = 1 loop
         # follows the build (never $NANOQWEN_KERNEL_DEFINES at a launch)
         sms = ck.sm_count()
-        split_defs = b1_build_defines(dims, sms) if self._a8 else {}
+        split_defs = {**b1_build_defines(dims, sms), **(b1_short_defines(dims, sms) if short_context else {})
+                      } if self._a8 else {}
         # gate/up -> down_proj at B = 1 as the a8 image pair (b1_a8_image_pair); the step asks this
         self.a8_image_pair = self._a8 and b1_a8_image_pair(dims, sms)
         self._split = {kind: (b1_split(kind, split_defs) if self._a8 else 1) for kind in GEMV_KINDS}

@@ -19,7 +19,16 @@ from .attention import VARIANTS as ATTENTION_VARIANTS
 from .dims import ModelDims
 from .embed import EmbedKernels
 from .errors import KernelError
-from .gemv import DEFAULT_GEMV_VARIANT, DEFAULT_LM_HEAD, GEMV_VARIANTS, LM_HEAD_BODIES, GemvKernels
+from . import checks as ck
+from .gemv import (
+    A8_VARIANTS,
+    DEFAULT_GEMV_VARIANT,
+    DEFAULT_LM_HEAD,
+    GEMV_VARIANTS,
+    LM_HEAD_BODIES,
+    GemvKernels,
+    b1_short_defines,
+)
 from .head_i8 import HeadI8Kernels
 from .loader import device_arch, load_module
 from .norm import NormKernels
@@ -56,6 +65,11 @@ class KernelSet:
         self.arch = arch or device_arch()
         load = functools.partial(_load, arch=self.arch)
         g = GemvKernels(dims, load, variant, head)
+        # the short-context build (gemv.b1_short_defines; the decode step's graph for steps whose sequences are
+        # all short), where it differs from the default build
+        g_short = g
+        if variant in A8_VARIANTS and b1_short_defines(dims, ck.sm_count()):
+            g_short = GemvKernels(dims, load, variant, head, short_context=True)
         self.a8_image_pair = g.a8_image_pair  # gate/up -> down_proj at B = 1 through the a8 image (gemv.py)
         n = NormKernels(dims, load)
         e = EmbedKernels(dims, load)
@@ -73,6 +87,8 @@ class KernelSet:
         self.gemv_int4 = g.gemv_int4
         self.qkv_rope_kv = g.qkv_rope_kv
         self.gate_up_silu = g.gate_up_silu
+        self.qkv_rope_kv_short = g_short.qkv_rope_kv
+        self.gate_up_silu_short = g_short.gate_up_silu
         self.gemv_fp16 = g.gemv_fp16
         self.gemv_head_i8 = h.gemv_head_i8
         self.quantize_head_i8 = h.quantize_head_i8

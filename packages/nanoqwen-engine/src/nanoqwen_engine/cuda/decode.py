@@ -251,11 +251,16 @@ class DecodeStep:
         return MID_SUFFIX
 
     def launch_layer(self, ks, i: int, v: BucketViews, span: str = MID_SUFFIX) -> None:
-        """Decoder layer i on v.x (in place, through v.y) for each row's token at its POS."""
+        """Decoder layer i on v.x (in place, through v.y) for each row's token at its POS; span: the context
+        range (context_span), which picks decode attention's launch and, for short contexts, the GEMV build
+        of q/k/v and gate/up (nanoqwen_kernels.gemv b1_short_defines: the 7B's prologues shared by clusters)."""
         lw, eps = self.w.layers[i], self.cfg.rms_eps
+        short = span == ""
+        qkv_rope_kv = ks.qkv_rope_kv_short if short else ks.qkv_rope_kv
+        gate_up_silu = ks.gate_up_silu_short if short else ks.gate_up_silu
         # settled: POS and the page tables were written before the step's first kernel (write_rows' copy, the
         # previous step's advance), so q/k/v's B = 1 loop may read them before its launch-overlap wait
-        ks.qkv_rope_kv(lw.qkv.qweight, lw.qkv.scales, lw.qkv_bias, v.x, lw.in_norm, eps, v.pos, v.table,
+        qkv_rope_kv(lw.qkv.qweight, lw.qkv.scales, lw.qkv_bias, v.x, lw.in_norm, eps, v.pos, v.table,
                        self.k_cache, self.v_cache, i, v.q, settled=True)
         attend = self.attention_launcher(ks, span)
         attend(v.q, self.k_cache, self.v_cache, v.table, v.seq_len, i, v.attn, self.attn_ws)
@@ -265,10 +270,10 @@ class DecodeStep:
             # b1_a8_image_pair: the 1.5B, not the 7B): gate/up hands down_proj its input already rounded (the
             # a8 image in v.act's storage), so down_proj's blocks do not each round the whole intermediate
             # (docs/KERNELS.md)
-            ks.gate_up_silu(lw.gate_up.qweight, lw.gate_up.scales, v.y, lw.post_norm, eps, v.act, a8_image=True)
+            gate_up_silu(lw.gate_up.qweight, lw.gate_up.scales, v.y, lw.post_norm, eps, v.act, a8_image=True)
             ks.gemv_int4(lw.down.qweight, lw.down.scales, v.act, v.x, residual=v.y, x_a8_image=True)
             return
-        ks.gate_up_silu(lw.gate_up.qweight, lw.gate_up.scales, v.y, lw.post_norm, eps, v.act)
+        gate_up_silu(lw.gate_up.qweight, lw.gate_up.scales, v.y, lw.post_norm, eps, v.act)
         ks.gemv_int4(lw.down.qweight, lw.down.scales, v.act, v.x, residual=v.y)
 
     def launch_head(self, ks, x_rows, xn_rows, logits_rows) -> None:

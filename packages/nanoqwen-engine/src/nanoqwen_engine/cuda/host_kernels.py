@@ -179,6 +179,15 @@ class HostKernels:
         else:
             _rows(out)[...] = act
 
+    def qkv_rope_kv_short(self, *a, **k):
+        """The short-context build's q/k/v (on the GPU its prologue may be shared by a cluster; the same
+        numbers): here the same launcher."""
+        return self.qkv_rope_kv(*a, **k)
+
+    def gate_up_silu_short(self, *a, **k):
+        """The short-context build's gate/up: here the same launcher."""
+        return self.gate_up_silu(*a, **k)
+
     @_launcher
     def attention_decode(self, q, k_cache, v_cache, page_table, seq_len_dev, layer, out, workspace):
         self._attention_decode(q, k_cache, v_cache, page_table, seq_len_dev, layer, out)
