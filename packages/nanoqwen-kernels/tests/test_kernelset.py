@@ -195,14 +195,6 @@ def test_attention_variant_reaches_the_attention_build(how, monkeypatch):
     # default build on one cluster a sequence), all of the variant
     assert builds == [(want, attention.VARIANTS[want][0], 32 * (1 + attention.VARIANTS[want][1]), cm, mc)
                       for cm, mc in ((8, None), (16, None), (8, 1))]
-    # $NANOQWEN_DECODE_SHORT_CLUSTER=16: the short-context launch on the long-context build's module
-    builds.clear()
-    monkeypatch.setenv("NANOQWEN_DECODE_SHORT_CLUSTER", "16")
-    KernelSet(TINY, arch="sm_90a", **kw)
-    assert [b[3:] for b in builds] == [(8, None), (16, None), (16, 1)]
-    monkeypatch.setenv("NANOQWEN_DECODE_SHORT_CLUSTER", "12")
-    with pytest.raises(KernelError, match="NANOQWEN_DECODE_SHORT_CLUSTER"):
-        KernelSet(TINY, arch="sm_90a", **kw)
 
 
 class _Anything:

@@ -14,7 +14,7 @@ import functools
 import os
 
 from .attention import DEFAULT_VARIANT as DEFAULT_ATTENTION_VARIANT
-from .attention import CLUSTER_MAXES, LONG_CLUSTER_MAX, AttentionKernels
+from .attention import LONG_CLUSTER_MAX, AttentionKernels
 from .attention import VARIANTS as ATTENTION_VARIANTS
 from .dims import ModelDims
 from .embed import EmbedKernels
@@ -79,7 +79,7 @@ class KernelSet:
         a_long = AttentionKernels(dims, load, attn, cluster_max=LONG_CLUSTER_MAX)
         # the short-context launch (one cluster per sequence and KV head; the default build's module): the
         # decode step launches it while every sequence of the step is short (attention.SHORT_CONTEXT_TOKENS)
-        a_short = AttentionKernels(dims, load, attn, cluster_max=short_cluster_max(), max_clusters=1)
+        a_short = AttentionKernels(dims, load, attn, max_clusters=1)
         p = PrefillKernels(dims, load)
         h = HeadI8Kernels(dims, load)
 
@@ -118,17 +118,6 @@ class KernelSet:
         self.silu_mul = p.silu_mul
         self.rope_kv_prefill = p.rope_kv_prefill
         self.attention_prefill = p.attention_prefill
-
-
-def short_cluster_max() -> int:
-    """$NANOQWEN_DECODE_SHORT_CLUSTER: the cluster size of decode attention's short-context launch, 8 (the
-    default build's, the default) or 16 (the long-context build's module on one cluster of 16 per sequence)."""
-    raw = os.environ.get("NANOQWEN_DECODE_SHORT_CLUSTER", "").strip()
-    if not raw:
-        return CLUSTER_MAXES[0]
-    if raw not in {str(c) for c in CLUSTER_MAXES}:
-        raise KernelError(f"NANOQWEN_DECODE_SHORT_CLUSTER={raw!r}: one of {', '.join(map(str, CLUSTER_MAXES))}")
-    return int(raw)
 
 
 def _load(sources, defines, arch):
