@@ -75,6 +75,9 @@ def main() -> int:
     # attention launch the family and the whole step run
     span = step.context_span(args.context + 1)
     attend = step.attention_launcher(ks, span)
+    # ... and, for a short context, q/k/v's and gate/up's short-context build (decode.py launch_layer)
+    qkv_rope_kv = ks.qkv_rope_kv_short if span == "" else ks.qkv_rope_kv
+    gate_up_silu = ks.gate_up_silu_short if span == "" else ks.gate_up_silu
 
     def nbytes(*arrays):
         return sum(int(a.nbytes) for a in arrays)
@@ -87,9 +90,9 @@ def main() -> int:
     image = B == 1 and getattr(ks, "gemv_variant", None) == "a8" and getattr(ks, "a8_image_pair", True)
     fams = {
         "qkv_rope_kv": (
-            lambda i: ks.qkv_rope_kv(w.layers[i].qkv.qweight, w.layers[i].qkv.scales, w.layers[i].qkv_bias, v.x,
-                                     w.layers[i].in_norm, eps, v.pos, v.table, step.k_cache, step.v_cache, i, v.q,
-                                     settled=True),
+            lambda i: qkv_rope_kv(w.layers[i].qkv.qweight, w.layers[i].qkv.scales, w.layers[i].qkv_bias, v.x,
+                                  w.layers[i].in_norm, eps, v.pos, v.table, step.k_cache, step.v_cache, i, v.q,
+                                  settled=True),
             lambda i: w.layers[i].qkv.nbytes + nbytes(w.layers[i].qkv_bias),
         ),
         "attention_decode": (
@@ -101,8 +104,8 @@ def main() -> int:
             lambda i: w.layers[i].o.nbytes,
         ),
         "gate_up_silu": (
-            lambda i: ks.gate_up_silu(w.layers[i].gate_up.qweight, w.layers[i].gate_up.scales, v.y,
-                                      w.layers[i].post_norm, eps, v.act, a8_image=image),
+            lambda i: gate_up_silu(w.layers[i].gate_up.qweight, w.layers[i].gate_up.scales, v.y,
+                                   w.layers[i].post_norm, eps, v.act, a8_image=image),
             lambda i: w.layers[i].gate_up.nbytes,
         ),
         "down+residual": (

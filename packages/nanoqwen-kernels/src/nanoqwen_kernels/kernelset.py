@@ -13,13 +13,13 @@ from __future__ import annotations
 import functools
 import os
 
+from . import checks as ck
 from .attention import DEFAULT_VARIANT as DEFAULT_ATTENTION_VARIANT
 from .attention import LONG_CLUSTER_MAX, AttentionKernels
 from .attention import VARIANTS as ATTENTION_VARIANTS
 from .dims import ModelDims
 from .embed import EmbedKernels
 from .errors import KernelError
-from . import checks as ck
 from .gemv import (
     A8_VARIANTS,
     DEFAULT_GEMV_VARIANT,
