@@ -209,12 +209,10 @@ def _check_waits(funcs: dict[str, str]) -> None:
             # griddepcontrol.wait; the wait's memory clobber does not hold those back
             lines = [ln for ln in body[:wait].splitlines() if re.search(r"\bLDG\b", ln)]
             # + the first unit's settled epilogue inputs (gemv_epilogues.cuh QkvEpi, gemv_units.cuh EpiPre): q/k/v's
-            # position and page id (two 32-bit loads; its bias, 2 x fp16, is a weight load); with RoPE's sine and
-            # cosine among them (NQ_ROPE_PRE, the small-grid builds) two more, both program constants: the frequency
-            # (kRopeInvFreq) and a word of sincosf's large-angle reduction table
+            # position and page id (two 32-bit loads; its bias, 2 x fp16, is a weight load)
             ctl = [ln for ln in lines if not _WEIGHT_LOAD.search(ln)]
             if name.startswith("nq_qkv_rope_kv"):
-                assert len(ctl) <= 4 and all(_CONTROL_LOAD.search(ln) for ln in ctl), f"{name}: {ctl}"
+                assert len(ctl) <= 2 and all(_CONTROL_LOAD.search(ln) for ln in ctl), f"{name}: {ctl}"
             else:
                 assert not ctl, f"{name}: {ctl}"
             lines = [ln for ln in lines if ln not in ctl]
@@ -288,15 +286,14 @@ def test_int8_hidden_prologues_shared_by_a_cluster(monkeypatch, dims_name):
     stage_x_a8_cluster_norm: NQ_QKV_CLUSTER, NQ_O_CLUSTER, NQ_GU_CLUSTER): as down_proj's, each entry arms its
     receive mbarrier and arrives at the cluster barrier once, before griddepcontrol.wait, reads nothing but
     weights (and q/k/v's settled inputs) there, pushes with st.async, needs no fence and spills nothing.
-    No build shares them (knobs for the A/B: gemv.B1_CLUSTER_DEFINES says why); RoPE's sine and cosine go before
-    the wait in the small-grid builds only."""
+    The default builds share none of them (gemv.B1_CLUSTER_DEFINES says why; the 7B's short-context build shares
+    q/k/v's and gate/up's, gemv.b1_short_defines)."""
     from nanoqwen_kernels.gemv import b1_build_defines
 
     build = b1_build_defines(QWEN25_7B, 132)
     small = b1_build_defines(DIMS["1.5b"], 132)
     for name in ("NQ_QKV_CLUSTER", "NQ_O_CLUSTER", "NQ_GU_CLUSTER"):
         assert name not in build and name not in small
-    assert small["NQ_ROPE_PRE"] == 1 and "NQ_ROPE_PRE" not in build
     monkeypatch.setenv("NANOQWEN_KERNEL_DEFINES", "NQ_QKV_CLUSTER=2,NQ_O_CLUSTER=2,NQ_GU_CLUSTER=2")
     funcs = _functions(_sass("gemv_int4.cu", DIMS[dims_name]))
     names = ("nq_gemv_int4_h_a8", "nq_qkv_rope_kv_a8", "nq_gate_up_silu_a8")
@@ -403,7 +400,7 @@ def test_every_kernel_waits_for_its_predecessor_before_touching_memory(source):
 
 def test_settled_epilogue_inputs_go_before_the_wait(monkeypatch):
     """The int8 loop's builds (gemv.b1_build_defines: NQ_EPI_SETTLED=1) read q/k/v's first unit's position and
-    page id (and, with NQ_ROPE_PRE, RoPE's frequency) before griddepcontrol.wait (two 32-bit loads; its bias is a weight load); the default build (0)
+    page id before griddepcontrol.wait (two 32-bit loads; its bias is a weight load); the default build (0)
     reads neither there, and no other entry reads anything but weights there."""
     from nanoqwen_kernels.dims import QWEN25_1_5B
     from nanoqwen_kernels.gemv import b1_build_defines
@@ -419,11 +416,7 @@ def test_settled_epilogue_inputs_go_before_the_wait(monkeypatch):
         return len([ln for ln in body[: body.find("ACQBULK")].splitlines() if _CONTROL_LOAD.search(ln)])
 
     _check_waits({k: v for k, v in early.items() if k.endswith(("_a8", "_a8x"))})
-    # the 1.5B's build computes RoPE's rotation with them (NQ_ROPE_PRE): + its frequency and a sincosf table word
-    assert defines["NQ_ROPE_PRE"] == 1
-    assert before_wait(early["nq_qkv_rope_kv_a8"]) == 4 and before_wait(late["nq_qkv_rope_kv_a8"]) == 0
-    monkeypatch.setenv("NANOQWEN_KERNEL_DEFINES", ",".join(f"{k}={v}" for k, v in {**defines, "NQ_ROPE_PRE": 0}.items()))
-    assert before_wait(_functions(_sass("gemv_int4.cu", QWEN25_1_5B))["nq_qkv_rope_kv_a8"]) == 2
+    assert before_wait(early["nq_qkv_rope_kv_a8"]) == 2 and before_wait(late["nq_qkv_rope_kv_a8"]) == 0
 
 
 def test_tile_entries_copy_x_as_laid_out(monkeypatch):

@@ -61,9 +61,8 @@ A8_CLUSTER_DEFINES = "NQ_SPLIT_DOWN=1,NQ_DOWN_CLUSTER=2"
 # path; with a norm in the norm + residual mode), on every dims: ranks with no chunk of their own among them
 # (the tiny dims' 32 chunks in 2, o_proj's 7B x in 4)
 A8_HCLUSTER = "a8/hcluster"
-# (and RoPE's sine and cosine read with the settled inputs, NQ_ROPE_PRE, which the unshared build does not)
-A8_HCLUSTER_DEFINES = "NQ_QKV_CLUSTER=2,NQ_O_CLUSTER=4,NQ_GU_CLUSTER=2,NQ_ROPE_PRE=1"
-A8_UNSHARED_DEFINES = "NQ_QKV_CLUSTER=1,NQ_O_CLUSTER=1,NQ_GU_CLUSTER=1,NQ_ROPE_PRE=0"  # the same-bits test's other side
+A8_HCLUSTER_DEFINES = "NQ_QKV_CLUSTER=2,NQ_O_CLUSTER=4,NQ_GU_CLUSTER=2"
+A8_UNSHARED_DEFINES = "NQ_QKV_CLUSTER=1,NQ_O_CLUSTER=1,NQ_GU_CLUSTER=1"  # the same-bits test's other side
 
 
 def _a8_kernels_with(dims, defines):
@@ -162,12 +161,15 @@ def test_gemv_int4(kernels, dims, rng, b, mode):
             _check(out.get(), ref, tol, f"{variant} {mode} B={b} N={n} K={k}")
 
 
+POSITIONS = (0, 37, 131, 600, 1023, 4095, 32767)
+
+
 def test_int8_cluster_prologue_gives_the_same_bits(kernels, dims, rng):
     """q/k/v's and gate/up's RMSNorm + rounding and o_proj's rounding split over a cluster (A8_HCLUSTER) give
     the unshared build's outputs bit for bit: every block sums x's squares in the same order, so every chunk is
-    normed with the same scale whichever block rounds it. So does RoPE's rotation taken before the wait
-    (NQ_ROPE_PRE: the same sincosf of the same angle, earlier), and the decode step's short-context build
-    (gemv.b1_short_defines: the 7B's q/k/v and gate/up in clusters of 2; elsewhere the default build)."""
+    normed with the same scale whichever block rounds it. So does the decode step's short-context build
+    (gemv.b1_short_defines: the 7B's q/k/v and gate/up in clusters of 2; elsewhere the default build). q/k/v
+    at positions over the context's range (RoPE's angle grows with them)."""
     import cupy as cp
 
     d = dims
@@ -191,15 +193,17 @@ def test_int8_cluster_prologue_gives_the_same_bits(kernels, dims, rng):
                 g.gemv_int4(qw, sc, x, out, norm_w=w if what.endswith("norm") else None, eps=EPS)
             got.append(out.get())
         u, s = random_int4(np.random.default_rng(5), d.qkv_rows, H)
-        kc = cp.full((1, 4, d.n_kv_heads, 16, 128), np.nan, dtype=np.float16)
-        vc = cp.full_like(kc, np.nan)
-        q_out = cp.full(d.q_dim, np.nan, dtype=np.float16)
-        g.qkv_rope_kv(cp.asarray(pack_valueshuffle(u)), cp.asarray(s), cp.zeros(d.qkv_rows, np.float16), x, w, EPS,
-                      cp.asarray(np.array([37], np.int32)), cp.asarray(np.array([3, 1, 2, 0], np.int32)), kc, vc, 0,
-                      q_out, settled=True)
-        got += [q_out.get(), kc.get()[0, 2, :, 5], vc.get()[0, 2, :, 5]]
+        for ps in POSITIONS:
+            kc = cp.full((1, 4, d.n_kv_heads, 16, 128), np.nan, dtype=np.float16)
+            vc = cp.full_like(kc, np.nan)
+            q_out = cp.full(d.q_dim, np.nan, dtype=np.float16)
+            table = np.full(ps // 16 + 1, 7, np.int32)
+            table[ps // 16] = 2
+            g.qkv_rope_kv(cp.asarray(pack_valueshuffle(u)), cp.asarray(s), cp.zeros(d.qkv_rows, np.float16), x, w,
+                          EPS, cp.asarray(np.array([ps], np.int32)), cp.asarray(table), kc, vc, 0, q_out, settled=True)
+            got += [q_out.get(), kc.get()[0, 2, :, ps % 16], vc.get()[0, 2, :, ps % 16]]
         outs[variant] = got
-    names = ("o_proj", "o_proj+norm", "gate/up", "q", "k", "v")
+    names = ("o_proj", "o_proj+norm", "gate/up", *(f"{t} at {ps}" for ps in POSITIONS for t in "qkv"))
     for what, a, b, c in zip(names, outs["unshared"], outs[A8_HCLUSTER], outs["short"], strict=True):
         assert np.isfinite(a.astype(np.float32)).all(), what
         assert a.tobytes() == b.tobytes(), f"{what}: the cluster build's bits differ"

@@ -242,13 +242,12 @@ def b1_build_defines(dims: ModelDims, sm_count: int) -> dict[str, int]:
     0.6281 / 0.6327 against 0.6277 / 0.6286. So q/k/v's alone, on both.
     Where down_proj is unsplit (the 7B), its prologue is shared by clusters of DOWN_CLUSTER blocks (q/k/v's and
     gate/up's are not: B1_CLUSTER_DEFINES says why).
-    RoPE's sine and cosine computed with q/k/v's settled inputs, before the wait (NQ_ROPE_PRE; the same bits):
-    the 1.5B's dims 0.5901 / 0.5889 / 0.5908 -> 0.5879 / 0.5877 / 0.5877 ms/token; the 7B 1.3701 / 1.3709 /
-    1.3688 -> 1.3714 / 1.3745 / 1.3724 (its q/k/v then spills 5 registers): the small-grid builds only
-    (docs/PERF.md, twenty-eighth lease)."""
+    RoPE's sine and cosine computed with q/k/v's settled inputs, before the wait (NQ_ROPE_PRE, the twenty-eighth
+    lease: the 1.5B's dims 0.5901 -> 0.5877 ms/token) were removed: the real 1.5B's tier moved with them (15 of
+    4,800 positions, worst gap 0.108 against 11 and 0.044 at 4beb75e; docs/PERF.md, twenty-ninth lease)."""
     if b1_small_grid(dims, sm_count):
         return {"NQ_SPLIT_DOWN": DOWN_SPLIT, "NQ_MINB_DOWN": DOWN_SPLIT_MIN_BLOCKS, "NQ_TRIG_O": 2,
-                "NQ_TRIG_GU": 3, "NQ_EPI_SETTLED": 1, "NQ_ROPE_PRE": 1}
+                "NQ_TRIG_GU": 3, "NQ_EPI_SETTLED": 1}
     return {"NQ_EPI_SETTLED": 1, "NQ_DOWN_CLUSTER": DOWN_CLUSTER}
 
 

@@ -28,9 +28,6 @@ struct QkvRows {  // unit p: head p/64 (q heads, then k, then v), rows d and d+6
     r1 = r0 + 64;  // the pair HF's rotate-half RoPE mixes
   }
 };
-#ifndef NQ_ROPE_PRE
-#define NQ_ROPE_PRE 0  // 1: RoPE's sine and cosine computed with the settled inputs (QkvEpi::pre), before the wait
-#endif
 struct QkvEpi {
   const uint16_t* bias;
   const int32_t* pos;         // [B] position of each sequence's new token
@@ -51,20 +48,14 @@ struct QkvEpi {
   struct Pre {
     int ps, page;      // the position, and its page id (-1: none; a padding row)
     float bias0, bias1;
-    float sn, cs;      // the rotation's sine and cosine (NQ_ROPE_PRE; else computed in `at`)
   };
-  __device__ Pre pre(int b, int p, int r0, int r1) const {
+  __device__ Pre pre(int b, int, int r0, int r1) const {
     const int ps = pos[b];
     // A row whose position has no page (a padding row of a batch bucket: page id -1) writes no K/V and
     // gets NaN q, so nothing outside its own outputs changes and garbage shows rather than hides.
     const int blk = ps >= 0 ? ps / kPageTokens : -1;
     const int page = (blk >= 0 && blk < max_pages) ? page_table[static_cast<size_t>(b) * max_pages + blk] : -1;
-    Pre pr{ps, page, h2f(bias[r0]), h2f(bias[r1]), 0.f, 1.f};
-#if NQ_ROPE_PRE
-    // the angle's sine and cosine with the position (settled: before the launch-overlap wait, off the tail)
-    if (p / 64 < kHeads + kKvHeads) sincosf(static_cast<float>(ps) * kRopeInvFreq[p % 64], &pr.sn, &pr.cs);
-#endif
-    return pr;
+    return {ps, page, h2f(bias[r0]), h2f(bias[r1])};
   }
   __device__ bool pre_settled() const { return settled != 0; }
   __device__ void operator()(int b, int p, int r0, int r1, float x0, float x1) const {
@@ -81,14 +72,10 @@ struct QkvEpi {
       // fp64 and rounded once (kRopeInvFreq, common.cuh), so it is the correctly rounded fp32 value (as
       // the engine's numpy reference computes it): an ulp of inv_freq is ~2e-3 rad of angle at pos 32k.
       // Precise sincosf (no fast math) because the angle reaches ~3e4 rad at 32k context.
-#if NQ_ROPE_PRE
-      const float sn = pr.sn, cs = pr.cs;
-#else
       const float inv = kRopeInvFreq[d];
       const float ang = static_cast<float>(ps) * inv;
       float sn, cs;
       sincosf(ang, &sn, &cs);
-#endif
       const float ra = x0 * cs - x1 * sn;
       const float rb = x1 * cs + x0 * sn;
       x0 = ra;
