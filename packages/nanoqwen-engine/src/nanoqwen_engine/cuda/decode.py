@@ -69,35 +69,31 @@ DEFAULT_LONG_CONTEXT_TOKENS = 8192
 DEFAULT_SHORT_CONTEXT_TOKENS = 1024  # nanoqwen_kernels.attention.SHORT_CONTEXT_TOKENS (a CPU-only import here)
 
 
-def long_context_tokens() -> int:
-    """$NANOQWEN_DECODE_LONG_CONTEXT: the longest sequence's length (tokens, the step's own included) from
-    which a step launches the long-context attention build; 0 = never. Default DEFAULT_LONG_CONTEXT_TOKENS."""
-    raw = os.environ.get("NANOQWEN_DECODE_LONG_CONTEXT", "").strip()
+def _tokens_from_env(name: str, default: int) -> int:
+    """A number of tokens from $name (0 = never; unset or empty: default); anything else is one clear error."""
+    raw = os.environ.get(name, "").strip()
     if not raw:
-        return DEFAULT_LONG_CONTEXT_TOKENS
+        return default
     try:
         value = int(raw)
     except ValueError:
-        raise ValueError(f"NANOQWEN_DECODE_LONG_CONTEXT={raw!r}: a number of tokens (0 = never)") from None
+        value = -1
     if value < 0:
-        raise ValueError(f"NANOQWEN_DECODE_LONG_CONTEXT={raw!r}: a number of tokens (0 = never)")
+        raise ValueError(f"{name}={raw!r}: a number of tokens (0 = never)")
     return value
+
+
+def long_context_tokens() -> int:
+    """$NANOQWEN_DECODE_LONG_CONTEXT: the longest sequence's length (tokens, the step's own included) from
+    which a step launches the long-context attention build; 0 = never. Default DEFAULT_LONG_CONTEXT_TOKENS."""
+    return _tokens_from_env("NANOQWEN_DECODE_LONG_CONTEXT", DEFAULT_LONG_CONTEXT_TOKENS)
 
 
 def short_context_tokens() -> int:
     """$NANOQWEN_DECODE_SHORT_CONTEXT: the longest sequence's length (tokens, the step's own included) up to
     which a step launches decode attention's short-context grid; 0 = never. Default
     DEFAULT_SHORT_CONTEXT_TOKENS (past it the short grid is still right, and slower)."""
-    raw = os.environ.get("NANOQWEN_DECODE_SHORT_CONTEXT", "").strip()
-    if not raw:
-        return DEFAULT_SHORT_CONTEXT_TOKENS
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"NANOQWEN_DECODE_SHORT_CONTEXT={raw!r}: a number of tokens (0 = never)") from None
-    if value < 0:
-        raise ValueError(f"NANOQWEN_DECODE_SHORT_CONTEXT={raw!r}: a number of tokens (0 = never)")
-    return value
+    return _tokens_from_env("NANOQWEN_DECODE_SHORT_CONTEXT", DEFAULT_SHORT_CONTEXT_TOKENS)
 
 
 def _spans(cells: np.ndarray) -> list[tuple[int, int]]:
