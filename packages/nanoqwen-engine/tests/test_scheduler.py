@@ -275,8 +275,18 @@ def test_dry_pool_preempts_the_newest_and_it_recomputes_without_reemitting(token
     # on; b comes back when a ends and finishes with its solo tokens.
     be = PagedEcho(n_pages=5, max_context=80)
     sched = Scheduler(be, max_batch=4, prefill_chunk=64)
-    a = make_request(0, rng.integers(0, V, 30).tolist(), params_for(40, 123), tokenizer, 80)
-    b = make_request(1, rng.integers(0, V, 31).tolist(), params_for(40, 456), tokenizer, 80)
+
+    def full_length_prompt(n, params):
+        # a prompt whose request runs all its 40 tokens: one that drew EOS early (a few percent of fresh prompts
+        # do) would end before the pool runs dry, and nothing would be preempted
+        while True:
+            prompt = rng.integers(0, V, n).tolist()
+            if len(solo(prompt, params, 80)) == params.max_tokens:
+                return prompt
+
+    pa, pb = params_for(40, 123), params_for(40, 456)
+    a = make_request(0, full_length_prompt(30, pa), pa, tokenizer, 80)
+    b = make_request(1, full_length_prompt(31, pb), pb, tokenizer, 80)
     sched.waiting.extend([a, b])
     preempted_at = None
     while sched.has_work():
