@@ -97,19 +97,26 @@ def test_graph_and_eager_give_the_same_tokens(tied_path, kind, rng):
         assert nodes is None or nodes >= calls
 
 
+def _never_then_from_30(tied_path, kind, ids, monkeypatch, env: str) -> list:
+    """24 greedy tokens of prompt `ids` on a backend built with $env=0 (the range never taken) and on one built
+    with $env=30: [that backend, its tokens, its logits] for each, in that order."""
+    runs: list = []
+    for value in ("0", "30"):
+        monkeypatch.setenv(env, value)
+        be = make_backend(tied_path, kind, max_context=64)
+        logits: list[np.ndarray] = []
+        runs += [be, generate(be, ids, 24, logits=logits)[0], logits]
+    return runs
+
+
 def test_long_context_steps_take_their_own_graph(tied_path, kind, rng, monkeypatch):
     """From NANOQWEN_DECODE_LONG_CONTEXT tokens on (here 30, the 7B's default being 8,192) a step launches
     decode attention's long-context build from a graph of its own; the tokens are those of a backend that
     never does (or differ first at a near-tie: on the GPU the long build splits the pages differently)."""
     ids = rng.integers(0, 4096, size=20)
-    monkeypatch.setenv("NANOQWEN_DECODE_LONG_CONTEXT", "0")
-    never = make_backend(tied_path, kind, max_context=64)
-    want_logits: list[np.ndarray] = []
-    want = generate(never, ids, 24, logits=want_logits)[0]
+    never, want, want_logits, long, got, _ = _never_then_from_30(tied_path, kind, ids, monkeypatch,
+                                                                 "NANOQWEN_DECODE_LONG_CONTEXT")
     assert set(never.step.graphs) == {(1, "greedy")}
-    monkeypatch.setenv("NANOQWEN_DECODE_LONG_CONTEXT", "30")
-    long = make_backend(tied_path, kind, max_context=64)
-    got = generate(long, ids, 24)[0]
     same_or_near_tie(got, want, want_logits, "long-context graph", be=never)
     # steps up to 29 tokens replay the default graph, the later ones the long one (each captured once)
     assert set(long.step.graphs) == {(1, "greedy"), (1, "greedy@long")}
@@ -127,15 +134,9 @@ def test_short_context_steps_take_the_one_cluster_grid(tied_path, kind, rng, mon
     "@mid" graph. At these lengths both grids read every page with the first cluster alone, so the logits are
     the same bits as a backend's that never takes the short grid, on the GPU too."""
     ids = rng.integers(0, 4096, size=20)
-    monkeypatch.setenv("NANOQWEN_DECODE_SHORT_CONTEXT", "0")
-    never = make_backend(tied_path, kind, max_context=64)
-    want_logits: list[np.ndarray] = []
-    want = generate(never, ids, 24, logits=want_logits)[0]
+    never, want, want_logits, short, got, got_logits = _never_then_from_30(tied_path, kind, ids, monkeypatch,
+                                                                           "NANOQWEN_DECODE_SHORT_CONTEXT")
     assert set(never.step.graphs) == {(1, "greedy@mid")}
-    monkeypatch.setenv("NANOQWEN_DECODE_SHORT_CONTEXT", "30")
-    short = make_backend(tied_path, kind, max_context=64)
-    got_logits: list[np.ndarray] = []
-    got = generate(short, ids, 24, logits=got_logits)[0]
     assert got == want
     for a, b in zip(got_logits, want_logits, strict=True):
         np.testing.assert_array_equal(a, b)
