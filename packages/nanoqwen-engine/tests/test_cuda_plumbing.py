@@ -97,6 +97,18 @@ def test_graph_and_eager_give_the_same_tokens(tied_path, kind, rng):
         assert nodes is None or nodes >= calls
 
 
+class _Names:
+    """A kernel set that only records which launchers are called (and what its attributes are asked)."""
+
+    def __init__(self):
+        self.called: set[str] = set()
+
+    def __getattr__(self, name):
+        if name in ("gemv_variant", "a8_image_pair"):
+            return None
+        return lambda *a, **k: self.called.add(name)
+
+
 def _never_then_from_30(tied_path, kind, ids, monkeypatch, env: str) -> list:
     """24 greedy tokens of prompt `ids` on a backend built with $env=0 (the range never taken) and on one built
     with $env=30: [that backend, its tokens, its logits] for each, in that order."""
@@ -146,6 +158,12 @@ def test_short_context_steps_take_the_one_cluster_grid(tied_path, kind, rng, mon
     assert short.step.context_span(30) == "" and short.step.context_span(31) == "@mid"
     if kind == "host":  # the short grid ran for the steps of 21..30 tokens (10 steps), the rest on the default
         assert short.ks.short_calls == 10 * short.config.n_layers
+    # the short-context GEMV build changes only the batch-1 loop: a batch's short step launches the default one
+    for rows, want, not_these in ((1, {"qkv_rope_kv_short", "gate_up_silu_short"}, {"qkv_rope_kv", "gate_up_silu"}),
+                                  (2, {"qkv_rope_kv", "gate_up_silu"}, {"qkv_rope_kv_short", "gate_up_silu_short"})):
+        named = _Names()
+        short.step.launch_layer(named, 0, short.step.views(rows), "")
+        assert want | {"attention_decode_short"} <= named.called and not named.called & not_these, rows
     monkeypatch.setenv("NANOQWEN_DECODE_SHORT_CONTEXT", "-3")
     with pytest.raises(ValueError, match="NANOQWEN_DECODE_SHORT_CONTEXT"):
         make_backend(tied_path, kind, max_context=64)

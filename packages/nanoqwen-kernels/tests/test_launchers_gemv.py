@@ -455,6 +455,20 @@ def test_int8_hidden_kinds_launch_in_clusters(launches, monkeypatch, dims, defin
     assert launches[-1][0] == "nq_gate_up_silu_a8x" and launches.clusters[-1] is None
 
 
+def test_short_context_build_serves_one_sequence(launches):
+    """The short-context build differs from the default one only in its B = 1 loop: it keeps no tile GEMM state
+    and refuses a batch with one clear error (the decode step launches the default build for batches)."""
+    d = QWEN25_7B
+    g = GemvKernels(d, load, "a8", short_context=True)
+    assert not g._tiles
+    H = d.hidden
+    w, s = dev((H, H // 8), np.uint32), dev((H, H // 128), np.float16)
+    g.gemv_int4(w, s, dev((H,), np.float16), dev((H,), np.float16))
+    assert launches[-1][0] == "nq_gemv_int4_h_a8"
+    with pytest.raises(KernelError, match="short-context GEMV build runs one sequence"):
+        g.gemv_int4(w, s, dev((2, H), np.float16), dev((2, H), np.float16))
+
+
 @pytest.mark.parametrize("name", ["NQ_QKV_CLUSTER", "NQ_O_CLUSTER", "NQ_GU_CLUSTER"])
 @pytest.mark.parametrize("value", ["3", "16", "0"])
 def test_int8_hidden_cluster_sizes(launches, monkeypatch, name, value):

@@ -293,7 +293,8 @@ class GemvKernels:
                  lm_head: str = DEFAULT_LM_HEAD, short_context: bool = False):
         """variant: a key of GEMV_VARIANTS (the body each matrix runs on at B = 1); lm_head: one of
         LM_HEAD_BODIES (the lm_head's body at B > 1); short_context: the short-context build (b1_short_defines
-        over the int8 loop's build)."""
+        over the int8 loop's build), which differs from the default build only in its B = 1 loop, so it serves
+        B = 1 alone (no tile GEMM state of its own; a batch is one KernelError)."""
         if variant not in GEMV_VARIANTS:
             raise KernelError(f"unknown INT4 GEMV variant {variant!r}; one of {', '.join(GEMV_VARIANTS)}")
         if lm_head not in LM_HEAD_BODIES:
@@ -303,6 +304,7 @@ class GemvKernels:
         self.lm_head = lm_head
         self._blas = Blas()
         self._mma_at_b1 = GEMV_VARIANTS[variant]
+        self._b1_only = short_context
         self._a8 = variant in A8_VARIANTS
         # the int8 loop's split units (b1_build_defines), in its build; the grid of each kind's B = 1 loop
         # follows the build (never $NANOQWEN_KERNEL_DEFINES at a launch)
@@ -335,7 +337,7 @@ class GemvKernels:
         }
         self._fp16 = f.get_function("nq_gemv_fp16")
         self._fp16_mma = {c: f.get_function(f"nq_gemv_fp16_mma{c}", max_dynamic_smem=smem) for c in MMA_BUILDS}
-        self._tiles = variant in TILE_VARIANTS
+        self._tiles = variant in TILE_VARIANTS and not short_context
         self._core_small_b = tile_core_kinds()
         if self._tiles:
             self._tile = {
@@ -420,11 +422,12 @@ class GemvKernels:
             raise KernelError("qweight has no rows")
         return n, kk
 
-    @staticmethod
-    def _x(x, k: int) -> tuple[int, tuple]:
+    def _x(self, x, k: int) -> tuple[int, tuple]:
         """x fp16 [B, K] or [K]: (B, the leading shape outputs take: (B,) or ())."""
         ck.check_array("x", x, np.float16, align=16)
         b = ck.batch_rows("x", x, k)
+        if self._b1_only and b > 1:
+            raise KernelError(f"the short-context GEMV build runs one sequence (B = 1), got B = {b}")
         return b, (() if x.ndim == 1 else (b,))
 
     # ---- launches -----------------------------------------------------------------------------------

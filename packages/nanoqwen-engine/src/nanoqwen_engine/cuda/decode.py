@@ -57,6 +57,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from nanoqwen_kernels.attention import SHORT_CONTEXT_TOKENS
 
 from .sampling import DeviceSampler
 from .weights import GpuWeights
@@ -66,7 +67,7 @@ ID_SLOTS = 3  # pinned slots for launched steps' ids: at most 2 steps are in fli
 LONG_SUFFIX = "@long"  # a graph key's mode for the long-context step
 MID_SUFFIX = "@mid"  # ... for a step whose longest sequence is neither short nor long
 DEFAULT_LONG_CONTEXT_TOKENS = 8192
-DEFAULT_SHORT_CONTEXT_TOKENS = 1024  # nanoqwen_kernels.attention.SHORT_CONTEXT_TOKENS (a CPU-only import here)
+DEFAULT_SHORT_CONTEXT_TOKENS = SHORT_CONTEXT_TOKENS  # where the default grid's first cluster reads everything
 
 
 def _tokens_from_env(name: str, default: int) -> int:
@@ -248,10 +249,11 @@ class DecodeStep:
 
     def launch_layer(self, ks, i: int, v: BucketViews, span: str = MID_SUFFIX) -> None:
         """Decoder layer i on v.x (in place, through v.y) for each row's token at its POS; span: the context
-        range (context_span), which picks decode attention's launch and, for short contexts, the GEMV build
-        of q/k/v and gate/up (nanoqwen_kernels.gemv b1_short_defines: the 7B's prologues shared by clusters)."""
+        range (context_span), which picks decode attention's launch and, for short contexts at batch 1, the
+        GEMV build of q/k/v and gate/up (nanoqwen_kernels.gemv b1_short_defines: the 7B's prologues shared by
+        clusters; it changes only the batch-1 loop, so a batch runs the default build)."""
         lw, eps = self.w.layers[i], self.cfg.rms_eps
-        short = span == ""
+        short = span == "" and v.x.shape[0] == 1
         qkv_rope_kv = ks.qkv_rope_kv_short if short else ks.qkv_rope_kv
         gate_up_silu = ks.gate_up_silu_short if short else ks.gate_up_silu
         # settled: POS and the page tables were written before the step's first kernel (write_rows' copy, the
