@@ -67,9 +67,9 @@ def builds(dims_names: list[str]) -> list[tuple[tuple[str, ...], tuple]]:
     with _without_gpu():
         for name in dims_names:
             d = PRESETS[name]
-            for v in GEMV_VARIANTS:  # the int8 loop's build may add its split defines (gemv.b1_build_defines)
+            for v in GEMV_VARIANTS:  # the int8 loop's build may add its split defines (gemv_b1.b1_build_defines)
                 GemvKernels(d, record, v)
-                if v in A8_VARIANTS:  # and the decode step's short-context build (gemv.b1_short_defines)
+                if v in A8_VARIANTS:  # and the decode step's short-context build (gemv_b1.b1_short_defines)
                     GemvKernels(d, record, v, short_context=True)
             HeadI8Kernels(d, record)
             NormKernels(d, record)

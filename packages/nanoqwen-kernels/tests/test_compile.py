@@ -260,11 +260,11 @@ def test_int8_loop_split_units_meet_at_a_named_barrier(monkeypatch, dims_name):
 @pytest.mark.parametrize("dims_name", ["7b", "tiny"])
 def test_int8_down_proj_prologue_shared_by_a_cluster(monkeypatch, dims_name):
     """down_proj's prologue shared by a thread-block cluster (gemv_a8_cluster.cuh, NQ_DOWN_CLUSTER; the 7B's
-    build, gemv.b1_build_defines): the block arms its receive mbarrier and arrives at the cluster barrier
+    build, gemv_b1.b1_build_defines): the block arms its receive mbarrier and arrives at the cluster barrier
     before griddepcontrol.wait, reads nothing but weights there, pushes its share of the rounded x with
     st.async (no fence and no second cluster barrier: each block waits on its own mbarrier) and spills
     nothing; no other entry holds a cluster instruction."""
-    from nanoqwen_kernels.gemv import DOWN_CLUSTER, b1_build_defines
+    from nanoqwen_kernels.gemv_b1 import DOWN_CLUSTER, b1_build_defines
 
     assert b1_build_defines(QWEN25_7B, 132)["NQ_DOWN_CLUSTER"] == DOWN_CLUSTER > 1
     monkeypatch.setenv("NANOQWEN_KERNEL_DEFINES", "NQ_SPLIT_DOWN=1,NQ_DOWN_CLUSTER=2")
@@ -286,9 +286,9 @@ def test_int8_hidden_prologues_shared_by_a_cluster(monkeypatch, dims_name):
     stage_x_a8_cluster_norm: NQ_QKV_CLUSTER, NQ_O_CLUSTER, NQ_GU_CLUSTER): as down_proj's, each entry arms its
     receive mbarrier and arrives at the cluster barrier once, before griddepcontrol.wait, reads nothing but
     weights (and q/k/v's settled inputs) there, pushes with st.async, needs no fence and spills nothing.
-    The default builds share none of them (gemv.B1_CLUSTER_DEFINES says why; the 7B's short-context build shares
-    q/k/v's and gate/up's, gemv.b1_short_defines)."""
-    from nanoqwen_kernels.gemv import b1_build_defines
+    The default builds share none of them (gemv_b1.B1_CLUSTER_DEFINES says why; the 7B's short-context build shares
+    q/k/v's and gate/up's, gemv_b1.b1_short_defines)."""
+    from nanoqwen_kernels.gemv_b1 import b1_build_defines
 
     build = b1_build_defines(QWEN25_7B, 132)
     small = b1_build_defines(DIMS["1.5b"], 132)
@@ -399,11 +399,11 @@ def test_every_kernel_waits_for_its_predecessor_before_touching_memory(source):
 
 
 def test_settled_epilogue_inputs_go_before_the_wait(monkeypatch):
-    """The int8 loop's builds (gemv.b1_build_defines: NQ_EPI_SETTLED=1) read q/k/v's first unit's position and
+    """The int8 loop's builds (gemv_b1.b1_build_defines: NQ_EPI_SETTLED=1) read q/k/v's first unit's position and
     page id before griddepcontrol.wait (two 32-bit loads; its bias is a weight load); the default build (0)
     reads neither there, and no other entry reads anything but weights there."""
     from nanoqwen_kernels.dims import QWEN25_1_5B
-    from nanoqwen_kernels.gemv import b1_build_defines
+    from nanoqwen_kernels.gemv_b1 import b1_build_defines
 
     defines = b1_build_defines(QWEN25_1_5B, 132)
     assert defines["NQ_EPI_SETTLED"] == 1

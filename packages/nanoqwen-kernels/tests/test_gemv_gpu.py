@@ -20,12 +20,12 @@ from nanoqwen_kernels.a8 import A8_ACC_START, A8_BLOCK, a8_image, a8_image_bytes
 from nanoqwen_kernels.dims import PRESETS
 from nanoqwen_kernels.gemv import (
     A8_VARIANTS,
-    B1_SPLIT_DEFINES,
     DEFAULT_LM_HEAD,
     GEMV_VARIANTS,
     LM_HEAD_BODIES,
     GemvKernels,
 )
+from nanoqwen_kernels.gemv_b1 import B1_SPLIT_DEFINES
 from refs import dequant, gemv_tolerance, matvec, pack_valueshuffle, random_int4, rmsnorm, rope
 
 pytestmark = pytest.mark.gpu
@@ -43,14 +43,14 @@ def dims(request):
 
 
 # The int8 loop with down_proj's units split over several warps (gemv_units.cuh gemv_split) at a split other
-# than its default build's (gemv.b1_build_defines: in 4 where its unsplit grid leaves SMs empty, as on the
+# than its default build's (gemv_b1.b1_build_defines: in 4 where its unsplit grid leaves SMs empty, as on the
 # 1.5B's and the tiny dims; none on the 7B): its own build
 A8_SPLIT = "a8/split"
 A8_SPLIT_DEFINES = "NQ_SPLIT_DOWN=2"
 
 
 # The int8 loop's unsplit down_proj with its prologue shared by a cluster of 2 blocks (gemv_a8_cluster.cuh
-# NQ_DOWN_CLUSTER), on every dims: the 7B's default build is this (gemv.b1_build_defines); the 1.5B's and
+# NQ_DOWN_CLUSTER), on every dims: the 7B's default build is this (gemv_b1.b1_build_defines); the 1.5B's and
 # tiny dims split down_proj by default, and here do not
 A8_CLUSTER = "a8/cluster"
 A8_CLUSTER_DEFINES = "NQ_SPLIT_DOWN=1,NQ_DOWN_CLUSTER=2"
@@ -168,7 +168,7 @@ def test_int8_cluster_prologue_gives_the_same_bits(kernels, dims, rng):
     """q/k/v's and gate/up's RMSNorm + rounding and o_proj's rounding split over a cluster (A8_HCLUSTER) give
     the unshared build's outputs bit for bit: every block sums x's squares in the same order, so every chunk is
     normed with the same scale whichever block rounds it. So does the decode step's short-context build
-    (gemv.b1_short_defines: the 7B's q/k/v and gate/up in clusters of 2; elsewhere the default build). q/k/v
+    (gemv_b1.b1_short_defines: the 7B's q/k/v and gate/up in clusters of 2; elsewhere the default build). q/k/v
     at positions over the context's range (RoPE's angle grows with them)."""
     import cupy as cp
 

@@ -349,7 +349,7 @@ def test_int8_loop_split_sizes_the_grid(launches, monkeypatch, dims, defines, pe
     grid is the units over that (even_grid's cap aside). The split is the build's: b1_build_defines (down_proj
     split in 4 where its unsplit grid leaves SMs empty), a knob in $NANOQWEN_KERNEL_DEFINES over it, both
     read when the kernels are built, not per launch; gate/up is never split."""
-    from nanoqwen_kernels.gemv import b1_build_defines, b1_small_grid, b1_split
+    from nanoqwen_kernels.gemv_b1 import b1_build_defines, b1_small_grid, b1_split
 
     d = dims
     built = []
@@ -392,7 +392,7 @@ def test_int8_down_proj_launches_in_clusters(launches, monkeypatch, dims, define
     """down_proj's prologue shared by a thread-block cluster (gemv_a8_cluster.cuh NQ_DOWN_CLUSTER, the build's
     value, b1_build_defines on the 7B): its launch carries the cluster (C, 1, 1) over a grid of whole clusters;
     o_proj, the a8 image's down_proj and a split down_proj launch without one."""
-    from nanoqwen_kernels.gemv import DOWN_CLUSTER
+    from nanoqwen_kernels.gemv_b1 import DOWN_CLUSTER
 
     assert DOWN_CLUSTER == 2
     monkeypatch.setenv("NANOQWEN_KERNEL_DEFINES", defines)
@@ -412,8 +412,8 @@ def test_int8_down_proj_launches_in_clusters(launches, monkeypatch, dims, define
 
 
 @pytest.mark.parametrize("dims, defines, short, want", [
-    (QWEN25_7B, "", False, {"qkv": 1, "h": 1, "gu": 1}),  # the default build shares none (gemv.B1_CLUSTER_DEFINES)
-    (QWEN25_7B, "", True, {"qkv": 2, "h": 1, "gu": 2}),  # the 7B's short-context build (gemv.b1_short_defines)
+    (QWEN25_7B, "", False, {"qkv": 1, "h": 1, "gu": 1}),  # the default build shares none (gemv_b1.B1_CLUSTER_DEFINES)
+    (QWEN25_7B, "", True, {"qkv": 2, "h": 1, "gu": 2}),  # the 7B's short-context build (gemv_b1.b1_short_defines)
     (QWEN25_7B, "NQ_QKV_CLUSTER=1,NQ_GU_CLUSTER=1", True, {"qkv": 1, "h": 1, "gu": 1}),  # the A/B's other side
     (QWEN25_7B, "NQ_QKV_CLUSTER=2,NQ_GU_CLUSTER=2", False, {"qkv": 2, "h": 1, "gu": 2}),
     (QWEN25_1_5B, "", False, {"qkv": 1, "h": 1, "gu": 1}),
@@ -425,7 +425,7 @@ def test_int8_hidden_kinds_launch_in_clusters(launches, monkeypatch, dims, defin
     """q/k/v, o_proj and gate/up with their prologue shared by a cluster (NQ_QKV_CLUSTER, NQ_O_CLUSTER,
     NQ_GU_CLUSTER; the 7B's short-context build sets the first and the last): each launch carries its kind's
     cluster over a grid of whole clusters; the a8 image's gate/up never does."""
-    from nanoqwen_kernels.gemv import b1_short_defines
+    from nanoqwen_kernels.gemv_b1 import b1_short_defines
 
     assert bool(b1_short_defines(dims, 132)) == (dims is QWEN25_7B)
     monkeypatch.setenv("NANOQWEN_KERNEL_DEFINES", defines)

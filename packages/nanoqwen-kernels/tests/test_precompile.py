@@ -7,7 +7,7 @@ from pathlib import Path
 
 from nanoqwen_kernels import checks
 from nanoqwen_kernels.dims import PRESETS
-from nanoqwen_kernels.gemv import b1_build_defines
+from nanoqwen_kernels.gemv_b1 import b1_build_defines
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "precompile.py"
 
@@ -38,9 +38,9 @@ def test_builds_are_listed_without_a_gpu():
     hidden = {dict(defines)["NQ_HIDDEN"] for _, defines in found}
     assert hidden == {PRESETS["tiny"].hidden, PRESETS["1.5b"].hidden}
     # gemv_int4: one build per shape (the launchers pick variants by entry name), and beside it the int8
-    # loop's build where gemv.b1_build_defines adds its split and trigger defines (both these dims: their
+    # loop's build where gemv_b1.b1_build_defines adds its split and trigger defines (both these dims: their
     # o_proj / down_proj grids leave an H200's SMs empty)
-    # (their short-context build is the default one: gemv.b1_short_defines adds nothing on small grids)
+    # (their short-context build is the default one: gemv_b1.b1_short_defines adds nothing on small grids)
     int4 = [dict(defines) for srcs, defines in found if srcs == ("gemv_int4.cu",)]
     assert len(int4) == 4
     for name in ("tiny", "1.5b"):

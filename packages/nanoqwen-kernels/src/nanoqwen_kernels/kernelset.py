@@ -27,8 +27,8 @@ from .gemv import (
     GEMV_VARIANTS,
     LM_HEAD_BODIES,
     GemvKernels,
-    b1_short_defines,
 )
+from .gemv_b1 import b1_short_defines
 from .head_i8 import HeadI8Kernels
 from .loader import device_arch, load_module
 from .norm import NormKernels
@@ -65,7 +65,7 @@ class KernelSet:
         self.arch = arch or device_arch()
         load = functools.partial(_load, arch=self.arch)
         g = GemvKernels(dims, load, variant, head)
-        # the short-context build (gemv.b1_short_defines; the decode step's graph for steps whose sequences are
+        # the short-context build (gemv_b1.b1_short_defines; the decode step's graph for steps whose sequences are
         # all short), where it differs from the default build
         g_short = g
         if variant in A8_VARIANTS and b1_short_defines(dims, ck.sm_count()):
