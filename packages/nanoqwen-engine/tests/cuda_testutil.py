@@ -1,6 +1,6 @@
-"""Helpers of the CudaBackend tests (test_cuda_plumbing.py, test_cuda_prefill.py): a backend on the host
-stand-ins (device.HostDevice + host_kernels.HostKernels) or on the GPU, greedy generation, and the
-near-tie rule by which two greedy runs may differ.
+"""Helpers of the CudaBackend tests (test_cuda_plumbing.py, test_cuda_graphs.py, test_cuda_prefill.py): a
+backend on the host stand-ins (device.HostDevice + host_kernels.HostKernels) or on the GPU, greedy
+generation, and the near-tie rule by which two greedy runs may differ.
 
 Greedy tokens of a sequence alone and inside a batch (or prefilled another way) are compared exactly,
 except where the reference run's own logits had a near-tie at the first divergence (the other run may sum
