@@ -75,9 +75,8 @@ def main() -> int:
     # attention launch the family and the whole step run
     span = step.context_span(args.context + 1)
     attend = step.attention_launcher(ks, span)
-    # ... and, for a short context, q/k/v's and gate/up's short-context build (decode.py launch_layer)
-    qkv_rope_kv = ks.qkv_rope_kv_short if span == "" else ks.qkv_rope_kv
-    gate_up_silu = ks.gate_up_silu_short if span == "" else ks.gate_up_silu
+    # ... and the GEMV build of q/k/v and gate/up (the short-context build at batch 1 in the short range)
+    qkv_rope_kv, gate_up_silu = step.gemv_launchers(ks, span, bucket)
 
     def nbytes(*arrays):
         return sum(int(a.nbytes) for a in arrays)

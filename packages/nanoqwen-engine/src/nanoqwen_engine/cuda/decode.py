@@ -238,6 +238,15 @@ class DecodeStep:
         return {"": ks.attention_decode_short, MID_SUFFIX: ks.attention_decode,
                 LONG_SUFFIX: ks.attention_decode_long}[span]
 
+    @staticmethod
+    def gemv_launchers(ks, span: str, rows: int):
+        """(qkv_rope_kv, gate_up_silu) for a context range and a step of `rows` rows: the short-context GEMV
+        build at batch 1 in the short range (it differs from the default build only in its B = 1 loop), else
+        the default build."""
+        if span == "" and rows == 1:
+            return ks.qkv_rope_kv_short, ks.gate_up_silu_short
+        return ks.qkv_rope_kv, ks.gate_up_silu
+
     def context_span(self, longest: int) -> str:
         """The context range of a step whose longest sequence holds `longest` tokens (its own included): ""
         (short: up to short_until), LONG_SUFFIX (from long_from), else MID_SUFFIX."""
@@ -253,9 +262,7 @@ class DecodeStep:
         GEMV build of q/k/v and gate/up (nanoqwen_kernels.gemv b1_short_defines: the 7B's prologues shared by
         clusters; it changes only the batch-1 loop, so a batch runs the default build)."""
         lw, eps = self.w.layers[i], self.cfg.rms_eps
-        short = span == "" and v.x.shape[0] == 1
-        qkv_rope_kv = ks.qkv_rope_kv_short if short else ks.qkv_rope_kv
-        gate_up_silu = ks.gate_up_silu_short if short else ks.gate_up_silu
+        qkv_rope_kv, gate_up_silu = self.gemv_launchers(ks, span, v.x.shape[0])
         # settled: POS and the page tables were written before the step's first kernel (write_rows' copy, the
         # previous step's advance), so q/k/v's B = 1 loop may read them before its launch-overlap wait
         qkv_rope_kv(lw.qkv.qweight, lw.qkv.scales, lw.qkv_bias, v.x, lw.in_norm, eps, v.pos, v.table,
