@@ -258,6 +258,113 @@ __device__ __forceinline__ void mma_heads(float (&d)[4], uint32_t a0, uint32_t a
   nq::mma16816(d, a0, 0u, a2, 0u, b0, b1);
 }
 
+// One step of a consumer warp over kN (1 or 2) pages of its run (pg[0], and pg[1] = the page kConsumers
+// later), once their copies have landed: S for every page (2 kN independent chains of 8 MMAs, interleaved
+// by k-step), one online-softmax update over the kN * 16 tokens, and P.V accumulated page after page into
+// acc. Why two pages as one step (NQ_DECODE_PAIR): a step's chain (the Q.K chain of 8 dependent MMAs,
+// the shuffles and exp2 of the softmax, then 16 MMAs) is latency, not issue slots, and at <= 1,024 tokens a
+// consumer holds at most two pages (the 7B at 640 tokens: 5 pages a block, consumer 0 two; at 1,024: 8
+// pages, every consumer two), so the second page's chain runs beside the first instead of after it.
+template <int kN>
+__device__ __forceinline__ void mma_page_step(const RingPage (&pg)[2], const uint4 (&qa)[4], int g, int t,
+                                              float& m_run, float& l_run, float (&acc)[16][4]) {
+  float s[kN][2][4];  // [page][token tile][D fragment]: s[p][nt][j] = S^T[g][8 nt + 2t + j], j < 2
+#pragma unroll
+  for (int p = 0; p < kN; ++p)
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) s[p][nt][0] = s[p][nt][1] = s[p][nt][2] = s[p][nt][3] = 0.f;
+#pragma unroll
+  for (int m = 0; m < 4; ++m) {
+#pragma unroll
+    for (int p = 0; p < kN; ++p) {
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        const uint4 kb = *reinterpret_cast<const uint4*>(pg[p].k + (8 * nt + g) * 128 + 8 * (4 * m + t));
+        mma_heads(s[p][nt], qa[m].x, qa[m].y, kb.x, kb.y);
+        mma_heads(s[p][nt], qa[m].z, qa[m].w, kb.z, kb.w);
+      }
+    }
+  }
+  // V rows 2t, 2t+1, 2t+8, 2t+9, dims 16g .. 16g+15 (issued before the softmax math to hide latency)
+  uint4 v[kN][4][2];
+#pragma unroll
+  for (int p = 0; p < kN; ++p) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int tok = 2 * t + (r & 1) + 8 * (r >> 1);
+      v[p][r][0] = *reinterpret_cast<const uint4*>(pg[p].v + tok * 128 + 16 * g);
+      v[p][r][1] = *reinterpret_cast<const uint4*>(pg[p].v + tok * 128 + 16 * g + 8);
+      if (tok >= pg[p].valid) {  // tail page: 0 * NaN would poison every head's output through the mma
+        v[p][r][0] = make_uint4(0u, 0u, 0u, 0u);
+        v[p][r][1] = make_uint4(0u, 0u, 0u, 0u);
+      }
+    }
+  }
+  // online softmax for head g over the step's tokens (4 a page per lane, lanes 4g..4g+3)
+  float mx = neg_inf();
+#pragma unroll
+  for (int p = 0; p < kN; ++p) {
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int tok = 8 * nt + 2 * t + j;
+        s[p][nt][j] = tok < pg[p].valid ? s[p][nt][j] * kScaleLog2 : neg_inf();  // select: a NaN K row is dropped
+        mx = fmaxf(mx, s[p][nt][j]);
+      }
+    }
+  }
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+  const float m_new = fmaxf(m_run, mx);  // finite for real heads: every page in range has a token
+  const float alpha = exp2f(m_run - m_new);
+  float ps = 0.f;
+  uint32_t pa[kN][2];  // P's A fragments: [p][0] = P[g][2t], P[g][2t+1]; [p][1] = P[g][2t+8], P[g][2t+9]
+#pragma unroll
+  for (int p = 0; p < kN; ++p) {
+    float e[2][2];
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        e[nt][j] = exp2f(s[p][nt][j] - m_new);
+        ps += e[nt][j];
+      }
+    }
+    pa[p][0] = pack_h2(e[0][0], e[0][1]);
+    pa[p][1] = pack_h2(e[1][0], e[1][1]);
+  }
+  ps += __shfl_xor_sync(0xffffffffu, ps, 1);
+  ps += __shfl_xor_sync(0xffffffffu, ps, 2);
+  l_run = l_run * alpha + ps;
+  m_run = m_new;
+#pragma unroll
+  for (int n2 = 0; n2 < 16; ++n2) {
+    acc[n2][0] *= alpha;
+    acc[n2][1] *= alpha;
+  }
+#pragma unroll
+  for (int p = 0; p < kN; ++p) {
+    const uint32_t* v0 = reinterpret_cast<const uint32_t*>(&v[p][0][0]);  // 8 regs: row 2t, dims 16g..+15
+    const uint32_t* v1 = reinterpret_cast<const uint32_t*>(&v[p][1][0]);  // row 2t+1
+    const uint32_t* v2 = reinterpret_cast<const uint32_t*>(&v[p][2][0]);  // row 2t+8
+    const uint32_t* v3 = reinterpret_cast<const uint32_t*>(&v[p][3][0]);  // row 2t+9
+#pragma unroll
+    for (int n2 = 0; n2 < 16; ++n2) {
+      const uint32_t sel = (n2 & 1) ? 0x7632u : 0x5410u;  // high or low halves of the two rows
+      const uint32_t b0 = nq::prmt(v0[n2 >> 1], v1[n2 >> 1], sel);
+      const uint32_t b1 = nq::prmt(v2[n2 >> 1], v3[n2 >> 1], sel);
+      mma_heads(acc[n2], pa[p][0], pa[p][1], b0, b1);
+    }
+  }
+}
+
+#ifndef NQ_DECODE_PAIR
+#define NQ_DECODE_PAIR 1  // 1: a consumer takes its pages two at a time (mma_page_step<2>), 0: one at a time
+#endif
+// two pages of each consumer fit in the ring at once ("mma8", 8 consumers on 8 slots, takes one at a time)
+constexpr bool kPair = NQ_DECODE_PAIR && kStages >= 2 * kConsumers;
+
 __device__ __forceinline__ void consume_mma(int c, int lane, const unsigned char* ring, uint64_t* full,
                                             uint64_t* empty, const uint16_t* q, int kvh, int p0, int count,
                                             int seq_len, float* merge_acc, float* merge_m, float* merge_l) {
@@ -274,77 +381,27 @@ __device__ __forceinline__ void consume_mma(int c, int lane, const unsigned char
 #pragma unroll
   for (int n2 = 0; n2 < 16; ++n2) acc[n2][0] = acc[n2][1] = acc[n2][2] = acc[n2][3] = 0.f;
 
-  for (int i = c; i < count; i += kConsumers) {
-    const auto [slot, ks, vs, valid] = wait_page(ring, full, i, p0, seq_len);
-
-    float s[2][4];  // [token tile][D fragment]: s[nt][j] = S^T[g][8 nt + 2t + j], j < 2
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-      s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
-#pragma unroll
-      for (int m = 0; m < 4; ++m) {
-        const uint4 kb = *reinterpret_cast<const uint4*>(ks + (8 * nt + g) * 128 + 8 * (4 * m + t));
-        mma_heads(s[nt], qa[m].x, qa[m].y, kb.x, kb.y);
-        mma_heads(s[nt], qa[m].z, qa[m].w, kb.z, kb.w);
+  // Pages c, c + kConsumers, c + 2 kConsumers, ... of the block's run. With NQ_DECODE_PAIR a step takes
+  // two of them (i and i + kConsumers): both sit in the ring at once (kStages >= 2 kConsumers), and the
+  // slot of the later one was last used by page i + kConsumers - kStages, this warp's own earlier page, so
+  // holding the first while waiting for the second cannot stall the producer on another warp.
+  constexpr int kStride = kPair ? 2 * kConsumers : kConsumers;
+  for (int i = c; i < count; i += kStride) {
+    RingPage pg[2];
+    pg[0] = wait_page(ring, full, i, p0, seq_len);
+    if (kPair && i + kConsumers < count) {  // warp-uniform
+      pg[1] = wait_page(ring, full, i + kConsumers, p0, seq_len);
+      mma_page_step<2>(pg, qa, g, t, m_run, l_run, acc);
+      __syncwarp();  // every lane done with both slots before they are handed back
+      if (lane == 0) {
+        mbar_arrive(&empty[pg[0].slot]);
+        mbar_arrive(&empty[pg[1].slot]);
       }
+    } else {
+      mma_page_step<1>(pg, qa, g, t, m_run, l_run, acc);
+      __syncwarp();  // every lane done with the slot before it is handed back
+      if (lane == 0) mbar_arrive(&empty[pg[0].slot]);
     }
-    // V rows 2t, 2t+1, 2t+8, 2t+9, dims 16g .. 16g+15 (issued before the softmax math to hide latency)
-    uint4 v[4][2];
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const int tok = 2 * t + (r & 1) + 8 * (r >> 1);
-      v[r][0] = *reinterpret_cast<const uint4*>(vs + tok * 128 + 16 * g);
-      v[r][1] = *reinterpret_cast<const uint4*>(vs + tok * 128 + 16 * g + 8);
-      if (tok >= valid) {  // tail page: 0 * NaN would poison every head's output through the mma
-        v[r][0] = make_uint4(0u, 0u, 0u, 0u);
-        v[r][1] = make_uint4(0u, 0u, 0u, 0u);
-      }
-    }
-    // online softmax for head g over the page's 16 tokens (4 per lane, lanes 4g..4g+3)
-    float mx = neg_inf();
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const int tok = 8 * nt + 2 * t + j;
-        s[nt][j] = tok < valid ? s[nt][j] * kScaleLog2 : neg_inf();  // select: a NaN K row is dropped
-        mx = fmaxf(mx, s[nt][j]);
-      }
-    }
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    const float m_new = fmaxf(m_run, mx);  // finite for real heads: every page in range has a token
-    const float alpha = exp2f(m_run - m_new);
-    float p[2][2], ps = 0.f;
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        p[nt][j] = exp2f(s[nt][j] - m_new);
-        ps += p[nt][j];
-      }
-    }
-    ps += __shfl_xor_sync(0xffffffffu, ps, 1);
-    ps += __shfl_xor_sync(0xffffffffu, ps, 2);
-    l_run = l_run * alpha + ps;
-    m_run = m_new;
-    const uint32_t pa0 = pack_h2(p[0][0], p[0][1]);  // P[g][2t], P[g][2t+1]
-    const uint32_t pa2 = pack_h2(p[1][0], p[1][1]);  // P[g][2t+8], P[g][2t+9]
-    const uint32_t* v0 = reinterpret_cast<const uint32_t*>(&v[0][0]);  // 8 regs: row 2t, dims 16g..+15
-    const uint32_t* v1 = reinterpret_cast<const uint32_t*>(&v[1][0]);  // row 2t+1
-    const uint32_t* v2 = reinterpret_cast<const uint32_t*>(&v[2][0]);  // row 2t+8
-    const uint32_t* v3 = reinterpret_cast<const uint32_t*>(&v[3][0]);  // row 2t+9
-#pragma unroll
-    for (int n2 = 0; n2 < 16; ++n2) {
-      acc[n2][0] *= alpha;
-      acc[n2][1] *= alpha;
-      const uint32_t sel = (n2 & 1) ? 0x7632u : 0x5410u;  // high or low halves of the two rows
-      const uint32_t b0 = nq::prmt(v0[n2 >> 1], v1[n2 >> 1], sel);
-      const uint32_t b1 = nq::prmt(v2[n2 >> 1], v3[n2 >> 1], sel);
-      mma_heads(acc[n2], pa0, pa2, b0, b1);
-    }
-    __syncwarp();  // every lane done with the slot before it is handed back
-    if (lane == 0) mbar_arrive(&empty[slot]);
   }
 
   if (head_ok) {
