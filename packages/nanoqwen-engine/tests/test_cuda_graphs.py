@@ -85,8 +85,9 @@ def test_long_context_steps_take_their_own_graph(tied_path, kind, rng, monkeypat
 def test_short_context_steps_take_the_one_cluster_grid(tied_path, kind, rng, monkeypatch):
     """Up to NANOQWEN_DECODE_SHORT_CONTEXT tokens (here 30, the default 1,024) a step launches decode
     attention on one cluster per sequence from the plain mode's graph, past it the default grid from a
-    "@mid" graph. At these lengths both grids read every page with the first cluster alone, so the logits are
-    the same bits as a backend's that never takes the short grid, on the GPU too."""
+    "@mid" graph. At these lengths both grids read every page with the first cluster alone, and no consumer
+    warp holds two pages (at most 3 pages over the cluster's 8 blocks), so the short build's page pairs never
+    form: the logits are the same bits as a backend's that never takes the short grid, on the GPU too."""
     ids = rng.integers(0, 4096, size=20)
     never, want, want_logits, short, got, got_logits = _never_then_from_30(tied_path, kind, ids, monkeypatch,
                                                                            "NANOQWEN_DECODE_SHORT_CONTEXT")

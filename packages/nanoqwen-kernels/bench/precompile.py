@@ -48,7 +48,7 @@ def _without_gpu():
 
 
 def builds(dims_names: list[str]) -> list[tuple[tuple[str, ...], tuple]]:
-    from nanoqwen_kernels.attention import LONG_CLUSTER_MAX, AttentionKernels
+    from nanoqwen_kernels.attention import LONG_CLUSTER_MAX, SHORT_PAIR, AttentionKernels
     from nanoqwen_kernels.attention import VARIANTS as DECODE_VARIANTS
     from nanoqwen_kernels.dims import PRESETS
     from nanoqwen_kernels.embed import EmbedKernels
@@ -81,6 +81,7 @@ def builds(dims_names: list[str]) -> list[tuple[tuple[str, ...], tuple]]:
             for v in DECODE_VARIANTS:
                 AttentionKernels(d, record, v)
                 AttentionKernels(d, record, v, cluster_max=LONG_CLUSTER_MAX)
+                AttentionKernels(d, record, v, max_clusters=1, pair=SHORT_PAIR)  # the short-context launch's
             for v in ATTENTION_VARIANTS:
                 PrefillKernels(d, record, v)
     return sorted(found)

@@ -42,6 +42,18 @@ def test_long_context_decode_attention_compiles(dims_name):
     assert cubin[:4] == b"\x7fELF" and loader._elf_size(cubin) == len(cubin)
 
 
+@pytest.mark.parametrize("dims_name", sorted(DIMS))
+def test_short_context_decode_attention_compiles(dims_name):
+    """The short-context launch's build (consumers taking pages two at a time, NQ_DECODE_PAIR) compiles, and
+    to another program than the default build's (the define reaches the consumer loop)."""
+    from nanoqwen_kernels.attention import decode_defines
+
+    cubins = [loader.compile_cubin(["attention_decode.cu"], decode_defines(DIMS[dims_name], pair=p), "sm_90a")
+              for p in (False, True)]
+    assert all(c[:4] == b"\x7fELF" and loader._elf_size(c) == len(c) for c in cubins)
+    assert cubins[0] != cubins[1]
+
+
 def _tool(name: str) -> str:
     """cuobjdump/nvdisasm from the NVIDIA wheels (nvidia-cuda-cuobjdump, nvidia-cuda-nvdisasm) or PATH."""
     site = Path(loader.__file__).resolve().parents[1]

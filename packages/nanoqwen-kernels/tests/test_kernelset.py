@@ -175,9 +175,9 @@ def test_attention_variant_reaches_the_attention_build(how, monkeypatch):
 
     class Attn(attention.AttentionKernels):
         def __init__(self, dims, load, variant=attention.DEFAULT_VARIANT, sms=None,
-                     cluster_max=attention.CLUSTER_MAX, max_clusters=None):
+                     cluster_max=attention.CLUSTER_MAX, max_clusters=None, pair=False):
             builds.append((variant, attention.decode_defines(dims, variant)["NQ_DECODE_MMA"],
-                           32 * (1 + attention.VARIANTS[variant][1]), cluster_max, max_clusters))
+                           32 * (1 + attention.VARIANTS[variant][1]), cluster_max, max_clusters, pair))
             self.attention_decode = self.new_workspace = None
 
     for name in ("GemvKernels", "NormKernels", "EmbedKernels", "SamplingKernels", "PrefillKernels", "HeadI8Kernels"):
@@ -191,10 +191,11 @@ def test_attention_variant_reaches_the_attention_build(how, monkeypatch):
     ks = KernelSet(TINY, arch="sm_90a", **kw)
     want = attention.DEFAULT_VARIANT if how == "default" else "mma8"
     assert ks.attention_variant == want
-    # the default build, the long-context one (clusters of up to 16) and the short-context launch (the
-    # default build on one cluster a sequence), all of the variant
-    assert builds == [(want, attention.VARIANTS[want][0], 32 * (1 + attention.VARIANTS[want][1]), cm, mc)
-                      for cm, mc in ((8, None), (16, None), (8, 1))]
+    # the default build, the long-context one (clusters of up to 16) and the short-context launch (one cluster
+    # a sequence, its consumers taking pages two at a time), all of the variant
+    assert attention.SHORT_PAIR
+    assert builds == [(want, attention.VARIANTS[want][0], 32 * (1 + attention.VARIANTS[want][1]), cm, mc, pair)
+                      for cm, mc, pair in ((8, None, False), (16, None, False), (8, 1, True))]
 
 
 class _Anything:

@@ -154,8 +154,12 @@ def test_attention_decode_launch_and_checks(launches, monkeypatch):
 
     assert SHORT_CONTEXT_TOKENS == 1024
     n_attr = len(launches.attributes)
-    short = AttentionKernels(d, load, sms=132, max_clusters=1)
-    assert len(launches.attributes) == n_attr  # the default build's function: no non-portable size asked
+    short = AttentionKernels(d, load, sms=132, max_clusters=1, pair=True)
+    # its build pairs pages (NQ_DECODE_PAIR); the default and long builds do not
+    from nanoqwen_kernels.attention import decode_defines
+
+    assert decode_defines(d, pair=True)["NQ_DECODE_PAIR"] == 1 and "NQ_DECODE_PAIR" not in decode_defines(d)
+    assert len(launches.attributes) == n_attr  # a portable cluster size: no non-portable size asked
     assert short.clusters(1) == (8, 1) and short.clusters(B) == (8, 1) and short.clusters(8) == (5, 1)
     short.attention_decode(dev((W,), np.float16), k, v, dev((P,), np.int32), dev((1,), np.int32), 1,
                            dev((W,), np.float16), ws)

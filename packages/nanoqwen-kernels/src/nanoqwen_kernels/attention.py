@@ -51,6 +51,18 @@ CLUSTER_MAXES = (CLUSTER_MAX, LONG_CLUSTER_MAX)
 # launches it from a graph of its own while every sequence of its batch is this short (nanoqwen_engine's
 # decode step, SHORT_CONTEXT_TOKENS there).
 SHORT_CONTEXT_TOKENS = 64 * PAGE_TOKENS  # NQ_DECODE_MIN_CLUSTER_PAGES (attention_decode.cu) x 16
+# The short-context launch's build: its consumer warps take their pages two at a time (NQ_DECODE_PAIR,
+# attention_decode_ring.cuh mma_page_step<2>). H200, decode protocol (512-token prompt + 128), ms/token, three
+# interleaved rounds (docs/PERF.md, thirtieth lease): 7B 1.3731 / 1.3674 / 1.3691 -> 1.3504 / 1.3522 / 1.3495,
+# the 1.5B's dims 0.5973 / 0.5912 / 0.5912 -> 0.5895 / 0.5904 / 0.5897, the real 1.5B 0.5871 / 0.5891 / 0.5910 ->
+# 0.5836 / 0.5806 / 0.5822 (every build paired in that call, the short range's the only one the protocol runs).
+# In isolation the paired build is slower (7B 4.19 -> 4.28 us at 640 tokens, 4.50 -> 4.66 at 1,024): the gain is
+# the step's, and about a third of it came back with the unpaired build held to one block an SM (7B 1.3627 /
+# 1.3639 / 1.3615), which the pair's registers (153 -> 173) also force: where its blocks sit beside the other
+# kernels' is part of it (inferred, not traced). The default and long builds stay unpaired: at one block an
+# SM their several-cluster grids no longer fit on the device at once (no flagged fold) and a 32k call took
+# 46.8 us against 24.9 (7B, C = 8, n = 5).
+SHORT_PAIR = True
 # cuda.h CUfunction_attribute: non-portable cluster sizes allowed, and the cluster scheduling policy (1 = spread)
 FUNC_ATTR_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14
 FUNC_ATTR_CLUSTER_SCHEDULING_POLICY_PREFERENCE = 15
@@ -83,8 +95,8 @@ def _variant(variant: str) -> tuple[int, int]:
     return VARIANTS[variant]
 
 
-def decode_defines(dims: ModelDims, variant: str = DEFAULT_VARIANT, cluster_max: int = CLUSTER_MAX
-                   ) -> dict[str, Define]:
+def decode_defines(dims: ModelDims, variant: str = DEFAULT_VARIANT, cluster_max: int = CLUSTER_MAX,
+                   pair: bool = False) -> dict[str, Define]:
     mma, consumers = _variant(variant)
     if cluster_max not in CLUSTER_MAXES:
         raise KernelError(f"decode attention clusters of up to {cluster_max}: one of {CLUSTER_MAXES}")
@@ -94,6 +106,7 @@ def decode_defines(dims: ModelDims, variant: str = DEFAULT_VARIANT, cluster_max:
         "NQ_DECODE_STAGES": DECODE_STAGES,
         "NQ_DECODE_MMA": mma,
         "NQ_DECODE_CONSUMERS": consumers,
+        **({"NQ_DECODE_PAIR": 1} if pair else {}),
         **extra,
     }
 
@@ -121,10 +134,11 @@ class AttentionKernels:
     `sms` the device's SM count (asked of the current device when None); cluster_max: CLUSTER_MAX, or
     LONG_CLUSTER_MAX for the long-context build (its function allows non-portable cluster sizes and asks
     for the spread scheduling policy); max_clusters: clusters per (sequence, KV head) at most (1: the
-    short-context launch, SHORT_CONTEXT_TOKENS), None for as many as decode_clusters gives."""
+    short-context launch, SHORT_CONTEXT_TOKENS), None for as many as decode_clusters gives; pair: the
+    consumers take their pages two at a time (NQ_DECODE_PAIR; the short-context launch's build, SHORT_PAIR)."""
 
     def __init__(self, dims: ModelDims, load_module, variant: str = DEFAULT_VARIANT, sms: int | None = None,
-                 cluster_max: int = CLUSTER_MAX, max_clusters: int | None = None):
+                 cluster_max: int = CLUSTER_MAX, max_clusters: int | None = None, pair: bool = False):
         if max_clusters is not None and max_clusters < 1:
             raise KernelError(f"max_clusters={max_clusters}: at least 1 cluster per sequence and KV head")
         if dims.n_heads // dims.n_kv_heads > 8:
@@ -139,7 +153,8 @@ class AttentionKernels:
         self._flagged: dict[int, bool] = {}
         self.cluster_max = cluster_max
         self.max_clusters = max_clusters
-        mod = load_module(DECODE_SOURCES, decode_defines(dims, variant, cluster_max))
+        self.pair = pair
+        mod = load_module(DECODE_SOURCES, decode_defines(dims, variant, cluster_max, pair))
         self._fn = mod.get_function("nq_attention_decode", max_dynamic_smem=self.smem_bytes)
         if cluster_max > CLUSTER_MAX:
             ck.set_function_attribute(self._fn, FUNC_ATTR_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)

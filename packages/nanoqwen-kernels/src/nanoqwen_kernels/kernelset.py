@@ -15,7 +15,7 @@ import os
 
 from . import checks as ck
 from .attention import DEFAULT_VARIANT as DEFAULT_ATTENTION_VARIANT
-from .attention import LONG_CLUSTER_MAX, AttentionKernels
+from .attention import LONG_CLUSTER_MAX, SHORT_PAIR, AttentionKernels
 from .attention import VARIANTS as ATTENTION_VARIANTS
 from .dims import ModelDims
 from .embed import EmbedKernels
@@ -77,9 +77,10 @@ class KernelSet:
         a = AttentionKernels(dims, load, attn)
         # the long-context build (clusters of up to 16): the decode step launches it only for long contexts
         a_long = AttentionKernels(dims, load, attn, cluster_max=LONG_CLUSTER_MAX)
-        # the short-context launch (one cluster per sequence and KV head; the default build's module): the
-        # decode step launches it while every sequence of the step is short (attention.SHORT_CONTEXT_TOKENS)
-        a_short = AttentionKernels(dims, load, attn, max_clusters=1)
+        # the short-context launch (one cluster per sequence and KV head, its consumers taking pages two at a
+        # time: attention.SHORT_PAIR): the decode step launches it while every sequence of the step is short
+        # (attention.SHORT_CONTEXT_TOKENS)
+        a_short = AttentionKernels(dims, load, attn, max_clusters=1, pair=SHORT_PAIR)
         p = PrefillKernels(dims, load)
         h = HeadI8Kernels(dims, load)
 

@@ -264,7 +264,10 @@ __device__ __forceinline__ void mma_heads(float (&d)[4], uint32_t a0, uint32_t a
 // acc. Why two pages as one step (NQ_DECODE_PAIR): a step's chain (the Q.K chain of 8 dependent MMAs,
 // the shuffles and exp2 of the softmax, then 16 MMAs) is latency, not issue slots, and at <= 1,024 tokens a
 // consumer holds at most two pages (the 7B at 640 tokens: 5 pages a block, consumer 0 two; at 1,024: 8
-// pages, every consumer two), so the second page's chain runs beside the first instead of after it.
+// pages, every consumer two), so the second page's chain runs beside the first instead of after it. What it
+// measured (H200, docs/PERF.md thirtieth lease): slower alone (7B 4.19 -> 4.28 us a call at 640 tokens, 4.50
+// -> 4.66 at 1,024: the step waits for both pages), faster in the decode step (7B 1.370 -> 1.351 ms/token),
+// part of which its registers' one block an SM gives (attention.py SHORT_PAIR).
 template <int kN>
 __device__ __forceinline__ void mma_page_step(const RingPage (&pg)[2], const uint4 (&qa)[4], int g, int t,
                                               float& m_run, float& l_run, float (&acc)[16][4]) {
@@ -359,8 +362,12 @@ __device__ __forceinline__ void mma_page_step(const RingPage (&pg)[2], const uin
   }
 }
 
+// 1: a consumer takes its pages two at a time (mma_page_step<2>), 0: one at a time. The short-context launch's
+// build sets it (attention.py SHORT_PAIR, with its measurements); the default and long builds do not: the
+// pair's registers (153 -> 173) leave them one block an SM, where their several-cluster grids lose the flagged
+// fold and a 7B call at 32k tokens took 46.8 us against 24.9.
 #ifndef NQ_DECODE_PAIR
-#define NQ_DECODE_PAIR 1  // 1: a consumer takes its pages two at a time (mma_page_step<2>), 0: one at a time
+#define NQ_DECODE_PAIR 0
 #endif
 // two pages of each consumer fit in the ring at once ("mma8", 8 consumers on 8 slots, takes one at a time)
 constexpr bool kPair = NQ_DECODE_PAIR && kStages >= 2 * kConsumers;
