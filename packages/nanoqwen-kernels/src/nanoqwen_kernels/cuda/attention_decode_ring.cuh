@@ -276,15 +276,27 @@ __device__ __forceinline__ void mma_page_step(const RingPage (&pg)[2], const uin
   for (int p = 0; p < kN; ++p)
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) s[p][nt][0] = s[p][nt][1] = s[p][nt][2] = s[p][nt][3] = 0.f;
+  if constexpr (kN == 1) {  // one page: its two token tiles' chains one after the other, as ever
 #pragma unroll
-  for (int m = 0; m < 4; ++m) {
+    for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
-    for (int p = 0; p < kN; ++p) {
+      for (int m = 0; m < 4; ++m) {
+        const uint4 kb = *reinterpret_cast<const uint4*>(pg[0].k + (8 * nt + g) * 128 + 8 * (4 * m + t));
+        mma_heads(s[0][nt], qa[m].x, qa[m].y, kb.x, kb.y);
+        mma_heads(s[0][nt], qa[m].z, qa[m].w, kb.z, kb.w);
+      }
+    }
+  } else {  // two pages: the four chains interleaved by k-step
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-        const uint4 kb = *reinterpret_cast<const uint4*>(pg[p].k + (8 * nt + g) * 128 + 8 * (4 * m + t));
-        mma_heads(s[p][nt], qa[m].x, qa[m].y, kb.x, kb.y);
-        mma_heads(s[p][nt], qa[m].z, qa[m].w, kb.z, kb.w);
+    for (int m = 0; m < 4; ++m) {
+#pragma unroll
+      for (int p = 0; p < kN; ++p) {
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+          const uint4 kb = *reinterpret_cast<const uint4*>(pg[p].k + (8 * nt + g) * 128 + 8 * (4 * m + t));
+          mma_heads(s[p][nt], qa[m].x, qa[m].y, kb.x, kb.y);
+          mma_heads(s[p][nt], qa[m].z, qa[m].w, kb.z, kb.w);
+        }
       }
     }
   }
@@ -321,30 +333,27 @@ __device__ __forceinline__ void mma_page_step(const RingPage (&pg)[2], const uin
   mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
   const float m_new = fmaxf(m_run, mx);  // finite for real heads: every page in range has a token
   const float alpha = exp2f(m_run - m_new);
-  float ps = 0.f;
-  uint32_t pa[kN][2];  // P's A fragments: [p][0] = P[g][2t], P[g][2t+1]; [p][1] = P[g][2t+8], P[g][2t+9]
+  float e[kN][2][2], ps = 0.f;
 #pragma unroll
   for (int p = 0; p < kN; ++p) {
-    float e[2][2];
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
-        e[nt][j] = exp2f(s[p][nt][j] - m_new);
-        ps += e[nt][j];
+        e[p][nt][j] = exp2f(s[p][nt][j] - m_new);
+        ps += e[p][nt][j];
       }
     }
-    pa[p][0] = pack_h2(e[0][0], e[0][1]);
-    pa[p][1] = pack_h2(e[1][0], e[1][1]);
   }
   ps += __shfl_xor_sync(0xffffffffu, ps, 1);
   ps += __shfl_xor_sync(0xffffffffu, ps, 2);
   l_run = l_run * alpha + ps;
   m_run = m_new;
+  uint32_t pa[kN][2];  // P's A fragments: [p][0] = P[g][2t], P[g][2t+1]; [p][1] = P[g][2t+8], P[g][2t+9]
 #pragma unroll
-  for (int n2 = 0; n2 < 16; ++n2) {
-    acc[n2][0] *= alpha;
-    acc[n2][1] *= alpha;
+  for (int p = 0; p < kN; ++p) {
+    pa[p][0] = pack_h2(e[p][0][0], e[p][0][1]);
+    pa[p][1] = pack_h2(e[p][1][0], e[p][1][1]);
   }
 #pragma unroll
   for (int p = 0; p < kN; ++p) {
@@ -354,6 +363,10 @@ __device__ __forceinline__ void mma_page_step(const RingPage (&pg)[2], const uin
     const uint32_t* v3 = reinterpret_cast<const uint32_t*>(&v[p][3][0]);  // row 2t+9
 #pragma unroll
     for (int n2 = 0; n2 < 16; ++n2) {
+      if (p == 0) {  // the running sums rescaled once, before the step's first page adds to them
+        acc[n2][0] *= alpha;
+        acc[n2][1] *= alpha;
+      }
       const uint32_t sel = (n2 & 1) ? 0x7632u : 0x5410u;  // high or low halves of the two rows
       const uint32_t b0 = nq::prmt(v0[n2 >> 1], v1[n2 >> 1], sel);
       const uint32_t b1 = nq::prmt(v2[n2 >> 1], v3[n2 >> 1], sel);
