@@ -25,7 +25,8 @@ Each context range gets its own graphs, chosen by the bucket's longest sequence 
 launches a step), because decode attention's best grid depends on it (nanoqwen_kernels.attention):
 - up to SHORT_CONTEXT_TOKENS (1,024): the short-context launch, one cluster of 8 blocks per sequence and KV
   head. The default grid (7B at batch 1: 5 clusters, 160 blocks) reads such a sequence with its first cluster
-  alone, the other 128 blocks only start, wait for q/k/v and leave; the short grid's outputs are the same bits.
+  alone, the other 128 blocks only start, wait for q/k/v and leave. Its build's consumers take their pages
+  two at a time (attention SHORT_PAIR), so its outputs are the default grid's to fp16 rounding, not bit for bit.
   Its graph key's mode is the plain mode ("greedy").
 - from LONG_CONTEXT_TOKENS (8,192): the long-context build (clusters of up to 16 blocks: attention
   LONG_CLUSTER_MAX), which streams a long context faster but starts later behind the previous kernel than the
@@ -259,7 +260,7 @@ class DecodeStep:
     def launch_layer(self, ks, i: int, v: BucketViews, span: str = MID_SUFFIX) -> None:
         """Decoder layer i on v.x (in place, through v.y) for each row's token at its POS; span: the context
         range (context_span), which picks decode attention's launch and, for short contexts at batch 1, the
-        GEMV build of q/k/v and gate/up (nanoqwen_kernels.gemv b1_short_defines: the 7B's prologues shared by
+        GEMV build of q/k/v and gate/up (nanoqwen_kernels.gemv_b1 b1_short_defines: the 7B's prologues shared by
         clusters; it changes only the batch-1 loop, so a batch runs the default build)."""
         lw, eps = self.w.layers[i], self.cfg.rms_eps
         qkv_rope_kv, gate_up_silu = self.gemv_launchers(ks, span, v.x.shape[0])

@@ -201,8 +201,8 @@ class HostKernels:
 
     @_launcher
     def attention_decode_short(self, q, k_cache, v_cache, page_table, seq_len_dev, layer, out, workspace):
-        """The short-context launch: on the GPU the default build on one cluster per sequence; here the same
-        numbers, counted (short_calls)."""
+        """The short-context launch: on the GPU one cluster per sequence from a build pairing its pages (the same
+        attention up to rounding); here the same numbers, counted (short_calls)."""
         self.short_calls += 1
         self._attention_decode(q, k_cache, v_cache, page_table, seq_len_dev, layer, out)
 
