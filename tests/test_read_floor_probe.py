@@ -37,6 +37,8 @@ def test_cases_follow_the_options():
     assert all(c[:5] == (8.257, "rows2", 288, 8, 1) and c[8] == 3 for c in shaped)
     down = probe.cases(_args(down=True), sms=132)[len(plain):]
     assert {c[8] for c in down} == {2} and {c[4] for c in down} == {1, 2}
+    with pytest.raises(SystemExit, match="at most"):  # a prologue larger than the kernel's copy holds
+        probe.cases(_args(shape="8.257:288:3:50"), sms=132)
 
 
 @pytest.mark.parametrize("u,d", [(4, 1), (8, 1), (8, 2), (16, 1)])
