@@ -81,9 +81,8 @@ class PrefillPass:
                  graphs: bool = False, fp8: list[Fp8Layer] | None = None):
         """dense: every layer's matrices resident in f16 (weights.dense_layers): the GEMMs read them
         instead of dequantizing each INT4 matrix first (plan.choose_prefill_weights). graphs: replay a
-        captured pass per shape of pieces (GRAPH_BUCKETS; a shape runs eagerly on its first use and is
-        captured on its second, once one pass has run eagerly: cuBLAS handles, modules and workspaces
-        exist by then)."""
+        captured pass per shape of pieces (GRAPH_BUCKETS; a shape runs eagerly in the graph buffers on its
+        first use and is captured on its second: cuBLAS handles, modules and workspaces exist by then)."""
         self.dev, self.ks, self.w, self.cfg = dev, ks, weights, cfg
         self.k_cache, self.v_cache = k_cache, v_cache
         self.dense = dense
@@ -93,7 +92,6 @@ class PrefillPass:
         self.graphs = graphs
         self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()  # least recently used first
         self._gbuf: tuple | None = None  # (ids [R], x [R, H], buffers(R)) for R = GRAPH_MAX_ROWS
-        self._warm = False  # an eager pass has run (cuBLAS handles, modules, workspaces exist)
         self._ws = None
         self._fp8_bufs = None
 
@@ -144,10 +142,15 @@ class PrefillPass:
     def _pass(self, pieces):
         """One pass through the layers of the pieces' rows (<= PREFILL_CHUNK of them): (x, the row of x
         where each piece's rows begin)."""
-        buckets = self._graph_shape(pieces) if self.graphs and self._warm else None
+        # Every pass that fits a graph takes the graph buffers' shape (its pieces padded to their buckets), its
+        # first one too: that shape's first use runs eagerly there (_graph_pass), which is the warm-up capture
+        # needs. The process's first pass once ran eagerly at its own row count instead, and a GEMM of 18 rows
+        # does not round as one of 32 (cuBLAS, and numpy's BLAS in the host stand-in, block by shape), so the
+        # first prompt of a process could part from the same prompt later at a near-tie (the host stand-in:
+        # ~2% of seeds of test_failed_launch_leaves_backend_usable, found 2026-12-03).
+        buckets = self._graph_shape(pieces) if self.graphs else None
         if buckets is not None:
             return self._graph_pass(pieces, buckets)
-        self._warm = True
         dev = self.dev
         ids_host = np.concatenate([p[0] for p in pieces]).astype(np.int32)
         ids = dev.xp.empty(int(ids_host.shape[0]), dtype=np.int32)
