@@ -39,6 +39,7 @@ import json
 import statistics
 import sys
 import time
+from typing import NamedTuple
 
 COPY_BW = 4.19e12  # B/s, device-to-device copy measured on the H200 (docs/PERF.md "Method")
 
@@ -143,8 +144,20 @@ X16_MAX = 10 * 256  # the prologue's uint4s: 10 a thread (the kernel's t[10])
 PDL = {"plain": 0, "pdl": 1, "pdl+trig": 2}
 
 
-def cases(args, sms):
-    """(size MB, pattern, blocks, U, D, launch, pre, x KB, blocks an SM cap or 0) per case."""
+class Case(NamedTuple):
+    mb: float  # MB a launch reads
+    pattern: str  # MODES
+    blocks: int
+    u: int  # 16-byte loads a thread, a batch
+    d: int  # batches in flight
+    launch: str  # PDL
+    pre: int  # batches issued before the wait
+    x_kb: float  # the prologue's KB of x (0: none)
+    cap: int  # blocks an SM at most (0: not held)
+
+
+def cases(args, sms) -> list[Case]:
+    """The cases the options ask for."""
     out = []
     for mb in [float(x) for x in args.sizes_mb.split(",")]:
         grids = [("stride", b * sms) for b in (int(x) for x in args.blocks_per_sm.split(","))]
@@ -152,7 +165,7 @@ def cases(args, sms):
         for mode, grid in grids:
             for u in (int(x) for x in args.unroll.split(",")):
                 for pname in PDL:
-                    out.append((mb, mode, grid, u, 1, pname, 1, 0, 0))
+                    out.append(Case(mb, mode, grid, u, 1, pname, 1, 0, 0))
     if args.down:
         # down_proj's shape (7B: 35 MB, one 19.5 KB span a warp, 224 blocks, 2 blocks an SM by its
         # registers) with a prologue of x after the wait: none, its cluster-shared half (18.9 KB a block),
@@ -160,12 +173,12 @@ def cases(args, sms):
         for xkb in (0.0, 18.944, 37.888):
             for d, pre in ((1, 1), (2, 1), (2, 2)):
                 for pname in ("pdl", "pdl+trig"):
-                    out.append((35.0, "span", 224, 8, d, pname, pre, xkb, 2))
+                    out.append(Case(35.0, "span", 224, 8, d, pname, pre, xkb, 2))
         # the same with each warp's two rows read side by side, as a unit's loads are
         for xkb in (0.0, 18.944):
             for pname in ("pdl", "pdl+trig"):
-                out.append((35.0, "rows2", 224, 8, 1, pname, 1, xkb, 2))
-                out.append((35.0, "span", 224, 8, 1, pname, 1, xkb, 2))
+                out.append(Case(35.0, "rows2", 224, 8, 1, pname, 1, xkb, 2))
+                out.append(Case(35.0, "span", 224, 8, 1, pname, 1, xkb, 2))
     for spec in filter(None, args.shape.split(";")):
         # MB:blocks:blocks an SM:x KB, e.g. q/k/v's 8.257:288:3:7.168 (8.257 MB: one 2-row unit of 3,584 B a warp,
         # 3 blocks an SM by its 80 registers, all of x in the prologue)
@@ -174,7 +187,7 @@ def cases(args, sms):
             raise SystemExit(f"--shape {spec}: the prologue copies at most {X16_MAX * 16} bytes")
         for x in sorted({0.0, float(xkb)}):
             for pname in ("pdl", "pdl+trig"):
-                out.append((float(mb), "rows2", int(blocks), 8, 1, pname, 1, x, int(cap)))
+                out.append(Case(float(mb), "rows2", int(blocks), 8, 1, pname, 1, x, int(cap)))
     return out
 
 
@@ -203,7 +216,7 @@ def main() -> int:
     name = cp.cuda.runtime.getDeviceProperties(dev.id)["name"].decode()
     todo = cases(args, sms)
     fns = {}
-    for u, d in sorted({(c[3], c[4]) for c in todo}):
+    for u, d in sorted({(c.u, c.d) for c in todo}):
         k = cp.RawModule(code=SRC, options=("-std=c++17", f"-DU={u}", f"-DD={d}")).get_function("read_floor")
         k.max_dynamic_shared_size_bytes = smem_sm - 2048
         fns[u, d] = k.kernel  # the driver Function (.ptr) for cuLaunchKernelEx
@@ -213,11 +226,11 @@ def main() -> int:
     rng = cp.random.default_rng(1)
 
     rows = []
-    for mb in sorted({c[0] for c in todo}):
+    for mb in sorted({c.mb for c in todo}):
         n16 = int(mb * 1e6) // 16
         nbytes = n16 * 16
         buf = rng.integers(0, 2**32, size=(args.layers, n16, 4), dtype=cp.uint64).astype(cp.uint32)
-        for (_, mode, grid, u, d, pname, pre, xkb, cap) in (c for c in todo if c[0] == mb):
+        for _, mode, grid, u, d, pname, pre, xkb, cap in (c for c in todo if c.mb == mb):
             fn, p = fns[u, d], PDL[pname]
             x16 = int(xkb * 1000) // 16
             smem = max(x16 * 16, smem_sm // cap - 2048 if cap else 0)  # cap: at most that many blocks an SM

@@ -29,14 +29,15 @@ def test_cases_follow_the_options():
     plain = probe.cases(_args(), sms=132)
     # sizes x (2 stride grids + 1 span grid) x unroll x launch modes, no prologue, no cap
     assert len(plain) == 2 * 3 * 2 * 3
-    assert {c[2] for c in plain if c[1] == "stride"} == {132, 264}
-    assert all(c[7] == 0 and c[8] == 0 for c in plain)
+    assert {c.blocks for c in plain if c.pattern == "stride"} == {132, 264}
+    assert all(c.x_kb == 0 and c.cap == 0 for c in plain)
     shaped = probe.cases(_args(shape="8.257:288:3:7.168"), sms=132)[len(plain):]
     # with and without the prologue, with and without the release
-    assert sorted((c[7], c[5]) for c in shaped) == [(0.0, "pdl"), (0.0, "pdl+trig"), (7.168, "pdl"), (7.168, "pdl+trig")]
-    assert all(c[:5] == (8.257, "rows2", 288, 8, 1) and c[8] == 3 for c in shaped)
+    assert sorted((c.x_kb, c.launch) for c in shaped) == [(0.0, "pdl"), (0.0, "pdl+trig"), (7.168, "pdl"),
+                                                          (7.168, "pdl+trig")]
+    assert all(c[:5] == (8.257, "rows2", 288, 8, 1) and c.cap == 3 for c in shaped)
     down = probe.cases(_args(down=True), sms=132)[len(plain):]
-    assert {c[8] for c in down} == {2} and {c[4] for c in down} == {1, 2}
+    assert {c.cap for c in down} == {2} and {c.d for c in down} == {1, 2}
     with pytest.raises(SystemExit, match="at most"):  # a prologue larger than the kernel's copy holds
         probe.cases(_args(shape="8.257:288:3:50"), sms=132)
 

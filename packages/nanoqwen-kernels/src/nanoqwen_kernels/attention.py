@@ -47,9 +47,9 @@ CLUSTER_MAXES = (CLUSTER_MAX, LONG_CLUSTER_MAX)
 # kernel's NQ_DECODE_MIN_CLUSTER_PAGES pages) is read by its first cluster alone in any grid, so the default
 # grid's other clusters (7B at batch 1: 4 of 5, 128 of 160 blocks) only start, wait and leave; this grid
 # launches none of them (launched from the default build it gave the default grid's outputs bit for bit at
-# those lengths; its own build, SHORT_PAIR below, regroups the softmax). Longer sequences are still right on it, one cluster streaming every page (slower). The decode step
-# launches it from a graph of its own while every sequence of its batch is this short (nanoqwen_engine's
-# decode step, SHORT_CONTEXT_TOKENS there).
+# those lengths; its own build, SHORT_PAIR below, regroups the softmax). Longer sequences are still right on
+# it, one cluster streaming every page (slower). The decode step launches it from a graph of its own while
+# every sequence of its batch is this short (nanoqwen_engine's decode step, SHORT_CONTEXT_TOKENS there).
 SHORT_CONTEXT_TOKENS = 64 * PAGE_TOKENS  # NQ_DECODE_MIN_CLUSTER_PAGES (attention_decode.cu) x 16
 # The short-context launch's build: its consumer warps take their pages two at a time (NQ_DECODE_PAIR,
 # attention_decode_ring.cuh mma_page_step<2>). H200, decode protocol (512-token prompt + 128), ms/token, three
