@@ -62,10 +62,23 @@ __device__ __forceinline__ u64 at(u64 j, int mode, u64 half, u64 wbase) {
 // rest right after it. x16 > 0: a prologue after the wait (and after those loads), as a GEMV's staging of x:
 // the block copies x16 uint4s of xg (the same for every block: L2-resident) into shared memory, one load
 // each a thread first, then the stores, then a block barrier; the loop then reads one of them.
+// xbulk = 1: the same bytes by one cp.async.bulk (the copy engine, not the threads' load queue, which holds
+// the weights' loads), thread 0 issuing it right after the wait; every thread waits on its mbarrier.
+__device__ __forceinline__ unsigned su32(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
 extern "C" __global__ void __launch_bounds__(256) read_floor(const uint4* __restrict__ w, u64 n16,
                                                              unsigned* sink, int mode, int pdl, int pre,
-                                                             const uint4* __restrict__ xg, int x16) {
+                                                             const uint4* __restrict__ xg, int x16, int xbulk) {
   extern __shared__ uint4 xs[];
+  __shared__ u64 xbar;
+  if (xbulk && x16 > 0) {
+    if (threadIdx.x == 0) {
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(su32(&xbar)) : "memory");
+      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+  }
   uint4 v[D][U];
   unsigned acc = 0;
   u64 first, step, end, half = 0, wbase = 0;
@@ -105,7 +118,20 @@ extern "C" __global__ void __launch_bounds__(256) read_floor(const uint4* __rest
     if (pdl) asm volatile("griddepcontrol.wait;" ::: "memory");
     if (pdl == 2) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   }
-  if (x16 > 0) {
+  if (x16 > 0 && xbulk) {
+    if (threadIdx.x == 0) {
+      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(su32(&xbar)), "r"(x16 * 16)
+                   : "memory");
+      asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                   ::"r"(su32(xs)), "l"(xg), "r"(x16 * 16), "r"(su32(&xbar)) : "memory");
+    }
+    unsigned done;
+    do {
+      asm volatile("{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0;\n\t"
+                   "selp.u32 %0, 1, 0, p;\n\t}" : "=r"(done) : "r"(su32(&xbar)) : "memory");
+    } while (!done);
+    acc ^= xs[(threadIdx.x * 7) % x16].x;
+  } else if (x16 > 0) {
     uint4 t[10];
 #pragma unroll
     for (int k = 0; k < 10; ++k) {
@@ -154,6 +180,7 @@ class Case(NamedTuple):
     pre: int  # batches issued before the wait
     x_kb: float  # the prologue's KB of x (0: none)
     cap: int  # blocks an SM at most (0: not held)
+    x_bulk: int = 0  # 1: the prologue's x by one bulk copy (the copy engine), 0: by the threads' loads
 
 
 def cases(args, sms) -> list[Case]:
@@ -188,6 +215,8 @@ def cases(args, sms) -> list[Case]:
         for x in sorted({0.0, float(xkb)}):
             for pname in ("pdl", "pdl+trig"):
                 out.append(Case(float(mb), "rows2", int(blocks), 8, 1, pname, 1, x, int(cap)))
+    if args.x_bulk:  # every case with a prologue again, its x by one bulk copy
+        out += [c._replace(x_bulk=1) for c in out if c.x_kb > 0]
     return out
 
 
@@ -201,6 +230,8 @@ def main() -> int:
                     help="grids of the span pattern, in blocks (224: down_proj's 1,792 warps)")
     ap.add_argument("--down", action="store_true", help="also down_proj's shape with an emulated x prologue")
     ap.add_argument("--shape", default="", help="more cases, 'MB:blocks:blocks an SM:x KB;...' (rows2, U = 8)")
+    ap.add_argument("--x-bulk", action="store_true",
+                    help="also every case with a prologue, its x copied by one cp.async.bulk instead of loads")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--json", default=None)
@@ -230,15 +261,15 @@ def main() -> int:
         n16 = int(mb * 1e6) // 16
         nbytes = n16 * 16
         buf = rng.integers(0, 2**32, size=(args.layers, n16, 4), dtype=cp.uint64).astype(cp.uint32)
-        for _, mode, grid, u, d, pname, pre, xkb, cap in (c for c in todo if c.mb == mb):
+        for _, mode, grid, u, d, pname, pre, xkb, cap, xbulk in (c for c in todo if c.mb == mb):
             fn, p = fns[u, d], PDL[pname]
             x16 = int(xkb * 1000) // 16
             smem = max(x16 * 16, smem_sm // cap - 2048 if cap else 0)  # cap: at most that many blocks an SM
 
-            def body(fn=fn, grid=grid, mode=mode, p=p, pre=pre, x16=x16, smem=smem, buf=buf, n16=n16):
+            def body(fn=fn, grid=grid, mode=mode, p=p, pre=pre, x16=x16, smem=smem, buf=buf, n16=n16, xb=xbulk):
                 for layer in range(args.layers):
                     pdl.launch(fn, (grid,), (256,), (buf[layer], np.uint64(n16), sink, np.int32(MODES[mode]),
-                                                     np.int32(p), np.int32(pre), xg, np.int32(x16)),
+                                                     np.int32(p), np.int32(pre), xg, np.int32(x16), np.int32(xb)),
                                smem, stream.ptr, programmatic=p > 0)
             with stream:
                 body()
@@ -259,17 +290,19 @@ def main() -> int:
                     times.append(cp.cuda.get_elapsed_time(e0, e1) / 1e3 / args.reps / args.layers)
             t = statistics.median(times)
             rows.append({"mb": nbytes / 1e6, "pattern": mode, "blocks": grid, "unroll": u, "depth": d,
-                         "launch": pname, "pre_wait_batches": pre, "x_kb": xkb, "blocks_per_sm_cap": cap,
+                         "launch": pname, "pre_wait_batches": pre, "x_kb": xkb, "x_bulk": xbulk,
+                         "blocks_per_sm_cap": cap,
                          "us": t * 1e6, "floor_us": nbytes / COPY_BW * 1e6, "pct_copy": 100 * nbytes / COPY_BW / t})
         del buf
         cp.get_default_memory_pool().free_all_blocks()
 
     print(f"read floor of one launch, {name}, {args.layers} launches a graph, random data, {time.strftime('%Y-%m-%d')}")
-    print(f"{'MB':>6s} {'pattern':>7s} {'blocks':>6s} {'U':>3s} {'D':>2s} {'pre':>3s} {'x KB':>5s} {'cap':>3s} "
-          f"{'launch':>9s} {'us':>7s} {'floor':>6s} {'% copy':>7s}")
+    print(f"{'MB':>6s} {'pattern':>7s} {'blocks':>6s} {'U':>3s} {'D':>2s} {'pre':>3s} {'x KB':>5s} {'x by':>4s} "
+          f"{'cap':>3s} {'launch':>9s} {'us':>7s} {'floor':>6s} {'% copy':>7s}")
     for r in rows:
         print(f"{r['mb']:6.2f} {r['pattern']:>7s} {r['blocks']:6d} {r['unroll']:3d} {r['depth']:2d} "
-              f"{r['pre_wait_batches']:3d} {r['x_kb']:5.1f} {r['blocks_per_sm_cap']:3d} {r['launch']:>9s} "
+              f"{r['pre_wait_batches']:3d} {r['x_kb']:5.1f} {'bulk' if r['x_bulk'] else 'ld':>4s} "
+              f"{r['blocks_per_sm_cap']:3d} {r['launch']:>9s} "
               f"{r['us']:7.2f} {r['floor_us']:6.2f} {r['pct_copy']:6.1f}%")
     print("best per size (no prologue, no cap):")
     for mb in sorted({r["mb"] for r in rows}):

@@ -20,7 +20,8 @@ def _probe():
 
 
 def _args(**kw):
-    base = dict(sizes_mb="8.53,35.0", blocks_per_sm="1,2", unroll="4,8", span_blocks="224", down=False, shape="")
+    base = dict(sizes_mb="8.53,35.0", blocks_per_sm="1,2", unroll="4,8", span_blocks="224", down=False, shape="",
+                x_bulk=False)
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -38,6 +39,10 @@ def test_cases_follow_the_options():
     assert all(c[:5] == (8.257, "rows2", 288, 8, 1) and c.cap == 3 for c in shaped)
     down = probe.cases(_args(down=True), sms=132)[len(plain):]
     assert {c.cap for c in down} == {2} and {c.d for c in down} == {1, 2}
+    bulk = probe.cases(_args(shape="8.257:288:3:7.168", x_bulk=True), sms=132)[len(plain) + len(shaped):]
+    # every case with a prologue once more, its x by the bulk copy; none without one
+    assert [c._replace(x_bulk=0) for c in bulk] == [c for c in shaped if c.x_kb > 0]
+    assert all(c.x_bulk == 1 for c in bulk) and not any(c.x_bulk for c in shaped)
     with pytest.raises(SystemExit, match="at most"):  # a prologue larger than the kernel's copy holds
         probe.cases(_args(shape="8.257:288:3:50"), sms=132)
 
