@@ -18,7 +18,8 @@
 # pdl (NANOQWEN_PDL=0/1 A/B), prefill (prefill graphs A/B, 7B and the 1.5B's dims),
 # (scripts/decode_breakdown.py: the decode step's time per kernel family vs its byte floor, batch 1 at
 # context 640, then batch 32 at context 384, then the step timeline of a stamped build, then the read floor of
-# one launch: scripts/read_floor_probe.py), peer (scripts/peer_transformers.py: HF transformers bf16
+# one launch: scripts/read_floor_probe.py, then the down_proj -> q/k/v hand-off as two launches or one kernel:
+# scripts/handoff_probe.py), peer (scripts/peer_transformers.py: HF transformers bf16
 # eager, same shape and protocol, then its prefill at 512 / 2k / 8k / 32k tokens; needs torch), real (the real 1.5B: conversion, tier, bench), serve,
 # llamacpp (llama.cpp on the real 1.5B only), and, not in the default set, peers (issue 18: nanoqwen beside
 # llama.cpp and transformers on the 7B-shaped model and the real 1.5B, the same shapes on both sides, and
@@ -214,6 +215,8 @@ if want breakdown; then
   run read_floor 120 $PY scripts/read_floor_probe.py --down \
     --shape "8.257:288:3:7.168;6.423:224:3:7.168;67.9:395:3:7.168;33.95:224:2:18.944" \
     --json "$WORK/logs/read_floor.json"
+  # the down_proj -> q/k/v hand-off as two launches or as one kernel with a grid barrier (handoff_probe.py)
+  run handoff 90 $PY scripts/handoff_probe.py --json "$WORK/logs/handoff.json"
 fi
 # Hardware counters of the batch-1 GEMVs (not in the default set: GPU_ALL_SECTIONS="info ncu"): Nsight
 # Compute on each half2-loop entry at the 7B's shapes, one launch each after warm-up, the lines that say
