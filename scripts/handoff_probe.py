@@ -154,12 +154,27 @@ extern "C" __global__ void __launch_bounds__(256) two(const uint4* __restrict__ 
 VARIANTS = ("launches", "launches/264", "one kernel", "one kernel, B early")
 
 
+def launch_shapes(spec: str) -> list[tuple[int, int, int, int]]:
+    """--launches "224/2:288/3,264/2:264/2": more two-launch variants, A's blocks/blocks an SM : B's."""
+    out = []
+    for part in filter(None, spec.split(",")):
+        a, b = part.split(":")
+        (ga, ca), (gb, cb) = (tuple(int(v) for v in x.split("/")) for x in (a, b))
+        out.append((ga, ca, gb, cb))
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--layers", type=int, default=28)
+    ap.add_argument("--launches", default="", help="more two-launch shapes, 'A blocks/an SM:B blocks/an SM,...'")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    shapes = {"launches": (A_BLOCKS, A_CAP, B_BLOCKS, B_CAP)}
+    shapes["launches/264"] = (132 * PERSISTENT_PER_SM, PERSISTENT_PER_SM) * 2  # (the grid on 132 SMs)
+    for ga, ca, gb, cb in launch_shapes(args.launches):
+        shapes[f"launches {ga}/{ca}:{gb}/{cb}"] = (ga, ca, gb, cb)
 
     import cupy as cp
     import numpy as np
@@ -194,8 +209,9 @@ def main() -> int:
     def body(variant):
         for layer in range(args.layers):
             if variant.startswith("launches"):
-                ga, gb = (A_BLOCKS, B_BLOCKS) if variant == "launches" else (grid2, grid2)
-                ca, cb = (A_CAP, B_CAP) if variant == "launches" else (PERSISTENT_PER_SM, PERSISTENT_PER_SM)
+                ga, ca, gb, cb = shapes[variant]
+                if variant == "launches/264":
+                    ga = gb = grid2
                 pdl.launch(k_one.kernel, (ga,), (256,), (wa[layer], np.uint64(na16), sink, xg, np.int32(xa16)),
                            cap(ca), stream.ptr)
                 pdl.launch(k_one.kernel, (gb,), (256,), (wb[layer], np.uint64(nb16), sink, xg, np.int32(xb16)),
@@ -208,7 +224,7 @@ def main() -> int:
 
     floor_us = (na16 + nb16) * 16 / COPY_BW * 1e6
     rows = []
-    for variant in VARIANTS:
+    for variant in (*VARIANTS, *list(shapes)[2:]):
         with stream:
             body(variant)
             stream.synchronize()
@@ -232,9 +248,9 @@ def main() -> int:
 
     print(f"hand-off probe, {name}: down_proj's {A_MB} MB then q/k/v's {B_MB} MB a layer, {args.layers} layers a "
           f"graph, random data, {time.strftime('%Y-%m-%d')}")
-    print(f"{'variant':<22s} {'us a layer':>10s} {'floor':>6s} {'% copy':>7s} {'spread':>6s}")
+    print(f"{'variant':<30s} {'us a layer':>10s} {'floor':>6s} {'% copy':>7s} {'spread':>6s}")
     for r in rows:
-        print(f"{r['variant']:<22s} {r['us_per_layer']:10.2f} {r['floor_us']:6.2f} {r['pct_copy']:6.1f}% "
+        print(f"{r['variant']:<30s} {r['us_per_layer']:10.2f} {r['floor_us']:6.2f} {r['pct_copy']:6.1f}% "
               f"{r['spread_us']:6.2f}")
     if args.json:
         with open(args.json, "w") as f:
