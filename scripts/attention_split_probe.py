@@ -1,7 +1,7 @@
 """Decode attention at batch 1 under other page splits: which (cluster size C, clusters n) grid is fastest at
 each context, on the 7B's and the 1.5B's dims (issue 15's attention line and its 32k line).
 
-    PYTHONPATH=packages/nanoqwen-kernels/src python scripts/attention_split_probe.py [--ctx 640,32768] [--variant mma8] [--stages 16] [--grids 3] [--grids-spec "7B:8x5,8x4;1.5B:8x9"] [--cluster-max 16]
+    PYTHONPATH=packages/nanoqwen-kernels/src python scripts/attention_split_probe.py [--ctx 640,32768] [--variant fma] [--stages 16] [--grids 3] [--grids-spec "7B:8x5,8x4;1.5B:8x9"] [--cluster-max 16]
 
 The launcher sizes the grid as n_kv x C x n blocks from the SM count (attention.py decode_clusters: 7B
 (8, 5) = 160 blocks on 132 SMs, the 1.5B (8, 9) = 144), so some SMs hold two blocks of equal work; this

@@ -10,7 +10,7 @@ exactly 0.
 
 Tolerance (fp16 output of an fp32 computation): |out - ref| <= 2e-4 + 4e-3 |ref|. fp16 rounding alone
 is 2^-11 |ref| ~ 4.9e-4 |ref|; the rest is fp32 accumulation over up to 32768 positions and exp2f.
-The tensor-core bodies ("mma", "mma8") round p to fp16 before P.V (as FlashAttention does): at most
+The tensor-core body ("mma") rounds p to fp16 before P.V (as FlashAttention does): at most
 2^-11 sum_t p_t |v_t| (p normalised) more, added with a 25% margin for them.
 """
 
@@ -25,7 +25,7 @@ gpu = pytest.mark.skipif(not OK, reason=REASON)
 DIMS = {"7b": QWEN25_7B, "tiny": TINY}
 
 
-VARIANTS = ["fma", "mma", "mma8"]  # consumer bodies (nanoqwen_kernels.attention.VARIANTS)
+VARIANTS = ["fma", "mma"]  # consumer bodies (nanoqwen_kernels.attention.VARIANTS)
 MIXED = [1, 15, 16, 17, 1000, 5000]
 LL_FLAG = 0x4E514C4C  # attention_decode.cu's kLlFlag: a flagged-fold word's high half  # lengths the batches cycle through (page boundaries and long rows)
 

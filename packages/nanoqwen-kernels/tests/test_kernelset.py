@@ -12,7 +12,7 @@ from nanoqwen_kernels.gemv import DEFAULT_GEMV_VARIANT, GEMV_KINDS, GEMV_VARIANT
 @pytest.mark.parametrize("how", ["argument", "environment"])
 @pytest.mark.parametrize("kwarg,env,message", [
     ("gemv_variant", "NANOQWEN_GEMV_VARIANT", "unknown INT4 GEMV variant 'fastest'.*default, mma, tiles, a8"),
-    ("attention_variant", "NANOQWEN_ATTENTION_VARIANT", "unknown decode attention variant 'fastest'.*fma, mma, mma8"),
+    ("attention_variant", "NANOQWEN_ATTENTION_VARIANT", "unknown decode attention variant 'fastest'.*fma, mma"),
 ])
 def test_unknown_variant_is_a_clear_error(how, kwarg, env, message, monkeypatch):
     kw = {}
@@ -185,11 +185,11 @@ def test_attention_variant_reaches_the_attention_build(how, monkeypatch):
     monkeypatch.setattr(kernelset, "AttentionKernels", Attn)
     kw = {}
     if how == "argument":
-        kw["attention_variant"] = "mma8"
+        kw["attention_variant"] = "fma"
     elif how == "environment":
-        monkeypatch.setenv("NANOQWEN_ATTENTION_VARIANT", "mma8")
+        monkeypatch.setenv("NANOQWEN_ATTENTION_VARIANT", "fma")
     ks = KernelSet(TINY, arch="sm_90a", **kw)
-    want = attention.DEFAULT_VARIANT if how == "default" else "mma8"
+    want = attention.DEFAULT_VARIANT if how == "default" else "fma"
     assert ks.attention_variant == want
     # the default build, the long-context one (clusters of up to 16) and the short-context launch (one cluster
     # a sequence, its consumers taking pages two at a time), all of the variant
