@@ -29,27 +29,21 @@ never an assertion.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
+from pathlib import Path
 
-COPY_BW = 4.19e12  # B/s, device-to-device copy measured on the H200 (docs/PERF.md "Method")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from read_floor_probe import COPY_BW, LD_W, STAGE_X, X16_MAX, time_graph, write_json  # noqa: E402  (shared)
+
 U = 8  # 16-byte loads a lane in flight
 A_MB, A_BLOCKS, A_CAP, A_XKB = 33.95, 224, 2, 18.944  # the 7B's down_proj: bytes, grid, blocks an SM, x
 B_MB, B_BLOCKS, B_CAP, B_XKB = 8.257, 288, 3, 7.168  # the 7B's q/k/v
 PERSISTENT_PER_SM = 2  # blocks an SM of the one-kernel grid (its registers and shared memory allow 2)
-X16_MAX = 10 * 256  # the prologue's uint4s: 10 a thread
 
-SRC = r"""
-typedef unsigned long long u64;
+SRC = LD_W + STAGE_X + r"""
 #define MAGIC 0x9e3779b9u
-__device__ __forceinline__ uint4 ld_w(const uint4* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
-}
 __device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
   unsigned v;
   asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
@@ -89,22 +83,9 @@ __device__ __forceinline__ unsigned stream(const uint4* w, Span sp, uint4 (&v)[U
   }
   return acc;
 }
-// a GEMV's staging of x: x16 uint4s from L2 into shared memory (every load first), a block barrier
+// x's prologue after the wait (x16 = 0: none)
 __device__ __forceinline__ unsigned prologue(const uint4* __restrict__ xg, int x16, uint4* xs) {
-  if (x16 <= 0) return 0;
-  uint4 t[10];
-#pragma unroll
-  for (int k = 0; k < 10; ++k) {
-    const int i = k * 256 + threadIdx.x;
-    if (i < x16) t[k] = xg[i];
-  }
-#pragma unroll
-  for (int k = 0; k < 10; ++k) {
-    const int i = k * 256 + threadIdx.x;
-    if (i < x16) xs[i] = t[k];
-  }
-  __syncthreads();
-  return xs[(threadIdx.x * 7) % x16].x;
+  return x16 > 0 ? stage_x(xg, x16, xs) : 0u;
 }
 // one matrix a launch
 extern "C" __global__ void __launch_bounds__(256) one(const uint4* __restrict__ w, u64 n16, unsigned* sink,
@@ -225,23 +206,7 @@ def main() -> int:
     floor_us = (na16 + nb16) * 16 / COPY_BW * 1e6
     rows = []
     for variant in (*VARIANTS, *list(shapes)[2:]):
-        with stream:
-            body(variant)
-            stream.synchronize()
-            stream.begin_capture()
-            body(variant)
-            g = stream.end_capture()
-            g.launch(stream)
-            stream.synchronize()
-            times = []
-            for _ in range(5):
-                e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-                e0.record(stream)
-                for _ in range(args.reps):
-                    g.launch(stream)
-                e1.record(stream)
-                e1.synchronize()
-                times.append(cp.cuda.get_elapsed_time(e0, e1) * 1e3 / args.reps / args.layers)
+        times = [t * 1e6 for t in time_graph(stream, lambda v=variant: body(v), args.reps, args.layers, rounds=5)]
         t = statistics.median(times)
         rows.append({"variant": variant, "us_per_layer": t, "floor_us": floor_us, "pct_copy": 100 * floor_us / t,
                      "spread_us": max(times) - min(times)})
@@ -252,10 +217,7 @@ def main() -> int:
     for r in rows:
         print(f"{r['variant']:<30s} {r['us_per_layer']:10.2f} {r['floor_us']:6.2f} {r['pct_copy']:6.1f}% "
               f"{r['spread_us']:6.2f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"gpu_name": name, "sms": sms, "layers": args.layers, "rows": rows,
-                       "date": time.strftime("%Y-%m-%d")}, f, indent=2)
+    write_json(args.json, name, sms, args.layers, rows)
     return 0
 
 

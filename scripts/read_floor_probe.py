@@ -43,7 +43,9 @@ from typing import NamedTuple
 
 COPY_BW = 4.19e12  # B/s, device-to-device copy measured on the H200 (docs/PERF.md "Method")
 
-SRC = r"""
+# The CUDA pieces the probes share (scripts/handoff_probe.py builds its kernels from them too): a weight load
+# (16 bytes, no L1 allocation, as the GEMVs' weights) and a GEMV's staging of x.
+LD_W = r"""
 typedef unsigned long long u64;
 __device__ __forceinline__ uint4 ld_w(const uint4* p) {
   uint4 v;
@@ -51,6 +53,28 @@ __device__ __forceinline__ uint4 ld_w(const uint4* p) {
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
   return v;
 }
+"""
+STAGE_X = r"""
+// a GEMV's staging of x: the block copies x16 (> 0) uint4s of xg (L2-resident) into shared memory, one load each
+// a thread first, then the stores, then a block barrier; returns one of them (so the copy is not dropped)
+__device__ __forceinline__ unsigned stage_x(const uint4* __restrict__ xg, int x16, uint4* xs) {
+  uint4 t[10];
+#pragma unroll
+  for (int k = 0; k < 10; ++k) {
+    const int i = k * 256 + threadIdx.x;
+    if (i < x16) t[k] = xg[i];
+  }
+#pragma unroll
+  for (int k = 0; k < 10; ++k) {
+    const int i = k * 256 + threadIdx.x;
+    if (i < x16) xs[i] = t[k];
+  }
+  __syncthreads();
+  return xs[(threadIdx.x * 7) % x16].x;
+}
+"""
+
+SRC = LD_W + STAGE_X + r"""
 // word j of a warp's walk: itself, or in mode 2 (two rows) step j / 32 alternating between the rows
 __device__ __forceinline__ u64 at(u64 j, int mode, u64 half, u64 wbase) {
   if (mode != 2) return j;
@@ -59,9 +83,8 @@ __device__ __forceinline__ u64 at(u64 j, int mode, u64 half, u64 wbase) {
 }
 // MODE 0: grid stride; 1: a contiguous span per warp. PDL 0: none; 1: wait; 2: wait, then release.
 // D batches of U words a thread in flight (a ring of registers); `pre` of them issued before the wait, the
-// rest right after it. x16 > 0: a prologue after the wait (and after those loads), as a GEMV's staging of x:
-// the block copies x16 uint4s of xg (the same for every block: L2-resident) into shared memory, one load
-// each a thread first, then the stores, then a block barrier; the loop then reads one of them.
+// rest right after it. x16 > 0: a prologue after the wait (and after those loads), as a GEMV's staging of x
+// (stage_x; xg is the same for every block).
 // xbulk = 1: the same bytes by one cp.async.bulk (the copy engine, not the threads' load queue, which holds
 // the weights' loads), thread 0 issuing it right after the wait; every thread waits on its mbarrier.
 __device__ __forceinline__ unsigned su32(const void* p) {
@@ -132,19 +155,7 @@ extern "C" __global__ void __launch_bounds__(256) read_floor(const uint4* __rest
     } while (!done);
     acc ^= xs[(threadIdx.x * 7) % x16].x;
   } else if (x16 > 0) {
-    uint4 t[10];
-#pragma unroll
-    for (int k = 0; k < 10; ++k) {
-      const int i = k * 256 + threadIdx.x;
-      if (i < x16) t[k] = xg[i];
-    }
-#pragma unroll
-    for (int k = 0; k < 10; ++k) {
-      const int i = k * 256 + threadIdx.x;
-      if (i < x16) xs[i] = t[k];
-    }
-    __syncthreads();
-    acc ^= xs[(threadIdx.x * 7) % x16].x;
+    acc ^= stage_x(xg, x16, xs);
   }
   for (u64 i = first;; ) {
 #pragma unroll
@@ -164,6 +175,39 @@ extern "C" __global__ void __launch_bounds__(256) read_floor(const uint4* __rest
   if (acc == 0x9e3779b9u) sink[0] = acc;  // (random data: a chance of 2^-32 a thread; the store costs nothing)
 }
 """
+
+def time_graph(stream, body, reps: int, per: int, rounds: int = 3) -> list[float]:
+    """Capture body() (after one eager warm-up) into a CUDA graph on `stream`, replay it once, then `rounds`
+    times replay it `reps` times between events: seconds per graph / per (the launches a graph), each round."""
+    import cupy as cp
+
+    with stream:
+        body()
+        stream.synchronize()
+        stream.begin_capture()
+        body()
+        g = stream.end_capture()
+        g.launch(stream)
+        stream.synchronize()
+        times = []
+        for _ in range(rounds):
+            e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+            e0.record(stream)
+            for _ in range(reps):
+                g.launch(stream)
+            e1.record(stream)
+            e1.synchronize()
+            times.append(cp.cuda.get_elapsed_time(e0, e1) / 1e3 / reps / per)
+    return times
+
+
+def write_json(path: str | None, name: str, sms: int, layers: int, rows: list[dict]) -> None:
+    """A probe's record (docs/perf/): the device, the layers a graph and its rows, dated."""
+    if path:
+        with open(path, "w") as f:
+            json.dump({"gpu_name": name, "sms": sms, "layers": layers, "rows": rows,
+                       "date": time.strftime("%Y-%m-%d")}, f, indent=2)
+
 
 MODES = {"stride": 0, "span": 1, "rows2": 2}
 X16_MAX = 10 * 256  # the prologue's uint4s: 10 a thread (the kernel's t[10])
@@ -271,24 +315,7 @@ def main() -> int:
                     pdl.launch(fn, (grid,), (256,), (buf[layer], np.uint64(n16), sink, np.int32(MODES[mode]),
                                                      np.int32(p), np.int32(pre), xg, np.int32(x16), np.int32(xb)),
                                smem, stream.ptr, programmatic=p > 0)
-            with stream:
-                body()
-                stream.synchronize()
-                stream.begin_capture()
-                body()
-                g = stream.end_capture()
-                g.launch(stream)
-                stream.synchronize()
-                times = []
-                for _ in range(3):
-                    e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-                    e0.record(stream)
-                    for _ in range(args.reps):
-                        g.launch(stream)
-                    e1.record(stream)
-                    e1.synchronize()
-                    times.append(cp.cuda.get_elapsed_time(e0, e1) / 1e3 / args.reps / args.layers)
-            t = statistics.median(times)
+            t = statistics.median(time_graph(stream, body, args.reps, args.layers))
             rows.append({"mb": nbytes / 1e6, "pattern": mode, "blocks": grid, "unroll": u, "depth": d,
                          "launch": pname, "pre_wait_batches": pre, "x_kb": xkb, "x_bulk": xbulk,
                          "blocks_per_sm_cap": cap,
@@ -312,10 +339,7 @@ def main() -> int:
         best = min(free, key=lambda r: r["us"])
         print(f"  {mb:6.2f} MB: {best['us']:.2f} us ({best['pct_copy']:.1f}% of the copy rate; floor "
               f"{best['floor_us']:.2f}): {best['pattern']} {best['blocks']} blocks, U={best['unroll']}, {best['launch']}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"gpu_name": name, "sms": sms, "layers": args.layers, "rows": rows,
-                       "date": time.strftime("%Y-%m-%d")}, f, indent=2)
+    write_json(args.json, name, sms, args.layers, rows)
     return 0
 
 
