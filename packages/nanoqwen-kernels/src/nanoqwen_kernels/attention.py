@@ -22,8 +22,8 @@ DECODE_SOURCES = ["attention_decode.cu"]
 DECODE_STAGES = 8  # ring slots of 8 KiB (K+V page): 64 KiB in flight per SM (Little's law needs ~32 KB)
 # Consumer variants: "fma" = fp32 dot products on CUDA cores; "mma" = mma.sync m16n8k16 on tensor cores (fp16
 # in, fp32 accumulate, P rounded to fp16 as FlashAttention does); 4 consumer warps each. Default "mma":
-# measured against "fma" in the engine on the H200 (docs/PERF.md, 2026-11-30 fifth lease): 7B decode at depth 0 2.07 -> 2.01 ms/token, bench_batch steps at B = 8 / 32 / 64 3.16 / 4.96 /
-# 8.37 -> 3.08 / 4.73 / 8.10 ms. "fma" stays as the numerically tighter body (every variant passes the same
+# measured against "fma" in the engine on the H200 (docs/PERF.md, 2026-11-30 fifth lease): 7B decode at depth
+# 0 2.07 -> 2.01 ms/token, bench_batch steps at B = 8 / 32 / 64 3.16 / 4.96 / 8.37 -> 3.08 / 4.73 / 8.10 ms. "fma" stays as the numerically tighter body (every variant passes the same
 # GPU tests; bench_attention.py runs each variant in its own process). The consumer count is the
 # variant's: a NQ_DECODE_CONSUMERS knob through $NANOQWEN_KERNEL_DEFINES would disagree with the launch's
 # threads and shared memory sized here.

@@ -5,9 +5,9 @@
 // little arithmetic, so what matters is keeping bytes in flight. One producer warp (one lane of it)
 // issues cp.async.bulk copies of whole 4 KiB K and V slices into a ring; the copy engine, not
 // registers, carries them, and completion lands on an mbarrier as transaction bytes. The consumer
-// warps (NQ_DECODE_CONSUMERS: 4, attention.py's variants) take ring slots round-robin (page i -> warp i % consumers), each
-// keeping its own online-softmax state (fp32) for the G query heads of this KV head, and hand a slot
-// back through its "empty" mbarrier. Consumers never wait for each other inside the loop; their states
+// warps (NQ_DECODE_CONSUMERS: 4, attention.py's variants) take ring slots round-robin (page i -> warp
+// i % consumers), each keeping its own online-softmax state (fp32) for the G query heads of this KV head,
+// and hand a slot back through its "empty" mbarrier. Consumers never wait for each other inside the loop; their states
 // merge once at the end. Two consumer bodies (NQ_DECODE_MMA): fp32 FMAs on CUDA cores, or mma.sync on
 // tensor cores (fp16 operands as stored, fp32 accumulate, P rounded to fp16 as FlashAttention does).
 // The CUDA-core body runs at ~41% of the copy rate at 32k context (docs/PERF.md): it is
@@ -382,7 +382,8 @@ __device__ __forceinline__ void mma_page_step(const RingPage (&pg)[2], const uin
 #ifndef NQ_DECODE_PAIR
 #define NQ_DECODE_PAIR 0
 #endif
-// two pages of each consumer fit in the ring at once (a build with as many consumers as slots takes one at a time)
+// two pages of each consumer fit in the ring at once (a build with as many consumers as slots takes one at a
+// time)
 constexpr bool kPair = NQ_DECODE_PAIR && kStages >= 2 * kConsumers;
 
 __device__ __forceinline__ void consume_mma(int c, int lane, const unsigned char* ring, uint64_t* full,
