@@ -4,21 +4,16 @@ build keeps to the registers that hold PERSISTENT_PER_SM blocks of 256 threads a
 
 from __future__ import annotations
 
-import importlib.util
 import re
-from pathlib import Path
 
 import pytest
+from scripts_import import load_script
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "handoff_probe.py"
 REGISTERS_PER_SM = 65536  # sm_90
 
 
 def _probe():
-    spec = importlib.util.spec_from_file_location("handoff_probe", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("handoff_probe")
 
 
 def _ptxas_report(src: str, u: int) -> dict[str, tuple[int, int]]:

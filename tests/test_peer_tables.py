@@ -4,11 +4,11 @@ CPU only: it reads JSON."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+from scripts_import import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 PERF = ROOT / "docs" / "perf"
@@ -16,10 +16,7 @@ PERF = ROOT / "docs" / "perf"
 
 @pytest.fixture(scope="module")
 def pt():
-    spec = importlib.util.spec_from_file_location("peer_tables", ROOT / "scripts" / "peer_tables.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("peer_tables")
 
 
 def rows(md: str) -> dict[str, list[str]]:

@@ -4,19 +4,13 @@ GPU), and its case list follows its options (the GPU run is the script itself: d
 from __future__ import annotations
 
 import argparse
-import importlib.util
-from pathlib import Path
 
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "read_floor_probe.py"
+from scripts_import import load_script
 
 
 def _probe():
-    spec = importlib.util.spec_from_file_location("read_floor_probe", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("read_floor_probe")
 
 
 def _args(**kw):

@@ -23,10 +23,10 @@ DECODE_STAGES = 8  # ring slots of 8 KiB (K+V page): 64 KiB in flight per SM (Li
 # Consumer variants: "fma" = fp32 dot products on CUDA cores; "mma" = mma.sync m16n8k16 on tensor cores (fp16
 # in, fp32 accumulate, P rounded to fp16 as FlashAttention does); 4 consumer warps each. Default "mma":
 # measured against "fma" in the engine on the H200 (docs/PERF.md, 2026-11-30 fifth lease): 7B decode at depth
-# 0 2.07 -> 2.01 ms/token, bench_batch steps at B = 8 / 32 / 64 3.16 / 4.96 / 8.37 -> 3.08 / 4.73 / 8.10 ms. "fma" stays as the numerically tighter body (every variant passes the same
-# GPU tests; bench_attention.py runs each variant in its own process). The consumer count is the
-# variant's: a NQ_DECODE_CONSUMERS knob through $NANOQWEN_KERNEL_DEFINES would disagree with the launch's
-# threads and shared memory sized here.
+# 0 2.07 -> 2.01 ms/token, bench_batch steps at B = 8 / 32 / 64 3.16 / 4.96 / 8.37 -> 3.08 / 4.73 / 8.10 ms.
+# "fma" stays as the numerically tighter body (every variant passes the same GPU tests; bench_attention.py runs
+# each variant in its own process). The consumer count is the variant's: a NQ_DECODE_CONSUMERS knob through
+# $NANOQWEN_KERNEL_DEFINES would disagree with the launch's threads and shared memory sized here.
 # Removed as measured slower everywhere (issue 15: fewer variants, fewer paths to test): "mma8", the tensor-core
 # body on 8 consumer warps. H200, us a call in isolation, 7B at 640 / 1,024 tokens: 4.50 / 5.14 against 4.19 /
 # 4.54 for 4 warps (the short-context launch, one cluster), 38.1 against 26.0 at 32k (twenty-third lease); in the
