@@ -6,7 +6,8 @@
 #                                                 #   model7b + engine + the full ladder = 82 s; the kernels'
 #                                                 #   tests, their benches and the CLI bench come on top
 #   GPU_ALL_QUICK=1 bash scripts/gpu_all.sh       # a reduced ladder (30 prompts x 32 tokens, 7B 1 x 4)
-#   GPU_ALL_SECTIONS="kernels ladder" bash ...    # some sections only (clibench_graph: graph mode only)
+#   GPU_ALL_SECTIONS="kernels ladder" bash ...    # some sections only (clibench_graph: graph mode only;
+#                                                 #   kernels_decode / kernels_prefill: half the kernels' suite)
 #
 # Sections (real, serve, llamacpp and peers need $NQ_REAL_GGUF / the carried .whl and .peer; see their comments):
 # info, model7b (writes the 7B-shaped synthetic file once, shared by the ladder and the bench),
@@ -100,7 +101,19 @@ else:
 "
 fi
 PYTEST="$PY -m pytest -q -m gpu -p no:cacheprovider -rfEs"
-want kernels && run kernels 200 $PYTEST packages/nanoqwen-kernels/tests
+# The kernels' GPU suite (642 tests) in two halves, each its own section and timeout: it does not fit one device
+# call (600 s). 2026-12-04 (docs/VALIDATION.md, thirty-third session): its first 342 tests (decode and prefill
+# attention, most of test_gemv_gpu.py) took ~440 s with the launchers' builds carried in .kc; the tests' own
+# builds (their defines) compile on the device. `kernels` runs both halves; kernels_decode / kernels_prefill one.
+KT=packages/nanoqwen-kernels/tests
+if want kernels || want kernels_decode; then
+  run kernels_decode 560 $PYTEST $KT/test_attention_decode.py $KT/test_gemv_gpu.py $KT/test_head_i8_gpu.py \
+    $KT/test_norm_embed_gpu.py $KT/test_pdl_gpu.py $KT/test_sampling_gpu.py
+fi
+if want kernels || want kernels_prefill; then
+  run kernels_prefill 560 $PYTEST $KT/test_attention_prefill.py $KT/test_prefill_gemm.py $KT/test_prefill_gemm_fp8.py \
+    $KT/test_prefill_rope_kv.py
+fi
 # which x element each tile-GEMM output read (scripts/tile_probe.py: a layout bug shows as a pattern)
 want kernels && run tile_probe 60 $PY scripts/tile_probe.py
 # 180 s: its 39 tests take ~13 s once their kernel builds are cached, but a call without `kernels` before it
