@@ -102,9 +102,10 @@ else:
 fi
 PYTEST="$PY -m pytest -q -m gpu -p no:cacheprovider -rfEs"
 # The kernels' GPU suite (642 tests) in two halves, each its own section and timeout: it does not fit one device
-# call (600 s). 2026-12-04 (docs/VALIDATION.md, thirty-third session): its first 342 tests (decode and prefill
-# attention, most of test_gemv_gpu.py) took ~440 s with the launchers' builds carried in .kc; the tests' own
-# builds (their defines) compile on the device. `kernels` runs both halves; kernels_decode / kernels_prefill one.
+# call (600 s). 2026-12-04 (docs/VALIDATION.md, thirty-third session), with the launchers' builds carried in .kc
+# (the tests' own builds, their defines, compile on the device): its first 342 tests (decode and prefill
+# attention, most of test_gemv_gpu.py) took ~440 s, and head_i8, norms/embed, PDL and sampling (68) 158 s on a
+# fresh machine; neither half has been timed whole yet. `kernels` runs both; kernels_decode / kernels_prefill one.
 KT=packages/nanoqwen-kernels/tests
 if want kernels || want kernels_decode; then
   run kernels_decode 560 $PYTEST $KT/test_attention_decode.py $KT/test_gemv_gpu.py $KT/test_head_i8_gpu.py \
