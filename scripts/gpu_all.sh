@@ -107,13 +107,13 @@ PYTEST="$PY -m pytest -q -m gpu -p no:cacheprovider -rfEs"
 # attention, most of test_gemv_gpu.py) took ~440 s, and head_i8, norms/embed, PDL and sampling (68) 158 s on a
 # fresh machine; neither half has been timed whole yet. `kernels` runs both; kernels_decode / kernels_prefill one.
 KT=packages/nanoqwen-kernels/tests
+# the prefill kernels' files; every other file (a new one included) runs in kernels_decode
+PREFILL_TESTS="$KT/test_attention_prefill.py $KT/test_prefill_gemm.py $KT/test_prefill_gemm_fp8.py $KT/test_prefill_rope_kv.py"
 if want kernels || want kernels_decode; then
-  run kernels_decode 560 $PYTEST $KT/test_attention_decode.py $KT/test_gemv_gpu.py $KT/test_head_i8_gpu.py \
-    $KT/test_norm_embed_gpu.py $KT/test_pdl_gpu.py $KT/test_sampling_gpu.py
+  run kernels_decode 560 $PYTEST $KT $(printf -- '--ignore=%s ' $PREFILL_TESTS)
 fi
 if want kernels || want kernels_prefill; then
-  run kernels_prefill 560 $PYTEST $KT/test_attention_prefill.py $KT/test_prefill_gemm.py $KT/test_prefill_gemm_fp8.py \
-    $KT/test_prefill_rope_kv.py
+  run kernels_prefill 560 $PYTEST $PREFILL_TESTS
 fi
 # which x element each tile-GEMM output read (scripts/tile_probe.py: a layout bug shows as a pattern)
 want kernels && run tile_probe 60 $PY scripts/tile_probe.py
